@@ -1,0 +1,1 @@
+"""Cluster model, cost model and planner for hybrid-cp meshes."""
