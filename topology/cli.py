@@ -1,0 +1,162 @@
+"""``hybrid-cp plan``: rank the (ulysses, ring, dp) splits for a cluster, a model and a sequence length.
+
+    hybrid-cp plan --preset dgx-h100 --nodes 4 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1M
+    hybrid-cp plan --cluster my_cluster.yaml --model llama3-8b --seq-len 512K --json
+    hybrid-cp plan --discover --model llama3-8b --seq-len 128K --plot splits.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Sequence
+
+from .cluster import Cluster, ClusterError
+from .cost import MODEL_PRESETS, ModelShape
+from .discover import discover
+from .planner import PlanError, PlanList, plan
+
+__all__ = ["main", "parse_count", "parse_bytes"]
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_count(text: str) -> int:
+    """``"1M"`` -> 1048576, ``"64K"`` -> 65536, ``"4096"`` -> 4096 (binary suffixes, as for tokens)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KkMmGg]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: use an integer with optional K/M/G (e.g. 128K)")
+    value = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def parse_bytes(text: str) -> float:
+    """``"70G"``/``"70GB"`` -> 70e9 bytes, ``"64GiB"`` -> 64 * 2**30; plain numbers are bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 70G, 64GiB or 7e10")
+    exp = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return float(m.group(1)) * ((1024 if m.group(3) else 1000) ** exp)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hybrid-cp plan",
+        description="Rank (ulysses, ring, dp) splits by predicted throughput and print the chosen plan.",
+    )
+    src = p.add_argument_group("cluster (one of)")
+    src.add_argument("--preset", help=f"named cluster: {', '.join(Cluster.preset_names())}")
+    src.add_argument("--cluster", metavar="FILE", help="cluster YAML/JSON written by Cluster.save")
+    src.add_argument("--discover", action="store_true", help="describe the cluster this job runs on")
+    p.add_argument("--nodes", type=int, default=1, help="nodes for --preset (default 1)")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="known shape; the flags below override it")
+    m.add_argument("--heads", type=int)
+    m.add_argument("--kv-heads", type=int, help="default: --heads (MHA)")
+    m.add_argument("--head-dim", type=int)
+    m.add_argument("--hidden", type=int, help="default: heads * head_dim")
+    m.add_argument("--layers", type=int, help="default 32")
+    m.add_argument("--intermediate", type=int, help="MLP width (default 4 x hidden, plain MLP)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--seq-len", type=parse_count, required=True, help="tokens per sequence, e.g. 131072, 128K, 1M")
+    w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
+    w.add_argument("--world-size", type=int, help="GPUs to use (default: all)")
+    w.add_argument("--dp", type=int, help="fix the data-parallel degree (1 = one CP group over all GPUs)")
+    w.add_argument("--memory-budget", type=parse_bytes, help="bytes per GPU, e.g. 70G (default 90%% of memory)")
+    w.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    w.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    w.add_argument("--no-causal", dest="causal", action="store_false", help="full (bidirectional) attention")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=0, help="show only the N best plans")
+    o.add_argument("--json", action="store_true", help="machine-readable output")
+    o.add_argument("--plot", metavar="FILE", help="stacked bar chart of the time components (needs matplotlib)")
+    return p
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    chosen = [x for x in (args.preset, args.cluster, args.discover or None) if x]
+    if len(chosen) != 1:
+        raise ClusterError("give exactly one of --preset NAME, --cluster FILE or --discover")
+    if args.preset:
+        return Cluster.preset(args.preset, nodes=args.nodes)
+    if args.cluster:
+        return Cluster.load(args.cluster)
+    return discover()
+
+
+def _model(args: argparse.Namespace) -> ModelShape:
+    base = dict(MODEL_PRESETS[args.model], name=args.model) if args.model else {}
+    for key in ("heads", "kv_heads", "head_dim", "hidden", "layers", "intermediate"):
+        if getattr(args, key) is not None:
+            base[key] = getattr(args, key)
+    missing = [f"--{k.replace('_', '-')}" for k in ("heads", "head_dim") if k not in base]
+    if missing:
+        raise ValueError(f"model shape needs {' and '.join(missing)} (or --model NAME)")
+    return ModelShape(**base)
+
+
+def plot_plans(plans: PlanList, path: str) -> None:
+    """Write a stacked bar chart (compute / exposed all-to-all / exposed ring) per candidate."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("--plot needs matplotlib: pip install 'hybrid-cp[plot]' (or pip install matplotlib)") from exc
+    labels = [f"u{p.ulysses} r{p.ring} dp{p.dp}" for p in plans]
+    # per-GPU-normalised time (time/dp) so candidates with different dp compare on throughput
+    parts = {
+        "attention": [p.estimate.attention_s / p.dp * 1e3 for p in plans],
+        "ring steps": [p.estimate.ring_overhead_s / p.dp * 1e3 for p in plans],
+        "rest of layer": [p.estimate.rest_s / p.dp * 1e3 for p in plans],
+        "exposed all-to-all": [p.estimate.a2a_s / p.dp * 1e3 for p in plans],
+        "exposed ring": [p.estimate.ring_exposed_s / p.dp * 1e3 for p in plans],
+    }
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(plans) + 2), 4.5))
+    bottom = [0.0] * len(plans)
+    for name, vals in parts.items():
+        ax.bar(labels, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("ms per layer per sequence (time / dp)")
+    ax.set_title("hybrid-cp plan: predicted time per candidate, best first")
+    ax.tick_params(axis="x", rotation=60)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hybrid-cp plan``; returns the process exit code."""
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cluster = _cluster(args)
+        model = _model(args)
+        plans = plan(
+            cluster, model, args.seq_len, batch=args.batch, world_size=args.world_size,
+            memory_budget=args.memory_budget, dp=args.dp, dtype=args.dtype, layout=args.layout, causal=args.causal,
+        )  # fmt: skip
+        if args.plot:
+            plot_plans(plans, args.plot)
+    except (ClusterError, PlanError, ValueError, RuntimeError) as exc:
+        print(f"hybrid-cp plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plans.to_dict(), indent=2))
+    else:
+        print(plans.explain(top=args.top or None))
+        print()
+        print("chosen: " + plans.best.explain())
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

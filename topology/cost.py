@@ -1,0 +1,423 @@
+"""Cost model of one transformer layer under a (ulysses, ring, dp) split.
+
+Three parts, all per layer, forward + backward:
+
+* **Bytes** (:func:`comm_bytes`): exact bytes each rank sends to *other* ranks, with the formulas the
+  engine's own byte counter is tested against (uneven heads, GQA replication, zigzag padding).
+* **Time** (:func:`estimate`): a latency-bandwidth model per link tier (socket / node / NVLink domain /
+  fabric), attention FLOPs at the accelerator's achievable rate, ring transfers overlapped with the
+  ring step they feed, and the rest of the layer's GEMMs.
+* **Memory**: the attention stage's working set plus checkpointed layer inputs and sharded model
+  states (see :class:`Estimate.memory_breakdown`).
+
+Conventions (documented in docs/planner.md): causal attention forward costs ``0.5 * 4 * N^2 * D * H``
+FLOPs per sequence (half of the dense ``4 N^2 D H``); backward costs 2.5x forward (FlashAttention's
+5 vs 2 matmuls); the rest of the layer costs ``6 * params_per_layer`` FLOPs per token (fwd + bwd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .cluster import Cluster
+from .placement import PlacementError, ring_groups, ulysses_groups
+
+__all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS"]
+
+Layout = Literal["zigzag", "contiguous"]
+_DTYPE_BYTES = {
+    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
+    "fp32": 4, "float32": 4, "float": 4, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}  # fmt: skip
+GRAD_BYTES = 4  # dK/dV travel the ring in fp32 (engine default; see DESIGN.md section 4)
+ATTN_BWD_FACTOR = 2.5  # backward attention FLOPs / forward attention FLOPs
+MODEL_STATE_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + 2 fp32 Adam moments (ZeRO-3/FSDP)
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype``: an int, a name like ``"bf16"`` or a ``torch.dtype``."""
+    if isinstance(dtype, int) and not isinstance(dtype, bool):
+        if dtype not in (1, 2, 4, 8):
+            raise ValueError(f"dtype bytes={dtype} must be 1, 2, 4 or 8")
+        return dtype
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPE_BYTES))} or a byte count")
+    return _DTYPE_BYTES[name]
+
+
+class ModelShape(BaseModel):
+    """The parts of a transformer that decide attention cost, communication and memory.
+
+    ``hidden`` defaults to ``heads * head_dim``; ``intermediate`` (MLP width) to ``4 * hidden`` with a
+    plain 2-matrix MLP, else a gated (SwiGLU, 3-matrix) MLP when ``gated_mlp`` is true. For MoE models
+    give the *active* width (experts per token x expert width + shared experts).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    heads: int = Field(ge=1)
+    kv_heads: int | None = Field(default=None, ge=1, description="defaults to heads (MHA)")
+    head_dim: int = Field(ge=1)
+    hidden: int | None = Field(default=None, ge=1)
+    layers: int = Field(default=32, ge=1)
+    intermediate: int | None = Field(default=None, ge=1)
+    gated_mlp: bool = True
+    vocab: int = Field(default=0, ge=0, description="embedding + LM head size, for model-state memory")
+    name: str = "custom"
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelShape":
+        kv = self.kv_heads or self.heads
+        if kv > self.heads or self.heads % kv:
+            raise ValueError(
+                f"heads={self.heads} must be a multiple of kv_heads={kv} (grouped-query attention shares "
+                "each KV head among heads/kv_heads query heads)"
+            )
+        return self
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def d_model(self) -> int:
+        return self.hidden or self.heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one layer: Q, K, V, O projections and the MLP (norms ignored)."""
+        h, q, kv = self.d_model, self.heads * self.head_dim, self.n_kv * self.head_dim
+        if self.intermediate is None:
+            mlp = 8 * h * h
+        else:
+            mlp = (3 if self.gated_mlp else 2) * h * self.intermediate
+        return h * q + 2 * h * kv + q * h + mlp
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + 2 * self.vocab * self.d_model
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelShape":
+        """Known shapes (``llama3-8b``, ``llama3-70b``, ``glm-4.5-air``, ``llama2-7b``)."""
+        key = name.lower()
+        if key not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}")
+        return cls(name=key, **MODEL_PRESETS[key])
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Values from the models' Hugging Face config.json files.
+    "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128, hidden=4096, layers=32, intermediate=14336, vocab=128256),
+    "llama3-70b": dict(heads=64, kv_heads=8, head_dim=128, hidden=8192, layers=80, intermediate=28672, vocab=128256),
+    "llama2-7b": dict(heads=32, kv_heads=32, head_dim=128, hidden=4096, layers=32, intermediate=11008, vocab=32000),
+    # GLM-4.5-Air (MoE, 12B active): 8 routed experts of width 1408 + 1 shared expert active per token.
+    "glm-4.5-air": dict(heads=96, kv_heads=8, head_dim=128, hidden=4096, layers=46, intermediate=9 * 1408, vocab=151552),
+}
+
+
+def head_split(heads: int, kv_heads: int, ulysses: int) -> list[tuple[int, int, int, int]]:
+    """Per ulysses rank ``i``: ``(c_i, start_i, lo_i, k_i)`` query-head count, first query head, first KV
+    head and number of KV heads it receives (uneven split: the first ``H % u`` ranks get one more)."""
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    if ulysses > heads:
+        raise ValueError(f"ulysses={ulysses} exceeds heads={heads}: every ulysses rank needs at least one head")
+    grp = heads // kv_heads
+    out, start = [], 0
+    for i in range(ulysses):
+        c = heads // ulysses + (1 if i < heads % ulysses else 0)
+        lo, hi = start // grp, (start + c - 1) // grp + 1
+        out.append((c, start, lo, hi - lo))
+        start += c
+    return out
+
+
+def _local_tokens(seq_len: int, ulysses: int, ring: int, layout: str) -> tuple[int, int]:
+    """``(padded_len, local_tokens)``: zigzag needs 2*u*r chunks, contiguous u*r."""
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout={layout!r} must be 'zigzag' or 'contiguous'")
+    g = (2 if layout == "zigzag" else 1) * ulysses * ring
+    padded = -(-seq_len // g) * g
+    return padded, padded // (ulysses * ring)
+
+
+def _check_ints(**kw: int) -> None:
+    for name, v in kw.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an integer >= 1")
+
+
+def _a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit: int) -> tuple[int, int]:
+    """Bytes rank ``i`` sends to peer ``p`` in the forward and backward all-to-alls.
+
+    Forward: p's query heads and the KV heads p needs for our S tokens (fused QKV), then our heads'
+    output for p's tokens. Backward: dO of p's heads, then dQ/dK/dV of our heads for p's tokens.
+    """
+    c_i, k_i = split[i][0], split[i][3]
+    c_p, k_p = split[p][0], split[p][3]
+    return unit * (c_p + 2 * k_p + c_i), unit * (c_p + c_i + 2 * k_i)
+
+
+def comm_bytes(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    dtype_bytes: int,
+    layout: str = "zigzag",
+    ulysses_rank: int | None = None,
+) -> dict[str, int]:
+    """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
+
+    Keys ``ulysses_fwd``, ``ulysses_bwd``, ``ring_fwd``, ``ring_bwd``. With ``ulysses_rank=None`` each
+    value is the maximum over ulysses ranks (taken per key). These are the formulas the engine's
+    byte counter must satisfy exactly; see docs/planner.md for the derivation.
+    """
+    _check_ints(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
+                ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
+    split = head_split(heads, kv_heads, ulysses)
+    _, s = _local_tokens(seq_len, ulysses, ring, layout)
+    unit = batch * s * head_dim * dtype_bytes
+    ranks = range(ulysses) if ulysses_rank is None else [ulysses_rank]
+    if ulysses_rank is not None and not 0 <= ulysses_rank < ulysses:
+        raise ValueError(f"ulysses_rank={ulysses_rank} must be in [0, {ulysses}) or None for the maximum")
+    out = {"ulysses_fwd": 0, "ulysses_bwd": 0, "ring_fwd": 0, "ring_bwd": 0}
+    for i in ranks:
+        fwd = bwd = 0
+        for p in range(ulysses):
+            if p != i:
+                f, b = _a2a_peer_bytes(split, i, p, unit)
+                fwd, bwd = fwd + f, bwd + b
+        kv_block = batch * (ulysses * s) * 2 * split[i][3] * head_dim  # elements of one K/V block
+        ring_fwd = (ring - 1) * kv_block * dtype_bytes
+        ring_bwd = ring_fwd + ring * kv_block * GRAD_BYTES if ring > 1 else 0
+        for key, val in (("ulysses_fwd", fwd), ("ulysses_bwd", bwd), ("ring_fwd", ring_fwd), ("ring_bwd", ring_bwd)):
+            out[key] = max(out[key], val)
+    return out
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted cost of one layer (forward + backward) for ``batch`` sequences per CP group.
+
+    ``time_s`` = ``compute_s + a2a_s + ring_exposed_s``; ``compute_s`` = attention kernels + ring step
+    overheads + the rest of the layer. ``bytes_per_rank`` is the :func:`comm_bytes` dict (worst
+    ulysses rank); ``total_bytes`` its sum. ``memory_bytes`` is the peak per-rank memory estimate.
+    """
+
+    ulysses: int
+    ring: int
+    dp: int
+    batch: int
+    seq_len: int
+    padded_len: int
+    layers: int
+    attention_s: float
+    ring_overhead_s: float
+    rest_s: float
+    a2a_s: float
+    ring_comm_s: float
+    ring_exposed_s: float
+    bytes_per_rank: dict[str, int]
+    memory_bytes: int
+    memory_breakdown: dict[str, int]
+    a2a_link: str
+    ring_link: str
+    model_flops: float  # useful FLOPs of one layer fwd+bwd for the whole CP group (no padding)
+    peak_flops: float  # per-GPU peak, FLOP/s
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def cp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def compute_s(self) -> float:
+        return self.attention_s + self.ring_overhead_s + self.rest_s
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.a2a_s + self.ring_exposed_s
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_rank.values())
+
+    @property
+    def step_time_s(self) -> float:
+        """All layers, one optimizer micro-step (embedding/head and optimizer ignored)."""
+        return self.time_s * self.layers
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens processed per second by all ``dp * cp`` GPUs."""
+        return self.dp * self.batch * self.seq_len / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: useful FLOPs per GPU-second over peak."""
+        return self.model_flops / (self.time_s * self.cp * self.peak_flops)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ulysses": self.ulysses, "ring": self.ring, "dp": self.dp, "batch": self.batch,
+            "seq_len": self.seq_len, "padded_len": self.padded_len,
+            "time_s": self.time_s, "compute_s": self.compute_s, "attention_s": self.attention_s,
+            "ring_overhead_s": self.ring_overhead_s, "rest_s": self.rest_s, "a2a_s": self.a2a_s,
+            "ring_comm_s": self.ring_comm_s, "ring_exposed_s": self.ring_exposed_s,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "bytes_per_rank": dict(self.bytes_per_rank), "total_bytes": self.total_bytes,
+            "memory_bytes": self.memory_bytes, "memory_breakdown": dict(self.memory_breakdown),
+            "a2a_link": self.a2a_link, "ring_link": self.ring_link, "notes": list(self.notes),
+        }  # fmt: skip
+
+
+def _a2a_time(cluster: Cluster, groups: list[list[int]], split: list, unit: int) -> tuple[float, str]:
+    """Slowest rank's forward + backward all-to-all time over all groups, and the slowest tier used.
+
+    Bytes to peers on different tiers travel concurrently on different links, so a rank's time is the
+    max over tiers of bytes/bandwidth, plus one latency of the slowest tier per collective (2 forward,
+    2 backward). Groups whose placement repeats (same offset inside a domain) are priced once.
+    """
+    dom = cluster.domain_size
+    seen: set[int] = set()
+    worst, worst_tier = 0.0, -1
+    for g in groups:
+        key = g[0] % dom
+        if key in seen or len(g) < 2:
+            continue
+        seen.add(key)
+        for i in range(len(g)):
+            per_tier: dict[int, list[int]] = {}
+            for p in range(len(g)):
+                if p != i:
+                    t = cluster.tier(g[i], g[p])
+                    f, b = _a2a_peer_bytes(split, i, p, unit)
+                    acc = per_tier.setdefault(t, [0, 0])
+                    acc[0] += f
+                    acc[1] += b
+            lat = max(cluster.tier_link(t).latency_us for t in per_tier) * 1e-6
+            fwd = max(v[0] / (cluster.tier_link(t).bandwidth_gb_s * 1e9) for t, v in per_tier.items())
+            bwd = max(v[1] / (cluster.tier_link(t).bandwidth_gb_s * 1e9) for t, v in per_tier.items())
+            total = fwd + bwd + 4 * lat
+            if total > worst:
+                worst = total
+            worst_tier = max(worst_tier, max(per_tier))
+    return worst, cluster.tier_name(worst_tier)
+
+
+def _ring_tier(cluster: Cluster, groups: list[list[int]]) -> int:
+    """Slowest neighbour hop over all ring groups (a ring step waits for its slowest hop)."""
+    dom = cluster.domain_size
+    seen: set[int] = set()
+    worst = -1
+    for g in groups:
+        if len(g) < 2 or g[0] % dom in seen:
+            continue
+        seen.add(g[0] % dom)
+        worst = max(worst, max(cluster.tier(g[k], g[(k + 1) % len(g)]) for k in range(len(g))))
+    return worst
+
+
+def estimate(
+    cluster: Cluster,
+    model: ModelShape,
+    seq_len: int,
+    ulysses: int,
+    ring: int,
+    dp: int = 1,
+    batch: int = 1,
+    *,
+    dtype: Any = "bf16",
+    layout: Layout = "zigzag",
+    causal: bool = True,
+) -> Estimate:
+    """Predict time, bytes and memory of one layer for ``batch`` sequences of ``seq_len`` per CP group.
+
+    Ranks ``0 .. dp*ulysses*ring - 1`` of ``cluster`` are used, placed as in
+    :func:`topology.placement.mesh_ranks` (ulysses innermost). See the module docstring for the model.
+    """
+    _check_ints(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
+    e = dtype_bytes(dtype)
+    world = dp * ulysses * ring
+    if world > cluster.world_size:
+        raise PlacementError(
+            f"dp*ring*ulysses = {dp}*{ring}*{ulysses} = {world} ranks, but cluster {cluster.name!r} has "
+            f"{cluster.world_size} GPUs ({cluster.nodes} x {cluster.gpus_per_node})"
+        )
+    H, Hkv, D = model.heads, model.n_kv, model.head_dim
+    split = head_split(H, Hkv, ulysses)
+    padded, s = _local_tokens(seq_len, ulysses, ring, layout)
+    c_max, k_max = max(x[0] for x in split), max(x[3] for x in split)
+    acc = cluster.accelerator
+    notes: list[str] = []
+
+    # --- compute -------------------------------------------------------------------------------
+    causal_factor = 0.5 if causal else 1.0
+    imbalance = (2.0 - 1.0 / ring) if (causal and layout == "contiguous" and ring > 1) else 1.0
+    attn_fwd_flops = causal_factor * 4.0 * batch * padded * (padded / ring) * D * c_max * imbalance
+    attn_fwd_s = attn_fwd_flops / acc.attention_flops
+    attn_bwd_s = ATTN_BWD_FACTOR * attn_fwd_s
+    overhead = acc.ring_step_overhead_us * 1e-6
+    ring_overhead_s = 0.0
+    if ring > 1:
+        # r forward steps + r backward steps (at 2x the launches), plus the online-softmax merge, which
+        # a single flash-attention call does in registers: per step it reads the block's output and
+        # reads+writes the fp32 running output (fwd), and reads+writes fp32 dQ and dK/dV (bwd).
+        merge_fwd = batch * ulysses * s * c_max * D * (e + 8)
+        merge_bwd = batch * ulysses * s * D * (c_max * 8 + 2 * k_max * (8 + e))
+        ring_overhead_s = ring * (3 * overhead + (merge_fwd + merge_bwd) / (acc.hbm_gb_s * 1e9))
+    rest_s = 6.0 * model.layer_params * batch * s / acc.dense_flops
+    useful = causal_factor * 4.0 * batch * seq_len * seq_len * D * H * (1 + ATTN_BWD_FACTOR)
+    model_flops = useful + 6.0 * model.layer_params * batch * seq_len
+    if imbalance > 1:
+        notes.append(f"contiguous causal ring: slowest rank does {imbalance:.2f}x the mean attention work")
+    if padded > seq_len:
+        notes.append(f"padded {seq_len} -> {padded} tokens")
+
+    # --- communication -------------------------------------------------------------------------
+    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout)
+    unit = batch * s * D * e
+    a2a_s, a2a_link = _a2a_time(cluster, ulysses_groups(world, ulysses, ring, dp), split, unit)
+    ring_comm_s = ring_exposed_s = 0.0
+    ring_link = "none"
+    if ring > 1:
+        tier = _ring_tier(cluster, ring_groups(world, ulysses, ring, dp))
+        link = cluster.tier_link(tier)
+        ring_link = cluster.tier_name(tier)
+        kv_elems = batch * ulysses * s * 2 * k_max * D
+        c_fwd = link.transfer_s(kv_elems * e)
+        c_bwd = link.transfer_s(kv_elems * (e + GRAD_BYTES))  # K/V and the travelling fp32 dK/dV
+        c_home = link.transfer_s(kv_elems * GRAD_BYTES)  # last dK/dV hop home: nothing left to hide it
+        step_fwd, step_bwd = attn_fwd_s / ring, attn_bwd_s / ring
+        ring_comm_s = (ring - 1) * (c_fwd + c_bwd) + c_home
+        ring_exposed_s = (ring - 1) * (max(0.0, c_fwd - step_fwd) + max(0.0, c_bwd - step_bwd)) + c_home
+
+    # --- memory (per rank) ---------------------------------------------------------------------
+    us = ulysses * s
+    kv_blk = batch * us * 2 * k_max * D
+    mem = {
+        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.params // world,
+        "checkpointed_inputs": model.layers * batch * s * model.d_model * e,
+        "attention_local_io": batch * s * (H + 2 * Hkv + H) * D * e,  # q,k,v,out before/after all-to-all
+        "attention_heads": batch * us * D * (3 * c_max * e + 2 * k_max * e) + batch * c_max * us * 4,
+        "attention_grads_fp32": batch * us * c_max * D * GRAD_BYTES + kv_blk * GRAD_BYTES,
+        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * GRAD_BYTES + batch * us * c_max * D * 4) if ring > 1 else 0,
+        "mlp_recompute": batch * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
+    }
+    return Estimate(
+        ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=padded, layers=model.layers,
+        attention_s=attn_fwd_s + attn_bwd_s, ring_overhead_s=ring_overhead_s, rest_s=rest_s, a2a_s=a2a_s,
+        ring_comm_s=ring_comm_s, ring_exposed_s=ring_exposed_s, bytes_per_rank=nbytes,
+        memory_bytes=int(sum(mem.values())), memory_breakdown=mem, a2a_link=a2a_link, ring_link=ring_link,
+        model_flops=model_flops, peak_flops=acc.peak_tflops * 1e12, notes=tuple(notes),
+    )  # fmt: skip
+

@@ -1,0 +1,198 @@
+"""Enumerate every (ulysses, ring, dp) split of a world, price each with :func:`estimate`, rank them.
+
+Feasibility: ``u * r * dp == world``; ``u <= heads`` (each ulysses rank needs a query head; GQA KV
+heads are replicated, never the bound); the sequence must not be mostly padding; the memory estimate
+must fit the budget. Ulysses groups that cross nodes are kept but priced over the NIC and flagged.
+Ranking is by throughput of the whole world (tokens/s), i.e. by ``time_s / dp``; ties go to the larger
+ulysses degree (fewer ring steps, less exposed to imperfect overlap).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cluster import Cluster
+from .cost import Estimate, ModelShape, estimate
+from .placement import PlacementWarning, check_placement
+
+__all__ = ["Plan", "PlanList", "Rejected", "PlanError", "plan"]
+
+GiB = 1 << 30
+
+
+class PlanError(ValueError):
+    """No split of the world is feasible; the message lists why each family was rejected."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One feasible split. ``ulysses``, ``ring``, ``dp`` are what ``hcp.init_cp_mesh(plan=...)`` reads."""
+
+    ulysses: int
+    ring: int
+    dp: int
+    estimate: Estimate
+    rank: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def cp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def world_size(self) -> int:
+        return self.cp * self.dp
+
+    def explain(self) -> str:
+        """A few lines: where the time goes and why."""
+        e = self.estimate
+        ms = 1e3
+        lines = [
+            f"ulysses={self.ulysses} ring={self.ring} dp={self.dp}: {e.time_s * ms:.2f} ms/layer "
+            f"(fwd+bwd, {e.batch} seq of {e.seq_len} tokens per CP group), {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}",
+            f"  compute {e.compute_s * ms:.2f} ms = attention {e.attention_s * ms:.2f} + ring steps "
+            f"{e.ring_overhead_s * ms:.2f} + rest of layer {e.rest_s * ms:.2f}",
+            f"  all-to-all {e.a2a_s * ms:.2f} ms over {e.a2a_link}; ring {e.ring_comm_s * ms:.2f} ms over "
+            f"{e.ring_link}, exposed {e.ring_exposed_s * ms:.2f} ms",
+            f"  bytes sent per rank per layer: "
+            + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.bytes_per_rank.items()),
+            f"  memory per rank {e.memory_bytes / GiB:.1f} GiB: "
+            + ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.memory_breakdown.items() if v),
+        ]
+        lines += [f"  note: {n}" for n in (*self.notes, *e.notes)]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "ulysses": self.ulysses, "ring": self.ring, "dp": self.dp,
+                "notes": list(self.notes), **{k: v for k, v in self.estimate.to_dict().items()
+                                              if k not in ("ulysses", "ring", "dp")}}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Rejected:
+    ulysses: int
+    ring: int
+    dp: int
+    reason: str
+
+
+@dataclass
+class PlanList(list):
+    """Feasible plans, best first (a ``list`` of :class:`Plan`), plus what was rejected and why."""
+
+    plans: list[Plan] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    header: str = ""
+
+    def __post_init__(self) -> None:
+        list.__init__(self, self.plans)
+
+    @property
+    def best(self) -> Plan:
+        return self[0]
+
+    def explain(self, top: int | None = None) -> str:
+        """A table: time per layer split into compute / exposed all-to-all / exposed ring, and memory."""
+        rows = self[:top] if top else list(self)
+        head = (
+            f"{'#':>3} {'u':>4} {'r':>4} {'dp':>4} {'ms/layer':>10} {'compute':>9} {'a2a':>8} {'ring':>8} "
+            f"{'mem GiB':>8} {'tokens/s':>10} {'MFU':>5}  links (a2a / ring)"
+        )
+        out = [self.header, head] if self.header else [head]
+        for p in rows:
+            e = p.estimate
+            out.append(
+                f"{p.rank:>3} {p.ulysses:>4} {p.ring:>4} {p.dp:>4} {e.time_s * 1e3:>10.2f} {e.compute_s * 1e3:>9.2f} "
+                f"{e.a2a_s * 1e3:>8.2f} {e.ring_exposed_s * 1e3:>8.2f} {e.memory_bytes / GiB:>8.1f} "
+                f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%}  {e.a2a_link} / {e.ring_link}"
+                + (" *" if p.notes else "")
+            )
+        if top and len(self) > top:
+            out.append(f"    ... {len(self) - top} more feasible")
+        out += [f"  * u={p.ulysses} r={p.ring} dp={p.dp}: {n}" for p in rows for n in p.notes]
+        if self.rejected:
+            out.append(f"rejected ({len(self.rejected)}):")
+            out += [f"  u={x.ulysses} r={x.ring} dp={x.dp}: {x.reason}" for x in self.rejected]
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "header": self.header,
+            "chosen": self[0].to_dict() if self else None,
+            "plans": [p.to_dict() for p in self],
+            "rejected": [vars(x) for x in self.rejected],
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(
+    cluster: Cluster,
+    model: ModelShape,
+    seq_len: int,
+    batch: int = 1,
+    world_size: int | None = None,
+    memory_budget: float | None = None,
+    *,
+    dp: int | None = None,
+    dtype: Any = "bf16",
+    layout: str = "zigzag",
+    causal: bool = True,
+) -> PlanList:
+    """Rank every feasible (ulysses, ring, dp) split of ``world_size`` GPUs (default: all of them).
+
+    ``memory_budget`` is bytes per GPU (default: 90% of the accelerator's memory, leaving room for the
+    CUDA context, communication buffers and fragmentation); ``batch`` is sequences per CP group;
+    ``dp`` fixes the data-parallel degree (``dp=1``: one CP group over all GPUs). Raises :class:`PlanError` when nothing fits, saying what to change.
+    """
+    world = cluster.world_size if world_size is None else world_size
+    if not isinstance(world, int) or world < 1 or world > cluster.world_size:
+        raise PlanError(f"world_size={world_size!r} must be an integer in [1, {cluster.world_size}] for {cluster.name!r}")
+    budget = 0.9 * cluster.accelerator.memory_gb * 1e9 if memory_budget is None else float(memory_budget)
+    if dp is not None and (not isinstance(dp, int) or dp < 1 or world % dp):
+        raise PlanError(f"dp={dp!r} must be a positive integer dividing world_size={world}")
+    if budget <= 0:
+        raise PlanError(f"memory_budget={memory_budget!r} must be > 0 bytes")
+    feasible: list[tuple[float, int, Plan]] = []
+    rejected: list[Rejected] = []
+    for cp in _divisors(world):
+        if dp is not None and world // cp != dp:
+            continue
+        for u in _divisors(cp):
+            r, d = cp // u, world // cp
+            if u > model.heads:
+                rejected.append(Rejected(u, r, d, f"ulysses={u} > heads={model.heads}"))
+                continue
+            g = (2 if layout == "zigzag" else 1) * cp
+            if seq_len < g:
+                rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
+                continue
+            est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal)
+            if est.memory_bytes > budget:
+                rejected.append(
+                    Rejected(u, r, d, f"memory {est.memory_bytes / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB")
+                )
+                continue
+            with warnings.catch_warnings():  # the warnings become plan notes instead
+                warnings.simplefilter("ignore", PlacementWarning)
+                report = check_placement(cluster, u, r, d, warn=True, world_size=world)
+            notes = (*report.problems, *report.notes)
+            feasible.append((est.time_s / d, -u, Plan(u, r, d, est, notes=notes)))
+    feasible.sort(key=lambda t: (t[0], t[1]))
+    plans = [Plan(p.ulysses, p.ring, p.dp, p.estimate, rank=k + 1, notes=p.notes) for k, (_, _, p) in enumerate(feasible)]
+    header = (
+        f"{cluster.describe()}\nmodel {model.name}: heads={model.heads} kv_heads={model.n_kv} head_dim={model.head_dim} "
+        f"hidden={model.d_model} layers={model.layers}; seq_len={seq_len} batch={batch} world={world} "
+        f"memory budget {budget / GiB:.1f} GiB/GPU"
+    )
+    if not plans:
+        reasons = "\n".join(f"  u={x.ulysses} r={x.ring} dp={x.dp}: {x.reason}" for x in rejected)
+        raise PlanError(
+            f"no feasible split of {world} GPUs for seq_len={seq_len}:\n{reasons}\n"
+            "raise memory_budget, use more GPUs, or shorten the sequence"
+        )
+    return PlanList(plans=plans, rejected=rejected, header=header)
