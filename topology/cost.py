@@ -280,7 +280,9 @@ class Estimate:
         }  # fmt: skip
 
 
-def _a2a_time(cluster: Cluster, groups: list[list[int]], split: list, unit: int) -> tuple[float, str]:
+def _a2a_time(
+    cluster: Cluster, groups: list[list[int]], split: list, unit: int, backward: bool = True
+) -> tuple[float, str]:
     """Slowest rank's forward + backward all-to-all time over all groups, and the slowest tier used.
 
     Bytes to peers on different tiers travel concurrently on different links, so a rank's time is the
@@ -307,7 +309,7 @@ def _a2a_time(cluster: Cluster, groups: list[list[int]], split: list, unit: int)
             lat = max(cluster.tier_link(t).latency_us for t in per_tier) * 1e-6
             fwd = max(v[0] / (cluster.tier_link(t).bandwidth_gb_s * 1e9) for t, v in per_tier.items())
             bwd = max(v[1] / (cluster.tier_link(t).bandwidth_gb_s * 1e9) for t, v in per_tier.items())
-            total = fwd + bwd + 4 * lat
+            total = fwd + 2 * lat + ((bwd + 2 * lat) if backward else 0.0)
             if total > worst:
                 worst = total
             worst_tier = max(worst_tier, max(per_tier))
@@ -339,11 +341,13 @@ def estimate(
     dtype: Any = "bf16",
     layout: Layout = "zigzag",
     causal: bool = True,
+    backward: bool = True,
 ) -> Estimate:
     """Predict time, bytes and memory of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
     Ranks ``0 .. dp*ulysses*ring - 1`` of ``cluster`` are used, placed as in
     :func:`topology.placement.mesh_ranks` (ulysses innermost). See the module docstring for the model.
+    ``backward=False`` prices a forward pass only (inference, or forward-only benchmarks).
     """
     _check_ints(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
     e = dtype_bytes(dtype)
@@ -365,7 +369,8 @@ def estimate(
     imbalance = (2.0 - 1.0 / ring) if (causal and layout == "contiguous" and ring > 1) else 1.0
     attn_fwd_flops = causal_factor * 4.0 * batch * padded * (padded / ring) * D * c_max * imbalance
     attn_fwd_s = attn_fwd_flops / acc.attention_flops
-    attn_bwd_s = ATTN_BWD_FACTOR * attn_fwd_s
+    bwd_factor = ATTN_BWD_FACTOR if backward else 0.0
+    attn_bwd_s = bwd_factor * attn_fwd_s
     overhead = acc.ring_step_overhead_us * 1e-6
     ring_overhead_s = 0.0
     if ring > 1:
@@ -373,11 +378,13 @@ def estimate(
         # a single flash-attention call does in registers: per step it reads the block's output and
         # reads+writes the fp32 running output (fwd), and reads+writes fp32 dQ and dK/dV (bwd).
         merge_fwd = batch * ulysses * s * c_max * D * (e + 8)
-        merge_bwd = batch * ulysses * s * D * (c_max * 8 + 2 * k_max * (8 + e))
-        ring_overhead_s = ring * (3 * overhead + (merge_fwd + merge_bwd) / (acc.hbm_gb_s * 1e9))
-    rest_s = 6.0 * model.layer_params * batch * s / acc.dense_flops
-    useful = causal_factor * 4.0 * batch * seq_len * seq_len * D * H * (1 + ATTN_BWD_FACTOR)
-    model_flops = useful + 6.0 * model.layer_params * batch * seq_len
+        merge_bwd = batch * ulysses * s * D * (c_max * 8 + 2 * k_max * (8 + e)) if backward else 0
+        launches = 3 if backward else 1
+        ring_overhead_s = ring * (launches * overhead + (merge_fwd + merge_bwd) / (acc.hbm_gb_s * 1e9))
+    gemm_flops_per_token = (6.0 if backward else 2.0) * model.layer_params  # fwd 2/param, bwd 4/param
+    rest_s = gemm_flops_per_token * batch * s / acc.dense_flops
+    useful = causal_factor * 4.0 * batch * seq_len * seq_len * D * H * (1 + bwd_factor)
+    model_flops = useful + gemm_flops_per_token * batch * seq_len
     if imbalance > 1:
         notes.append(f"contiguous causal ring: slowest rank does {imbalance:.2f}x the mean attention work")
     if padded > seq_len:
@@ -385,8 +392,10 @@ def estimate(
 
     # --- communication -------------------------------------------------------------------------
     nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout)
+    if not backward:
+        nbytes.update(ulysses_bwd=0, ring_bwd=0)
     unit = batch * s * D * e
-    a2a_s, a2a_link = _a2a_time(cluster, ulysses_groups(world, ulysses, ring, dp), split, unit)
+    a2a_s, a2a_link = _a2a_time(cluster, ulysses_groups(world, ulysses, ring, dp), split, unit, backward)
     ring_comm_s = ring_exposed_s = 0.0
     ring_link = "none"
     if ring > 1:
@@ -398,8 +407,11 @@ def estimate(
         c_bwd = link.transfer_s(kv_elems * (e + GRAD_BYTES))  # K/V and the travelling fp32 dK/dV
         c_home = link.transfer_s(kv_elems * GRAD_BYTES)  # last dK/dV hop home: nothing left to hide it
         step_fwd, step_bwd = attn_fwd_s / ring, attn_bwd_s / ring
-        ring_comm_s = (ring - 1) * (c_fwd + c_bwd) + c_home
-        ring_exposed_s = (ring - 1) * (max(0.0, c_fwd - step_fwd) + max(0.0, c_bwd - step_bwd)) + c_home
+        ring_comm_s = (ring - 1) * c_fwd
+        ring_exposed_s = (ring - 1) * max(0.0, c_fwd - step_fwd)
+        if backward:
+            ring_comm_s += (ring - 1) * c_bwd + c_home
+            ring_exposed_s += (ring - 1) * max(0.0, c_bwd - step_bwd) + c_home
 
     # --- memory (per rank) ---------------------------------------------------------------------
     us = ulysses * s
@@ -409,8 +421,10 @@ def estimate(
         "checkpointed_inputs": model.layers * batch * s * model.d_model * e,
         "attention_local_io": batch * s * (H + 2 * Hkv + H) * D * e,  # q,k,v,out before/after all-to-all
         "attention_heads": batch * us * D * (3 * c_max * e + 2 * k_max * e) + batch * c_max * us * 4,
-        "attention_grads_fp32": batch * us * c_max * D * GRAD_BYTES + kv_blk * GRAD_BYTES,
-        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * GRAD_BYTES + batch * us * c_max * D * 4) if ring > 1 else 0,
+        "attention_grads_fp32": (batch * us * c_max * D * GRAD_BYTES + kv_blk * GRAD_BYTES) if backward else 0,
+        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * GRAD_BYTES * backward + batch * us * c_max * D * 4)
+        if ring > 1
+        else 0,
         "mlp_recompute": batch * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
     }
     return Estimate(
