@@ -1,0 +1,208 @@
+"""hybrid attention = ulysses all-to-all, then the ring over the ulysses group's tokens, then back.
+
+Every input check runs before the first collective; with `cp.validate` the ranks also compare
+their call signatures in one small all-gather, so an inconsistent call raises on every rank
+instead of hanging in the all-to-all.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .comm import HeadSplit, head_split, head_to_seq, seq_to_head
+from .kernels import AttentionKernel, get_kernel
+from .layout import gathered_to_ring_block, granularity, ring_block_to_gathered, true_length
+from .mesh import CPMesh
+from .ring import _HeadMap, ring_backward, ring_forward
+
+LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _SeqToHead(torch.autograd.Function):
+    """[B, S, H|H_kv, D] seq-sharded -> [B, u*S, own heads, D] in ring-block order (q, k, v fused)."""
+
+    @staticmethod
+    def forward(ctx, cp: CPMesh, split: HeadSplit, q, k, v):
+        ctx.cp, ctx.split = cp, split
+        parts = seq_to_head(cp, [q, k, v], [split.q, split.kv, split.kv], "ulysses_fwd")
+        return tuple(gathered_to_ring_block(x, cp.layout, cp.ulysses_size) for x in parts)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cp, split = ctx.cp, ctx.split
+        parts = [ring_block_to_gathered(g, cp.layout, cp.ulysses_size) for g in (dq, dk, dv)]
+        dq, dk, dv = head_to_seq(cp, parts, [split.q, split.kv, split.kv],
+                                 [split.heads, split.kv_heads, split.kv_heads], "ulysses_bwd", accumulate=True)
+        return None, None, dq, dk, dv
+
+
+class _HeadToSeq(torch.autograd.Function):
+    """[B, u*S, own heads, D] in ring-block order -> [B, S, H, D] seq-sharded."""
+
+    @staticmethod
+    def forward(ctx, cp: CPMesh, split: HeadSplit, out_h):
+        ctx.cp, ctx.split = cp, split
+        gathered = ring_block_to_gathered(out_h, cp.layout, cp.ulysses_size)
+        return head_to_seq(cp, [gathered], [split.q], [split.heads], "ulysses_fwd")[0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        cp, split = ctx.cp, ctx.split
+        (d,) = seq_to_head(cp, [dout.contiguous()], [split.q], "ulysses_bwd")
+        return None, None, gathered_to_ring_block(d, cp.layout, cp.ulysses_size)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: CPMesh, kernel: AttentionKernel, kv_index: list[int], causal: bool,
+                scale: float, seq_len: int):
+        out, lse = ring_forward(cp, kernel, q, k, v, kv_index, causal=causal, scale=scale, seq_len=seq_len)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (cp, kernel, kv_index, causal, scale, seq_len)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, kernel, kv_index, causal, scale, seq_len = ctx.args
+        dq, dk, dv = ring_backward(cp, kernel, dout.contiguous(), q, k, v, out, lse, kv_index,
+                                   causal=causal, scale=scale, seq_len=seq_len)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+
+
+def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len) -> tuple[int, AttentionKernel | None]:
+    """Raise ValueError/TypeError for inputs this rank can judge alone; return (seq_len, kernel)."""
+    if not isinstance(cp, CPMesh):
+        raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seq_local, heads, head_dim], got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name}.dtype={x.dtype} is not floating point; pass bf16/fp16/fp32/fp64 tensors")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; cast all three to one dtype")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move all three to one device")
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} has stride {x.stride(-1)} in head_dim; the kernels need a unit stride: "
+                             f"pass {name}.contiguous()")
+    if q.device.type != cp.device.type:
+        raise ValueError(f"q is on {q.device} but the cp mesh was built for {cp.device}; "
+                         f"move the inputs to {cp.device} or rebuild the mesh with device=...")
+    b, s, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={tuple(k.shape)} != v.shape={tuple(v.shape)}; k and v must match")
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(f"k.shape={tuple(k.shape)} does not match q.shape={tuple(q.shape)} in batch, "
+                         f"local length or head_dim; k/v must be [{b}, {s}, H_kv, {d}]")
+    hkv = k.shape[2]
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"q has {h} heads and k/v have {hkv}: the query heads must be a multiple of the "
+                         f"KV heads (GQA groups); fix num_key_value_heads")
+    if h < cp.ulysses_size:
+        raise ValueError(f"q has {h} heads but ulysses={cp.ulysses_size}: every ulysses rank needs at least "
+                         f"one head; use ulysses <= {h} and put the rest of the degree into ring")
+    if s == 0:
+        raise ValueError(f"q has local length 0 (shape {tuple(q.shape)}); shard a non-empty sequence")
+    g = granularity(cp.layout, cp.ulysses_size, cp.ring_size) // cp.size
+    if s % g:
+        raise ValueError(f"local length {s} is not a multiple of {g} for the {cp.layout!r} layout on "
+                         f"ulysses={cp.ulysses_size} x ring={cp.ring_size}; shard inputs with hcp.shard, "
+                         f"which pads the sequence")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and
+                                          math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number (or None "
+                         f"for 1/sqrt(head_dim))")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal={causal!r} must be a bool")
+    n = true_length(cp, s, seq_len)
+    if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
+        if cp.ring_size != 1:
+            raise ValueError(f"a plain local-attention callable works with ring=1 only (got ring="
+                             f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
+                             f"register one with hcp.register_kernel")
+        if n != s * cp.size and not causal:
+            raise ValueError(f"the sequence is padded from {n} to {s * cp.size} tokens and a plain callable "
+                             f"cannot mask the padding in non-causal attention; use a length divisible by "
+                             f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)} or a kernel backend")
+        return n, None
+    return n, get_kernel(backend, q.device, q.dtype, d)
+
+
+def _agree_across_ranks(cp: CPMesh, signature: list[int], error: Exception | None) -> None:
+    """All-gather each rank's call signature (and whether it failed); raise on every rank on mismatch."""
+    mine = torch.tensor(signature + [0 if error is None else 1], dtype=torch.int64, device=cp.device)
+    gathered = [torch.empty_like(mine) for _ in range(cp.size)]
+    dist.all_gather(gathered, mine, group=cp.cp_group)
+    if error is not None:
+        raise error
+    rows = [t.tolist() for t in gathered]
+    bad = [rank for rank, row in enumerate(rows) if row[-1]]
+    if bad:
+        raise ValueError(f"cp ranks {bad} rejected their attention inputs (their error says why); "
+                         f"every rank stops here instead of hanging")
+    names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len", "backend"]
+    for rank, row in enumerate(rows):
+        if row != rows[cp.rank]:
+            diffs = [f"{nm}: {row[i]} on cp rank {rank} vs {rows[cp.rank][i]} here"
+                     for i, nm in enumerate(names) if row[i] != rows[cp.rank][i]]
+            raise ValueError("inconsistent hcp.attention calls across the cp group (" + "; ".join(diffs) +
+                             "); every rank must pass shards of one sequence with the same settings")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
+              softmax_scale: float | None = None, return_lse: bool = False,
+              backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None):
+    """Exact attention over the whole sequence from this rank's shards.
+
+    q is [B, S_local, H, D], k/v are [B, S_local, H_kv, D], laid out by `cp.layout` (use
+    `hcp.shard`). Returns out [B, S_local, H, D] and, with `return_lse`, lse [B, H, S_local] in
+    fp32 (not differentiable). `seq_len` is the unpadded global length; by default the one last
+    given to `hcp.shard`. `backend` is "auto", a registered kernel name, a kernel object, or
+    (ring = 1 only) a plain callable attn(q, k, v) -> out run on the gathered sequence.
+    """
+    error, n, kernel = None, 0, None
+    try:
+        n, kernel = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len)
+    except (TypeError, ValueError) as exc:
+        if not (cp.__class__ is CPMesh and cp.validate and cp.size > 1):
+            raise
+        error = exc
+    if cp.validate and cp.size > 1:
+        shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
+        name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
+        signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(q.dtype, 0),
+                     int(causal), n, zlib.crc32(name.encode())]
+        _agree_across_ranks(cp, signature, error)
+    b, s, h, d = q.shape
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    split = head_split(h, k.shape[2], cp.ulysses_size)
+    kv_index = split.kv_index(cp.ulysses_rank)
+    qh, kh, vh = _SeqToHead.apply(cp, split, q, k, v)
+    if kernel is None:  # plain local-attention callable (ring = 1)
+        ragged = _HeadMap(kv_index, kh.shape[2], q.device)  # callables get plain GQA groups
+        kh, vh = ragged.expand(kh), ragged.expand(vh)
+        out_h = backend(qh, kh, vh)
+        if not isinstance(out_h, torch.Tensor) or out_h.shape != qh.shape:
+            raise ValueError(f"the local attention callable returned "
+                             f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
+                             f"shaped like its q input, {tuple(qh.shape)}")
+        return _HeadToSeq.apply(cp, split, out_h)
+    out_h, lse_h = _RingAttention.apply(qh, kh, vh, cp, kernel, kv_index, causal, scale, n)
+    out = _HeadToSeq.apply(cp, split, out_h)
+    if not return_lse:
+        return out
+    lse_tokens = ring_block_to_gathered(lse_h.transpose(1, 2).unsqueeze(-1), cp.layout, cp.ulysses_size)
+    lse = head_to_seq(cp, [lse_tokens.contiguous()], [split.q], [h], "ulysses_lse")[0]
+    return out, lse.squeeze(-1).transpose(1, 2).contiguous()

@@ -1,0 +1,143 @@
+"""Communication: head assignment, the ulysses all-to-all, the ring exchange, byte accounting.
+
+Every byte sent to another rank goes through `_count`, so `comm_bytes(cp)` is the exact traffic
+of this rank by stage; `topology.comm_bytes` predicts the same numbers from the shapes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .mesh import CPMesh
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Which query heads and which (replicated) KV heads each ulysses rank works on."""
+
+    q: tuple[tuple[int, int], ...]   # per ulysses rank: [start, end) of its query heads
+    kv: tuple[tuple[int, int], ...]  # per ulysses rank: [start, end) of the KV heads it needs
+    heads: int
+    kv_heads: int
+
+    def kv_index(self, rank: int) -> list[int]:
+        """For each local query head of `rank`, the index of its KV head among the local ones."""
+        group = self.heads // self.kv_heads
+        (qs, qe), (ks, _) = self.q[rank], self.kv[rank]
+        return [h // group - ks for h in range(qs, qe)]
+
+
+def head_split(heads: int, kv_heads: int, ulysses: int) -> HeadSplit:
+    """Uneven split of H query heads over u ranks (counts differ by at most one); each rank gets
+    exactly the KV heads its query heads use, so KV is replicated only when H_kv < u (or a
+    group straddles two ranks), never expanded to H."""
+    base, extra = divmod(heads, ulysses)
+    group = heads // kv_heads
+    q, kv, start = [], [], 0
+    for i in range(ulysses):
+        count = base + (1 if i < extra else 0)
+        q.append((start, start + count))
+        kv.append((start // group, (start + count - 1) // group + 1))
+        start += count
+    return HeadSplit(tuple(q), tuple(kv), heads, kv_heads)
+
+
+def _stats(cp: "CPMesh") -> defaultdict:
+    return cp.__dict__.setdefault("_comm_bytes", defaultdict(int))
+
+
+def _count(cp: "CPMesh", stage: str, nbytes: int) -> None:
+    _stats(cp)[stage] += int(nbytes)
+
+
+def comm_bytes(cp: "CPMesh") -> dict[str, int]:
+    """Bytes this rank has sent to other ranks, by stage, since the last `reset_comm_bytes`."""
+    return dict(_stats(cp))
+
+
+def reset_comm_bytes(cp: "CPMesh") -> None:
+    _stats(cp).clear()
+
+
+def _a2a(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], stage: str) -> torch.Tensor:
+    recv = send.new_empty(sum(recv_sizes))
+    me = cp.ulysses_rank
+    _count(cp, stage, (sum(send_sizes) - send_sizes[me]) * send.element_size())
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=cp.ulysses_group)
+    return recv
+
+
+def seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
+                stage: str) -> list[torch.Tensor]:
+    """One fused all-to-all: [B, S, h_i, D] per part -> [B, u*S, own heads of part i, D].
+
+    `ranges[i][p]` is the head range of part i that ulysses rank p receives. The sequence comes
+    back rank-major (rank 0's tokens first), i.e. in "gathered" order.
+    """
+    u, me = cp.ulysses_size, cp.ulysses_rank
+    if u == 1:
+        return [x[:, :, r[0][0]:r[0][1]] for x, r in zip(parts, ranges)]
+    b, s, _, d = parts[0].shape
+    chunks = [torch.cat([x[:, :, r[p][0]:r[p][1]] for x, r in zip(parts, ranges)], dim=2).reshape(-1)
+              for p in range(u)]
+    mine = [r[me][1] - r[me][0] for r in ranges]
+    per_peer = b * s * sum(mine) * d
+    recv = _a2a(cp, torch.cat(chunks), [c.numel() for c in chunks], [per_peer] * u, stage)
+    recv = recv.view(u, b, s, sum(mine), d).transpose(0, 1).reshape(b, u * s, sum(mine), d)
+    return list(recv.split(mine, dim=2))
+
+
+def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
+                heads: list[int], stage: str, accumulate: bool = False) -> list[torch.Tensor]:
+    """Inverse all-to-all: [B, u*S (gathered order), own heads, D] -> [B, S, heads[i], D].
+
+    With `accumulate`, head ranges that several ranks hold (replicated KV) are summed in fp32:
+    the gradient of a replicated KV head is the sum of its replicas' gradients.
+    """
+    u, me = cp.ulysses_size, cp.ulysses_rank
+    b, n, _, d = parts[0].shape
+    s = n // u
+    if u == 1:
+        return list(parts)
+    mine = [x.shape[2] for x in parts]
+    send = torch.cat([x.view(b, u, s, h, d) for x, h in zip(parts, mine)], dim=3)
+    send = send.transpose(0, 1).reshape(-1)
+    sizes_in = [b * s * sum(r[p][1] - r[p][0] for r in ranges) * d for p in range(u)]
+    recv = _a2a(cp, send, [b * s * sum(mine) * d] * u, sizes_in, stage)
+    outs = []
+    for x, h in zip(parts, heads):
+        dtype = torch.float32 if accumulate and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        outs.append(torch.zeros(b, s, h, d, dtype=dtype, device=x.device))
+    offset = 0
+    for p in range(u):
+        widths = [r[p][1] - r[p][0] for r in ranges]
+        block = recv[offset:offset + sizes_in[p]].view(b, s, sum(widths), d)
+        offset += sizes_in[p]
+        for out, r, piece in zip(outs, ranges, block.split(widths, dim=2)):
+            target = out[:, :, r[p][0]:r[p][1]]
+            target.add_(piece) if accumulate else target.copy_(piece)
+    return [o.to(x.dtype) for o, x in zip(outs, parts)]
+
+
+class RingExchange:
+    """Asynchronous send to the next ring rank and receive from the previous one."""
+
+    def __init__(self, cp: "CPMesh", group, stage: str):
+        self.cp, self.group, self.stage = cp, group, stage
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+        _count(self.cp, self.stage, send.numel() * send.element_size())
+        ops = [dist.P2POp(dist.isend, send, self.cp.ring_next, self.group),
+               dist.P2POp(dist.irecv, recv, self.cp.ring_prev, self.group)]
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list | None) -> None:
+        for w in works or ():
+            w.wait()

@@ -1,0 +1,87 @@
+"""Local attention kernels behind one interface.
+
+A kernel computes exact attention on one block of queries against one block of keys:
+
+    forward(q, k, v, *, causal, scale) -> (out, lse)
+    backward(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)
+
+q is [B, Sq, H, D]; k and v are [B, Sk, H_kv, D] with H % H_kv == 0 (query head h uses KV head
+h // (H // H_kv)). out is [B, Sq, H, D] in q's dtype, lse is [B, H, Sq] in fp32 (natural log).
+`causal` means the top-left-aligned mask of a square block (query i sees keys 0..i).
+`backward` receives the *final* out and lse of the whole attention (not of this block), which is
+what makes a block's gradient exact in ring attention. dk/dv come back with H_kv heads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .flash import FlashAttnKernel
+from .math import MathKernel
+from .sdpa import SDPAKernel
+
+
+@runtime_checkable
+class AttentionKernel(Protocol):
+    name: str
+
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """None if the kernel can run these inputs, else the reason it cannot."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+_REGISTRY: dict[str, AttentionKernel] = {}
+
+
+def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = False) -> None:
+    """Make `kernel` selectable as `hcp.attention(..., backend=name)`."""
+    if not isinstance(kernel, AttentionKernel):
+        raise TypeError(f"kernel {kernel!r} must provide name, supports(), forward() and backward()")
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"a kernel named {name!r} is already registered; pass overwrite=True to replace it")
+    _REGISTRY[name] = kernel
+
+
+def available_kernels() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torch.dtype,
+               head_dim: int) -> AttentionKernel:
+    """Resolve `backend` ("auto", a registered name, or a kernel object) for these inputs.
+
+    Raises instead of falling back when a named backend cannot run the inputs.
+    """
+    if isinstance(backend, AttentionKernel) and not isinstance(backend, str):
+        kernel = backend
+    elif backend == "auto":
+        order = ["flash", "sdpa", "math"] if device.type == "cuda" else ["sdpa", "math"]
+        for name in order:
+            if _REGISTRY[name].supports(device, dtype, head_dim) is None:
+                return _REGISTRY[name]
+        raise ValueError(f"no attention backend supports device={device}, dtype={dtype}, head_dim={head_dim}")
+    elif isinstance(backend, str) and backend in _REGISTRY:
+        kernel = _REGISTRY[backend]
+    else:
+        raise ValueError(f"backend={backend!r} is not a registered attention kernel; "
+                         f"use 'auto' or one of {available_kernels()}")
+    reason = kernel.supports(device, dtype, head_dim)
+    if reason is not None:
+        raise ValueError(f"backend={getattr(kernel, 'name', backend)!r} cannot run these inputs: {reason}")
+    return kernel
+
+
+register_kernel("math", MathKernel())
+register_kernel("sdpa", SDPAKernel())
+register_kernel("flash", FlashAttnKernel())
+
+__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels",
+           "MathKernel", "SDPAKernel", "FlashAttnKernel"]

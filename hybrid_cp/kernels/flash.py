@@ -1,0 +1,70 @@
+"""flash-attn 2/3 kernels (optional; only on CUDA with fp16/bf16).
+
+Import-guarded: the package works without flash-attn. flash-attn handles GQA natively.
+The private forward/backward entry points changed signature across releases, so arguments are
+passed by name after inspecting the installed version.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=1)
+def _flash_module():
+    """(module, version) of flash-attn 3 if installed, else flash-attn 2, else (None, None)."""
+    try:
+        import flash_attn_interface as fa3  # flash-attn 3 (Hopper)
+        return fa3, 3
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_interface as fa2
+        return fa2, 2
+    except ImportError:
+        return None, None
+
+
+def _call(fn, **kwargs):
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:  # older 2.x releases take a tuple
+        kwargs["window_size"] = (kwargs.pop("window_size_left", -1), kwargs.pop("window_size_right", -1))
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+class FlashAttnKernel:
+    name = "flash"
+
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        mod, _ = _flash_module()
+        if mod is None:
+            return "flash-attn is not installed (pip install 'hybrid-cp[flash]')"
+        if device.type != "cuda":
+            return f"flash-attn runs on CUDA only, not {device.type}"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn takes fp16/bf16, not {dtype}"
+        if head_dim > 256 or head_dim % 8:
+            return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+        return None
+
+    def forward(self, q, k, v, *, causal: bool, scale: float):
+        mod, version = _flash_module()
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        res = _call(mod._flash_attn_forward, q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale,
+                    causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                    alibi_slopes=None, return_softmax=False)
+        out, lse = res[0], res[1]
+        return out, lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+        mod, version = _flash_module()
+        q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call(mod._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
+              dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+              window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+              deterministic=False, rng_state=None)
+        return dq, dk, dv

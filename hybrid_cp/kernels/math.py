@@ -1,0 +1,68 @@
+"""Reference attention in plain PyTorch math: any dtype (fp64 included), any device.
+
+Slow (materialises the score matrix) but simple enough to trust: the tests' ground truth.
+Rows that see no key return out = 0, lse = -inf and zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, S, H_kv, D] -> [B, S, H, D] by repeating each KV head for its query group."""
+    return x if x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
+
+
+def _reduce_kv(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Inverse of `_expand_kv` for gradients: sum each query group onto its KV head."""
+    b, s, h, d = x.shape
+    return x if h == kv_heads else x.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        sq, sk = s.shape[-2], s.shape[-1]
+        visible = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    finite = torch.isfinite(lse).unsqueeze(-1)
+    return torch.where(finite, torch.exp(s - torch.where(finite, lse.unsqueeze(-1), 0.0)), 0.0)
+
+
+class MathKernel:
+    name = "math"
+
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        return None if dtype.is_floating_point else f"dtype {dtype} is not a floating point type"
+
+    def forward(self, q, k, v, *, causal: bool, scale: float):
+        ct = _compute_dtype(q.dtype)
+        h = q.shape[2]
+        qc, kc, vc = q.to(ct), _expand_kv(k, h).to(ct), _expand_kv(v, h).to(ct)
+        s = _masked_scores(qc, kc, causal, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", _probs(s, lse), vc)
+        return out.to(q.dtype), lse.to(torch.float64 if ct == torch.float64 else torch.float32)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+        ct = _compute_dtype(q.dtype)
+        h, hkv = q.shape[2], k.shape[2]
+        qc, kc, vc = q.to(ct), _expand_kv(k, h).to(ct), _expand_kv(v, h).to(ct)
+        do, o = dout.to(ct), out.to(ct)
+        p = _probs(_masked_scores(qc, kc, causal, scale), lse.to(ct))
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, vc)
+        delta = (do * o).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, 1]
+        ds = p * (dp - delta)
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kc) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, qc) * scale
+        return dq.to(q.dtype), _reduce_kv(dk, hkv).to(k.dtype), _reduce_kv(dv, hkv).to(v.dtype)

@@ -1,0 +1,74 @@
+"""PyTorch's fused scaled-dot-product attention operators that also return the log-sum-exp.
+
+CPU: the flash-attention CPU operator (fp64/fp32/bf16/fp16). CUDA: the flash operator for
+fp16/bf16 (head dim <= 256), the memory-efficient operator otherwise. GQA is handled by
+repeating KV heads for the call and summing their gradients back (local to one block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .math import _expand_kv, _reduce_kv
+
+_EMPTY = torch.empty(0)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)
+
+
+class SDPAKernel:
+    name = "sdpa"
+
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        if device.type == "cpu":
+            return None if dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16) \
+                else f"the CPU operator takes fp64/fp32/bf16/fp16, not {dtype}"
+        if device.type == "cuda":
+            if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                return f"the CUDA operators take fp32/bf16/fp16, not {dtype}"
+            return None
+        return f"device type {device.type!r} has no fused SDPA operator with log-sum-exp"
+
+    @staticmethod
+    def _use_flash(q: torch.Tensor) -> bool:
+        return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+
+    def forward(self, q, k, v, *, causal: bool, scale: float):
+        h = q.shape[2]
+        qt, kt, vt = _bhsd(q), _bhsd(_expand_kv(k, h)), _bhsd(_expand_kv(v, h))
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, kt, vt, 0.0, causal, scale=scale)
+        elif self._use_flash(q):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                qt.contiguous(), kt.contiguous(), vt.contiguous(), None, True, 0.0, causal, scale=scale)[:2]
+        return out.transpose(1, 2), lse[..., : q.shape[1]].float()
+
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+        h, hkv = q.shape[2], k.shape[2]
+        qt, kt, vt = _bhsd(q), _bhsd(_expand_kv(k, h)), _bhsd(_expand_kv(v, h))
+        dot, ot = _bhsd(dout), _bhsd(out)
+        if q.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dot, qt, kt, vt, ot, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32),
+                0.0, causal, scale=scale)
+        elif self._use_flash(q):
+            sq, sk = q.shape[1], k.shape[1]
+            seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dot, qt, kt, vt, ot, lse.contiguous(), _EMPTY, _EMPTY, sq, sk, 0.0, causal,
+                seed, _EMPTY.to(q.device), scale=scale)
+        else:
+            pad = (-q.shape[1]) % 32
+            lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+            empty = torch.empty(0, device=q.device, dtype=torch.int64)
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dot.contiguous(), qt.contiguous(), kt.contiguous(), vt.contiguous(), None,
+                ot.contiguous(), lse_p.contiguous(), empty, empty, 0.0, [True, True, True, False],
+                causal, scale=scale)
+        return (dq.transpose(1, 2), _reduce_kv(dk.transpose(1, 2), hkv), _reduce_kv(dv.transpose(1, 2), hkv))

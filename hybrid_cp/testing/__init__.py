@@ -1,0 +1,101 @@
+"""A pool of local gloo worker processes, started once and reused for many distributed checks.
+
+Used by the test-suite (one pool per pytest session) and by `hybrid-cp demo`. A task is the
+import path of a function "module:function"; every rank runs it and returns a picklable result.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import traceback
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], threads: int) -> None:
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        target, kwargs = task
+        try:
+            module, name = target.split(":")
+            fn = getattr(importlib.import_module(module), name)
+            results.put((rank, True, fn(**kwargs)))
+        except BaseException as exc:  # report, keep serving
+            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """`world` gloo processes on this machine; `run` executes one task on all of them."""
+
+    def __init__(self, world: int, *, threads: int = 1, extra_paths: list[str] | None = None):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        paths = list(extra_paths or []) + [p for p in sys.path if p]
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, paths, threads),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, target: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run `target(**kwargs)` on every rank; return the per-rank results in rank order.
+
+        Raises RuntimeError with each failing rank's traceback, or TimeoutError if a rank hangs.
+        """
+        for q in self.tasks:
+            q.put((target, kwargs))
+        out: list[Any] = [None] * self.world
+        failures = []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"{target} did not finish on every rank within {timeout}s (a hang?)")
+            if ok:
+                out[rank] = value
+            else:
+                failures.append((rank, value))
+        if failures:
+            raise RuntimeError("\n".join(f"rank {r}: {msg}" for r, msg in sorted(failures)))
+        return out
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(force=exc[0] is not None)

@@ -1,0 +1,186 @@
+"""Functions run on every rank of the worker pool (see conftest.py). They return errors; the
+tests assert on them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import hybrid_cp as hcp
+from hybrid_cp.kernels import get_kernel
+
+_MESHES: dict = {}
+_REFS: dict = {}
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def mesh(u: int, r: int, layout: str = "zigzag") -> hcp.CPMesh:
+    """Meshes are cached: building one creates process groups, which must happen once."""
+    key = (u, r, layout)
+    if key not in _MESHES:
+        _MESHES[key] = hcp.init_cp_mesh(u, r, layout=layout)
+    return _MESHES[key]
+
+
+def reference(q, k, v, dout, causal: bool, scale: float):
+    """Single-device attention by autograd in fp64 (independent of the package's kernels)."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    h = q.shape[2]
+    ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _ref_key(c: dict) -> tuple:
+    return (c["b"], c["n"], c["h"], c["hkv"], c["d"], c["causal"])
+
+
+def _fill_references(cases: list[dict]) -> None:
+    """fp64 references, computed once per session and split over the ranks (they are slow)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    missing = sorted({_ref_key(c) for c in cases} - set(_REFS))
+    for i, key in enumerate(missing):
+        owner = i % world
+        item = [None]
+        if owner == me:
+            b, n, h, hkv, d, causal = key
+            inputs = _inputs(hash(key) % 10007, b, n, h, hkv, d)
+            item = [(inputs, reference(*inputs, causal, 1 / math.sqrt(d)))]
+        dist.broadcast_object_list(item, src=owner)
+        _REFS[key] = item[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _inputs(seed: int, b: int, n: int, h: int, hkv: int, d: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _cp_run(cp, q, k, v, dout, causal, dtype, backend):
+    ql, kl, vl = (hcp.shard(x.to(dtype), cp).requires_grad_() for x in (q, k, v))
+    out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, return_lse=True, backend=backend)
+    (out * hcp.shard(dout.to(dtype), cp)).sum().backward()
+    return out.detach(), lse, ql.grad, kl.grad, vl.grad
+
+
+def attention_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
+    """For each case, relative errors of out/lse/dq/dk/dv against the fp64 reference.
+
+    bf16 cases also report the single-device bf16 error of the same backend ("base_*")."""
+    cp = mesh(u, r, layout)
+    _fill_references(cases)
+    results = []
+    for c in cases:
+        b, n, h, hkv, d = c["b"], c["n"], c["h"], c["hkv"], c["d"]
+        dtype, causal, backend = DTYPES[c["dtype"]], c["causal"], c.get("backend", "auto")
+        (q, k, v, dout), ref = _REFS[_ref_key(c)]
+        got = _cp_run(cp, q, k, v, dout, causal, dtype, backend)
+        valid = hcp.positions(n, cp) < n
+        names = ["out", "lse", "dq", "dk", "dv"]
+        dims = [1, 2, 1, 1, 1]
+        err = {}
+        for name, dim, rf, gt in zip(names, dims, ref, got):
+            rs = hcp.shard(rf, cp, dim=dim)
+            err[name] = _rel(gt.index_select(dim, torch.nonzero(valid).flatten()),
+                             rs.index_select(dim, torch.nonzero(valid).flatten()))
+        if dtype != torch.float64 and dtype != torch.float32:
+            kern = get_kernel(backend, q.device, dtype, d)
+            qd, kd, vd, dd = (x.to(dtype) for x in (q, k, v, dout))
+            o1, l1 = kern.forward(qd, kd, vd, causal=causal, scale=1 / math.sqrt(d))
+            g1 = kern.backward(dd, qd, kd, vd, o1, l1, causal=causal, scale=1 / math.sqrt(d))
+            for name, a, rf in zip(names, (o1, l1) + tuple(g1), ref):
+                err["base_" + name] = _rel(a, rf)
+        results.append({**c, **err})
+    return results
+
+
+def unshard_roundtrip(u: int, r: int, layout: str, n: int) -> dict:
+    cp = mesh(u, r, layout)
+    x = torch.arange(2 * n * 3, dtype=torch.float64).view(2, n, 3).requires_grad_()
+    local = hcp.shard(x, cp)
+    back = hcp.unshard(local, cp)
+    w = torch.linspace(0, 1, back.numel(), dtype=torch.float64).view_as(back)
+    (back * w).sum().backward()
+    pos = hcp.positions(n, cp)
+    expected_local = torch.where((pos < n).view(1, -1, 1), x.detach().index_select(1, pos.clamp_max(n - 1)), 0.0)
+    return {"equal": torch.equal(back.detach(), x.detach()), "shape": tuple(back.shape),
+            "local_ok": torch.equal(local.detach(), expected_local),
+            "grad_ok": torch.equal(x.grad, w)}
+
+
+def comm_bytes_case(u: int, r: int, layout: str, b: int, n: int, h: int, hkv: int, d: int, causal: bool) -> dict:
+    cp = mesh(u, r, layout)
+    q, k, v, dout = _inputs(7, b, n, h, hkv, d)
+    hcp.reset_comm_bytes(cp)
+    ql, kl, vl = (hcp.shard(x.float(), cp).requires_grad_() for x in (q, k, v))
+    out = hcp.attention(ql, kl, vl, cp, causal=causal)
+    fwd = hcp.comm_bytes(cp)
+    (out * hcp.shard(dout.float(), cp)).sum().backward()
+    total = hcp.comm_bytes(cp)
+    return {"ulysses_rank": cp.ulysses_rank, "fwd": fwd, "total": total}
+
+
+def bad_input(u: int, r: int, which: str) -> str:
+    """Make one rank (or all) call attention wrongly; return the error message seen here."""
+    cp = mesh(u, r)
+    rank = dist.get_rank() % cp.size
+    q = torch.randn(1, 16, 8, 32)
+    k = torch.randn(1, 16, 2, 32)
+    v = torch.randn(1, 16, 2, 32)
+    kwargs = {}
+    if which == "one_rank_length" and rank == 1:
+        q, k, v = q[:, :8].contiguous(), k[:, :8].contiguous(), v[:, :8].contiguous()
+    elif which == "one_rank_heads" and rank == 0:
+        k = torch.randn(1, 16, 3, 32)
+        v = torch.randn(1, 16, 3, 32)
+    elif which == "one_rank_dtype" and rank == cp.size - 1:
+        q = q.double()
+    elif which == "one_rank_causal" and rank == 0:
+        kwargs["causal"] = True
+    elif which == "all_backend":
+        kwargs["backend"] = "no-such-kernel"
+    elif which == "all_stride":
+        q = torch.randn(1, 16, 32, 8).transpose(2, 3)
+    elif which == "all_too_many_ulysses":
+        q = torch.randn(1, 16, 2, 32)
+        k = v = torch.randn(1, 16, 1, 32)
+    try:
+        hcp.attention(q, k, v, cp, **kwargs)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def callable_backend(u: int, n: int, causal: bool) -> dict:
+    """Ulysses (ring=1) around a plain local-attention callable equals the reference."""
+    cp = mesh(u, 1)
+    q, k, v, dout = _inputs(11, 2, n, 8, 2, 32)
+
+    def local_attn(q, k, v):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    ref = reference(q, k, v, dout, causal, 1 / math.sqrt(32))
+    ql, kl, vl = (hcp.shard(x.float(), cp).requires_grad_() for x in (q, k, v))
+    out = hcp.attention(ql, kl, vl, cp, causal=causal, backend=local_attn)
+    (out * hcp.shard(dout.float(), cp)).sum().backward()
+    return {name: _rel(g, hcp.shard(rf, cp)) for name, g, rf in
+            zip(["out", "dq", "dk", "dv"], [out.detach(), ql.grad, kl.grad, vl.grad],
+                [ref[0], ref[2], ref[3], ref[4]])}
