@@ -36,7 +36,7 @@ def parse_count(text: str) -> int:
 
 def parse_bytes(text: str) -> float:
     """``"70G"``/``"70GB"`` -> 70e9 bytes, ``"64GiB"`` -> 64 * 2**30; plain numbers are bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 70G, 64GiB or 7e10")
     exp = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
