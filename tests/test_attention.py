@@ -1,0 +1,74 @@
+"""hcp.attention against single-device fp64 attention, forward and backward, on 1-8 gloo ranks."""
+
+import pytest
+
+MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
+TENSORS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _cases(u: int, dtype: str = "fp32", lengths=(512, 1000)) -> list[dict]:
+    heads = [(8, 8), (8, 2), (8, 1)]          # MHA, GQA, MQA
+    heads += [(h, 2) for h in (6, 10) if h >= u]  # uneven splits (10 on u=4 gives ragged GQA groups)
+    return [dict(b=2, n=n, h=h, hkv=hkv, d=64 if n == 512 else 32, causal=c, dtype=dtype)
+            for n in lengths for h, hkv in heads for c in (True, False)]
+
+
+def _check(rows_per_rank, limit: float) -> None:
+    for rank, rows in enumerate(rows_per_rank):
+        for row in rows:
+            bad = {t: row[t] for t in TENSORS if not row[t] <= limit}
+            assert not bad, f"rank {rank}, case {row}: relative errors {bad} exceed {limit}"
+
+
+@pytest.mark.parametrize("u,r", MESHES)
+def test_fp32_matches_single_device(pool, u, r):
+    _check(pool.run("dist_cases:attention_errors", u=u, r=r, layout="zigzag", cases=_cases(u)), 1e-5)
+
+
+@pytest.mark.parametrize("u,r", [(2, 2), (1, 4), (4, 2), (2, 4)])
+def test_contiguous_layout(pool, u, r):
+    _check(pool.run("dist_cases:attention_errors", u=u, r=r, layout="contiguous", cases=_cases(u)), 1e-5)
+
+
+@pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (1, 8)])
+def test_bf16_error_within_single_device_error(pool, u, r):
+    cases = [dict(b=2, n=1000, h=8, hkv=2, d=64, causal=c, dtype="bf16") for c in (True, False)]
+    for rows in pool.run("dist_cases:attention_errors", u=u, r=r, layout="zigzag", cases=cases):
+        for row in rows:
+            for t in TENSORS:
+                assert row[t] <= 1.5 * row["base_" + t], (t, row)
+
+
+def test_fp64_math_backend_is_exact(pool):
+    cases = [dict(b=1, n=300, h=8, hkv=2, d=32, causal=c, dtype="fp64", backend=be)
+             for c in (True, False) for be in ("math", "sdpa")]
+    _check(pool.run("dist_cases:attention_errors", u=2, r=4, layout="zigzag", cases=cases), 1e-12)
+
+
+@pytest.mark.parametrize("u", [2, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_plain_callable_local_attention(pool, u, causal):
+    for errs in pool.run("dist_cases:callable_backend", u=u, n=512, causal=causal):
+        assert max(errs.values()) <= 1e-5, errs
+
+
+@pytest.mark.parametrize("u,r,layout,n", [(2, 2, "zigzag", 1000), (4, 2, "zigzag", 37), (1, 8, "contiguous", 1001),
+                                          (8, 1, "zigzag", 8)])
+def test_shard_unshard_roundtrip(pool, u, r, layout, n):
+    for res in pool.run("dist_cases:unshard_roundtrip", u=u, r=r, layout=layout, n=n):
+        assert res == {"equal": True, "shape": (2, n, 3), "local_ok": True, "grad_ok": True}, res
+
+
+@pytest.mark.parametrize("which,expect", [
+    ("one_rank_length", "local length: 8 on cp rank 1"),
+    ("one_rank_heads", "rejected their attention inputs"),
+    ("one_rank_dtype", "rejected their attention inputs"),
+    ("one_rank_causal", "causal: "),
+    ("all_backend", "is not a registered attention kernel"),
+    ("all_stride", "contiguous()"),
+    ("all_too_many_ulysses", "ulysses"),
+])
+def test_bad_inputs_raise_on_every_rank(pool, which, expect):
+    messages = pool.run("dist_cases:bad_input", u=2, r=2, which=which, timeout=60)
+    assert all(m != "no error" for m in messages), messages
+    assert any(expect in m for m in messages), messages
