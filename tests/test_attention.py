@@ -41,7 +41,7 @@ def test_bf16_error_within_single_device_error(pool, u, r):
 
 def test_fp64_math_backend_is_exact(pool):
     cases = [dict(b=1, n=300, h=8, hkv=2, d=32, causal=c, dtype="fp64", backend=be)
-             for c in (True, False) for be in ("math", "sdpa")]
+             for c in (True, False) for be in ("math", "auto")]
     _check(pool.run("dist_cases:attention_errors", u=2, r=4, layout="zigzag", cases=cases), 1e-12)
 
 

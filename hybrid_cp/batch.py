@@ -1,0 +1,197 @@
+"""Shard a training batch over the cp group: labels shifted first, positions and padding right.
+
+The three places where context-parallel training usually goes wrong are handled here, once:
+
+- labels are shifted on the FULL sequence (labels[t] = next token), so the target of the last
+  token of a shard, which lives on another rank, is not lost or taken from the wrong token;
+- position ids are the global positions of this rank's tokens (`hcp.positions`), not 0..S_local-1;
+- tokens added to reach the layout's granularity, and right-padding tokens of an attention
+  mask, get `ignore_index` labels, so they never enter the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .layout import _remember_length, local_indices, padded_length
+
+if TYPE_CHECKING:
+    from .mesh import CPMesh
+
+
+def _check_right_padding(mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
+    """Return the mask as bool after checking every row is ones then zeros (right padding)."""
+    if mask.dtype == torch.bool:
+        m = mask
+    else:
+        if mask.is_floating_point() or mask.is_complex():
+            raise ValueError(f"{name} has dtype {mask.dtype}; pass a 0/1 integer or bool padding mask "
+                             f"(additive float masks are not supported under context parallelism)")
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ValueError(f"{name} holds values other than 0 and 1 (e.g. {mask[bad][0].item()}); pass a "
+                             f"0/1 padding mask")
+        m = mask != 0
+    # right padding: once a row turns 0 it stays 0, i.e. the mask never increases along the row
+    if m.shape[-1] > 1 and bool((m[..., 1:] & ~m[..., :-1]).any()):
+        rows = torch.nonzero((m[..., 1:] & ~m[..., :-1]).any(-1)).flatten().tolist()
+        raise ValueError(f"{name} is not right padding in batch rows {rows[:8]} (a 0 is followed by a 1: left "
+                         f"padding, holes or packed documents). Context-parallel attention is causal over the "
+                         f"whole sequence, which is exact only for right padding; right-pad the batch "
+                         f"(tokenizer padding_side='right') or drop the mask")
+    return m
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token targets on the full sequence: out[:, t] = labels[:, t+1], the last is ignored.
+
+    Positions whose input token or target token is masked out by `attention_mask` get
+    `ignore_index` as well.
+    """
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    if attention_mask is not None:
+        m = attention_mask.bool()
+        keep = m.clone()
+        keep[:, :-1] &= m[:, 1:]
+        keep[:, -1] = False
+        out = out.masked_fill(~keep, ignore_index)
+    return out
+
+
+def _pad_seq(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    s = x.shape[1]
+    if n == s:
+        return x
+    if callable(value):
+        pad = value(x, n - s)
+    else:
+        pad = x.new_full((x.shape[0], n - s, *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -100, shift: bool = True,
+                pad_token_id: int = 0, device: torch.device | str | None = None) -> dict[str, Any]:
+    """This rank's shard, in `cp.layout`, of a batch of full-sequence tensors.
+
+    `batch` maps names to tensors shaped [batch, seq, ...] holding the WHOLE sequence (the same on
+    every cp rank of a sequence group):
+
+    - ``input_ids`` (required) [B, S] integer token ids;
+    - ``labels`` [B, S], Hugging Face style: NOT shifted (the model-side convention where
+      labels = input_ids); defaults to ``input_ids``. With ``shift=True`` (default) they are shifted
+      here, on the full sequence: out[t] = labels[t+1], the last one `ignore_index`. Pass
+      ``shift=False`` if your labels already are next-token targets;
+    - ``position_ids`` [B, S] or [1, S] or [S]: default `hcp.positions` (0..S-1 globally); given ones
+      must increase by one along each row (an offset is fine; packed documents are not supported);
+    - ``attention_mask`` [B, S] 0/1 right-padding mask: masked tokens' labels become `ignore_index`
+      (left padding or holes raise ValueError);
+    - any other tensor with at least two dims shaped [B, S, ...] is sharded the same way (padding
+      with zeros); tensors with fewer dims and non-tensors are passed through unchanged.
+
+    Lengths that are not a multiple of the layout's granularity are padded at the end: pad tokens
+    get `pad_token_id`, `ignore_index` labels, mask 0 and positions >= S. Results are on `device`
+    (default `cp.device`). The returned dict has ``input_ids``, ``labels``, ``position_ids`` (and
+    the other keys given); feed ``labels`` to `hcp.cross_entropy`, not to the model.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    if "input_ids" not in batch or not isinstance(batch["input_ids"], torch.Tensor):
+        raise ValueError(f"batch needs an 'input_ids' tensor [batch, seq] (got keys {sorted(batch)}); "
+                         f"pass the full-sequence token ids as batch['input_ids']")
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(ids.shape)}; "
+                         f"add a batch dimension with input_ids[None]")
+    if ids.is_floating_point():
+        raise ValueError(f"batch['input_ids'] has dtype {ids.dtype}; token ids must be integers")
+    b, s = ids.shape
+    if s == 0 or b == 0:
+        raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it needs at least one sequence "
+                         f"and one token")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index={ignore_index!r} must be an int")
+    device = torch.device(device) if device is not None else cp.device
+
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if key == "position_ids" and value.shape[0] == 1:
+            pass
+        elif value.shape[0] != b:
+            raise ValueError(f"batch[{key!r}] has batch size {value.shape[0]} (shape {tuple(value.shape)}) but "
+                             f"input_ids has {b}; every per-token tensor must be [{b}, {s}, ...]")
+        if value.shape[1] != s:
+            raise ValueError(f"batch[{key!r}] has sequence length {value.shape[1]} (shape {tuple(value.shape)}) "
+                             f"but input_ids has {s}; every per-token tensor must be [{b}, {s}, ...] over "
+                             f"the same full sequence")
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() == 1:
+        if pos.shape[0] != s:
+            raise ValueError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
+        pos = pos[None]
+
+    mask = batch.get("attention_mask")
+    mask_bool = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
+                             f"{getattr(mask, 'shape', type(mask).__name__)}; 4-D or custom masks are not "
+                             f"supported under context parallelism (attention is causal over the sequence)")
+        mask_bool = _check_right_padding(mask, "batch['attention_mask']")
+
+    labels = batch.get("labels")
+    if labels is None:
+        labels = ids
+    elif not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        raise ValueError(f"batch['labels'] must be a [batch, seq] integer tensor, got "
+                         f"{getattr(labels, 'shape', type(labels).__name__)}")
+    elif labels.is_floating_point():
+        raise ValueError(f"batch['labels'] has dtype {labels.dtype}; labels must be integer token ids")
+    if shift:
+        labels = shift_labels(labels, ignore_index, mask_bool)
+    elif mask_bool is not None:
+        labels = labels.masked_fill(~mask_bool, ignore_index)
+
+    if pos is not None:
+        if pos.is_floating_point():
+            raise ValueError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
+        if s > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
+            raise ValueError("batch['position_ids'] do not increase by one along the sequence (packed documents "
+                             "or custom positions); context-parallel attention is causal over the whole "
+                             "sequence, so only contiguous positions are exact: drop position_ids (the default "
+                             "is 0..S-1) or pass arange-like rows")
+
+    n = padded_length(s, cp.layout, cp.ulysses_size, cp.ring_size)
+    idx = local_indices(s, cp.layout, cp.ulysses_size, cp.ring_size, cp.rank, device=ids.device)
+    _remember_length(cp, s)
+
+    def take(x: torch.Tensor, value) -> torch.Tensor:
+        return _pad_seq(x, n, value).index_select(1, idx.to(x.device)).to(device).contiguous()
+
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in ("input_ids", "labels", "position_ids", "attention_mask"):
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            out[key] = take(value, 0)
+        else:
+            out[key] = value
+    out["input_ids"] = take(ids, pad_token_id)
+    out["labels"] = take(labels, ignore_index)
+    if pos is None:
+        out["position_ids"] = idx.to(device)[None].expand(b, -1).contiguous()
+    else:
+        def pos_pad(x, extra):  # continue the positions past the end, so pads sit after every token
+            return x[:, -1:] + torch.arange(1, extra + 1, device=x.device, dtype=x.dtype)
+        out["position_ids"] = take(pos, pos_pad)
+    if mask is not None:
+        out["attention_mask"] = take(mask, 0)
+    return out
+
+
+__all__ = ["shard_batch", "shift_labels"]

@@ -1,0 +1,235 @@
+"""Run a Hugging Face transformers causal LM with context-parallel attention.
+
+`apply_context_parallel(model, cp)` registers one attention function with transformers'
+attention-function registry (`AttentionInterface`) under the name "hybrid_cp" and switches the
+model to it; each attention layer then calls `hcp.attention` on this rank's shard. Nothing of the
+model's code is copied or patched: projections, rotary embeddings, norms and MLPs run unchanged on
+the local tokens, which is exact because they act token by token (given the right position ids).
+
+A forward pre-hook on the model makes the call contract hard to get wrong:
+- missing `position_ids` are filled in with the global positions of this rank's tokens;
+- `labels` are refused (the model's own loss would shift labels inside the shard and average per
+  rank): use `hcp.cross_entropy` with the labels from `hcp.shard_batch`;
+- a 2-D `attention_mask` must be right padding over the whole sequence (checked across the cp
+  group), and is then dropped: causal attention is exact for the real tokens; anything else raises;
+- KV caches (generation) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..attention import attention as _cp_attention
+from ..layout import positions as _positions
+from ..layout import true_length
+from ..mesh import CPMesh
+
+ATTN_IMPLEMENTATION = "hybrid_cp"
+_HOOK_ATTR = "_hybrid_cp_hook"
+
+
+class _MeshRef:
+    """Holds the mesh on each module; copying a model shares it instead of copying process groups."""
+
+    __slots__ = ("cp",)
+
+    def __init__(self, cp: CPMesh):
+        self.cp = cp
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _unsupported(msg: str) -> ValueError:
+    return ValueError(msg + " (hybrid_cp.integrations.transformers supports causal attention with "
+                            "right padding, no sliding window, no dropout)")
+
+
+def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                                dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [B, H, S_local, D], key/value [B, H_kv, S_local, D].
+
+    Returns (attn_output [B, S_local, H, D], None).
+    """
+    ref = getattr(module, "_hybrid_cp_mesh", None)
+    if ref is None:
+        raise RuntimeError(f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but has "
+                           f"no cp mesh; call hybrid_cp.integrations.transformers.apply_context_parallel(model, cp)")
+    cp = ref.cp
+    if dropout and dropout > 0:
+        raise _unsupported(f"attention dropout={dropout} in {type(module).__name__}; set "
+                           f"config.attention_dropout=0.0 for context-parallel training")
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        raise _unsupported(f"{type(module).__name__} is not causal")
+    if attention_mask is not None:
+        raise _unsupported(f"{type(module).__name__} received a prepared attention mask "
+                           f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
+                           f"attention with right padding is supported (pass a 2-D padding mask or none)")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise _unsupported(f"{type(module).__name__} uses {name}={kwargs[name]!r}")
+    seq_len = true_length(cp, query.shape[2])
+    window = kwargs.get("sliding_window")
+    if window is not None and window < seq_len:
+        raise _unsupported(f"sliding_window={window} is shorter than the sequence ({seq_len} tokens) in "
+                           f"{type(module).__name__}; sliding windows are not supported yet: use sequences of at "
+                           f"most {window} tokens or set config.sliding_window=None")
+    q = query.transpose(1, 2).contiguous()
+    k = key.transpose(1, 2).contiguous()
+    v = value.transpose(1, 2).contiguous()
+    out = _cp_attention(q, k, v, cp, causal=True, softmax_scale=scaling, seq_len=seq_len)
+    return out, None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hybrid_cp_attention_forward)
+
+
+def _agree(cp: CPMesh, error: str | None, ints: list[int]) -> list[torch.Tensor]:
+    """All-gather (error flag, ints) over the cp group; raise the same error on every rank."""
+    mine = torch.tensor([0 if error is None else 1] + ints, dtype=torch.int64, device=cp.device)
+    rows = [torch.empty_like(mine) for _ in range(cp.size)]
+    dist.all_gather(rows, mine, group=cp.cp_group)
+    if error is not None:
+        raise ValueError(error)
+    bad = [r for r, row in enumerate(rows) if row[0].item()]
+    if bad:
+        raise ValueError(f"cp ranks {bad} rejected their model inputs (their error says why); every rank stops "
+                         f"here instead of hanging")
+    for r, row in enumerate(rows):
+        if row[1:].tolist() != ints:
+            raise ValueError(f"inconsistent model inputs across the cp group: (batch, local length, has mask) = "
+                             f"{row[1:].tolist()} on cp rank {r} vs {ints} here; every rank must pass its shard "
+                             f"of the same batch (hcp.shard_batch)")
+    return rows
+
+
+def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if args:
+        kwargs = dict(kwargs)
+        names = ("input_ids", "attention_mask", "position_ids")
+        for name, value in zip(names, args):
+            kwargs[name] = value
+        args = ()
+    error = None
+    ids = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    ref = ids if ids is not None else embeds
+    mask = kwargs.get("attention_mask")
+    b = s = 0
+    try:
+        if ref is None:
+            raise ValueError("the model needs input_ids=... (or inputs_embeds=...): this rank's shard from "
+                             "hcp.shard_batch")
+        b, s = ref.shape[0], ref.shape[1]
+        if kwargs.get("labels") is not None:
+            raise ValueError("labels= was passed to a context-parallel model: its built-in loss would shift the "
+                             "labels inside this rank's shard and average per rank. Call the model without "
+                             "labels and use hcp.cross_entropy(logits, batch['labels'], cp) with the labels "
+                             "from hcp.shard_batch (already shifted on the full sequence)")
+        for name in ("cache", "past_key_values"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}= was passed: KV caches (generation) are not supported under context "
+                                 f"parallelism; run generation on one device")
+        if kwargs.get("use_cache"):
+            raise ValueError("use_cache=True is not supported under context parallelism (training only); "
+                             "pass use_cache=False")
+        seq_len = true_length(cp, s)
+        expected = _positions(seq_len, cp, device=ref.device)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            kwargs["position_ids"] = expected[None].expand(b, -1)
+        else:
+            if pos.dim() == 1:
+                pos = pos[None]
+            if pos.shape[-1] != s:
+                raise ValueError(f"position_ids has local length {pos.shape[-1]} but input has {s}; pass "
+                                 f"batch['position_ids'] from hcp.shard_batch")
+            offset = pos - expected
+            if bool((offset != offset[:, :1]).any()):
+                raise ValueError("position_ids are not the global positions of this rank's tokens (they differ "
+                                 f"from hcp.positions({seq_len}, cp) by more than a constant): pass "
+                                 "batch['position_ids'] from hcp.shard_batch, or none (the default is filled in)")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape != (b, s):
+                raise ValueError(f"attention_mask must be this rank's [batch, seq_local] = [{b}, {s}] 0/1 padding "
+                                 f"mask from hcp.shard_batch, got {getattr(mask, 'shape', type(mask).__name__)}; "
+                                 f"4-D and custom masks are not supported under context parallelism")
+            if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
+                raise ValueError("attention_mask must hold 0/1 (or bool) padding flags; additive float masks are "
+                                 "not supported under context parallelism")
+    except ValueError as exc:
+        if not (cp.validate and cp.size > 1):
+            raise
+        error = str(exc)
+    if cp.validate and cp.size > 1:
+        _agree(cp, error, [b, s, int(mask is not None)])
+    if mask is not None:
+        _check_global_right_padding(cp, mask, kwargs["position_ids"])
+        kwargs["attention_mask"] = None
+    kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _check_global_right_padding(cp: CPMesh, mask: torch.Tensor, pos: torch.Tensor) -> None:
+    """Right padding over the whole sequence: every kept token's position < every masked one's."""
+    keep = mask.bool()
+    pos = pos.expand(keep.shape[0], -1).to(torch.int64)
+    big = torch.iinfo(torch.int64).max // 2
+    last_kept = torch.where(keep, pos, torch.full_like(pos, -big)).amax(-1)
+    first_masked = torch.where(~keep, pos, torch.full_like(pos, big)).amin(-1)
+    stats = torch.stack([last_kept, -first_masked], dim=-1).to(cp.device)
+    if cp.size > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=cp.cp_group)
+    rows = torch.nonzero(stats[:, 0] > -stats[:, 1]).flatten().tolist()
+    if rows:
+        raise ValueError(f"attention_mask is not right padding over the whole sequence in batch rows {rows[:8]} (a "
+                         f"masked token comes before a kept one): context-parallel attention is causal, exact only "
+                         f"for right padding; right-pad the batch or drop the mask")
+
+
+def apply_context_parallel(model: torch.nn.Module, cp: CPMesh) -> torch.nn.Module:
+    """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
+
+    Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
+    `hcp.shard_batch`) returns this rank's logits [B, S_local, V]; compute the loss with
+    `hcp.cross_entropy`. Works for models whose attention goes through transformers' attention
+    registry (Llama, Mistral, Qwen2, Qwen3, ... including GQA/MQA). Raises ValueError for
+    configurations it would get wrong: attention dropout > 0, sliding windows shorter than the
+    sequence, non-causal attention, masks other than right padding. Returns the model.
+    """
+    if not isinstance(cp, CPMesh):
+        raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"apply_context_parallel expects a transformers PreTrainedModel, got {type(model).__name__}")
+    for cfg in [config] + [getattr(config, k) for k in getattr(config, "sub_configs", {}) if getattr(config, k, None)]:
+        drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
+        if drop > 0:
+            raise _unsupported(f"config.attention_dropout={drop}; set it to 0.0 for context-parallel training")
+        if getattr(cfg, "is_encoder_decoder", False):
+            raise _unsupported(f"{type(model).__name__} is an encoder-decoder model")
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None and heads < cp.ulysses_size:
+        raise ValueError(f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
+                         f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
+    _register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ref = _MeshRef(cp)
+    for m in model.modules():
+        m.__dict__["_hybrid_cp_mesh"] = ref
+    old = model.__dict__.get(_HOOK_ATTR)
+    if old is not None:
+        old.remove()
+    handle = model.register_forward_pre_hook(lambda mod, a, kw: _pre_forward(cp, mod, a, kw), with_kwargs=True)
+    model.__dict__[_HOOK_ATTR] = handle
+    return model
+
+
+__all__ = ["apply_context_parallel", "hybrid_cp_attention_forward", "ATTN_IMPLEMENTATION"]

@@ -1,0 +1,114 @@
+"""Context-parallel cross entropy: the token mean over the whole sequence group, on every rank.
+
+Gradient convention (docs/training.md): per-rank parameter gradients AVERAGE to the single-device
+gradient over the ranks that reduce gradients (the flattened dp x ring x ulysses group). So the
+backward of `cross_entropy` scales each rank's share by the number of ranks in the reduction,
+which makes the stock reductions exact: DDP's all-reduce average, FSDP2's reduce-scatter average,
+and `hybrid_cp.integrations.fsdp.shard_model` (which keeps FSDP2's default).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .mesh import CPMesh
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class _Reduced(torch.autograd.Function):
+    """Value: the group-reduced `total` (identical on every rank). Gradient to `local`: `scale`."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, total: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None, None
+
+
+def _group(cp: "CPMesh", include_dp: bool):
+    """(process group, its size) the loss is reduced over."""
+    if include_dp:
+        return None, cp.size * cp.dp_size  # the cp mesh spans the whole world
+    return cp.cp_group, cp.size
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", ignore_index: int = -100,
+                  reduction: str = "mean", *, include_dp: bool = False) -> torch.Tensor:
+    """Cross entropy of this rank's logits against its (already shifted) labels, reduced over the
+    sequence group.
+
+    `logits` [B, S_local, V] (or [N, V]) and `labels` [B, S_local] (or [N]) are this rank's shard,
+    e.g. from `hcp.shard_batch`, whose labels are already next-token targets: do NOT shift again.
+
+    - reduction="mean": the mean over every non-ignored token of the whole sequence group (of
+      every dp replica too with `include_dp=True`), the same value on every rank. If the group has
+      no valid token at all the loss is 0 (with zero gradients) instead of NaN. Ranks holding no
+      valid token are fine: they contribute 0 to the sum and their logits get zero gradients.
+    - reduction="sum": the sum over the group, the same value on every rank.
+    - reduction="none": this rank's per-token losses, shaped like `labels` (0 at ignored tokens),
+      with no communication and no scaling.
+
+    Gradient convention: for "mean"/"sum" the gradient reaching this rank's logits is W times the
+    single-device gradient of those logits, where W is the number of ranks reduced over (cp.size,
+    or dp*cp with `include_dp`): averaging per-rank parameter gradients over the dp x cp ranks
+    (DDP, FSDP2, `shard_model`) then gives exactly the single-device gradient.
+    The loss is computed in fp32 whatever the logits' dtype.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got "
+                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor of token ids, got "
+                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
+                         f"logits must be labels.shape + (vocab,), e.g. [B, S_local, V] with labels [B, S_local] "
+                         f"from the same shard")
+    vocab = logits.shape[-1]
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != ignore_index
+    out_of_range = valid & ((flat_labels < 0) | (flat_labels >= vocab))
+    per_token = F.cross_entropy(logits.float().reshape(-1, vocab), flat_labels.masked_fill(~valid | out_of_range, 0),
+                                reduction="none") * valid
+    if reduction == "none":
+        return per_token.reshape(labels.shape)
+    group, world = _group(cp, include_dp)
+    local_sum = per_token.sum()
+    stats = torch.stack([local_sum.detach().double(), valid.sum().double()])
+    # labels outside the vocabulary fail loudly (on every rank when validating), not as a device assert
+    check = cp.validate or world == 1
+    if check:
+        stats = torch.cat([stats, out_of_range.any().to(stats.dtype)[None]])
+    if world > 1:
+        dist.all_reduce(stats, group=group)
+    if check and stats[2].item() > 0:
+        raise ValueError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
+                         f"ignore_index={ignore_index}; fix the labels or the ignore_index")
+    total, count = stats[0], stats[1]
+    if reduction == "mean":
+        denom = count.clamp_min(1.0)
+        return _Reduced.apply(local_sum, (total / denom).float(), (world / denom).float())
+    return _Reduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
+
+
+def token_count(labels: torch.Tensor, cp: "CPMesh", ignore_index: int = -100, *, include_dp: bool = False) -> int:
+    """Number of non-ignored tokens over the sequence group (and dp with `include_dp`)."""
+    group, world = _group(cp, include_dp)
+    n = (labels != ignore_index).sum().reshape(1).to(torch.int64)
+    if world > 1:
+        dist.all_reduce(n, group=group)
+    return int(n.item())
+
+
+__all__ = ["cross_entropy", "token_count"]

@@ -1,0 +1,95 @@
+"""CPMesh construction and the local kernels (single process, against autograd references)."""
+
+import math
+
+import pytest
+import torch
+
+import hybrid_cp as hcp
+from hybrid_cp.kernels import MathKernel, SDPAKernel, get_kernel
+from hybrid_cp.ring import merge_
+
+
+def test_mesh_validation_and_plan(pool):
+    for rank, res in enumerate(pool.run("dist_cases:mesh_errors")):
+        assert "does not divide the world size 8" in res["not_divisor"] and "ulysses=4, ring=2" in res["not_divisor"]
+        assert "use dp=2" in res["bad_dp"]
+        assert "positive integer" in res["zero"]
+        assert "spiral" in res["layout"] and "zigzag" in res["layout"]
+        assert res["plan"] == (2, 2, 2, 4, ["dp", "ring", "ulysses"])
+        g, dp, ring, uly, nxt, prv = res["ranks"]
+        assert g == rank and g == (dp * 2 + ring) * 2 + uly  # ulysses innermost
+        assert nxt == prv == dp * 4 + (1 - ring) * 2 + uly   # the other ring rank (ring = 2)
+
+
+def _autograd_reference(q, k, v, dout, causal, scale):
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    h = q.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // k.shape[2], 2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(h // v.shape[2], 2))
+    out.backward(dout.double())
+    return out, torch.logsumexp(s, -1), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("kernel,dtype,tol", [(MathKernel(), torch.float64, 1e-12), (MathKernel(), torch.float32, 1e-5),
+                                              (SDPAKernel(), torch.float32, 1e-5)], ids=["math64", "math32", "sdpa32"])
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_forward_backward(kernel, dtype, tol, hkv, causal):
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(2, 33, 4, 16, generator=g, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 33, hkv, 16, generator=g, dtype=dtype) for _ in range(2))
+    scale = 0.3
+    ref = _autograd_reference(q, k, v, dout, causal, scale)
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    for name, got, want in zip(["out", "lse", "dq", "dk", "dv"], (out, lse) + tuple(grads), ref):
+        assert got.shape == want.shape, name
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err <= tol, (name, err.item())
+
+
+def test_merge_is_safe_for_rows_without_keys():
+    out = torch.zeros(1, 3, 1, 2)
+    lse = torch.full((1, 1, 3), float("-inf"))
+    block_out = torch.tensor([[[[1.0, 2.0]], [[0.0, 0.0]], [[3.0, 4.0]]]])
+    block_lse = torch.tensor([[[0.5, float("-inf"), 1.0]]])
+    merge_(out, lse, block_out, block_lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(out[0, 1], torch.zeros(1, 2)) and lse[0, 0, 1] == float("-inf")
+    assert torch.allclose(out[0, 0, 0], torch.tensor([1.0, 2.0])) and lse[0, 0, 0] == 0.5
+    # merging two halves equals attention over the union
+    merge_(out, lse, torch.tensor([[[[3.0, 0.0]], [[5.0, 5.0]], [[1.0, 0.0]]]]),
+           torch.tensor([[[0.5, 2.0, 1.0]]]))
+    assert torch.allclose(out[0, 0, 0], torch.tensor([2.0, 1.0]))
+    assert torch.allclose(lse[0, 0, 0], torch.tensor(0.5 + math.log(2)))
+    assert torch.allclose(out[0, 1, 0], torch.tensor([5.0, 5.0])) and lse[0, 0, 1] == 2.0
+
+
+def test_backend_selection_errors_and_custom_kernel():
+    cpu = torch.device("cpu")
+    assert get_kernel("auto", cpu, torch.float32, 64).name == "sdpa"
+    assert get_kernel("auto", cpu, torch.float64, 64).name == "math"
+    with pytest.raises(ValueError, match="backend='math' for fp64"):
+        get_kernel("sdpa", cpu, torch.float64, 64)
+    with pytest.raises(ValueError, match="not a registered attention kernel"):
+        get_kernel("nope", cpu, torch.float32, 64)
+    with pytest.raises(ValueError, match="flash-attn"):
+        get_kernel("flash", cpu, torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="already registered"):
+        hcp.register_kernel("math", MathKernel())
+
+    class Counting(MathKernel):
+        name = "counting"
+        calls = 0
+
+        def forward(self, *a, **kw):
+            Counting.calls += 1
+            return super().forward(*a, **kw)
+
+    hcp.register_kernel("counting-test", Counting(), overwrite=True)
+    assert get_kernel("counting-test", cpu, torch.float64, 8).name == "counting"
+    with pytest.raises(TypeError, match="must provide"):
+        hcp.register_kernel("broken", object())

@@ -1,0 +1,229 @@
+"""Training-side functions run on every rank of the worker pool: tiny transformers models under
+context parallelism against the same model on one process. They return errors; the tests assert."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import hybrid_cp as hcp
+from dist_cases import mesh
+from hybrid_cp.batch import shard_batch
+from hybrid_cp.integrations.fsdp import average_gradients, shard_model
+from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.loss import cross_entropy
+
+VOCAB = 256
+
+
+def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, **overrides):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=hkv, max_position_embeddings=1024,
+                  attention_dropout=0.0, tie_word_embeddings=False)
+    common.update(overrides)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**{"sliding_window": None, **common})
+        cls = transformers.MistralForCausalLM
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**{"head_dim": 8, **common})
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(config).float()
+    model.train()
+    return model
+
+
+def make_batch(seed: int, b: int, s: int, pad: bool):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if pad:  # right padding: row i keeps s - 7*i tokens
+        mask = torch.ones(b, s, dtype=torch.long)
+        for i in range(b):
+            mask[i, s - 7 * i:] = 0
+        batch["attention_mask"] = mask
+    return batch
+
+
+def reference(model, batch):
+    """Single-process run: logits, mean next-token loss over real tokens, parameter gradients."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    labels = ids[:, 1:].clone()
+    if mask is not None:
+        labels = labels.masked_fill(mask[:, 1:] == 0, -100)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _full_grad(p):
+    g = p.grad
+    return g.full_tensor() if hasattr(g, "full_tensor") else g
+
+
+def model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False, b: int = 2, s: int = 100,
+                 pad: bool = True) -> dict:
+    """logits / loss / every parameter gradient under CP vs one process (fp32)."""
+    cp = mesh(u, r)
+    batch = make_batch(1234, b, s, pad)
+    ref_logits, ref_loss, ref_grads = reference(tiny_model(kind, hkv), batch)
+
+    model = apply_context_parallel(tiny_model(kind, hkv), cp)
+    if fsdp:
+        shard_model(model, cp)
+    local = shard_batch(batch, cp)
+    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                   attention_mask=local.get("attention_mask")).logits
+    loss = cross_entropy(logits, local["labels"], cp)
+    loss.backward()
+    if not fsdp:
+        average_gradients(model)
+    full_logits = hcp.unshard(logits.detach(), cp, dim=1, seq_len=s)
+    keep = batch["attention_mask"].bool() if pad else torch.ones(b, s, dtype=torch.bool)
+    grads = {n: _full_grad(p) for n, p in model.named_parameters()}
+    grad_errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
+    worst = max(grad_errs, key=grad_errs.get)
+    return {"logits": _rel(full_logits[keep], ref_logits[keep]), "loss": abs(loss.item() - ref_loss.item()) /
+            abs(ref_loss.item()), "grad": grad_errs[worst], "worst_param": worst,
+            "missing": sorted(set(ref_grads) ^ set(grads))}
+
+
+def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int = 96, b: int = 2,
+                    hkv: int = 2) -> dict:
+    """Per-step losses of AdamW training under CP and on one process, same seed and data."""
+    cp = mesh(u, r)
+    batches = [make_batch(100 + i, b, s, pad=i % 3 == 0) for i in range(steps)]
+
+    ref_model = tiny_model("llama", hkv)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3)
+    ref = []
+    for batch in batches:
+        opt.zero_grad()
+        _, loss, _ = reference(ref_model, batch)
+        opt.step()
+        ref.append(loss.item())
+
+    model = apply_context_parallel(tiny_model("llama", hkv), cp)
+    if fsdp:
+        shard_model(model, cp)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    got = []
+    for batch in batches:
+        opt.zero_grad()
+        local = shard_batch(batch, cp)
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        loss = cross_entropy(logits, local["labels"], cp)
+        loss.backward()
+        if not fsdp:
+            average_gradients(model)
+        opt.step()
+        got.append(loss.item())
+    return {"ref": ref, "cp": got}
+
+
+def loss_parity(u: int, r: int, s: int = 37, b: int = 3, include_dp: bool = False, reduction: str = "mean",
+                empty: bool = False) -> dict:
+    """hcp.cross_entropy on shards vs F.cross_entropy on the full sequence (value and logit gradient).
+
+    Each dp replica gets its own data, so include_dp=True is checked against the mean over all of them.
+    """
+    cp = mesh(u, r)
+    world = dist.get_world_size()
+    dp = world // cp.size
+    ignore = -7
+
+    def data(d):
+        g = torch.Generator().manual_seed(50 + d)
+        logits = torch.randn(b, s, VOCAB, generator=g, dtype=torch.float64)
+        ids = torch.randint(0, VOCAB, (b, s), generator=g)
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[1, s // 3:] = 0          # right padding
+        mask[2, 2:] = 0               # nearly empty row: only token 0 has a target
+        if empty:
+            mask[:] = 0
+        return logits, {"input_ids": ids, "labels": ids, "attention_mask": mask}
+
+    # reference: F.cross_entropy over the full sequences (of every dp replica if include_dp)
+    fulls, targets = [], []
+    for d in range(dp if include_dp else 1):
+        logits, batch = data(d if include_dp else cp.dp_rank)
+        labels = batch["labels"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, ignore)
+        fulls.append(logits.float().requires_grad_())
+        targets.append(labels)
+    ref_sum = sum(F.cross_entropy(x[:, :-1].reshape(-1, VOCAB), t.reshape(-1), ignore_index=ignore,
+                                  reduction="sum") for x, t in zip(fulls, targets))
+    count = sum(int((t != ignore).sum()) for t in targets)
+    ref = ref_sum / max(count, 1) if reduction == "mean" else ref_sum
+    ref.backward()
+    mine = fulls[cp.dp_rank if include_dp else 0]
+
+    logits, batch = data(cp.dp_rank)
+    local = shard_batch(batch, cp, ignore_index=ignore)
+    local_logits = hcp.shard(logits.float(), cp, dim=1).requires_grad_()
+    loss = cross_entropy(local_logits, local["labels"], cp, ignore_index=ignore, reduction=reduction,
+                         include_dp=include_dp)
+    loss.backward()
+    w = cp.size * (dp if include_dp else 1)
+    ref_grad = hcp.shard(mine.grad, cp, dim=1)
+    valid_here = int((local["labels"] != ignore).sum())
+    scale = max(ref_grad.abs().max().item(), 1e-30)
+    return {"loss": loss.item(), "ref": ref.item(), "grad": (local_logits.grad / w - ref_grad).abs().max().item() / scale,
+            "grad_zero": local_logits.grad.abs().max().item() if valid_here == 0 else None,
+            "valid_here": valid_here, "finite": bool(torch.isfinite(loss).item())}
+
+
+def error_messages(u: int, r: int) -> dict:
+    """Unsupported configurations raise ValueError on every rank (no hang); returns the messages."""
+    cp = mesh(u, r)
+    out = {}
+    batch = make_batch(7, 2, 40, pad=False)
+    local = shard_batch(batch, cp)
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+
+    model = apply_context_parallel(tiny_model("llama"), cp)
+    attempt("labels", lambda: model(input_ids=local["input_ids"], labels=local["labels"]))
+    bad_mask = torch.ones_like(local["input_ids"])
+    if cp.rank == 0:
+        bad_mask[0, 0] = 0  # a hole at the start of the sequence: left padding
+    attempt("left_padding", lambda: model(input_ids=local["input_ids"], attention_mask=bad_mask))
+    attempt("mask_4d", lambda: model(input_ids=local["input_ids"],
+                                     attention_mask=torch.ones(2, 1, local["input_ids"].shape[1], 40)))
+    attempt("positions", lambda: model(input_ids=local["input_ids"],
+                                       position_ids=torch.arange(local["input_ids"].shape[1])[None]))
+    mistral = apply_context_parallel(tiny_model("mistral", sliding_window=16), cp)
+    attempt("sliding_window", lambda: mistral(input_ids=local["input_ids"]))
+    attempt("dropout", lambda: apply_context_parallel(tiny_model("llama", attention_dropout=0.1), cp))
+    drop = apply_context_parallel(tiny_model("llama"), cp)
+    drop.config.attention_dropout = 0.1
+    for m in drop.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1
+    attempt("dropout_runtime", lambda: drop(input_ids=local["input_ids"]))
+    # and a correct call still works afterwards (nothing left half-done in the process groups)
+    logits = model(input_ids=local["input_ids"]).logits
+    out["ok_after"] = tuple(logits.shape)
+    return out
