@@ -117,6 +117,11 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         raise ValueError(f"ignore_index={ignore_index!r} must be an int")
     device = torch.device(device) if device is not None else cp.device
 
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        raise ValueError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
+                         f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}; 4-D or custom masks are "
+                         f"not supported under context parallelism (attention is causal over the sequence)")
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor) or value.dim() < 2:
             continue
@@ -135,13 +140,8 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
             raise ValueError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
         pos = pos[None]
 
-    mask = batch.get("attention_mask")
     mask_bool = None
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            raise ValueError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
-                             f"{getattr(mask, 'shape', type(mask).__name__)}; 4-D or custom masks are not "
-                             f"supported under context parallelism (attention is causal over the sequence)")
         mask_bool = _check_right_padding(mask, "batch['attention_mask']")
 
     labels = batch.get("labels")
