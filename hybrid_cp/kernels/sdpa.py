@@ -1,7 +1,8 @@
 """PyTorch's fused scaled-dot-product attention operators that also return the log-sum-exp.
 
-CPU: the flash-attention CPU operator (fp32/bf16/fp16). CUDA: the flash operator for
-fp16/bf16 (head dim <= 256), the memory-efficient operator otherwise. GQA is handled by
+CPU: the flash-attention CPU operator (fp32/bf16/fp16). CUDA: the memory-efficient operator
+(fp32/bf16/fp16); its backward takes out and lse directly, while the CUDA flash operator's
+backward needs opaque tensors from its own forward. For the fastest CUDA path install flash-attn. GQA is handled by
 repeating KV heads for the call and summing their gradients back (local to one block).
 """
 
@@ -11,11 +12,10 @@ import torch
 
 from .math import _expand_kv, _reduce_kv
 
-_EMPTY = torch.empty(0)
-
-
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2)
+    """[B, S, H, D] -> a [B, H, S, D] view of [B, S, H, D] memory, the layout these operators
+    produce and expect (the CUDA memory-efficient backward reads garbage from other layouts)."""
+    return x.contiguous().transpose(1, 2)
 
 
 class SDPAKernel:
@@ -33,22 +33,15 @@ class SDPAKernel:
             return None
         return f"device type {device.type!r} has no fused SDPA operator with log-sum-exp"
 
-    @staticmethod
-    def _use_flash(q: torch.Tensor) -> bool:
-        return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-
     def forward(self, q, k, v, *, causal: bool, scale: float):
         h = q.shape[2]
         qt, kt, vt = _bhsd(q), _bhsd(_expand_kv(k, h)), _bhsd(_expand_kv(v, h))
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, scale=scale)
-        elif self._use_flash(q):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
         else:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                qt.contiguous(), kt.contiguous(), vt.contiguous(), None, True, 0.0, causal, scale=scale)[:2]
+                qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
         return out.transpose(1, 2), lse[..., : q.shape[1]].float()
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
@@ -59,18 +52,11 @@ class SDPAKernel:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse.float(),
                 0.0, causal, scale=scale)
-        elif self._use_flash(q):
-            sq, sk = q.shape[1], k.shape[1]
-            seed = torch.zeros(2, dtype=torch.int64, device=q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse.contiguous(), _EMPTY, _EMPTY, sq, sk, 0.0, causal,
-                seed, _EMPTY.to(q.device), scale=scale)
         else:
             pad = (-q.shape[1]) % 32
             lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-            empty = torch.empty(0, device=q.device, dtype=torch.int64)
+            no_rng = torch.zeros((), dtype=torch.int64)  # what the forward returns without dropout
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dot.contiguous(), qt.contiguous(), kt.contiguous(), vt.contiguous(), None,
-                ot.contiguous(), lse_p.contiguous(), empty, empty, 0.0, [True, True, True, False],
-                causal, scale=scale)
+                dot, qt, kt, vt, None, ot, lse_p.contiguous(), no_rng, no_rng, 0.0,
+                [True, True, True, False], causal, scale=scale)
         return (dq.transpose(1, 2), _reduce_kv(dk.transpose(1, 2), hkv), _reduce_kv(dv.transpose(1, 2), hkv))
