@@ -29,10 +29,17 @@ def _flash_module():
 
 
 def _call(fn, **kwargs):
+    """Call a flash-attn entry point by parameter name; parameters we have no value for and
+    that have no default (varlen/paged/rotary inputs of flash-attn 3) get None."""
     params = inspect.signature(fn).parameters
-    if "window_size" in params:  # older 2.x releases take a tuple
+    if "window_size" in params:  # flash-attn 3 and 2.x before 2.7 take a tuple
         kwargs["window_size"] = (kwargs.pop("window_size_left", -1), kwargs.pop("window_size_right", -1))
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
+    args = {k: v for k, v in kwargs.items() if k in params}
+    for name, p in params.items():
+        if name not in args and p.default is inspect.Parameter.empty and \
+                p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            args[name] = None
+    return fn(**args)
 
 
 class FlashAttnKernel:
@@ -51,16 +58,17 @@ class FlashAttnKernel:
         return None
 
     def forward(self, q, k, v, *, causal: bool, scale: float):
-        mod, version = _flash_module()
+        mod, _ = _flash_module()
         q, k, v = (x.contiguous() for x in (q, k, v))
         res = _call(mod._flash_attn_forward, q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale,
                     causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                     alibi_slopes=None, return_softmax=False)
-        out, lse = res[0], res[1]
-        return out, lse.float()
+        # 2.7+ and 3 return (out, lse, ...); before 2.7: (out, q, k, v, out_padded, lse, S, rng)
+        lse = res[5] if len(res) == 8 else res[1]
+        return res[0], lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
-        mod, version = _flash_module()
+        mod, _ = _flash_module()
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _call(mod._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
