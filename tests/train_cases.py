@@ -44,9 +44,13 @@ def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, **overrides):
     return model
 
 
-def make_batch(seed: int, b: int, s: int, pad: bool):
+def make_batch(seed: int, b: int, s: int, pad: bool, learnable: bool = False):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    if learnable:  # arithmetic progressions mod VOCAB: a model can learn to predict them
+        start = torch.randint(0, VOCAB, (b, 1), generator=g)
+        step = torch.randint(1, 4, (b, 1), generator=g)
+        ids = (start + step * torch.arange(s)) % VOCAB
     batch = {"input_ids": ids, "labels": ids.clone()}
     if pad:  # right padding: row i keeps s - 7*i tokens
         mask = torch.ones(b, s, dtype=torch.long)
@@ -110,10 +114,10 @@ def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int 
                     hkv: int = 2) -> dict:
     """Per-step losses of AdamW training under CP and on one process, same seed and data."""
     cp = mesh(u, r)
-    batches = [make_batch(100 + i, b, s, pad=i % 3 == 0) for i in range(steps)]
+    batches = [make_batch(100 + i, b, s, pad=i % 3 == 0, learnable=True) for i in range(steps)]
 
     ref_model = tiny_model("llama", hkv)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     ref = []
     for batch in batches:
         opt.zero_grad()
@@ -124,7 +128,7 @@ def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int 
     model = apply_context_parallel(tiny_model("llama", hkv), cp)
     if fsdp:
         shard_model(model, cp)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     got = []
     for batch in batches:
         opt.zero_grad()
