@@ -6,7 +6,6 @@ of this rank by stage; `topology.comm_bytes` predicts the same numbers from the 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,21 +47,17 @@ def head_split(heads: int, kv_heads: int, ulysses: int) -> HeadSplit:
     return HeadSplit(tuple(q), tuple(kv), heads, kv_heads)
 
 
-def _stats(cp: "CPMesh") -> defaultdict:
-    return cp.__dict__.setdefault("_comm_bytes", defaultdict(int))
-
-
 def _count(cp: "CPMesh", stage: str, nbytes: int) -> None:
-    _stats(cp)[stage] += int(nbytes)
+    cp.sent_bytes[stage] += int(nbytes)
 
 
 def comm_bytes(cp: "CPMesh") -> dict[str, int]:
     """Bytes this rank has sent to other ranks, by stage, since the last `reset_comm_bytes`."""
-    return dict(_stats(cp))
+    return dict(cp.sent_bytes)
 
 
 def reset_comm_bytes(cp: "CPMesh") -> None:
-    _stats(cp).clear()
+    cp.sent_bytes.clear()
 
 
 def _a2a(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], stage: str) -> torch.Tensor:

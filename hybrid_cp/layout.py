@@ -86,8 +86,7 @@ def ring_block_to_gathered(x: torch.Tensor, layout: str, ulysses: int, dim: int 
 
 
 def _remember_length(cp: "CPMesh", seq_len: int) -> None:
-    lengths = cp.__dict__.setdefault("_seq_lens", {})
-    lengths[padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size)] = seq_len
+    cp.seq_lens[padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size)] = seq_len
 
 
 def true_length(cp: "CPMesh", local_len: int, seq_len: int | None = None) -> int:
@@ -98,7 +97,7 @@ def true_length(cp: "CPMesh", local_len: int, seq_len: int | None = None) -> int
     """
     padded = local_len * cp.size
     if seq_len is None:
-        seq_len = cp.__dict__.get("_seq_lens", {}).get(padded, padded)
+        seq_len = cp.seq_lens.get(padded, padded)
     if padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size) != padded:
         raise ValueError(f"seq_len={seq_len} does not match local length {local_len} on a "
                          f"{cp.size}-rank {cp.layout!r} layout (which pads it to "

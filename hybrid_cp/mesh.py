@@ -6,6 +6,7 @@ nodes. Global rank = (dp_index * ring + ring_index) * ulysses + ulysses_index.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,10 @@ class CPMesh:
     dp_rank: int
     ring_ranks: list[int] = field(default_factory=list)
     validate: bool = True
+    # Unpadded lengths given to `shard`, keyed by padded length (so `unshard`/`attention` can
+    # drop the padding), and the bytes sent by stage (see `hcp.comm_bytes`).
+    seq_lens: dict[int, int] = field(default_factory=dict, repr=False)
+    sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
 
     @property
     def size(self) -> int:
