@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from topology.cost import head_split as topology_head_split
+
 if TYPE_CHECKING:
     from .mesh import CPMesh
 
@@ -35,16 +37,11 @@ class HeadSplit:
 def head_split(heads: int, kv_heads: int, ulysses: int) -> HeadSplit:
     """Uneven split of H query heads over u ranks (counts differ by at most one); each rank gets
     exactly the KV heads its query heads use, so KV is replicated only when H_kv < u (or a
-    group straddles two ranks), never expanded to H."""
-    base, extra = divmod(heads, ulysses)
-    group = heads // kv_heads
-    q, kv, start = [], [], 0
-    for i in range(ulysses):
-        count = base + (1 if i < extra else 0)
-        q.append((start, start + count))
-        kv.append((start // group, (start + count - 1) // group + 1))
-        start += count
-    return HeadSplit(tuple(q), tuple(kv), heads, kv_heads)
+    group straddles two ranks), never expanded to H. The arithmetic is the cost model's, so
+    the engine and `topology.comm_bytes` cannot disagree."""
+    ranks = topology_head_split(heads, kv_heads, ulysses)
+    return HeadSplit(tuple((start, start + c) for c, start, _, _ in ranks),
+                     tuple((lo, lo + k) for _, _, lo, k in ranks), heads, kv_heads)
 
 
 def _count(cp: "CPMesh", stage: str, nbytes: int) -> None:

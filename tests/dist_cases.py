@@ -215,4 +215,11 @@ def mesh_errors() -> dict:
     out["plan"] = (cp.ulysses_size, cp.ring_size, cp.dp_size, cp.size,
                    [p for p in cp.device_mesh.mesh_dim_names])
     out["ranks"] = (dist.get_rank(), cp.dp_rank, cp.ring_rank, cp.ulysses_rank, cp.ring_next, cp.ring_prev)
+    import topology
+
+    best = topology.plan(topology.Cluster.preset("cpu", gpus_per_node=8),
+                         topology.ModelShape(heads=8, kv_heads=2, head_dim=64, hidden=512, layers=2),
+                         seq_len=65536, world_size=8, dp=1).best
+    planned = hcp.init_cp_mesh(plan=best)
+    out["planned"] = ((best.ulysses, best.ring, best.dp), (planned.ulysses_size, planned.ring_size, planned.dp_size))
     return out

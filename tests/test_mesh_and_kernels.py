@@ -20,6 +20,7 @@ def test_mesh_validation_and_plan(pool):
         g, dp, ring, uly, nxt, prv = res["ranks"]
         assert g == rank and g == (dp * 2 + ring) * 2 + uly  # ulysses innermost
         assert nxt == prv == dp * 4 + (1 - ring) * 2 + uly   # the other ring rank (ring = 2)
+        assert res["planned"][0] == res["planned"][1]        # a topology plan builds its mesh
 
 
 def _autograd_reference(q, k, v, dout, causal, scale):
