@@ -1,0 +1,164 @@
+"""Train a small random-initialised Llama-style model on long sequences with hybrid context parallelism.
+
+Launch with torchrun, on one node or many (NCCL on GPU, gloo on CPU):
+
+    # 8 CPU processes on this machine: ulysses 2 x ring 4, 16K-token sequences
+    torchrun --nproc_per_node 8 examples/train_llama.py --ulysses 2 --ring 4 --seq-len 16384 --device cpu
+
+    # 2 nodes x 8 GPUs: ulysses inside a node, ring across nodes (see examples/slurm_train.sh)
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 \
+        examples/train_llama.py --ulysses 8 --ring 2 --seq-len 262144 --dtype bf16 --checkpoint-activations
+
+Data: byte-level tokens of the Python standard library's source files, which exist on every
+machine without a download. Each dp replica reads different windows; the cp ranks of one
+replica share one sequence, sharded by `hcp.shard_batch`.
+
+The five lines that make a transformers model context parallel are marked "CP:" below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import hybrid_cp as hcp
+from hybrid_cp.batch import shard_batch
+from hybrid_cp.integrations.fsdp import average_gradients, shard_model
+from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.loss import cross_entropy
+from hybrid_cp.train_demo import sample_batch, stdlib_corpus
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ulysses", type=int, default=None,
+                   help="ulysses degree (intra-node all-to-all); default: GPUs/processes per node, at most the heads")
+    p.add_argument("--ring", type=int, default=None, help="ring degree (across nodes); default: the rest of the world")
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per sequence (default 16384)")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per dp replica and step (default 1)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="compute dtype (bf16: FSDP2 mixed precision, fp32 master weights and gradient reduction)")
+    p.add_argument("--checkpoint-activations", action="store_true", help="recompute each decoder layer in backward")
+    p.add_argument("--no-fsdp", action="store_true", help="replicate the weights and average gradients instead of FSDP2")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def setup(args):
+    """Process group from torchrun's environment (or a 1-process group when run directly)."""
+    if "RANK" not in os.environ:  # plain `python examples/train_llama.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        sys.exit("--device cuda was asked for but CUDA is not available")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10),
+                            **({"device_id": device} if use_cuda else {}))
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    ulysses = args.ulysses or max(d for d in range(1, min(per_node, args.heads) + 1)
+                                  if per_node % d == 0 and args.heads % d == 0)
+    ring = args.ring or world // ulysses
+    return device, ulysses, ring
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, ulysses, ring = setup(args)
+    cp = hcp.init_cp_mesh(ulysses=ulysses, ring=ring, device=device)           # CP: the mesh
+    rank0 = dist.get_rank() == 0
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len,
+                         rope_theta=500000.0, attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    with torch.device(device):
+        model = LlamaForCausalLM(config).float()
+    model.train()
+    if args.checkpoint_activations:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_context_parallel(model, cp)                                          # CP: attention -> hcp.attention
+    if args.no_fsdp:
+        model.to(DTYPES[args.dtype])
+    else:
+        kwargs = {}
+        if args.dtype != "fp32":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
+        shard_model(model, cp, **kwargs)                                       # CP: FSDP2 over dp x cp
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    corpus = stdlib_corpus()
+    n_params = sum(p.numel() for p in model.parameters())
+    if rank0:
+        print(f"{cp} world={dist.get_world_size()} params={n_params / 1e6:.2f}M seq_len={args.seq_len} "
+              f"batch={args.batch}/replica dtype={args.dtype} fsdp={not args.no_fsdp} "
+              f"checkpoint_activations={args.checkpoint_activations}", flush=True)
+
+    progress = contextlib.nullcontext()
+    bar = None
+    if rank0:
+        try:
+            from tqdm import tqdm
+
+            bar = progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
+        except ImportError:
+            pass
+    tokens_per_step = args.seq_len * args.batch * cp.dp_size
+    with progress:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            full = sample_batch(corpus, step * cp.dp_size + cp.dp_rank, args.batch, args.seq_len, args.seed)
+            local = shard_batch(full, cp)                                      # CP: shift labels, shard
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            loss = cross_entropy(logits, local["labels"], cp, include_dp=True)  # CP: global token mean
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.no_fsdp:
+                average_gradients(model)   # = DDP's average; exact with hcp.cross_entropy's convention
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            value = loss.item()  # identical on every rank; also synchronises the step
+            dt = time.perf_counter() - t0
+            if rank0:
+                stats = f"loss={value:.4f} tok/s={tokens_per_step / dt:,.0f}"
+                if bar is not None:
+                    bar.set_postfix_str(stats)
+                    bar.update(1)
+                else:
+                    print(f"step {step + 1}/{args.steps} {stats}", flush=True)
+    if rank0:
+        print(f"final loss {value:.4f} (bytes: ln 256 = 5.545 is chance)", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
