@@ -121,6 +121,12 @@ def test_llama_gqa_matches_single_process(pool, u, r, fsdp):
             assert row[key] <= TOL, (rank, key, row)
 
 
+def test_activation_checkpointing_with_fsdp(pool):
+    for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, fsdp=True, checkpoint=True)):
+        for key in ("logits", "loss", "grad"):
+            assert row[key] <= TOL, (rank, key, row)
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_other_architectures(pool, kind):
     for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, kind=kind, hkv=2, s=64, pad=False)):

@@ -84,13 +84,15 @@ def _full_grad(p):
 
 
 def model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False, b: int = 2, s: int = 100,
-                 pad: bool = True) -> dict:
+                 pad: bool = True, checkpoint: bool = False) -> dict:
     """logits / loss / every parameter gradient under CP vs one process (fp32)."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad)
     ref_logits, ref_loss, ref_grads = reference(tiny_model(kind, hkv), batch)
 
     model = apply_context_parallel(tiny_model(kind, hkv), cp)
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
         shard_model(model, cp)
     local = shard_batch(batch, cp)
