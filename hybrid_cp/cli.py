@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "demo": ("hybrid_cp.demo", "the README's main job: exact hybrid attention on 8 local CPU processes"),
+    "demo": ("hybrid_cp.train_demo", "the README's main job: train a small Llama with CP on 8 CPU processes vs 1"),
     "attention-demo": ("hybrid_cp.demo", "exact hybrid attention on local CPU processes vs one device"),
     "plan": ("topology.cli", "rank (ulysses, ring) splits for a cluster and model with the cost model"),
 }
