@@ -12,12 +12,11 @@ import zlib
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from .comm import HeadSplit, head_split, head_to_seq, seq_to_head
 from .kernels import AttentionKernel, get_kernel
 from .layout import gathered_to_ring_block, granularity, ring_block_to_gathered, true_length
-from .mesh import CPMesh
+from .mesh import CPMesh, agree_across_ranks
 from .ring import _HeadMap, ring_backward, ring_forward
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -140,27 +139,6 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len) -> tuple
     return n, get_kernel(backend, q.device, q.dtype, d)
 
 
-def _agree_across_ranks(cp: CPMesh, signature: list[int], error: Exception | None) -> None:
-    """All-gather each rank's call signature (and whether it failed); raise on every rank on mismatch."""
-    mine = torch.tensor(signature + [0 if error is None else 1], dtype=torch.int64, device=cp.device)
-    gathered = [torch.empty_like(mine) for _ in range(cp.size)]
-    dist.all_gather(gathered, mine, group=cp.cp_group)
-    if error is not None:
-        raise error
-    rows = [t.tolist() for t in gathered]
-    bad = [rank for rank, row in enumerate(rows) if row[-1]]
-    if bad:
-        raise ValueError(f"cp ranks {bad} rejected their attention inputs (their error says why); "
-                         f"every rank stops here instead of hanging")
-    names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len", "backend"]
-    for rank, row in enumerate(rows):
-        if row != rows[cp.rank]:
-            diffs = [f"{nm}: {row[i]} on cp rank {rank} vs {rows[cp.rank][i]} here"
-                     for i, nm in enumerate(names) if row[i] != rows[cp.rank][i]]
-            raise ValueError("inconsistent hcp.attention calls across the cp group (" + "; ".join(diffs) +
-                             "); every rank must pass shards of one sequence with the same settings")
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None):
@@ -184,7 +162,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
         signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(q.dtype, 0),
                      int(causal), n, zlib.crc32(name.encode())]
-        _agree_across_ranks(cp, signature, error)
+        names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
+                 "backend"]
+        agree_across_ranks(cp, signature, names, error, "hcp.attention inputs")
     b, s, h, d = q.shape
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     split = head_split(h, k.shape[2], cp.ulysses_size)

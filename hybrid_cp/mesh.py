@@ -148,3 +148,25 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
         ring_group_bwd=ring_bwd, cp_group=cp_group, dp_group=mesh.get_group("dp"),
         ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=dp_rank, ring_ranks=ring_ranks,
         validate=validate)
+
+
+def agree_across_ranks(cp: CPMesh, values: list[int], names: list[str], error: Exception | None,
+                       what: str) -> None:
+    """All-gather each cp rank's `values` and whether its own checks failed; raise on every rank
+    if any rank failed or the ranks disagree, so that no rank goes on into a collective alone."""
+    mine = torch.tensor([0 if error is None else 1] + list(values), dtype=torch.int64, device=cp.device)
+    rows = [torch.empty_like(mine) for _ in range(cp.size)]
+    dist.all_gather(rows, mine, group=cp.cp_group)
+    if error is not None:
+        raise error
+    rows = [row.tolist() for row in rows]
+    bad = [rank for rank, row in enumerate(rows) if row[0]]
+    if bad:
+        raise ValueError(f"cp ranks {bad} rejected their {what} (their error says why); "
+                         f"every rank stops here instead of hanging")
+    for rank, row in enumerate(rows):
+        if row[1:] != list(values):
+            diffs = [f"{name}: {theirs} on cp rank {rank} vs {ours} here"
+                     for name, theirs, ours in zip(names, row[1:], values) if theirs != ours]
+            raise ValueError(f"inconsistent {what} across the cp group (" + "; ".join(diffs) +
+                             "); every rank must pass its shard of the same batch with the same settings")

@@ -61,8 +61,8 @@ def test_shard_unshard_roundtrip(pool, u, r, layout, n):
 
 @pytest.mark.parametrize("which,expect", [
     ("one_rank_length", "local length: 8 on cp rank 1"),
-    ("one_rank_heads", "rejected their attention inputs"),
-    ("one_rank_dtype", "rejected their attention inputs"),
+    ("one_rank_heads", "rejected their hcp.attention inputs"),
+    ("one_rank_dtype", "rejected their hcp.attention inputs"),
     ("one_rank_causal", "causal: "),
     ("all_backend", "is not a registered attention kernel"),
     ("all_stride", "contiguous()"),

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..attention import attention as _cp_attention
 from ..layout import positions as _positions
 from ..layout import true_length
-from ..mesh import CPMesh
+from ..mesh import CPMesh, agree_across_ranks
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
 _HOOK_ATTR = "_hybrid_cp_hook"
@@ -91,25 +91,6 @@ def _register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, hybrid_cp_attention_forward)
 
 
-def _agree(cp: CPMesh, error: str | None, ints: list[int]) -> list[torch.Tensor]:
-    """All-gather (error flag, ints) over the cp group; raise the same error on every rank."""
-    mine = torch.tensor([0 if error is None else 1] + ints, dtype=torch.int64, device=cp.device)
-    rows = [torch.empty_like(mine) for _ in range(cp.size)]
-    dist.all_gather(rows, mine, group=cp.cp_group)
-    if error is not None:
-        raise ValueError(error)
-    bad = [r for r, row in enumerate(rows) if row[0].item()]
-    if bad:
-        raise ValueError(f"cp ranks {bad} rejected their model inputs (their error says why); every rank stops "
-                         f"here instead of hanging")
-    for r, row in enumerate(rows):
-        if row[1:].tolist() != ints:
-            raise ValueError(f"inconsistent model inputs across the cp group: (batch, local length, has mask) = "
-                             f"{row[1:].tolist()} on cp rank {r} vs {ints} here; every rank must pass its shard "
-                             f"of the same batch (hcp.shard_batch)")
-    return rows
-
-
 def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if args:
         kwargs = dict(kwargs)
@@ -167,9 +148,10 @@ def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict)
     except ValueError as exc:
         if not (cp.validate and cp.size > 1):
             raise
-        error = str(exc)
+        error = exc
     if cp.validate and cp.size > 1:
-        _agree(cp, error, [b, s, int(mask is not None)])
+        agree_across_ranks(cp, [b, s, int(mask is not None)], ["batch", "local length", "has mask"], error,
+                           "model inputs")
     if mask is not None:
         _check_global_right_padding(cp, mask, kwargs["position_ids"])
         kwargs["attention_mask"] = None
