@@ -52,6 +52,7 @@ class WorkerPool:
     def __init__(self, world: int, *, threads: int = 1, extra_paths: list[str] | None = None):
         ctx = mp.get_context("spawn")
         self.world = world
+        self.broken = ""
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         port = _free_port()
@@ -64,8 +65,11 @@ class WorkerPool:
     def run(self, target: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
         """Run `target(**kwargs)` on every rank; return the per-rank results in rank order.
 
-        Raises RuntimeError with each failing rank's traceback, or TimeoutError if a rank hangs.
+        Raises RuntimeError with each failing rank's traceback, or TimeoutError if a rank hangs
+        (the pool is then closed, and later calls fail at once instead of waiting again).
         """
+        if self.broken:
+            raise RuntimeError(f"the worker pool was closed after an earlier hang ({self.broken}); not running {target}")
         for q in self.tasks:
             q.put((target, kwargs))
         out: list[Any] = [None] * self.world
@@ -75,6 +79,7 @@ class WorkerPool:
                 rank, ok, value = self.results.get(timeout=timeout)
             except queue.Empty:
                 self.close(force=True)
+                self.broken = f"{target} timed out"
                 raise TimeoutError(f"{target} did not finish on every rank within {timeout}s (a hang?)")
             if ok:
                 out[rank] = value
