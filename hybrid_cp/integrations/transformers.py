@@ -190,7 +190,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh) -> torch.nn.Modul
         raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"apply_context_parallel expects a transformers PreTrainedModel, got {type(model).__name__}")
+        raise TypeError(f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
+                        f"pip install 'hybrid-cp[hf]'), got {type(model).__name__}")
     for cfg in [config] + [getattr(config, k) for k in getattr(config, "sub_configs", {}) if getattr(config, k, None)]:
         drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
         if drop > 0:
