@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .comm import RingExchange
-from .layout import ring_block_positions
+from .layout import padded_length, ring_block_positions
 
 if TYPE_CHECKING:
     from .kernels import AttentionKernel
@@ -65,7 +65,6 @@ def schedule(layout: str, ulysses: int, ring: int, ring_rank: int, step: int, ca
 def block_work(layout: str, ulysses: int, ring: int, seq_len: int, causal: bool = True) -> list[list[int]]:
     """Score-matrix entries each ring rank evaluates at each step (per batch and head), counted
     from the same schedule the engine runs; a balanced layout has equal entries in every row."""
-    from .layout import padded_length
     n = padded_length(seq_len, layout, ulysses, ring)
     block = n // ring
     work = []
