@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .layout import _remember_length, local_indices, padded_length
+from .layout import _remember_length, _shard_tensor, positions
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -61,17 +61,6 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
         keep[:, -1] = False
         out = out.masked_fill(~keep, ignore_index)
     return out
-
-
-def _pad_seq(x: torch.Tensor, n: int, value) -> torch.Tensor:
-    s = x.shape[1]
-    if n == s:
-        return x
-    if callable(value):
-        pad = value(x, n - s)
-    else:
-        pad = x.new_full((x.shape[0], n - s, *x.shape[2:]), value)
-    return torch.cat([x, pad], dim=1)
 
 
 def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -100, shift: bool = True,
@@ -166,12 +155,10 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
                              "sequence, so only contiguous positions are exact: drop position_ids (the default "
                              "is 0..S-1) or pass arange-like rows")
 
-    n = padded_length(s, cp.layout, cp.ulysses_size, cp.ring_size)
-    idx = local_indices(s, cp.layout, cp.ulysses_size, cp.ring_size, cp.rank, device=ids.device)
     _remember_length(cp, s)
 
-    def take(x: torch.Tensor, value) -> torch.Tensor:
-        return _pad_seq(x, n, value).index_select(1, idx.to(x.device)).to(device).contiguous()
+    def take(x: torch.Tensor, pad) -> torch.Tensor:
+        return _shard_tensor(x, cp, 1, pad).to(device).contiguous()
 
     out: dict[str, Any] = {}
     for key, value in batch.items():
@@ -184,7 +171,7 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     out["input_ids"] = take(ids, pad_token_id)
     out["labels"] = take(labels, ignore_index)
     if pos is None:
-        out["position_ids"] = idx.to(device)[None].expand(b, -1).contiguous()
+        out["position_ids"] = positions(s, cp, device=device)[None].expand(b, -1).contiguous()
     else:
         def pos_pad(x, extra):  # continue the positions past the end, so pads sit after every token
             return x[:, -1:] + torch.arange(1, extra + 1, device=x.device, dtype=x.dtype)

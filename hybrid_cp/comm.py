@@ -92,7 +92,7 @@ def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[tuple[tupl
     With `accumulate`, head ranges that several ranks hold (replicated KV) are summed in fp32:
     the gradient of a replicated KV head is the sum of its replicas' gradients.
     """
-    u, me = cp.ulysses_size, cp.ulysses_rank
+    u = cp.ulysses_size
     b, n, _, d = parts[0].shape
     s = n // u
     if u == 1:

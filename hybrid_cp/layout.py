@@ -12,26 +12,17 @@ non-causal attention drops them explicitly. `unshard` removes the padding again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
+
+from topology.cost import granularity, padded_length
 
 from .mesh import LAYOUTS, _check_layout
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
-
-
-def granularity(layout: str, ulysses: int, ring: int) -> int:
-    """Sequence lengths are padded to a multiple of this."""
-    _check_layout(layout)
-    return 2 * ulysses * ring if layout == "zigzag" else ulysses * ring
-
-
-def padded_length(seq_len: int, layout: str, ulysses: int, ring: int) -> int:
-    g = granularity(layout, ulysses, ring)
-    return -(-seq_len // g) * g
 
 
 def _segments(layout: str, padded_len: int, ulysses: int, ring: int, cp_rank: int) -> list[tuple[int, int]]:
@@ -141,13 +132,20 @@ class _Unshard(torch.autograd.Function):
         return _shard_tensor(grad, ctx.cp, ctx.dim), None, None, None
 
 
-def _shard_tensor(x: torch.Tensor, cp: "CPMesh", dim: int) -> torch.Tensor:
+def _shard_tensor(x: torch.Tensor, cp: "CPMesh", dim: int,
+                  pad: float | Callable[[torch.Tensor, int], torch.Tensor] = 0) -> torch.Tensor:
+    """This rank's tokens of `x` along `dim`, after padding the sequence to the layout's
+    granularity with `pad`: a fill value, or a function (x, count) -> the pad tokens."""
     seq_len = x.shape[dim]
     n = padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size)
     if n != seq_len:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = n - seq_len
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        if callable(pad):
+            fill = pad(x, n - seq_len)
+        else:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = n - seq_len
+            fill = x.new_full(pad_shape, pad)
+        x = torch.cat([x, fill], dim=dim)
     return torch.cat([x.narrow(dim, a, m) for a, m in
                       _segments(cp.layout, n, cp.ulysses_size, cp.ring_size, cp.rank)], dim=dim)
 

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("hybrid-cp demo needs transformers: pip install transformers", file=sys.stderr)
+        print("hybrid-cp demo needs transformers: pip install 'hybrid-cp[hf]'", file=sys.stderr)
         return 1
     from hybrid_cp.testing import WorkerPool
 

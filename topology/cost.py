@@ -137,12 +137,22 @@ def head_split(heads: int, kv_heads: int, ulysses: int) -> list[tuple[int, int, 
     return out
 
 
-def _local_tokens(seq_len: int, ulysses: int, ring: int, layout: str) -> tuple[int, int]:
-    """``(padded_len, local_tokens)``: zigzag needs 2*u*r chunks, contiguous u*r."""
+def granularity(layout: str, ulysses: int, ring: int) -> int:
+    """Sequence lengths are padded to a multiple of this: zigzag cuts 2*u*r pieces, contiguous u*r."""
     if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r} must be 'zigzag' or 'contiguous'")
-    g = (2 if layout == "zigzag" else 1) * ulysses * ring
-    padded = -(-seq_len // g) * g
+        raise ValueError(f"layout={layout!r} is not a known sequence layout; use 'zigzag' or 'contiguous'")
+    return (2 if layout == "zigzag" else 1) * ulysses * ring
+
+
+def padded_length(seq_len: int, layout: str, ulysses: int, ring: int) -> int:
+    """`seq_len` rounded up to the layout's granularity (the engine pads at the end)."""
+    g = granularity(layout, ulysses, ring)
+    return -(-seq_len // g) * g
+
+
+def _local_tokens(seq_len: int, ulysses: int, ring: int, layout: str) -> tuple[int, int]:
+    """``(padded_len, local_tokens)``."""
+    padded = padded_length(seq_len, layout, ulysses, ring)
     return padded, padded // (ulysses * ring)
 
 

@@ -56,7 +56,7 @@ class Plan:
             f"{e.ring_overhead_s * ms:.2f} + rest of layer {e.rest_s * ms:.2f}",
             f"  all-to-all {e.a2a_s * ms:.2f} ms over {e.a2a_link}; ring {e.ring_comm_s * ms:.2f} ms over "
             f"{e.ring_link}, exposed {e.ring_exposed_s * ms:.2f} ms",
-            f"  bytes sent per rank per layer: "
+            "  bytes sent per rank per layer: "
             + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.bytes_per_rank.items()),
             f"  memory per rank {e.memory_bytes / GiB:.1f} GiB: "
             + ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.memory_breakdown.items() if v),
