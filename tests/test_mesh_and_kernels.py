@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hybrid_cp as hcp
+from dist_cases import reference
 from hybrid_cp.kernels import MathKernel, SDPAKernel, get_kernel
 from hybrid_cp.ring import merge_
 
@@ -23,17 +24,6 @@ def test_mesh_validation_and_plan(pool):
         assert res["planned"][0] == res["planned"][1]        # a topology plan builds its mesh
 
 
-def _autograd_reference(q, k, v, dout, causal, scale):
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    h = q.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // k.shape[2], 2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(h // v.shape[2], 2))
-    out.backward(dout.double())
-    return out, torch.logsumexp(s, -1), q.grad, k.grad, v.grad
-
-
 @pytest.mark.parametrize("kernel,dtype,tol", [(MathKernel(), torch.float64, 1e-12), (MathKernel(), torch.float32, 1e-5),
                                               (SDPAKernel(), torch.float32, 1e-5)], ids=["math64", "math32", "sdpa32"])
 @pytest.mark.parametrize("hkv", [4, 2, 1])
@@ -43,7 +33,7 @@ def test_kernel_forward_backward(kernel, dtype, tol, hkv, causal):
     q, dout = (torch.randn(2, 33, 4, 16, generator=g, dtype=dtype) for _ in range(2))
     k, v = (torch.randn(2, 33, hkv, 16, generator=g, dtype=dtype) for _ in range(2))
     scale = 0.3
-    ref = _autograd_reference(q, k, v, dout, causal, scale)
+    ref = reference(q, k, v, dout, causal, scale)
     out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
     grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     for name, got, want in zip(["out", "lse", "dq", "dk", "dv"], (out, lse) + tuple(grads), ref):
