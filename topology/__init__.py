@@ -4,46 +4,33 @@
 >>> cluster = topology.Cluster.preset("dgx-h100", nodes=4)
 >>> model = topology.ModelShape(heads=32, kv_heads=8, head_dim=128, hidden=4096, layers=32)
 >>> best = topology.plan(cluster, model, seq_len=1 << 20).best   # best.ulysses, best.ring, best.dp
+
+Names are imported on first use, so that the engine can import the torch-free, pydantic-free
+`topology.layouts` (head and token arithmetic) without loading the planner.
 """
 
-from .cluster import Accelerator, Cluster, ClusterError, LinkSpec
-from .cost import Estimate, ModelShape, comm_bytes, dtype_bytes, estimate, head_split
-from .discover import discover
-from .placement import (
-    PlacementError,
-    PlacementReport,
-    PlacementWarning,
-    check_placement,
-    fitting_ulysses_degrees,
-    mesh_ranks,
-    ring_groups,
-    ulysses_groups,
-)
-from .planner import Plan, PlanError, PlanList, Rejected, plan
+from importlib import import_module
 
-__all__ = [
-    "Accelerator",
-    "Cluster",
-    "ClusterError",
-    "LinkSpec",
-    "Estimate",
-    "ModelShape",
-    "comm_bytes",
-    "dtype_bytes",
-    "estimate",
-    "head_split",
-    "discover",
-    "PlacementError",
-    "PlacementReport",
-    "PlacementWarning",
-    "check_placement",
-    "fitting_ulysses_degrees",
-    "mesh_ranks",
-    "ring_groups",
-    "ulysses_groups",
-    "Plan",
-    "PlanError",
-    "PlanList",
-    "Rejected",
-    "plan",
-]
+_EXPORTS = {
+    "cluster": ["Accelerator", "Cluster", "ClusterError", "LinkSpec"],
+    "cost": ["Estimate", "ModelShape", "comm_bytes", "dtype_bytes", "estimate", "head_split"],
+    "discover": ["discover"],
+    "placement": ["PlacementError", "PlacementReport", "PlacementWarning", "check_placement",
+                  "fitting_ulysses_degrees", "mesh_ranks", "ring_groups", "ulysses_groups"],
+    "planner": ["Plan", "PlanError", "PlanList", "Rejected", "plan"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'topology' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

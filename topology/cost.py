@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cluster import Cluster
+from .layouts import granularity, head_split, make_layout, padded_length, doc_lengths
 from .placement import PlacementError, ring_groups, ulysses_groups
 
 __all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS"]
@@ -32,7 +33,7 @@ _DTYPE_BYTES = {
     "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
     "fp32": 4, "float32": 4, "float": 4, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }  # fmt: skip
-GRAD_BYTES = 4  # dK/dV travel the ring in fp32 (engine default; see DESIGN.md section 4)
+GRAD_BYTES = 4  # dK/dV travel the ring in fp32 (the engine's default: gradients accumulate in fp32)
 ATTN_BWD_FACTOR = 2.5  # backward attention FLOPs / forward attention FLOPs
 MODEL_STATE_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + 2 fp32 Adam moments (ZeRO-3/FSDP)
 
@@ -120,40 +121,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def head_split(heads: int, kv_heads: int, ulysses: int) -> list[tuple[int, int, int, int]]:
-    """Per ulysses rank ``i``: ``(c_i, start_i, lo_i, k_i)`` query-head count, first query head, first KV
-    head and number of KV heads it receives (uneven split: the first ``H % u`` ranks get one more)."""
-    if heads % kv_heads:
-        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
-    if ulysses > heads:
-        raise ValueError(f"ulysses={ulysses} exceeds heads={heads}: every ulysses rank needs at least one head")
-    grp = heads // kv_heads
-    out, start = [], 0
-    for i in range(ulysses):
-        c = heads // ulysses + (1 if i < heads % ulysses else 0)
-        lo, hi = start // grp, (start + c - 1) // grp + 1
-        out.append((c, start, lo, hi - lo))
-        start += c
-    return out
-
-
-def granularity(layout: str, ulysses: int, ring: int) -> int:
-    """Sequence lengths are padded to a multiple of this: zigzag cuts 2*u*r pieces, contiguous u*r."""
-    if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r} is not a known sequence layout; use 'zigzag' or 'contiguous'")
-    return (2 if layout == "zigzag" else 1) * ulysses * ring
-
-
-def padded_length(seq_len: int, layout: str, ulysses: int, ring: int) -> int:
-    """`seq_len` rounded up to the layout's granularity (the engine pads at the end)."""
-    g = granularity(layout, ulysses, ring)
-    return -(-seq_len // g) * g
-
-
-def _local_tokens(seq_len: int, ulysses: int, ring: int, layout: str) -> tuple[int, int]:
-    """``(padded_len, local_tokens)``."""
-    padded = padded_length(seq_len, layout, ulysses, ring)
-    return padded, padded // (ulysses * ring)
+def _local_tokens(seq_len: int, ulysses: int, ring: int, layout: str, cu_seqlens=None) -> tuple[int, int]:
+    """``(padded_len, local_tokens)`` of a dense row of `seq_len` tokens, or of packed documents."""
+    lay = make_layout(layout, ulysses, ring, seq_len=None if cu_seqlens is not None else seq_len,
+                      doc_lens=doc_lengths(cu_seqlens) if cu_seqlens is not None else None)
+    return lay.padded_len, lay.local_len
 
 
 def _check_ints(**kw: int) -> None:
@@ -184,17 +156,22 @@ def comm_bytes(
     dtype_bytes: int,
     layout: str = "zigzag",
     ulysses_rank: int | None = None,
+    cu_seqlens: Any = None,
 ) -> dict[str, int]:
     """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
 
     Keys ``ulysses_fwd``, ``ulysses_bwd``, ``ring_fwd``, ``ring_bwd``. With ``ulysses_rank=None`` each
     value is the maximum over ulysses ranks (taken per key). These are the formulas the engine's
-    byte counter must satisfy exactly; see docs/planner.md for the derivation.
+    byte counter must satisfy exactly; see docs/planner.md for the derivation. For a packed row pass
+    the documents' boundaries as ``cu_seqlens`` (``seq_len`` is then their total): the packed layout's
+    padding decides the local length, the formulas are the same.
     """
     _check_ints(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
                 ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
     split = head_split(heads, kv_heads, ulysses)
-    _, s = _local_tokens(seq_len, ulysses, ring, layout)
+    if cu_seqlens is not None and doc_lengths(cu_seqlens) and sum(doc_lengths(cu_seqlens)) != seq_len:
+        raise ValueError(f"cu_seqlens ends at {sum(doc_lengths(cu_seqlens))} but seq_len={seq_len}; pass the packed row's total")
+    _, s = _local_tokens(seq_len, ulysses, ring, layout, cu_seqlens)
     unit = batch * s * head_dim * dtype_bytes
     ranks = range(ulysses) if ulysses_rank is None else [ulysses_rank]
     if ulysses_rank is not None and not 0 <= ulysses_rank < ulysses:

@@ -1,0 +1,440 @@
+"""Where tokens and heads live: the arithmetic the engine (`hybrid_cp`) and the cost model share.
+
+Pure Python (no torch, no pydantic), so that `import hybrid_cp` does not load the planner and the
+planner does not load torch. The engine builds its index tensors and ring schedule from these
+objects; `topology.comm_bytes` prices the same shapes, so the two cannot disagree.
+
+A layout places the tokens of one row (a dense sequence, or packed documents) on the ``u x r`` cp
+ranks. After the Ulysses all-to-all, ring rank ``j`` holds a *ring block* of ``block_len`` rows; the
+layout describes it as spans (one per document, plus pad spans), each a list of chunks of document
+positions in row order. Everything else is derived here once: which rows each ulysses rank holds,
+which original token sits in each local slot, the (query rows, key rows) pairs each ring step
+computes, and the causal work per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+LAYOUTS = ("zigzag", "contiguous")
+PAD = -1  # the document id of pad rows
+
+
+def head_split(heads: int, kv_heads: int, ulysses: int) -> list[tuple[int, int, int, int]]:
+    """Per ulysses rank ``i``: ``(c_i, start_i, lo_i, k_i)`` query-head count, first query head, first KV
+    head and number of KV heads it receives (uneven split: the first ``H % u`` ranks get one more)."""
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    if ulysses > heads:
+        raise ValueError(f"ulysses={ulysses} exceeds heads={heads}: every ulysses rank needs at least one head")
+    grp = heads // kv_heads
+    out, start = [], 0
+    for i in range(ulysses):
+        c = heads // ulysses + (1 if i < heads % ulysses else 0)
+        lo, hi = start // grp, (start + c - 1) // grp + 1
+        out.append((c, start, lo, hi - lo))
+        start += c
+    return out
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a known sequence layout; use one of {LAYOUTS}")
+    return layout
+
+
+def granularity(layout: str, ulysses: int, ring: int) -> int:
+    """Dense lengths are padded to a multiple of this: zigzag cuts 2*u*r pieces, contiguous u*r."""
+    return (2 if check_layout(layout) == "zigzag" else 1) * ulysses * ring
+
+
+def padded_length(seq_len: int, layout: str, ulysses: int, ring: int) -> int:
+    """A dense `seq_len` rounded up to the layout's granularity (the engine pads at the end)."""
+    g = granularity(layout, ulysses, ring)
+    return -(-seq_len // g) * g
+
+
+@dataclass(frozen=True)
+class Span:
+    """Consecutive rows of a ring block that belong to one document (or are padding).
+
+    ``chunks`` are (first document position, length) runs in row order, with increasing positions,
+    so the causal order of the rows is their row order."""
+
+    doc: int
+    row: int
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def length(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+@dataclass(frozen=True)
+class Step:
+    """The work of one ring step: (query row start, count, key row start, count) pairs that are each
+    fully visible, or (with ``causal``) square causal blocks on identical rows."""
+
+    pairs: tuple[tuple[int, int, int, int], ...]
+    causal: bool
+
+    def work(self) -> int:
+        """Score-matrix entries evaluated (per batch row and head)."""
+        return sum(nq * (nq + 1) // 2 if self.causal else nq * nk for _, nq, _, nk in self.pairs)
+
+
+class Layout:
+    """Base class: subclasses set the fields below and implement `_spans` and `_local_rows`."""
+
+    kind: str
+    ulysses: int
+    ring: int
+    doc_lens: tuple[int, ...]   # real tokens per document (one entry for a dense sequence)
+    block_len: int              # rows of every ring block (u * local_len)
+
+    @property
+    def local_len(self) -> int:
+        return self.block_len // self.ulysses
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.doc_lens)
+
+    @property
+    def padded_len(self) -> int:
+        return self.block_len * self.ring
+
+    @property
+    def doc_starts(self) -> tuple[int, ...]:
+        out, total = [], 0
+        for n in self.doc_lens:
+            out.append(total)
+            total += n
+        return tuple(out)
+
+    def _spans(self, ring_rank: int) -> list[Span]:
+        raise NotImplementedError
+
+    def _local_rows(self, ulysses_rank: int) -> list[tuple[int, int]]:
+        """(first row, count) runs of the ring block that ulysses rank `ulysses_rank` holds, in local order."""
+        s = self.local_len
+        return [(ulysses_rank * s, s)]
+
+    # ---- derived (cached per layout instance) ------------------------------------------------
+    def spans(self, ring_rank: int) -> tuple[Span, ...]:
+        cache = self.__dict__.setdefault("_span_cache", {})
+        if ring_rank not in cache:
+            spans = tuple(self._spans(ring_rank))
+            row = 0
+            for sp in spans:  # spans tile the block in row order, chunk positions increase
+                assert sp.row == row and all(a + n <= b for (a, n), (b, _) in zip(sp.chunks, sp.chunks[1:])), sp
+                row += sp.length
+            assert row == self.block_len, (row, self.block_len)
+            cache[ring_rank] = spans
+        return cache[ring_rank]
+
+    def gathered_rows(self) -> list[int] | None:
+        """Ring-block row of each position of the gathered (ulysses-rank-major) order; None if identical."""
+        rows = [a + i for u in range(self.ulysses) for a, n in self._local_rows(u) for i in range(n)]
+        return None if rows == list(range(self.block_len)) else rows
+
+    def token_runs(self, cp_rank: int) -> list[tuple[int, int, int]]:
+        """(original token index or PAD, document position, count) runs of `cp_rank`'s local slots in order."""
+        ring_rank, ulysses_rank = divmod(cp_rank, self.ulysses)
+        starts = self.doc_starts
+        row_runs = []  # (row, token or PAD, position, count) over the whole ring block
+        for sp in self.spans(ring_rank):
+            row = sp.row
+            for pos, n in sp.chunks:
+                row_runs.append((row, PAD if sp.doc == PAD else starts[sp.doc] + pos, pos, n))
+                row += n
+        out = []
+        for first, count in self._local_rows(ulysses_rank):
+            end = first + count
+            for row, tok, pos, n in row_runs:
+                a, b = max(row, first), min(row + n, end)
+                if a < b:
+                    off = a - row
+                    out.append((PAD if tok == PAD else tok + off, pos + off, b - a))
+        return out
+
+    def step(self, ring_rank: int, step: int, causal: bool) -> Step | None:
+        """What ring rank `ring_rank` computes at ring step `step` (keys from rank ring_rank - step)."""
+        src = (ring_rank - step) % self.ring
+        queries = {sp.doc: sp for sp in self.spans(ring_rank) if sp.doc != PAD}
+        pairs = []
+        for sp in self.spans(src):
+            q = queries.get(sp.doc)
+            if q is None or sp.doc == PAD:
+                continue
+            if not causal:
+                pairs.append((q.row, q.length, sp.row, sp.length))
+            elif src == ring_rank:
+                pairs.append((q.row, q.length, q.row, q.length))
+            else:
+                pair = _visible_rectangle(q, sp)
+                if pair is not None:
+                    pairs.append(pair)
+        if not pairs:
+            return None
+        return Step(tuple(pairs), causal and src == ring_rank)
+
+    def work(self, causal: bool = True) -> list[list[int]]:
+        """Score entries each ring rank evaluates at each step, counted from the same plan the engine runs."""
+        return [[0 if (t := self.step(j, s, causal)) is None else t.work() for s in range(self.ring)]
+                for j in range(self.ring)]
+
+    def kernel_calls(self, causal: bool = True) -> list[int]:
+        """(query, key) pairs per ring rank over all steps: the segments its kernel calls carry."""
+        return [sum(len(t.pairs) for s in range(self.ring) if (t := self.step(j, s, causal)) is not None)
+                for j in range(self.ring)]
+
+    def key(self) -> tuple:
+        return (self.kind, self.ulysses, self.ring, self.doc_lens, self.block_len)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(u={self.ulysses}, r={self.ring}, docs={len(self.doc_lens)}, "
+                f"tokens={self.seq_len}, padded={self.padded_len})")
+
+
+def _visible_rectangle(q: Span, k: Span) -> tuple[int, int, int, int] | None:
+    """The rows of `q` that see rows of `k` of the same document on another ring rank (every key
+    before every query), as one rectangle. Chunks of one document on different ranks are disjoint,
+    so each (query chunk, key chunk) pair is all visible or all invisible."""
+    sel_q = [i for i, (a, _) in enumerate(q.chunks) if any(b + m <= a for b, m in k.chunks)]
+    if not sel_q:
+        return None
+    first_q = q.chunks[sel_q[0]][0]
+    sel_k = [i for i, (b, m) in enumerate(k.chunks) if b + m <= first_q]
+    # one rectangle: the selected chunks are suffix of the query span / prefix of the key span
+    assert sel_q == list(range(sel_q[0], len(q.chunks))) and sel_k == list(range(len(sel_k))), (q, k)
+    q_row = q.row + sum(n for _, n in q.chunks[:sel_q[0]])
+    k_len = sum(k.chunks[i][1] for i in sel_k)
+    return q_row, q.row + q.length - q_row, k.row, k_len
+
+
+def _zigzag_chunks(length: int, ring: int, offset: int) -> list[tuple[int, int]]:
+    """Cut a document into 2r chunks whose sizes differ by at most one; the spare tokens go to ring
+    ranks offset, offset+1, ... so that they spread over ranks across documents."""
+    base, spare = divmod(length, 2 * ring)
+    sizes = [base] * (2 * ring)
+    for t in range(spare):
+        rank = (offset + t) % ring
+        sizes[rank if t < ring else 2 * ring - 1 - rank] += 1
+    out, pos = [], 0
+    for n in sizes:
+        out.append((pos, n))
+        pos += n
+    return out
+
+
+class DenseZigzag(Layout):
+    """One sequence cut into 2r chunks (padded at the end); ring rank j holds chunks j and 2r-1-j,
+    and each chunk is cut into u pieces of which ulysses rank i holds piece i."""
+
+    kind = "zigzag"
+
+    def __init__(self, seq_len: int, ulysses: int, ring: int):
+        self.ulysses, self.ring, self.doc_lens = ulysses, ring, (seq_len,)
+        self.block_len = padded_length(seq_len, "zigzag", ulysses, ring) // ring
+
+    def _spans(self, ring_rank: int) -> list[Span]:
+        c = self.block_len // 2
+        return _dense_spans([(ring_rank * c, c), ((2 * self.ring - 1 - ring_rank) * c, c)], self.seq_len)
+
+    def _local_rows(self, ulysses_rank: int) -> list[tuple[int, int]]:
+        c = self.block_len // 2
+        p = c // self.ulysses
+        return [(ulysses_rank * p, p), (c + ulysses_rank * p, p)]
+
+
+class DenseContiguous(Layout):
+    """One sequence cut into u*r equal runs (padded at the end); cp rank k holds run k."""
+
+    kind = "contiguous"
+
+    def __init__(self, seq_len: int, ulysses: int, ring: int):
+        self.ulysses, self.ring, self.doc_lens = ulysses, ring, (seq_len,)
+        self.block_len = padded_length(seq_len, "contiguous", ulysses, ring) // ring
+
+    def _spans(self, ring_rank: int) -> list[Span]:
+        return _dense_spans([(ring_rank * self.block_len, self.block_len)], self.seq_len)
+
+
+def _dense_spans(chunks: list[tuple[int, int]], seq_len: int) -> list[Span]:
+    """Spans of a dense ring block made of `chunks` of the padded sequence: the real prefix of the
+    chunks is one span of document 0 (real rows are contiguous: padding sits at the sequence end,
+    so a chunk with padding is followed only by all-pad chunks), the rest one pad span."""
+    real = [(a, min(n, seq_len - a)) for a, n in chunks if a < seq_len]
+    pads = [(max(a, seq_len), a + n - max(a, seq_len)) for a, n in chunks if a + n > seq_len]
+    spans, row = [], 0
+    if real:
+        spans.append(Span(0, 0, tuple(real)))
+        row = sum(n for _, n in real)
+    if pads:
+        spans.append(Span(PAD, row, tuple(pads)))
+    return spans
+
+
+class Packed(Layout):
+    """Packed documents of any lengths, balanced for causal attention.
+
+    policy "balanced" (default): documents longer than a threshold are cut per-document zigzag
+    (2r chunks, rank j holds chunks j and 2r-1-j: equal causal work everywhere); the others stay
+    whole on one ring rank, placed greedily (largest work first, onto the least-loaded rank with
+    room). The threshold is the longest-first split count that balances best (see docs/packing.md).
+    policy "zigzag": every document per-document zigzag (the peers' scheme, without their
+    per-document padding). policy "contiguous": the row cut into equal runs (no balance).
+    Each ring block is [split documents' two chunks, adjacent; whole documents; padding]; ulysses
+    rank i holds the i-th contiguous 1/u of it, so no permutation follows the all-to-all.
+    """
+
+    def __init__(self, doc_lens: tuple[int, ...], ulysses: int, ring: int, policy: str = "balanced"):
+        if policy not in ("balanced", "zigzag", "contiguous"):
+            raise ValueError(f"packing policy={policy!r}; use 'balanced', 'zigzag' or 'contiguous'")
+        self.kind = "packed-" + policy
+        self.ulysses, self.ring, self.doc_lens, self.policy = ulysses, ring, tuple(doc_lens), policy
+        if policy == "contiguous":
+            self.block_len = -(-max(self.seq_len, 1) // (ulysses * ring)) * ulysses
+            self._blocks = None
+            return
+        if policy == "zigzag" or ring == 1:
+            split = [d for d, n in enumerate(self.doc_lens) if n > 0] if ring > 1 else []
+            blocks = _assign(self.doc_lens, split, ring)
+        else:
+            blocks = _best_assignment(self.doc_lens, ring)
+        self._blocks = blocks  # per ring rank: (split docs with their chunks, whole docs)
+        tokens = max(_block_tokens(self.doc_lens, b) for b in blocks)
+        self.block_len = -(-max(tokens, 1) // ulysses) * ulysses
+
+    def _spans(self, ring_rank: int) -> list[Span]:
+        spans, row = [], 0
+        if self._blocks is None:  # contiguous
+            a, b = ring_rank * self.block_len, (ring_rank + 1) * self.block_len
+            for d, start in enumerate(self.doc_starts):
+                lo, hi = max(a, start), min(b, start + self.doc_lens[d])
+                if lo < hi:
+                    spans.append(Span(d, row, ((lo - start, hi - lo),)))
+                    row += hi - lo
+        else:
+            split, whole = self._blocks[ring_rank]
+            for d, chunks in split:
+                chunks = tuple(c for c in chunks if c[1] > 0)
+                if chunks:
+                    spans.append(Span(d, row, chunks))
+                    row += sum(n for _, n in chunks)
+            for d in whole:
+                spans.append(Span(d, row, ((0, self.doc_lens[d]),)))
+                row += self.doc_lens[d]
+        if row < self.block_len:
+            spans.append(Span(PAD, row, ((0, self.block_len - row),)))
+        return spans
+
+    def padding(self) -> int:
+        return self.padded_len - self.seq_len
+
+
+Block = tuple[list[tuple[int, tuple[tuple[int, int], ...]]], list[int]]
+
+
+def _block_tokens(doc_lens: tuple[int, ...], block: Block) -> int:
+    split, whole = block
+    return sum(n for _, ch in split for _, n in ch) + sum(doc_lens[d] for d in whole)
+
+
+def _causal_work(chunks) -> int:
+    """Causal score entries of queries at these document positions (each sees every earlier key)."""
+    return sum(n * a + n * (n + 1) // 2 for a, n in chunks)
+
+
+def _assign(doc_lens: tuple[int, ...], split: list[int], ring: int) -> list[Block]:
+    """Cut the `split` documents per-document zigzag; place the others whole, largest work first,
+    on the ring rank with the least work among those with room (else the one with fewest tokens)."""
+    blocks: list[Block] = [([], []) for _ in range(ring)]
+    work, tokens = [0] * ring, [0] * ring
+    offset = 0
+    for d in split:
+        chunks = _zigzag_chunks(doc_lens[d], ring, offset)
+        offset = (offset + doc_lens[d] % (2 * ring)) % ring
+        for j in range(ring):
+            mine = (chunks[j], chunks[2 * ring - 1 - j])
+            blocks[j][0].append((d, mine))
+            work[j] += _causal_work(mine)
+            tokens[j] += mine[0][1] + mine[1][1]
+    rest = sorted((d for d in range(len(doc_lens)) if d not in set(split) and doc_lens[d] > 0),
+                  key=lambda d: -doc_lens[d])
+    capacity = -(-sum(doc_lens) // ring)
+    for d in rest:
+        n = doc_lens[d]
+        fits = [j for j in range(ring) if tokens[j] + n <= capacity]
+        j = min(fits, key=lambda j: (work[j], tokens[j])) if fits else min(range(ring), key=lambda j: tokens[j])
+        blocks[j][1].append(d)
+        work[j] += n * (n + 1) // 2
+        tokens[j] += n
+    return blocks
+
+
+def _score(doc_lens: tuple[int, ...], blocks: list[Block]) -> tuple[float, float]:
+    """(causal work of the busiest rank / mean, tokens of the fullest rank / mean)."""
+    work = [sum(_causal_work(ch) for _, ch in split) + sum(doc_lens[d] * (doc_lens[d] + 1) // 2 for d in whole)
+            for split, whole in blocks]
+    tokens = [_block_tokens(doc_lens, b) for b in blocks]
+    mean_w, mean_t = sum(work) / len(work), sum(tokens) / len(tokens)
+    return max(work) / max(mean_w, 1), max(tokens) / max(mean_t, 1)
+
+
+def _best_assignment(doc_lens: tuple[int, ...], ring: int) -> list[Block]:
+    """Split the k longest documents for the smallest k (0, 1, 2, 4, ... all) whose placement has
+    causal work within 2% and tokens within 1% of the mean; else the k with the best worst ratio."""
+    order = sorted((d for d in range(len(doc_lens)) if doc_lens[d] > 0), key=lambda d: -doc_lens[d])
+    counts, k = [0], 1
+    while k < len(order):
+        counts.append(k)
+        k *= 2
+    counts.append(len(order))
+    best, best_score = None, None
+    for k in counts:
+        blocks = _assign(doc_lens, order[:k], ring)
+        w, t = _score(doc_lens, blocks)
+        if w <= 1.02 and t <= 1.01:
+            return blocks
+        score = max(w, t)
+        if best_score is None or score < best_score:
+            best, best_score = blocks, score
+    return best
+
+
+@lru_cache(maxsize=256)
+def make_layout(layout: str, ulysses: int, ring: int, seq_len: int | None = None,
+                doc_lens: tuple[int, ...] | None = None) -> Layout:
+    """The layout of one row: dense (`seq_len`) or packed documents (`doc_lens`); cached, since
+    every layer of a model asks for the same one."""
+    check_layout(layout)
+    if doc_lens is None:
+        return (DenseZigzag if layout == "zigzag" else DenseContiguous)(seq_len, ulysses, ring)
+    return Packed(doc_lens, ulysses, ring, "balanced" if layout == "zigzag" else "contiguous")
+
+
+def doc_lengths(cu_seqlens) -> tuple[int, ...]:
+    """Document lengths from flash-attn style boundaries [0, len_0, len_0 + len_1, ..., total]."""
+    cu = [int(x) for x in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0:
+        raise ValueError(f"cu_seqlens={cu[:8]}{'...' if len(cu) > 8 else ''} must start at 0 and hold at least "
+                         f"[0, total]: the packed row's document boundaries, as flash-attn's varlen functions take")
+    lens = tuple(b - a for a, b in zip(cu, cu[1:]))
+    bad = [i for i, n in enumerate(lens) if n < 0]
+    if bad:
+        raise ValueError(f"cu_seqlens decreases after index {bad[0]} ({cu[bad[0]]} -> {cu[bad[0] + 1]}); boundaries "
+                         f"must be non-decreasing cumulative lengths")
+    return lens
+
+
+__all__ = ["LAYOUTS", "PAD", "Layout", "DenseZigzag", "DenseContiguous", "Packed", "Span", "Step", "head_split",
+           "granularity", "padded_length", "make_layout", "doc_lengths", "check_layout"]
