@@ -50,6 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="compute dtype (bf16: FSDP2 mixed precision, fp32 master weights and gradient reduction)")
     p.add_argument("--checkpoint-activations", action="store_true", help="recompute each decoder layer in backward")
+    p.add_argument("--tiled-loss", type=int, nargs="?", const=0, default=None, metavar="TOKENS",
+                   help="loss from the final hidden states in chunks of TOKENS tokens (default chunk: 256 MiB of fp32 "
+                        "logits), never the full [tokens, vocab] logits (hcp.lm_loss)")
+    p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
+                   help="run each MLP over chunks of TOKENS tokens with recomputation (hcp.tile_mlp; 0: off)")
     p.add_argument("--no-fsdp", action="store_true", help="replicate the weights and average gradients instead of FSDP2")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
@@ -104,6 +109,8 @@ def main(argv=None) -> int:
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_context_parallel(model, cp)                                          # CP: attention -> hcp.attention
+    if args.tiled_mlp:
+        hcp.tile_mlp(model, args.tiled_mlp)                                    # MLP one token chunk at a time
     if args.no_fsdp:
         model.to(DTYPES[args.dtype])
     else:
@@ -119,7 +126,8 @@ def main(argv=None) -> int:
     if rank0:
         print(f"{cp} world={dist.get_world_size()} params={n_params / 1e6:.2f}M seq_len={args.seq_len} "
               f"batch={args.batch}/replica dtype={args.dtype} fsdp={not args.no_fsdp} "
-              f"checkpoint_activations={args.checkpoint_activations}", flush=True)
+              f"checkpoint_activations={args.checkpoint_activations} "
+              f"tiled_loss={args.tiled_loss is not None} tiled_mlp={args.tiled_mlp or 'off'}", flush=True)
 
     progress = contextlib.nullcontext()
     bar = None
@@ -136,8 +144,11 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             full = sample_batch(corpus, step * cp.dp_size + cp.dp_rank, args.batch, args.seq_len, args.seed)
             local = shard_batch(full, cp)                                      # CP: shift labels, shard
-            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-            loss = cross_entropy(logits, local["labels"], cp, include_dp=True)  # CP: global token mean
+            if args.tiled_loss is not None:                                    # no [tokens, vocab] logits
+                loss = hcp.lm_loss(model, local, cp, chunk_tokens=args.tiled_loss or None, include_dp=True)
+            else:
+                logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+                loss = cross_entropy(logits, local["labels"], cp, include_dp=True)  # CP: global token mean
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if args.no_fsdp:

@@ -1,0 +1,308 @@
+"""Sequence tiling for the two largest per-token tensors of a training step (after attention).
+
+* The loss: `tiled_cross_entropy(hidden, weight, labels, cp)` is `hcp.cross_entropy(hidden @ weight.T,
+  labels, cp)` without the `[tokens, vocab]` logits: it works on `chunk_tokens` tokens at a time and
+  recomputes each chunk's logits in backward. For a 128K vocabulary and 128K local tokens the full fp32
+  logits are 64 GiB; a 512-token chunk is 256 MiB. `lm_loss(model, batch, cp)` runs a transformers
+  causal LM this way (its LM head never produces logits).
+* The MLP: `tile_mlp(model)` runs every decoder MLP over token chunks with recomputation, so its
+  `[tokens, intermediate]` activations exist one chunk at a time (forward and backward) and only the
+  MLP's input is kept for backward.
+
+Both are exact: the per-token arithmetic is the same, only the order of the parameter-gradient sums
+over chunks changes (fp32 round-off). The idea is DeepSpeed ALST's (Arctic Long Sequence Training,
+arXiv 2506.13996: tiled loss and TiledMLP); the code is ours.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .loss import _group, _Reduced
+
+if TYPE_CHECKING:
+    from .mesh import CPMesh
+
+__all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "default_loss_chunk", "tiled_mlp_chunk"]
+
+LOSS_CHUNK_BYTES = 256 << 20  # fp32 logits of one loss chunk, by default
+TILED_MLP_ATTR = "_hybrid_cp_tiled_mlp"
+
+
+def default_loss_chunk(vocab: int) -> int:
+    """Tokens per loss chunk such that one chunk's fp32 logits take at most 256 MiB (>= 1 token)."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab)))
+
+
+def _check_chunk(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}={value!r} must be a positive integer number of tokens (or None for the default)")
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """Sum over valid tokens of CE(hidden @ weight.T + bias, labels), chunk by chunk; backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                valid: torch.Tensor, chunk: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            logits = F.linear(hidden[start:end], weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, labels[start:end, None]).squeeze(1)
+            total += ((lse - target) * valid[start:end]).sum()
+            del logits, lse, target
+        ctx.save_for_backward(hidden, weight, bias, labels, valid)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight, bias, labels, valid = ctx.saved_tensors
+        chunk = ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if (need_b and bias is not None) else None
+        scale = valid.to(torch.float32) * grad.to(torch.float32)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            h = hidden[start:end]
+            probs = torch.softmax(F.linear(h, weight, bias).float(), dim=-1)
+            rows = torch.arange(end - start, device=probs.device)
+            probs[rows, labels[start:end]] -= 1.0
+            dlogits = (probs * scale[start:end, None]).to(h.dtype)
+            del probs
+            if dh is not None:
+                dh[start:end] = dlogits @ weight
+            if dw is not None:
+                dw += (dlogits.t() @ h).to(acc)
+            if db is not None:
+                db += dlogits.sum(0).to(acc)
+        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
+                None, None, None)
+
+
+def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp: "CPMesh",
+                        ignore_index: int = -100, reduction: str = "mean", *, include_dp: bool = False,
+                        bias: torch.Tensor | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
+    """`hcp.cross_entropy(F.linear(hidden, weight, bias), labels, cp, ...)` without materialising the logits.
+
+    `hidden` [B, S_local, E] (or [N, E]) are the final hidden states of this rank's shard (after the
+    final norm), `weight` [V, E] the output projection (LM head), `labels` [B, S_local] the shifted
+    labels from `hcp.shard_batch`. Only `chunk_tokens` tokens' logits exist at a time (default: 256 MiB
+    of fp32 logits, `default_loss_chunk(V)`), in forward and again in backward, which recomputes them.
+
+    Same semantics as `hcp.cross_entropy`: "mean" is the token mean over the whole sequence group (and
+    every dp replica with `include_dp`), identical on every rank, 0 when no token is valid; "sum" the
+    group's sum. Same gradient convention: the gradient reaching this rank's hidden states and weight is
+    W times the single-device gradient (W = ranks reduced over), so averaging gradients over dp x cp
+    (FSDP2, DDP) is exact. Logits and softmax are computed in fp32. "none" is not offered: per-token
+    losses need no tiling, use `hcp.cross_entropy`.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
+                         f"(for per-token losses use hcp.cross_entropy on the logits)")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor of token ids, got "
+                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} do not match: "
+                         f"weight must be [vocab, hidden] (nn.Linear(hidden, vocab).weight) and hidden [..., hidden]")
+    if tuple(hidden.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"hidden.shape={tuple(hidden.shape)} does not match labels.shape={tuple(labels.shape)}; "
+                         f"hidden must be labels.shape + (hidden_size,), from the same shard")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"bias must be a [{weight.shape[0]}] tensor or None, got "
+                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}; "
+                        f"cast both to one dtype and device")
+    _check_chunk("chunk_tokens", chunk_tokens)
+    vocab = weight.shape[0]
+    chunk = chunk_tokens or default_loss_chunk(vocab)
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != ignore_index
+    out_of_range = valid & ((flat_labels < 0) | (flat_labels >= vocab))
+    safe = flat_labels.masked_fill(~valid | out_of_range, 0)
+    group, world = _group(cp, include_dp)
+    # count and the out-of-vocabulary check go first: a bad label must raise before any kernel indexes with it
+    stats = torch.stack([valid.sum().double(), out_of_range.any().double()])
+    if world > 1:
+        dist.all_reduce(stats, group=group)
+    if stats[1].item() > 0:
+        raise ValueError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
+                         f"ignore_index={ignore_index}; fix the labels or the ignore_index")
+    local_sum = _LinearCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe,
+                                             valid.to(torch.float32), chunk)
+    total = local_sum.detach().double().reshape(1)
+    if world > 1:
+        dist.all_reduce(total, group=group)
+    total, count = total[0], stats[0]
+    if reduction == "mean":
+        denom = count.clamp_min(1.0)
+        return _Reduced.apply(local_sum, (total / denom).float(), (world / denom).float())
+    return _Reduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
+
+
+def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, chunk_tokens: int | None = None,
+            ignore_index: int = -100, include_dp: bool = False, **model_kwargs: Any) -> torch.Tensor:
+    """Run a transformers causal LM on this rank's shard (`batch` from `hcp.shard_batch`) and return the
+    context-parallel loss, without ever building the `[tokens, vocab]` logits when `tiled` (the default).
+
+    The LM head runs inside the model's forward (so FSDP2 gathers and reduces its weight as usual), but
+    computes `tiled_cross_entropy` of its input instead of logits; the model's returned logits are then
+    empty. `tiled=False` is the plain path: logits, then `hcp.cross_entropy`. Semantics and gradient
+    convention are `hcp.cross_entropy`'s. Extra keyword arguments go to the model call.
+    """
+    from .loss import cross_entropy
+
+    if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
+        raise ValueError("batch must be the dict from hcp.shard_batch, with 'input_ids' and 'labels'")
+    _check_chunk("chunk_tokens", chunk_tokens)
+    labels = batch["labels"]
+    call = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if batch.get(k) is not None}
+    call.update(model_kwargs)
+    if not tiled:
+        logits = model(**call).logits
+        return cross_entropy(logits, labels, cp, ignore_index=ignore_index, include_dp=include_dp)
+    config = getattr(model, "config", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        raise ValueError(f"config.final_logit_softcapping={softcap}: the tiled loss computes plain logits; use "
+                         f"tiled=False for models that soft-cap their logits")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"lm_loss(tiled=True) needs a model whose get_output_embeddings() is an nn.Linear LM head, "
+                        f"got {type(head).__name__}; use tiled=False")
+    box: dict[str, torch.Tensor] = {}
+
+    def head_forward(h: torch.Tensor) -> torch.Tensor:
+        box["loss"] = tiled_cross_entropy(h, head.weight, labels, cp, ignore_index, include_dp=include_dp,
+                                          bias=head.bias, chunk_tokens=chunk_tokens)
+        return h.new_empty(*h.shape[:-1], 0)  # a fresh tensor: FSDP2 warns about views returned by a root
+
+    head.forward = head_forward  # instance attribute, removed below: the class's forward is untouched
+    try:
+        model(**call)
+    finally:
+        del head.forward
+    if "loss" not in box:
+        raise RuntimeError(f"{type(model).__name__}'s forward did not call its LM head; use tiled=False")
+    return box["loss"]
+
+
+class _TiledMLPFunction(torch.autograd.Function):
+    """out = fn(x) computed over token chunks without keeping intermediates; backward recomputes per chunk."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable, module: nn.Module, chunk: int, x: torch.Tensor, *params: torch.Tensor):
+        # autograd runs Function.forward without recording a graph: each chunk's intermediates die here
+        ctx.fn, ctx.module, ctx.chunk = fn, module, chunk
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        pieces = [fn(flat[start:start + chunk]) for start in range(0, flat.shape[0], chunk)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        fn, module, chunk = ctx.fn, ctx.module, ctx.chunk
+        params = [p for p in module.parameters() if p.requires_grad]
+        flat = x.reshape(-1, x.shape[-1])
+        gflat = grad.reshape(-1, grad.shape[-1])
+        dx = torch.empty_like(flat) if ctx.needs_input_grad[3] else None
+        acc = [torch.zeros(p.shape, dtype=torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype,
+                           device=p.device) for p in params]
+        for start in range(0, flat.shape[0], chunk):
+            xc = flat[start:start + chunk].detach().requires_grad_(dx is not None)
+            with torch.enable_grad():
+                out = fn(xc)
+            inputs = ([xc] if dx is not None else []) + params
+            grads = torch.autograd.grad(out, inputs, gflat[start:start + chunk], allow_unused=True)
+            if dx is not None:
+                dx[start:start + chunk] = grads[0]
+                grads = grads[1:]
+            for a, g in zip(acc, grads):
+                if g is not None:
+                    a += g
+        pgrads = [a.to(p.dtype) for a, p in zip(acc, params)]
+        return (None, None, None, None if dx is None else dx.reshape(x.shape), *pgrads)
+
+
+def _mlps(model: nn.Module) -> list[nn.Module]:
+    """The `mlp` submodule of every decoder block (transformers' naming)."""
+    found = []
+    for name, m in model.named_modules():
+        if name.endswith(".mlp") or name == "mlp":
+            found.append(m)
+    return found
+
+
+def tile_mlp(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
+    """Run every decoder MLP of `model` (modules named `mlp`) over `chunk_tokens` tokens at a time with
+    recomputation: forward keeps only the MLP's input, and the `[tokens, intermediate]` activations
+    exist for one chunk at a time, in forward and in backward (which recomputes each chunk).
+
+    Exact for token-wise MLPs (Llama/Mistral/Qwen2/Qwen3 `*MLP`); mixture-of-experts blocks (router
+    statistics over the whole batch) raise ValueError. Works with FSDP2 (`shard_model`) and with
+    activation checkpointing. Call again to change the chunk; `untile_mlp` undoes it. Returns the model.
+    """
+    _check_chunk("chunk_tokens", chunk_tokens)
+    if chunk_tokens is None:
+        raise ValueError("chunk_tokens=None: give a positive number of tokens, e.g. 4096")
+    mlps = _mlps(model)
+    if not mlps:
+        raise ValueError(f"{type(model).__name__} has no submodule named 'mlp'; tile_mlp supports transformers "
+                         f"decoder models (Llama, Mistral, Qwen2, Qwen3)")
+    for m in mlps:
+        if not type(m).__name__.endswith("MLP"):
+            raise ValueError(f"{type(m).__name__} is not a token-wise MLP (mixture-of-experts blocks keep "
+                             f"router statistics over all tokens); tile_mlp supports *MLP modules only")
+    for m in mlps:
+        state = m.__dict__.get(TILED_MLP_ATTR)
+        original = state[0] if state else m.forward
+        chunked = _make_forward(m, original, chunk_tokens)
+        m.__dict__[TILED_MLP_ATTR] = (original, chunk_tokens)
+        m.forward = chunked
+    return model
+
+
+def _make_forward(module: nn.Module, original: Callable, chunk: int) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in module.parameters())):
+            return original(x)
+        params = [p for p in module.parameters() if p.requires_grad]
+        return _TiledMLPFunction.apply(original, module, chunk, x, *params)
+
+    return forward
+
+
+def untile_mlp(model: nn.Module) -> nn.Module:
+    """Undo `tile_mlp`."""
+    for m in _mlps(model):
+        state = m.__dict__.pop(TILED_MLP_ATTR, None)
+        if state is not None and "forward" in m.__dict__:
+            del m.forward
+    return model
+
+
+def tiled_mlp_chunk(model: nn.Module) -> int | None:
+    """The chunk `tile_mlp` set on `model`, or None when its MLPs are not tiled."""
+    for m in _mlps(model):
+        state = m.__dict__.get(TILED_MLP_ATTR)
+        if state is not None:
+            return state[1]
+    return None
+

@@ -1,0 +1,94 @@
+"""Functions run on every rank of the worker pool for the memory-saving features (tiled loss, tiled MLP,
+head-chunked attention). They return errors; the tests assert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import hybrid_cp as hcp
+from dist_cases import mesh
+from hybrid_cp.batch import shard_batch
+from hybrid_cp.integrations.fsdp import average_gradients, shard_model
+from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.loss import cross_entropy
+from hybrid_cp.tiled import lm_loss, tile_mlp, tiled_cross_entropy
+from train_cases import _full_grad, _rel, make_batch, reference, tiny_model
+
+
+def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool = False, reduction: str = "mean",
+                      chunk: int = 5, bias: bool = True, empty: bool = False) -> dict:
+    """tiled_cross_entropy on this rank's shard vs hcp.cross_entropy of the same shard's full logits:
+    loss value and the gradients of hidden, weight and bias."""
+    cp = mesh(u, r)
+    g = torch.Generator().manual_seed(300 + (cp.dp_rank if include_dp else 0))
+    hidden_full = torch.randn(b, s, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64) / 4
+    bvec = torch.randn(50, generator=g, dtype=torch.float64) if bias else None
+    ids = torch.randint(0, 50, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, s // 2:] = 0
+    if empty:
+        mask[:] = 0
+    local = shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask}, cp, ignore_index=-5)
+    hidden = hcp.shard(hidden_full, cp, dim=1)
+
+    def run(tiled: bool):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        bb = bvec.clone().requires_grad_() if bias else None
+        if tiled:
+            loss = tiled_cross_entropy(h, w, local["labels"], cp, -5, reduction, include_dp=include_dp, bias=bb,
+                                       chunk_tokens=chunk)
+        else:
+            loss = cross_entropy(F.linear(h, w, bb), local["labels"], cp, -5, reduction, include_dp=include_dp)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad, (bb.grad if bias else None)
+
+    ref, got = run(False), run(True)
+    errs = {"loss": abs(got[0].item() - ref[0].item()) / max(abs(ref[0].item()), 1e-30),
+            "hidden": _rel(got[1], ref[1]) if ref[1].abs().max() > 0 else got[1].abs().max().item(),
+            "weight": _rel(got[2], ref[2]) if ref[2].abs().max() > 0 else got[2].abs().max().item()}
+    if bias:
+        errs["bias"] = _rel(got[3], ref[3]) if ref[3].abs().max() > 0 else got[3].abs().max().item()
+    errs["finite"] = bool(torch.isfinite(got[0]).item())
+    errs["value"] = got[0].item()
+    return errs
+
+
+def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_loss: bool = True,
+                       mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2) -> dict:
+    """A tiny Llama under CP with lm_loss(tiled) and tile_mlp vs the plain single-process run."""
+    cp = mesh(u, r)
+    batch = make_batch(1234, b, s, pad=True)
+    _, ref_loss, ref_grads = reference(tiny_model("llama", hkv), batch)
+    model = apply_context_parallel(tiny_model("llama", hkv), cp)
+    if mlp_chunk:
+        tile_mlp(model, mlp_chunk)
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp:
+        shard_model(model, cp)
+    local = shard_batch(batch, cp)
+    loss = lm_loss(model, local, cp, tiled=tiled_loss, chunk_tokens=9)
+    loss.backward()
+    if not fsdp:
+        average_gradients(model)
+    grads = {n: _full_grad(p) for n, p in model.named_parameters()}
+    errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
+    worst = max(errs, key=errs.get)
+    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": errs[worst],
+            "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads))}
+
+
+def tiled_loss_bad_label(u: int, r: int) -> str | None:
+    """A label outside the vocabulary on one rank raises on every rank (no hang)."""
+    cp = mesh(u, r)
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    if cp.rank == 1:  # one rank of every cp group
+        labels[0, 2] = 99
+    try:
+        tiled_cross_entropy(torch.randn(1, 4, 8), torch.randn(10, 8), labels, cp)
+    except ValueError as exc:
+        return str(exc)
+    return None
