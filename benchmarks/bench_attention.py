@@ -46,7 +46,7 @@ def run_rank(ulysses: int, ring: int, layout: str, seq_len: int, heads: int, kv_
 
 
 def main() -> None:
-    from hybrid_cp.ring import block_work
+    from topology.layouts import make_layout
     from hybrid_cp.testing import WorkerPool
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,7 +64,7 @@ def main() -> None:
                            seq_len=a.seq_len, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
                            repeats=a.repeats)
             per_run = [max(rr["times"][i] for rr in res) for i in range(a.repeats)]
-            work = [sum(row) for row in block_work(layout, u, r, a.seq_len)]
+            work = [sum(row) for row in make_layout(layout, u, r, seq_len=a.seq_len).work()]
             b = res[0]["bytes"]
             rows.append({"ulysses": u, "ring": r, "layout": layout, "min_s": min(per_run),
                          "median_s": statistics.median(per_run), "imbalance": max(work) / min(work),

@@ -13,11 +13,14 @@ from typing import Callable
 
 import torch
 
-from .comm import HeadSplit, head_split, head_to_seq, seq_to_head
-from .kernels import AttentionKernel, get_kernel
-from .layout import gathered_to_ring_block, granularity, ring_block_to_gathered, true_length
+from topology.layouts import Layout, granularity
+
+from .comm import head_to_seq, seq_to_head
+from .heads import HeadMap, HeadSplit, head_split
+from .kernels import AttentionKernel, get_kernel, takes_varlen
+from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
 from .mesh import CPMesh, agree_across_ranks
-from .ring import _HeadMap, ring_backward, ring_forward
+from .ring import Task, block_plan, ring_backward, ring_forward
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -26,60 +29,60 @@ class _SeqToHead(torch.autograd.Function):
     """[B, S, H|H_kv, D] seq-sharded -> [B, u*S, own heads, D] in ring-block order (q, k, v fused)."""
 
     @staticmethod
-    def forward(ctx, cp: CPMesh, split: HeadSplit, q, k, v):
-        ctx.cp, ctx.split = cp, split
+    def forward(ctx, cp: CPMesh, split: HeadSplit, lay: Layout, q, k, v):
+        ctx.cp, ctx.split, ctx.lay = cp, split, lay
         parts = seq_to_head(cp, [q, k, v], [split.q, split.kv, split.kv], "ulysses_fwd")
-        return tuple(gathered_to_ring_block(x, cp.layout, cp.ulysses_size) for x in parts)
+        return tuple(gathered_to_ring_block(x, lay) for x in parts)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cp, split = ctx.cp, ctx.split
-        parts = [ring_block_to_gathered(g, cp.layout, cp.ulysses_size) for g in (dq, dk, dv)]
+        parts = [ring_block_to_gathered(g, ctx.lay) for g in (dq, dk, dv)]
         dq, dk, dv = head_to_seq(cp, parts, [split.q, split.kv, split.kv],
                                  [split.heads, split.kv_heads, split.kv_heads], "ulysses_bwd", accumulate=True)
-        return None, None, dq, dk, dv
+        return None, None, None, dq, dk, dv
 
 
 class _HeadToSeq(torch.autograd.Function):
     """[B, u*S, own heads, D] in ring-block order -> [B, S, H, D] seq-sharded."""
 
     @staticmethod
-    def forward(ctx, cp: CPMesh, split: HeadSplit, out_h):
-        ctx.cp, ctx.split = cp, split
-        gathered = ring_block_to_gathered(out_h, cp.layout, cp.ulysses_size)
+    def forward(ctx, cp: CPMesh, split: HeadSplit, lay: Layout, out_h):
+        ctx.cp, ctx.split, ctx.lay = cp, split, lay
+        gathered = ring_block_to_gathered(out_h, lay)
         return head_to_seq(cp, [gathered], [split.q], [split.heads], "ulysses_fwd")[0]
 
     @staticmethod
     def backward(ctx, dout):
         cp, split = ctx.cp, ctx.split
         (d,) = seq_to_head(cp, [dout.contiguous()], [split.q], "ulysses_bwd")
-        return None, None, gathered_to_ring_block(d, cp.layout, cp.ulysses_size)
+        return None, None, None, gathered_to_ring_block(d, ctx.lay)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPMesh, kernel: AttentionKernel, kv_index: list[int], causal: bool,
-                scale: float, seq_len: int):
-        out, lse = ring_forward(cp, kernel, q, k, v, kv_index, causal=causal, scale=scale, seq_len=seq_len)
+    def forward(ctx, q, k, v, cp: CPMesh, kernel: AttentionKernel, kv_index: list[int], plan: list[Task | None],
+                scale: float):
+        out, lse = ring_forward(cp, kernel, q, k, v, kv_index, plan, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (cp, kernel, kv_index, causal, scale, seq_len)
+        ctx.args = (cp, kernel, kv_index, plan, scale)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, kernel, kv_index, causal, scale, seq_len = ctx.args
-        dq, dk, dv = ring_backward(cp, kernel, dout.contiguous(), q, k, v, out, lse, kv_index,
-                                   causal=causal, scale=scale, seq_len=seq_len)
-        return dq, dk, dv, None, None, None, None, None, None
+        cp, kernel, kv_index, plan, scale = ctx.args
+        dq, dk, dv = ring_backward(cp, kernel, dout.contiguous(), q, k, v, out, lse, kv_index, plan, scale=scale)
+        return dq, dk, dv, None, None, None, None, None
 
 
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
-def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len) -> tuple[int, AttentionKernel | None]:
-    """Raise ValueError/TypeError for inputs this rank can judge alone; return (seq_len, kernel)."""
+def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len,
+                  cu_seqlens) -> tuple[Layout, AttentionKernel | None]:
+    """Raise ValueError/TypeError for inputs this rank can judge alone; return (layout, kernel)."""
     if not isinstance(cp, CPMesh):
         raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -114,45 +117,50 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len) -> tuple
                          f"one head; use ulysses <= {h} and put the rest of the degree into ring")
     if s == 0:
         raise ValueError(f"q has local length 0 (shape {tuple(q.shape)}); shard a non-empty sequence")
-    g = granularity(cp.layout, cp.ulysses_size, cp.ring_size) // cp.size
-    if s % g:
-        raise ValueError(f"local length {s} is not a multiple of {g} for the {cp.layout!r} layout on "
-                         f"ulysses={cp.ulysses_size} x ring={cp.ring_size}; shard inputs with hcp.shard, "
-                         f"which pads the sequence")
+    if cu_seqlens is not None and b != 1:
+        raise ValueError(f"q has batch size {b} with cu_seqlens: a packed row is a batch of one; concatenate the "
+                         f"documents into one row [1, total, ...] and describe them with cu_seqlens")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and
                                           math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number (or None "
                          f"for 1/sqrt(head_dim))")
     if not isinstance(causal, bool):
         raise TypeError(f"causal={causal!r} must be a bool")
-    n = true_length(cp, s, seq_len)
+    lay = row_layout(cp, local_len=s, seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
     if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
         if cp.ring_size != 1:
             raise ValueError(f"a plain local-attention callable works with ring=1 only (got ring="
                              f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
                              f"register one with hcp.register_kernel")
-        if n != s * cp.size and not causal:
-            raise ValueError(f"the sequence is padded from {n} to {s * cp.size} tokens and a plain callable "
-                             f"cannot mask the padding in non-causal attention; use a length divisible by "
-                             f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)} or a kernel backend")
-        return n, None
-    return n, get_kernel(backend, q.device, q.dtype, d)
+        if cu_seqlens is not None or (lay.padded_len != lay.seq_len and not causal):
+            raise ValueError("a plain local-attention callable cannot mask document boundaries or (non-causal) "
+                             "padding; use a kernel backend, or for dense rows a length divisible by "
+                             f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
+        return lay, None
+    kernel = get_kernel(backend, q.device, q.dtype, d)
+    if cu_seqlens is not None and not takes_varlen(kernel):
+        raise ValueError(f"backend={getattr(kernel, 'name', backend)!r} does not take the packed-segment keywords "
+                         f"(cu_seqlens_q/k, max_seqlen_q/k) that cu_seqlens needs; see hybrid_cp/kernels/__init__.py")
+    return lay, kernel
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
-              backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None):
-    """Exact attention over the whole sequence from this rank's shards.
+              backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
+              cu_seqlens=None):
+    """Exact attention over the whole row from this rank's shards.
 
-    q is [B, S_local, H, D], k/v are [B, S_local, H_kv, D], laid out by `cp.layout` (use
-    `hcp.shard`). Returns out [B, S_local, H, D] and, with `return_lse`, lse [B, H, S_local] in
-    fp32 (not differentiable). `seq_len` is the unpadded global length; by default the one last
-    given to `hcp.shard`. `backend` is "auto", a registered kernel name, a kernel object, or
-    (ring = 1 only) a plain callable attn(q, k, v) -> out run on the gathered sequence.
+    q is [B, S_local, H, D], k/v are [B, S_local, H_kv, D], laid out by `hcp.shard`. Returns out
+    [B, S_local, H, D] and, with `return_lse`, lse [B, H, S_local] in fp32 (not differentiable).
+    Dense rows: `seq_len` is the unpadded global length (by default the length `hcp.shard` saw;
+    ambiguous lengths raise). Packed rows: `cu_seqlens` = [0, len_0, ..., total] (the same on every
+    rank, B = 1): no token attends across a document boundary; padding is invisible.
+    `backend` is "auto", a registered kernel name, a kernel object, or (ring = 1, dense only) a
+    plain callable attn(q, k, v) -> out run on the gathered sequence.
     """
-    error, n, kernel = None, 0, None
+    error, lay, kernel = None, None, None
     try:
-        n, kernel = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len)
+        lay, kernel = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens)
     except (TypeError, ValueError) as exc:
         if not (cp.__class__ is CPMesh and cp.validate and cp.size > 1):
             raise
@@ -160,29 +168,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     if cp.validate and cp.size > 1:
         shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
         name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
+        docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
         signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(q.dtype, 0),
-                     int(causal), n, zlib.crc32(name.encode())]
+                     int(causal), lay.seq_len if lay is not None else 0, docs, zlib.crc32(name.encode())]
         names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-                 "backend"]
+                 "cu_seqlens (checksum)", "backend"]
         agree_across_ranks(cp, signature, names, error, "hcp.attention inputs")
     b, s, h, d = q.shape
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     split = head_split(h, k.shape[2], cp.ulysses_size)
     kv_index = split.kv_index(cp.ulysses_rank)
-    qh, kh, vh = _SeqToHead.apply(cp, split, q, k, v)
+    qh, kh, vh = _SeqToHead.apply(cp, split, lay, q, k, v)
     if kernel is None:  # plain local-attention callable (ring = 1)
-        ragged = _HeadMap(kv_index, kh.shape[2], q.device)  # callables get plain GQA groups
+        ragged = HeadMap(kv_index, kh.shape[2], q.device)  # callables get plain GQA groups
         kh, vh = ragged.expand(kh), ragged.expand(vh)
         out_h = backend(qh, kh, vh)
         if not isinstance(out_h, torch.Tensor) or out_h.shape != qh.shape:
             raise ValueError(f"the local attention callable returned "
                              f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
                              f"shaped like its q input, {tuple(qh.shape)}")
-        return _HeadToSeq.apply(cp, split, out_h)
-    out_h, lse_h = _RingAttention.apply(qh, kh, vh, cp, kernel, kv_index, causal, scale, n)
-    out = _HeadToSeq.apply(cp, split, out_h)
+        return _HeadToSeq.apply(cp, split, lay, out_h)
+    plan = block_plan(lay, cp.ring_rank, causal, q.device)
+    out_h, lse_h = _RingAttention.apply(qh, kh, vh, cp, kernel, kv_index, plan, scale)
+    out = _HeadToSeq.apply(cp, split, lay, out_h)
     if not return_lse:
         return out
-    lse_tokens = ring_block_to_gathered(lse_h.transpose(1, 2).unsqueeze(-1), cp.layout, cp.ulysses_size)
+    lse_tokens = ring_block_to_gathered(lse_h.transpose(1, 2).unsqueeze(-1), lay)
     lse = head_to_seq(cp, [lse_tokens.contiguous()], [split.q], [h], "ulysses_lse")[0]
     return out, lse.squeeze(-1).transpose(1, 2).contiguous()

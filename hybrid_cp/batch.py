@@ -7,6 +7,10 @@ The three places where context-parallel training usually goes wrong are handled 
 - position ids are the global positions of this rank's tokens (`hcp.positions`), not 0..S_local-1;
 - tokens added to reach the layout's granularity, and right-padding tokens of an attention
   mask, get `ignore_index` labels, so they never enter the loss.
+
+Packed rows (documents concatenated into one row, "padding-free" training) are recognised from
+position ids that restart at 0 (transformers' `DataCollatorWithFlattening`) or from explicit
+``cu_seq_lens_q`` boundaries; no label crosses a document boundary.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .layout import _remember_length, _shard_tensor, positions
+from topology.layouts import make_layout
+
+from .layout import _record_length, _shard_tensor, positions, row_layout
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
+
+PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _check_right_padding(mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
@@ -82,6 +90,14 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     - any other tensor with at least two dims shaped [B, S, ...] is sharded the same way (padding
       with zeros); tensors with fewer dims and non-tensors are passed through unchanged.
 
+    Packed rows: pass ``input_ids`` [1, total] with ``position_ids`` that restart at 0 in every
+    document (as `DataCollatorWithFlattening` produces) or ``cu_seq_lens_q`` = [0, len_0, ...,
+    total]. The row is sharded with the packed layout, labels are shifted inside each document (the
+    last token of every document gets `ignore_index`), ``position_ids`` restart per document, and
+    the result holds ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global boundaries, int32) and
+    ``max_length_q``/``max_length_k``: pass them to the model with the rest (they reach the attention
+    layers as transformers' flash-attention keywords do).
+
     Lengths that are not a multiple of the layout's granularity are padded at the end: pad tokens
     get `pad_token_id`, `ignore_index` labels, mask 0 and positions >= S. Results are on `device`
     (default `cp.device`). The returned dict has ``input_ids``, ``labels``, ``position_ids`` (and
@@ -128,6 +144,10 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         if pos.shape[0] != s:
             raise ValueError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
         pos = pos[None]
+    cu = _packed_boundaries(batch, pos, b, s)
+    if cu is not None:
+        return _shard_packed(batch, cp, cu, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
+                             device=device)
 
     mask_bool = None
     if mask is not None:
@@ -150,15 +170,16 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         if pos.is_floating_point():
             raise ValueError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
         if s > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-            raise ValueError("batch['position_ids'] do not increase by one along the sequence (packed documents "
-                             "or custom positions); context-parallel attention is causal over the whole "
-                             "sequence, so only contiguous positions are exact: drop position_ids (the default "
-                             "is 0..S-1) or pass arange-like rows")
+            raise ValueError("batch['position_ids'] do not increase by one along the sequence, nor restart at 0 "
+                             "per document (packed rows); custom positions are not supported: drop position_ids "
+                             "(the default is 0..S-1), pass arange-like rows, or pack documents into one row "
+                             "whose positions restart at 0 (or give cu_seq_lens_q)")
 
-    _remember_length(cp, s)
+    _record_length(cp, s)
+    lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=s)
 
     def take(x: torch.Tensor, pad) -> torch.Tensor:
-        return _shard_tensor(x, cp, 1, pad).to(device).contiguous()
+        return _shard_tensor(x, cp, 1, lay, pad).to(device).contiguous()
 
     out: dict[str, Any] = {}
     for key, value in batch.items():
@@ -178,6 +199,65 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         out["position_ids"] = take(pos, pos_pad)
     if mask is not None:
         out["attention_mask"] = take(mask, 0)
+    return out
+
+
+def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: int, s: int) -> list[int] | None:
+    """The packed row's document boundaries: explicit ``cu_seq_lens_q``, or where the position ids
+    restart at 0; None for a dense batch."""
+    cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
+    if cu is not None:
+        cu = [int(x) for x in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
+        if cu[-1] != s:
+            raise ValueError(f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
+                             f"must describe the whole packed row")
+    elif isinstance(pos, torch.Tensor) and s > 1 and not pos.is_floating_point() and \
+            bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
+        restarts = (pos[:, 1:] - pos[:, :-1] != 1)
+        if not bool((pos[:, 1:][restarts] == 0).all()) or bool((pos[:, 0] != 0).any()):
+            return None  # not packing: the dense checks below explain what is wrong
+        if b != 1 or pos.shape[0] != 1:
+            raise ValueError(f"batch['position_ids'] restart inside rows of a batch of {b} (packed documents); a packed "
+                             f"row is a batch of one: concatenate the documents into input_ids [1, total] "
+                             f"(DataCollatorWithFlattening does)")
+        starts = torch.nonzero(pos[0] == 0).flatten().tolist()
+        cu = starts + [s]
+    else:
+        return None
+    if b != 1:
+        raise ValueError(f"packed documents (cu_seq_lens_q) need a batch of one row, got input_ids of batch {b}; "
+                         f"concatenate the documents into input_ids [1, total]")
+    if batch.get("attention_mask") is not None:
+        raise ValueError("a packed row (position ids restarting per document, or cu_seq_lens_q) takes no "
+                         "attention_mask: padding-free rows have no padding; drop batch['attention_mask']")
+    return cu
+
+
+def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, ignore_index: int, shift: bool,
+                  pad_token_id: int, device: torch.device) -> dict[str, Any]:
+    lay = row_layout(cp, cu_seqlens=cu, what="hcp.shard_batch")
+    ids = batch["input_ids"]
+    labels = batch.get("labels")
+    labels = ids if labels is None else labels
+    if shift:
+        labels = shift_labels(labels, ignore_index)
+        ends = torch.tensor([e - 1 for a, e in zip(cu, cu[1:]) if e > a], dtype=torch.long)
+        labels = labels.index_fill(1, ends.to(labels.device), ignore_index)  # no target across a boundary
+
+    def take(x: torch.Tensor, pad) -> torch.Tensor:
+        return _shard_tensor(x, cp, 1, lay, pad).to(device).contiguous()
+
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in ("input_ids", "labels", "position_ids", "cu_seqlens") + PACKED_KEYS:
+            continue
+        out[key] = take(value, 0) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
+    out["input_ids"] = take(ids, pad_token_id)
+    out["labels"] = take(labels, ignore_index)
+    out["position_ids"] = positions(None, cp, device=device, cu_seqlens=cu)[None]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    longest = max(lay.doc_lens)
+    out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=longest, max_length_k=longest)
     return out
 
 

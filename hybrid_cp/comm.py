@@ -1,4 +1,4 @@
-"""Communication: head assignment, the ulysses all-to-all, the ring exchange, byte accounting.
+"""Communication: the ulysses all-to-all, the ring exchange, byte accounting.
 
 Every byte sent to another rank goes through `_count`, so `comm_bytes(cp)` is the exact traffic
 of this rank by stage; `topology.comm_bytes` predicts the same numbers from the shapes.
@@ -6,42 +6,13 @@ of this rank by stage; `topology.comm_bytes` predicts the same numbers from the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from topology.cost import head_split as topology_head_split
-
 if TYPE_CHECKING:
     from .mesh import CPMesh
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """Which query heads and which (replicated) KV heads each ulysses rank works on."""
-
-    q: tuple[tuple[int, int], ...]   # per ulysses rank: [start, end) of its query heads
-    kv: tuple[tuple[int, int], ...]  # per ulysses rank: [start, end) of the KV heads it needs
-    heads: int
-    kv_heads: int
-
-    def kv_index(self, rank: int) -> list[int]:
-        """For each local query head of `rank`, the index of its KV head among the local ones."""
-        group = self.heads // self.kv_heads
-        (qs, qe), (ks, _) = self.q[rank], self.kv[rank]
-        return [h // group - ks for h in range(qs, qe)]
-
-
-def head_split(heads: int, kv_heads: int, ulysses: int) -> HeadSplit:
-    """Uneven split of H query heads over u ranks (counts differ by at most one); each rank gets
-    exactly the KV heads its query heads use, so KV is replicated only when H_kv < u (or a
-    group straddles two ranks), never expanded to H. The arithmetic is the cost model's, so
-    the engine and `topology.comm_bytes` cannot disagree."""
-    ranks = topology_head_split(heads, kv_heads, ulysses)
-    return HeadSplit(tuple((start, start + c) for c, start, _, _ in ranks),
-                     tuple((lo, lo + k) for _, _, lo, k in ranks), heads, kv_heads)
 
 
 def _count(cp: "CPMesh", stage: str, nbytes: int) -> None:

@@ -1,176 +1,235 @@
-"""Sequence layouts: which global tokens each cp rank holds, and shard/unshard between them.
+"""Where each rank's tokens come from: shard/unshard/positions for dense rows and packed documents.
 
-zigzag (default): the (padded) sequence is cut into 2r ring chunks; ring rank j owns chunks j and
-2r-1-j, and each chunk is cut into u pieces of which ulysses rank i owns piece i. After the
-ulysses all-to-all a ring rank holds [chunk j ; chunk 2r-1-j], which balances causal work.
-contiguous: cp rank k = j*u + i owns tokens [k*S, (k+1)*S).
+The arithmetic lives in `topology.layouts` (one `Layout` object per row shape, shared with the cost
+model); this module turns it into tensors. Dense rows use `cp.layout`:
 
-Lengths that are not a multiple of the layout's granularity are padded at the end; the pad
-tokens sit after every real token, so causal attention never lets a real query see them and
-non-causal attention drops them explicitly. `unshard` removes the padding again.
+- zigzag (default): the (padded) sequence is cut into 2r ring chunks; ring rank j owns chunks j and
+  2r-1-j, and each chunk is cut into u pieces of which ulysses rank i owns piece i;
+- contiguous: cp rank k = j*u + i owns tokens [k*S, (k+1)*S).
+
+Dense lengths that are not a multiple of the layout's granularity are padded at the end, after
+every real token. Packed rows (``cu_seqlens=``) use the packed layout (documents balanced over the
+ring ranks, see docs/packing.md); their padding sits at the end of each ring block. Padding is
+invisible in every result: `unshard` drops it and attention masks it.
+
+Lengths are never guessed silently: `attention`/`unshard` take ``seq_len=`` (dense) or
+``cu_seqlens=`` (packed). Without them a dense length comes from the lengths `shard` has seen that
+pad to the same size; when several did, the call raises (non-causal attention, `unshard`) instead
+of picking one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from topology.cost import granularity, padded_length
-
-from .mesh import LAYOUTS, _check_layout
+from topology.layouts import LAYOUTS, PAD, Layout, doc_lengths, granularity, make_layout, padded_length
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
 
 
-def _segments(layout: str, padded_len: int, ulysses: int, ring: int, cp_rank: int) -> list[tuple[int, int]]:
-    """(start, length) runs of global token indices held by `cp_rank`, in local order."""
-    ring_rank, ulysses_rank = divmod(cp_rank, ulysses)
-    if layout == "contiguous":
-        s = padded_len // (ulysses * ring)
-        return [(cp_rank * s, s)]
-    chunk = padded_len // (2 * ring)
-    piece = chunk // ulysses
-    return [(c * chunk + ulysses_rank * piece, piece) for c in (ring_rank, 2 * ring - 1 - ring_rank)]
+def _doc_lens(cu_seqlens: Any) -> tuple[int, ...]:
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, len_0 + len_1, ..., total], "
+                             f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    elif not isinstance(cu_seqlens, (list, tuple)) or not all(isinstance(x, int) for x in cu_seqlens):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, ..., total], "
+                         f"got {type(cu_seqlens).__name__}")
+    return doc_lengths(cu_seqlens)
+
+
+def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | None = None,
+               cu_seqlens: Any = None, causal: bool = False, what: str = "hcp.attention") -> Layout:
+    """The layout of this call's row: packed (`cu_seqlens`), or dense with an explicit or inferable length.
+
+    `local_len` (the shard's length) is checked against the layout. A dense length without
+    `seq_len` comes from `cp`'s record of lengths given to `shard`; when several lengths pad to the
+    same size the answer is ambiguous and this raises, except for causal attention, where every real
+    token's result is the same for all of them (padding sits after every real token): the
+    longest is used.
+    """
+    u, r = cp.ulysses_size, cp.ring_size
+    if cu_seqlens is not None:
+        if seq_len is not None:
+            raise ValueError(f"{what}: pass cu_seqlens= or seq_len=, not both (a packed row's length is cu_seqlens[-1])")
+        lay = make_layout(cp.layout, u, r, doc_lens=_doc_lens(cu_seqlens))
+        if local_len is not None and local_len != lay.local_len:
+            raise ValueError(f"{what}: the shard has {local_len} local tokens but cu_seqlens (total {lay.seq_len}, "
+                             f"{len(lay.doc_lens)} documents) lays out {lay.local_len} per rank on ulysses={u} x "
+                             f"ring={r}; shard packed rows with hcp.shard(x, cp, cu_seqlens=cu) and pass the same cu")
+        return lay
+    if seq_len is not None:
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"{what}: seq_len={seq_len!r} must be a positive integer (the unpadded global length)")
+        lay = make_layout(cp.layout, u, r, seq_len=seq_len)
+        if local_len is not None and local_len != lay.local_len:
+            raise ValueError(f"{what}: seq_len={seq_len} does not match local length {local_len} on a {cp.size}-rank "
+                             f"{cp.layout!r} layout (which pads it to {lay.padded_len}, {lay.local_len} per rank); "
+                             f"pass the global length of the sequence that was sharded")
+        return lay
+    if local_len is None:
+        raise ValueError(f"{what}: pass seq_len= (or cu_seqlens= for a packed row)")
+    padded = local_len * cp.size
+    g = granularity(cp.layout, u, r)
+    if padded % g:
+        raise ValueError(f"{what}: local length {local_len} is not a multiple of {g // cp.size} for the "
+                         f"{cp.layout!r} layout on ulysses={u} x ring={r}; shard inputs with hcp.shard, which pads "
+                         f"the sequence (or pass cu_seqlens= for a packed row)")
+    seen = sorted(cp.sharded_lengths.get(padded, ()))
+    if len(seen) > 1 and not causal:
+        raise ValueError(f"{what}: the sequence length is ambiguous: hcp.shard has seen lengths {seen} that all pad to "
+                         f"{padded} tokens on this mesh; pass seq_len= explicitly")
+    return make_layout(cp.layout, u, r, seq_len=seen[-1] if seen else padded)
+
+
+def _record_length(cp: "CPMesh", seq_len: int) -> None:
+    cp.sharded_lengths.setdefault(padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size), set()).add(seq_len)
 
 
 def local_indices(seq_len: int, layout: str, ulysses: int, ring: int, cp_rank: int,
                   device: torch.device | str | None = None) -> torch.Tensor:
-    """Global token indices (into the padded sequence) of `cp_rank`'s shard, in local order."""
-    _check_layout(layout)
-    n = padded_length(seq_len, layout, ulysses, ring)
-    return torch.cat([torch.arange(a, a + m, device=device)
-                      for a, m in _segments(layout, n, ulysses, ring, cp_rank)])
+    """Global token indices (into the padded dense sequence) of `cp_rank`'s shard, in local order."""
+    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
+    return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in lay.token_runs(cp_rank)])
 
 
-def ring_block_positions(padded_len: int, layout: str, ulysses: int, ring: int, ring_rank: int,
-                         device: torch.device | str | None = None) -> torch.Tensor:
-    """Global positions of the tokens ring rank `ring_rank` holds after the ulysses all-to-all."""
-    if layout == "contiguous":
-        block = padded_len // ring
-        return torch.arange(ring_rank * block, (ring_rank + 1) * block, device=device)
-    chunk = padded_len // (2 * ring)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
-                      for c in (ring_rank, 2 * ring - 1 - ring_rank)])
+def _shard_tensor(x: torch.Tensor, cp: "CPMesh", dim: int, lay: Layout,
+                  pad: float | Callable[[torch.Tensor, int], torch.Tensor] = 0) -> torch.Tensor:
+    """This rank's tokens of `x` along `dim` under layout `lay`; pad slots get `pad`: a fill value,
+    or (dense rows only) a function (x, count) -> the tokens that continue the sequence."""
+    parts, fill = [], None
+    for tok, pos, n in lay.token_runs(cp.rank):
+        if tok != PAD:
+            parts.append(x.narrow(dim, tok, n))
+        elif callable(pad):
+            if fill is None:
+                fill = pad(x, lay.padded_len - lay.seq_len)
+            parts.append(fill.narrow(dim, pos - lay.seq_len, n))
+        else:
+            shape = list(x.shape)
+            shape[dim] = n
+            parts.append(x.new_full(shape, pad))
+    return torch.cat(parts, dim=dim)
 
 
-def gathered_to_ring_block(x: torch.Tensor, layout: str, ulysses: int, dim: int = 1) -> torch.Tensor:
-    """Reorder tokens gathered from the ulysses ranks (rank-major) into the ring block order."""
-    if layout == "contiguous" or ulysses == 1:
-        return x
-    shape = x.shape
-    n = shape[dim]
-    x = x.reshape(*shape[:dim], ulysses, 2, n // (2 * ulysses), *shape[dim + 1:])
-    return x.transpose(dim, dim + 1).reshape(shape)
-
-
-def ring_block_to_gathered(x: torch.Tensor, layout: str, ulysses: int, dim: int = 1) -> torch.Tensor:
-    """Inverse of `gathered_to_ring_block`."""
-    if layout == "contiguous" or ulysses == 1:
-        return x
-    shape = x.shape
-    n = shape[dim]
-    x = x.reshape(*shape[:dim], 2, ulysses, n // (2 * ulysses), *shape[dim + 1:])
-    return x.transpose(dim, dim + 1).reshape(shape)
-
-
-def _remember_length(cp: "CPMesh", seq_len: int) -> None:
-    cp.seq_lens[padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size)] = seq_len
-
-
-def true_length(cp: "CPMesh", local_len: int, seq_len: int | None = None) -> int:
-    """The unpadded global length for a local shard of `local_len` tokens.
-
-    Explicit `seq_len` wins; otherwise the length last given to `shard` that pads to the same
-    size; otherwise no padding is assumed.
-    """
-    padded = local_len * cp.size
-    if seq_len is None:
-        seq_len = cp.seq_lens.get(padded, padded)
-    if padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size) != padded:
-        raise ValueError(f"seq_len={seq_len} does not match local length {local_len} on a "
-                         f"{cp.size}-rank {cp.layout!r} layout (which pads it to "
-                         f"{padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size)}); pass the "
-                         f"global length of the sequence that was sharded")
-    return seq_len
-
-
-def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1) -> torch.Tensor:
-    """This rank's tokens of the full-sequence tensor `x` (padded with zeros when needed)."""
+def _check_tensor(x: Any, what: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"shard expects a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
+
+
+def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -> torch.Tensor:
+    """This rank's tokens of the full-row tensor `x` (padding slots are zeros).
+
+    With `cu_seqlens` ([0, len_0, ..., total], flash-attn's varlen convention) `x` is a packed row
+    of documents, laid out so that causal work is balanced over the ring ranks.
+    """
+    _check_tensor(x, "shard")
     dim = dim % x.dim()
-    seq_len = x.shape[dim]
-    if seq_len == 0:
+    n = x.shape[dim]
+    if n == 0:
         raise ValueError(f"x has an empty sequence dimension (dim={dim}, shape={tuple(x.shape)})")
-    _remember_length(cp, seq_len)
-    return _shard_tensor(x, cp, dim).contiguous()
+    if cu_seqlens is not None:
+        lay = row_layout(cp, cu_seqlens=cu_seqlens, what="hcp.shard")
+        _check_packed_row(x, dim, lay, "x")
+    else:
+        lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=n)
+        _record_length(cp, n)
+    return _shard_tensor(x, cp, dim, lay).contiguous()
+
+
+def _check_packed_row(x: torch.Tensor, dim: int, lay: Layout, name: str) -> None:
+    if x.shape[dim] != lay.seq_len:
+        raise ValueError(f"{name} has {x.shape[dim]} tokens along dim {dim} but cu_seqlens ends at {lay.seq_len}; "
+                         f"cu_seqlens must describe this packed row")
+    if dim != 0 and x.shape[0] != 1:
+        raise ValueError(f"{name} has batch size {x.shape[0]} (shape {tuple(x.shape)}); a packed row is a batch of "
+                         f"one: concatenate the documents into [1, total, ...] and describe them with cu_seqlens")
 
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cp: "CPMesh", dim: int, seq_len: int) -> torch.Tensor:
-        ctx.cp, ctx.dim, ctx.seq_len = cp, dim, seq_len
+    def forward(ctx, x: torch.Tensor, cp: "CPMesh", dim: int, lay: Layout) -> torch.Tensor:
+        ctx.cp, ctx.dim, ctx.lay = cp, dim, lay
         xc = x.contiguous()
         gathered = [torch.empty_like(xc) for _ in range(cp.size)]
         dist.all_gather(gathered, xc, group=cp.cp_group)
-        n = x.shape[dim] * cp.size
-        out = torch.empty(*x.shape[:dim], n, *x.shape[dim + 1:], dtype=x.dtype, device=x.device)
+        out = x.new_empty(*x.shape[:dim], lay.seq_len, *x.shape[dim + 1:])
         for k, part in enumerate(gathered):
             offset = 0
-            for a, m in _segments(cp.layout, n, cp.ulysses_size, cp.ring_size, k):
-                out.narrow(dim, a, m).copy_(part.narrow(dim, offset, m))
-                offset += m
-        return out.narrow(dim, 0, seq_len)
+            for tok, _, n in lay.token_runs(k):
+                if tok != PAD:
+                    out.narrow(dim, tok, n).copy_(part.narrow(dim, offset, n))
+                offset += n
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # The full tensor is used identically on every cp rank, so the gradient of my shard is
         # the slice of the full gradient at my tokens (no reduction over ranks).
-        return _shard_tensor(grad, ctx.cp, ctx.dim), None, None, None
+        return _shard_tensor(grad, ctx.cp, ctx.dim, ctx.lay), None, None, None
 
 
-def _shard_tensor(x: torch.Tensor, cp: "CPMesh", dim: int,
-                  pad: float | Callable[[torch.Tensor, int], torch.Tensor] = 0) -> torch.Tensor:
-    """This rank's tokens of `x` along `dim`, after padding the sequence to the layout's
-    granularity with `pad`: a fill value, or a function (x, count) -> the pad tokens."""
-    seq_len = x.shape[dim]
-    n = padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size)
-    if n != seq_len:
-        if callable(pad):
-            fill = pad(x, n - seq_len)
-        else:
-            pad_shape = list(x.shape)
-            pad_shape[dim] = n - seq_len
-            fill = x.new_full(pad_shape, pad)
-        x = torch.cat([x, fill], dim=dim)
-    return torch.cat([x.narrow(dim, a, m) for a, m in
-                      _segments(cp.layout, n, cp.ulysses_size, cp.ring_size, cp.rank)], dim=dim)
-
-
-def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | None = None) -> torch.Tensor:
-    """Gather the full sequence from every cp rank (inverse of `shard`; padding removed).
+def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | None = None,
+            cu_seqlens: Any = None) -> torch.Tensor:
+    """Gather the full row from every cp rank (inverse of `shard`; padding removed).
 
     Autograd-aware: the backward gives each rank the slice of the full gradient at its tokens,
     which is right when the code after `unshard` runs identically on every cp rank.
     """
-    if not isinstance(x_local, torch.Tensor):
-        raise TypeError(f"unshard expects a torch.Tensor, got {type(x_local).__name__}")
+    _check_tensor(x_local, "unshard")
     dim = dim % x_local.dim()
-    seq_len = true_length(cp, x_local.shape[dim], seq_len)
-    if cp.size == 1:
-        return x_local.narrow(dim, 0, seq_len)
-    return _Unshard.apply(x_local, cp, dim, seq_len)
+    lay = row_layout(cp, local_len=x_local.shape[dim], seq_len=seq_len, cu_seqlens=cu_seqlens, what="hcp.unshard")
+    if cp.size == 1:  # one rank holds the row in order, padding at the end
+        return x_local.narrow(dim, 0, lay.seq_len)
+    return _Unshard.apply(x_local, cp, dim, lay)
 
 
-def positions(seq_len: int, cp: "CPMesh", device: torch.device | str | None = None) -> torch.Tensor:
-    """Global position ids of this rank's tokens (pad tokens get ids >= seq_len)."""
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-    return local_indices(seq_len, cp.layout, cp.ulysses_size, cp.ring_size, cp.rank,
-                         device=device if device is not None else cp.device)
+def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | None = None, *,
+              cu_seqlens: Any = None) -> torch.Tensor:
+    """Position ids of this rank's tokens: global positions of a dense row (pad slots get ids >=
+    seq_len), or positions inside each document of a packed row (restarting at 0; pad slots 0..)."""
+    if cu_seqlens is None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer (or pass cu_seqlens= for a packed row)")
+    if cu_seqlens is not None:
+        lay = row_layout(cp, seq_len=None, cu_seqlens=cu_seqlens, what="hcp.positions")
+        if seq_len is not None and seq_len != lay.seq_len:
+            raise ValueError(f"seq_len={seq_len} but cu_seqlens ends at {lay.seq_len}; pass seq_len=None with cu_seqlens")
+    else:
+        lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=seq_len)
+    device = device if device is not None else cp.device
+    return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in lay.token_runs(cp.rank)])
 
 
-__all__ = ["LAYOUTS", "granularity", "padded_length", "local_indices", "shard", "unshard", "positions"]
+_PERMS: dict = {}
+
+
+def _perm(lay: Layout, device: torch.device, inverse: bool) -> torch.Tensor | None:
+    key = (lay, str(device), inverse)
+    if key not in _PERMS:
+        rows = lay.gathered_rows()
+        if rows is None:
+            _PERMS[key] = None
+        else:
+            t = torch.tensor(rows, device=device)
+            _PERMS[key] = torch.argsort(t) if inverse else t
+    return _PERMS[key]
+
+
+def gathered_to_ring_block(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.Tensor:
+    """Reorder tokens gathered from the ulysses ranks (rank-major) into the ring block's row order."""
+    p = _perm(lay, x.device, inverse=True)
+    return x if p is None else x.index_select(dim, p)
+
+
+def ring_block_to_gathered(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.Tensor:
+    """Inverse of `gathered_to_ring_block`."""
+    p = _perm(lay, x.device, inverse=False)
+    return x if p is None else x.index_select(dim, p)
+
+
+__all__ = ["LAYOUTS", "granularity", "padded_length", "local_indices", "shard", "unshard", "positions", "row_layout"]

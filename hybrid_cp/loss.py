@@ -102,13 +102,4 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
     return _Reduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
 
 
-def token_count(labels: torch.Tensor, cp: "CPMesh", ignore_index: int = -100, *, include_dp: bool = False) -> int:
-    """Number of non-ignored tokens over the sequence group (and dp with `include_dp`)."""
-    group, world = _group(cp, include_dp)
-    n = (labels != ignore_index).sum().reshape(1).to(torch.int64)
-    if world > 1:
-        dist.all_reduce(n, group=group)
-    return int(n.item())
-
-
-__all__ = ["cross_entropy", "token_count"]
+__all__ = ["cross_entropy"]

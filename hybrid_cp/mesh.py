@@ -1,7 +1,7 @@
 """CPMesh: the 2-D (ring x ulysses) context-parallel mesh, with an outer data-parallel dim.
 
 Ulysses ranks are contiguous global ranks (one node, fast links); ring ranks stride across
-nodes. Global rank = (dp_index * ring + ring_index) * ulysses + ulysses_index.
+nodes. Every process group and coordinate comes from the ("dp", "ring", "ulysses") DeviceMesh.
 """
 
 from __future__ import annotations
@@ -14,13 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-LAYOUTS = ("zigzag", "contiguous")
-
-
-def _check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not a known sequence layout; use one of {LAYOUTS}")
-    return layout
+from topology.layouts import LAYOUTS, check_layout
 
 
 @dataclass
@@ -30,6 +24,9 @@ class CPMesh:
     `validate` makes every attention call all-gather a few integers of metadata over the cp
     group first, so that ranks called with inconsistent shapes all raise instead of hanging.
     It costs one tiny collective per call; set it to False once a training loop is known good.
+
+    `sharded_lengths` records, by padded size, the dense lengths `hcp.shard` has seen, so that
+    `attention`/`unshard` without `seq_len=` can tell a unique length from an ambiguous one.
     """
 
     ulysses_size: int
@@ -42,15 +39,12 @@ class CPMesh:
     ring_group: Any
     ring_group_bwd: Any
     cp_group: Any
-    dp_group: Any
     ulysses_rank: int
     ring_rank: int
     dp_rank: int
     ring_ranks: list[int] = field(default_factory=list)
     validate: bool = True
-    # Unpadded lengths given to `shard`, keyed by padded length (so `unshard`/`attention` can
-    # drop the padding), and the bytes sent by stage (see `hcp.comm_bytes`).
-    seq_lens: dict[int, int] = field(default_factory=dict, repr=False)
+    sharded_lengths: dict[int, set[int]] = field(default_factory=dict, repr=False)
     sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
 
     @property
@@ -102,7 +96,7 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
         dp = int(getattr(plan, "dp", 0)) or dp
     if ulysses is None or ring is None:
         raise ValueError("init_cp_mesh needs ulysses= and ring= (or plan=)")
-    _check_layout(layout)
+    check_layout(layout)
     world = dist.get_world_size()
     for name, value in (("ulysses", ulysses), ("ring", ring)):
         if not isinstance(value, int) or value < 1:
@@ -123,31 +117,30 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
             device = torch.device("cpu")
     device = torch.device(device)
     mesh = init_device_mesh(device.type, (dp, ring, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
-    grank = dist.get_rank()
-    dp_rank, rem = divmod(grank, cp)
-    ring_rank, ulysses_rank = divmod(rem, ulysses)
+    dp_rank, ring_rank, ulysses_rank = mesh.get_coordinate()
+    grid = mesh.mesh.tolist()  # [dp][ring][ulysses] -> global rank
+    ring_ranks = [grid[dp_rank][j][ulysses_rank] for j in range(ring)]
     # The ring gets a second communicator for backward so that forward and backward exchanges
     # (e.g. with activation checkpointing or pipelining) cannot serialise on each other.
-    ring_ranks = [dp_rank * cp + j * ulysses + ulysses_rank for j in range(ring)]
-    ring_bwd = None
-    for d in range(dp):
-        for i in range(ulysses):
-            ranks = [d * cp + j * ulysses + i for j in range(ring)]
-            g = dist.new_group(ranks)
-            if grank in ranks:
-                ring_bwd = g
-    cp_group = None
-    for d in range(dp):
-        ranks = list(range(d * cp, (d + 1) * cp))
-        g = dist.new_group(ranks)
-        if grank in ranks:
-            cp_group = g
+    ring_bwd = _my_group([[grid[d][j][i] for j in range(ring)] for d in range(dp) for i in range(ulysses)])
+    cp_group = _my_group([[x for row in grid[d] for x in row] for d in range(dp)])
     return CPMesh(
         ulysses_size=ulysses, ring_size=ring, dp_size=dp, layout=layout, device=device,
         device_mesh=mesh, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"),
-        ring_group_bwd=ring_bwd, cp_group=cp_group, dp_group=mesh.get_group("dp"),
+        ring_group_bwd=ring_bwd, cp_group=cp_group,
         ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=dp_rank, ring_ranks=ring_ranks,
         validate=validate)
+
+
+def _my_group(rank_lists: list[list[int]]):
+    """Create one group per list (every rank must create all of them, in the same order) and
+    return the one holding this rank."""
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if me in ranks:
+            mine = g
+    return mine
 
 
 def agree_across_ranks(cp: CPMesh, values: list[int], names: list[str], error: Exception | None,

@@ -1,9 +1,11 @@
 """The ring engine: one loop for every layout and mask, forward and backward.
 
 Each ring rank keeps its query block and streams (un-expanded) K/V blocks around the ring; the
-next exchange is posted before the current block is computed. Partial results merge with an
-online softmax in fp32. Backward recomputes every block with the final out/lse; dK/dV
-accumulate in fp32 buffers that travel the ring with K/V and arrive home after r hops.
+next exchange is posted before the current block is computed. What each step computes comes from
+the call's block plan (`block_plan`), built once from the layout and reused by forward and
+backward: no layout names, no device syncs and no index searches inside the loop. Partial results
+merge with an online softmax in fp32. Backward recomputes every block with the final out/lse;
+dK/dV accumulate in fp32 buffers that travel the ring with K/V and arrive home after r hops.
 """
 
 from __future__ import annotations
@@ -13,101 +15,67 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from topology.layouts import Layout, Step
+
 from .comm import RingExchange
-from .layout import padded_length, ring_block_positions
+from .heads import HeadMap
 
 if TYPE_CHECKING:
     from .kernels import AttentionKernel
     from .mesh import CPMesh
 
+Rows = slice | torch.Tensor
 
-@dataclass
-class BlockTask:
-    """Which rows of my queries meet which keys of the visiting block, and with what mask."""
 
-    q_rows: slice
-    k_rows: slice | torch.Tensor   # a slice, or an index of valid (non-pad) keys
+@dataclass(frozen=True)
+class Task:
+    """One kernel call: my query rows against rows of the visiting key block. With several
+    (query, key) segment pairs the rows are their concatenation and `varlen` holds the kernel's
+    cu_seqlens_q/k and max_seqlen_q/k (flash-attn's varlen naming)."""
+
+    q_rows: Rows
+    k_rows: Rows
     causal: bool
+    varlen: dict | None = None
 
 
-def schedule(layout: str, ulysses: int, ring: int, ring_rank: int, step: int, causal: bool, padded_len: int,
-             seq_len: int, device: torch.device | str | None = None) -> BlockTask | None:
-    """The work of ring step `step` for this rank, or None if the visiting block is invisible.
-
-    zigzag causal: step 0 is causal on my own [chunk j ; chunk 2r-1-j]; a block from a lower
-    ring rank is seen by both query halves through its first half only; a block from a higher
-    rank is seen by my second query half only, entirely. Every step costs the same.
-    """
-    r, j = ring, ring_rank
-    src = (j - step) % r
-    full = slice(None)
-    if not causal:
-        if seq_len == padded_len:
-            return BlockTask(full, full, False)
-        pos = ring_block_positions(padded_len, layout, ulysses, r, src, device=device)
-        valid = torch.nonzero(pos < seq_len).flatten()
-        if valid.numel() == 0:
-            return None
-        if valid.numel() == pos.numel():
-            return BlockTask(full, full, False)
-        return BlockTask(full, valid, False)
-    # Causal: pad tokens come after every real token, so the causal mask already hides them.
-    if src == j:
-        return BlockTask(full, full, True)
-    if layout == "contiguous":
-        return BlockTask(full, full, False) if src < j else None
-    half = padded_len // (2 * r)
-    if src < j:
-        return BlockTask(full, slice(0, half), False)
-    return BlockTask(slice(half, None), full, False)
+def _rows(ranges: list[tuple[int, int]], device: torch.device) -> Rows:
+    """A slice when the ranges are back to back, else an index tensor."""
+    if all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:])):
+        return slice(ranges[0][0], ranges[-1][0] + ranges[-1][1])
+    return torch.cat([torch.arange(a, a + n, device=device) for a, n in ranges])
 
 
-def block_work(layout: str, ulysses: int, ring: int, seq_len: int, causal: bool = True) -> list[list[int]]:
-    """Score-matrix entries each ring rank evaluates at each step (per batch and head), counted
-    from the same schedule the engine runs; a balanced layout has equal entries in every row."""
-    n = padded_length(seq_len, layout, ulysses, ring)
-    block = n // ring
-    work = []
-    for j in range(ring):
-        row = []
-        for step in range(ring):
-            t = schedule(layout, ulysses, ring, j, step, causal, n, seq_len)
-            if t is None:
-                row.append(0)
-                continue
-            rows = len(range(block)[t.q_rows])
-            cols = len(range(block)[t.k_rows]) if isinstance(t.k_rows, slice) else t.k_rows.numel()
-            row.append(rows * (rows + 1) // 2 if t.causal else rows * cols)
-        work.append(row)
-    return work
+def _task(step: Step, device: torch.device) -> Task:
+    q = [(a, n) for a, n, _, _ in step.pairs]
+    k = [(a, n) for _, _, a, n in step.pairs]
+    varlen = None
+    if len(step.pairs) > 1:
+        def cu(ranges):
+            out = [0]
+            for _, n in ranges:
+                out.append(out[-1] + n)
+            return torch.tensor(out, dtype=torch.int32, device=device)
+        varlen = dict(cu_seqlens_q=cu(q), cu_seqlens_k=cu(k), max_seqlen_q=max(n for _, n in q),
+                      max_seqlen_k=max(n for _, n in k))
+    return Task(_rows(q, device), _rows(k, device), step.causal, varlen)
 
 
-def _take_keys(x: torch.Tensor, rows) -> torch.Tensor:
-    return x[:, rows] if isinstance(rows, slice) else x.index_select(1, rows)
+_PLANS: dict = {}
 
 
-class _HeadMap:
-    """Maps local query heads to local KV heads for the kernel.
+def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device) -> list[Task | None]:
+    """The task of each ring step for this rank (None: the visiting block is invisible), cached
+    per (layout, rank, mask, device) since every layer of a model asks for the same plan."""
+    key = (lay, ring_rank, causal, str(device))
+    if key not in _PLANS:
+        steps = [lay.step(ring_rank, s, causal) for s in range(lay.ring)]
+        _PLANS[key] = [None if st is None else _task(st, device) for st in steps]
+    return _PLANS[key]
 
-    Kernels take contiguous GQA groups; when an uneven head split gives a rank a ragged group
-    (e.g. 3 query heads over 2 KV heads) the visiting KV block is expanded for the kernel call
-    only, and the gradient is summed back. The ring still streams un-expanded KV.
-    """
 
-    def __init__(self, kv_index: list[int], kv_heads: int, device: torch.device):
-        hq = len(kv_index)
-        uniform = hq % kv_heads == 0 and kv_index == [h // (hq // kv_heads) for h in range(hq)]
-        self.index = None if uniform else torch.tensor(kv_index, device=device)
-        self.kv_heads = kv_heads
-
-    def expand(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.index is None else x.index_select(2, self.index)
-
-    def reduce(self, g: torch.Tensor) -> torch.Tensor:
-        if self.index is None:
-            return g
-        out = g.new_zeros(*g.shape[:2], self.kv_heads, g.shape[3])
-        return out.index_add_(2, self.index, g)
+def _take(x: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
+    return x[(slice(None),) * dim + (rows,)] if isinstance(rows, slice) else x.index_select(dim, rows)
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -124,71 +92,82 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _merge_rows_(out: torch.Tensor, lse: torch.Tensor, rows: Rows, block_out: torch.Tensor,
+                 block_lse: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
+        return
+    o, l = out.index_select(1, rows), lse.index_select(2, rows)
+    merge_(o, l, block_out, block_lse)
+    out.index_copy_(1, rows, o)
+    lse.index_copy_(2, rows, l)
 
 
-def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_index: list[int], *, causal: bool, scale: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, L, Hq, D], k/v [B, L, Hkv, D] (this ring rank's block) -> (out in q.dtype, lse fp32)."""
-    r = cp.ring_size
-    b, n, hq, d = q.shape
-    padded_len = n * r
-    heads = _HeadMap(kv_index, k.shape[2], q.device)
-    acc = _acc_dtype(q.dtype)
-    out = torch.zeros(b, n, hq, d, dtype=acc, device=q.device)
-    lse = torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
-    kv = torch.empty(2, 2, *k.shape, dtype=k.dtype, device=k.device)  # double buffer of fused K/V
-    kv[0, 0].copy_(k)
-    kv[0, 1].copy_(v)
-    exchange = RingExchange(cp, cp.ring_group, "ring_fwd")
-    for step in range(r):
-        cur = kv[step % 2]
-        works = exchange.start(cur, kv[(step + 1) % 2]) if step < r - 1 else None
-        task = schedule(cp.layout, cp.ulysses_size, r, cp.ring_rank, step, causal, padded_len, seq_len, q.device)
-        if task is not None:
-            kb, vb = (heads.expand(_take_keys(x, task.k_rows)) for x in (cur[0], cur[1]))
-            o_b, lse_b = kernel.forward(q[:, task.q_rows], kb, vb, causal=task.causal, scale=scale)
-            merge_(out[:, task.q_rows], lse[:, :, task.q_rows], o_b, lse_b.to(acc))
-        exchange.wait(works)
-    return out.to(q.dtype), lse
-
-
-def _add_rows_(target: torch.Tensor, rows, value: torch.Tensor) -> None:
+def _add_rows_(target: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
     if isinstance(rows, slice):
         target[:, rows].add_(value)
     else:
         target.index_add_(1, rows, value.to(target.dtype))
 
 
-def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_index: list[int], *, causal: bool,
-                  scale: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes)."""
-    r = cp.ring_size
-    n = q.shape[1]
-    padded_len = n * r
-    heads = _HeadMap(kv_index, k.shape[2], q.device)
-    acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.empty(2, 2, *k.shape, dtype=k.dtype, device=k.device)
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kv_buffers(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    kv = torch.empty(2, 2, *k.shape, dtype=k.dtype, device=k.device)  # double buffer of fused K/V
     kv[0, 0].copy_(k)
     kv[0, 1].copy_(v)
+    return kv
+
+
+def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_index: list[int], plan: list[Task | None], *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, L, Hq, D], k/v [B, L, Hkv, D] (this ring rank's block) -> (out in q.dtype, lse fp32)."""
+    r = cp.ring_size
+    b, n, hq, d = q.shape
+    heads = HeadMap(kv_index, k.shape[2], q.device)
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(b, n, hq, d, dtype=acc, device=q.device)
+    lse = torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
+    kv = _kv_buffers(k, v)
+    exchange = RingExchange(cp, cp.ring_group, "ring_fwd")
+    for step, task in enumerate(plan):
+        cur = kv[step % 2]
+        works = exchange.start(cur, kv[(step + 1) % 2]) if step < r - 1 else None
+        if task is not None:
+            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (cur[0], cur[1]))
+            o_b, lse_b = kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
+                                        **(task.varlen or {}))
+            _merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
+        exchange.wait(works)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_index: list[int],
+                  plan: list[Task | None], *, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes)."""
+    r = cp.ring_size
+    heads = HeadMap(kv_index, k.shape[2], q.device)
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = _kv_buffers(k, v)
     dkv = torch.zeros(2, 2, *k.shape, dtype=acc, device=k.device)  # travelling fp32 dK/dV
     kv_exchange = RingExchange(cp, cp.ring_group_bwd, "ring_bwd")
     dkv_exchange = RingExchange(cp, cp.ring_group_bwd, "ring_bwd")
     dkv_works = None
-    for step in range(r):
+    for step, task in enumerate(plan):
         cur = kv[step % 2]
         kv_works = kv_exchange.start(cur, kv[(step + 1) % 2]) if step < r - 1 else None
-        task = schedule(cp.layout, cp.ulysses_size, r, cp.ring_rank, step, causal, padded_len, seq_len, q.device)
         grads = None
         if task is not None:
             rows = task.q_rows
-            kb, vb = (heads.expand(_take_keys(x, task.k_rows)) for x in (cur[0], cur[1]))
-            dq_b, dk_b, dv_b = kernel.backward(dout[:, rows], q[:, rows], kb, vb, out[:, rows],
-                                               lse[:, :, rows], causal=task.causal, scale=scale)
-            dq[:, rows].add_(dq_b)
+            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (cur[0], cur[1]))
+            dq_b, dk_b, dv_b = kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
+                                               _take(lse, rows, 2), causal=task.causal, scale=scale,
+                                               **(task.varlen or {}))
+            _add_rows_(dq, rows, dq_b)
             grads = (heads.reduce(dk_b), heads.reduce(dv_b))
         dkv_exchange.wait(dkv_works)  # my travelling buffer for this block has arrived
         mine = dkv[step % 2]

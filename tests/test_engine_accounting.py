@@ -4,9 +4,13 @@ import pytest
 import torch
 
 import topology
-from hybrid_cp.comm import head_split
+from hybrid_cp.heads import head_split
 from hybrid_cp.layout import granularity, local_indices, padded_length
-from hybrid_cp.ring import block_work
+from topology.layouts import make_layout
+
+
+def block_work(layout, u, r, n, causal=True):
+    return make_layout(layout, u, r, seq_len=n).work(causal)
 
 STAGES = ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")
 

@@ -19,7 +19,7 @@ def _fake_mesh(u, r, rank, layout="zigzag") -> CPMesh:
     ring_rank, ulysses_rank = divmod(rank, u)
     return CPMesh(ulysses_size=u, ring_size=r, dp_size=1, layout=layout, device=torch.device("cpu"),
                   device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
-                  dp_group=None, ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=0)
+                  ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=0)
 
 
 def _gather(u, r, layout, s, parts, key):
@@ -82,8 +82,8 @@ def test_shard_batch_defaults_and_given_positions():
     ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])},
      "not right padding"),
     ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 1, 8, 8)}, "padding mask"),
-    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([0, 1, 2, 0, 1, 2, 3, 4])},
-     "packed"),
+    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([0, 1, 2, 5, 6, 7, 8, 9])},
+     "custom positions"),
 ])
 def test_shard_batch_rejects_bad_input(batch, match):
     with pytest.raises(ValueError, match=match):

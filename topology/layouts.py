@@ -301,13 +301,12 @@ class Packed(Layout):
             raise ValueError(f"packing policy={policy!r}; use 'balanced', 'zigzag' or 'contiguous'")
         self.kind = "packed-" + policy
         self.ulysses, self.ring, self.doc_lens, self.policy = ulysses, ring, tuple(doc_lens), policy
-        if policy == "contiguous":
+        if policy == "contiguous" or ring == 1:  # one ring block: keep the row in order
             self.block_len = -(-max(self.seq_len, 1) // (ulysses * ring)) * ulysses
             self._blocks = None
             return
-        if policy == "zigzag" or ring == 1:
-            split = [d for d, n in enumerate(self.doc_lens) if n > 0] if ring > 1 else []
-            blocks = _assign(self.doc_lens, split, ring)
+        if policy == "zigzag":
+            blocks = _assign(self.doc_lens, [d for d, n in enumerate(self.doc_lens) if n > 0], ring)
         else:
             blocks = _best_assignment(self.doc_lens, ring)
         self._blocks = blocks  # per ring rank: (split docs with their chunks, whole docs)

@@ -69,7 +69,7 @@ def shard_model(model: nn.Module, cp: CPMesh, **fully_shard_kwargs: Any) -> nn.M
     return model
 
 
-def average_gradients(model: nn.Module, cp: CPMesh | None = None) -> None:
+def average_gradients(model: nn.Module) -> None:
     """All-reduce-average the gradients of a replicated (non-FSDP, non-DDP) model over all ranks.
 
     The same reduction DDP does; with `hcp.cross_entropy` it yields the single-device gradient.

@@ -12,11 +12,15 @@ A forward pre-hook on the model makes the call contract hard to get wrong:
   rank): use `hcp.cross_entropy` with the labels from `hcp.shard_batch`;
 - a 2-D `attention_mask` must be right padding over the whole sequence (checked across the cp
   group), and is then dropped: causal attention is exact for the real tokens; anything else raises;
+- packed rows (from `hcp.shard_batch`) carry the global document boundaries as transformers'
+  flash-attention keywords ``cu_seq_lens_q``/``cu_seq_lens_k``; they reach every attention layer,
+  and position ids must be the per-document positions of this rank's tokens;
 - KV caches (generation) are refused.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from ..attention import attention as _cp_attention
 from ..layout import positions as _positions
-from ..layout import true_length
+from ..layout import row_layout
 from ..mesh import CPMesh, agree_across_ranks
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -72,7 +76,13 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise _unsupported(f"{type(module).__name__} uses {name}={kwargs[name]!r}")
-    seq_len = true_length(cp, query.shape[2])
+    cu = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and (cu is None or not torch.equal(torch.as_tensor(cu_k).cpu(), torch.as_tensor(cu).cpu())):
+        raise _unsupported(f"{type(module).__name__} received cu_seq_lens_k different from cu_seq_lens_q; packed "
+                           f"self-attention needs the same boundaries for queries and keys")
+    lay = row_layout(cp, local_len=query.shape[2], cu_seqlens=cu, causal=True, what=type(module).__name__)
+    seq_len = max(lay.doc_lens)
     window = kwargs.get("sliding_window")
     if window is not None and window < seq_len:
         raise _unsupported(f"sliding_window={window} is shorter than the sequence ({seq_len} tokens) in "
@@ -81,7 +91,8 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     q = query.transpose(1, 2).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
-    out = _cp_attention(q, k, v, cp, causal=True, softmax_scale=scaling, seq_len=seq_len)
+    out = _cp_attention(q, k, v, cp, causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len,
+                        cu_seqlens=cu)
     return out, None
 
 
@@ -121,9 +132,13 @@ def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict)
         if kwargs.get("use_cache"):
             raise ValueError("use_cache=True is not supported under context parallelism (training only); "
                              "pass use_cache=False")
-        seq_len = true_length(cp, s)
-        expected = _positions(seq_len, cp, device=ref.device)
+        cu = kwargs.get("cu_seq_lens_q")
+        lay = row_layout(cp, local_len=s, cu_seqlens=cu, causal=True, what="the model's input")
+        expected = _positions(lay.seq_len if cu is None else None, cp, device=ref.device, cu_seqlens=cu)
         pos = kwargs.get("position_ids")
+        if cu is not None and (mask is not None or b != 1):
+            raise ValueError("a packed row (cu_seq_lens_q) is one row without attention_mask: pass the output of "
+                             "hcp.shard_batch for the packed batch as it is")
         if pos is None:
             kwargs["position_ids"] = expected[None].expand(b, -1)
         else:
@@ -133,9 +148,9 @@ def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict)
                 raise ValueError(f"position_ids has local length {pos.shape[-1]} but input has {s}; pass "
                                  f"batch['position_ids'] from hcp.shard_batch")
             offset = pos - expected
-            if bool((offset != offset[:, :1]).any()):
-                raise ValueError("position_ids are not the global positions of this rank's tokens (they differ "
-                                 f"from hcp.positions({seq_len}, cp) by more than a constant): pass "
+            if bool((offset != offset[:, :1]).any()) or (cu is not None and bool((offset != 0).any())):
+                raise ValueError("position_ids are not the positions of this rank's tokens (they differ from "
+                                 "hcp.positions(...) by more than a constant, or for a packed row at all): pass "
                                  "batch['position_ids'] from hcp.shard_batch, or none (the default is filled in)")
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape != (b, s):
@@ -150,8 +165,10 @@ def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict)
             raise
         error = exc
     if cp.validate and cp.size > 1:
-        agree_across_ranks(cp, [b, s, int(mask is not None)], ["batch", "local length", "has mask"], error,
-                           "model inputs")
+        cu = kwargs.get("cu_seq_lens_q")
+        docs = 0 if cu is None else zlib.crc32(repr(torch.as_tensor(cu).tolist()).encode())
+        agree_across_ranks(cp, [b, s, int(mask is not None), docs],
+                           ["batch", "local length", "has mask", "cu_seq_lens_q (checksum)"], error, "model inputs")
     if mask is not None:
         _check_global_right_padding(cp, mask, kwargs["position_ids"])
         kwargs["attention_mask"] = None

@@ -2,12 +2,17 @@
 
 A kernel computes exact attention on one block of queries against one block of keys:
 
-    forward(q, k, v, *, causal, scale) -> (out, lse)
-    backward(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)
+    forward(q, k, v, *, causal, scale, **varlen) -> (out, lse)
+    backward(dout, q, k, v, out, lse, *, causal, scale, **varlen) -> (dq, dk, dv)
 
 q is [B, Sq, H, D]; k and v are [B, Sk, H_kv, D] with H % H_kv == 0 (query head h uses KV head
 h // (H // H_kv)). out is [B, Sq, H, D] in q's dtype, lse is [B, H, Sq] in fp32 (natural log).
-`causal` means the top-left-aligned mask of a square block (query i sees keys 0..i).
+`causal` means the causal mask of a square block (query i sees keys 0..i).
+Packed documents add `varlen` = cu_seqlens_q, cu_seqlens_k (int32 boundaries, flash-attn's
+naming), max_seqlen_q, max_seqlen_k: q is then [1, total_q, H, D], k/v [1, total_k, H_kv, D], and
+segment i is queries cu_seqlens_q[i]:[i+1] against keys cu_seqlens_k[i]:[i+1] (causal segments are
+square). Kernels without packed support need not take these keywords: the engine passes them only
+for packed rows, and says so if a kernel refuses them.
 `backward` receives the *final* out and lse of the whole attention (not of this block), which is
 what makes a block's gradient exact in ring attention. dk/dv come back with H_kv heads.
 """
@@ -31,11 +36,11 @@ class AttentionKernel(Protocol):
         """None if the kernel can run these inputs, else the reason it cannot."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+                scale: float, **varlen) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+                 scale: float, **varlen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 _REGISTRY: dict[str, AttentionKernel] = {}
@@ -79,9 +84,19 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
     return kernel
 
 
+def takes_varlen(kernel: AttentionKernel) -> bool:
+    """Whether the kernel's forward and backward accept the packed-segment keywords."""
+    import inspect
+
+    def ok(fn) -> bool:
+        params = inspect.signature(fn).parameters
+        return "cu_seqlens_q" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return ok(kernel.forward) and ok(kernel.backward)
+
+
 register_kernel("math", MathKernel())
 register_kernel("sdpa", SDPAKernel())
 register_kernel("flash", FlashAttnKernel())
 
-__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels",
+__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_varlen",
            "MathKernel", "SDPAKernel", "FlashAttnKernel"]

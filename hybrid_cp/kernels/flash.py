@@ -1,6 +1,7 @@
 """flash-attn 2/3 kernels (optional; only on CUDA with fp16/bf16).
 
-Import-guarded: the package works without flash-attn. flash-attn handles GQA natively.
+Import-guarded: the package works without flash-attn. flash-attn handles GQA natively, and packed
+segments through its varlen entry points (flash-attn 3: the same entry points with cu_seqlens).
 The private forward/backward entry points changed signature across releases, so arguments are
 passed by name after inspecting the installed version.
 """
@@ -57,22 +58,37 @@ class FlashAttnKernel:
             return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
-        mod, _ = _flash_module()
+    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=None, max_seqlen_k=None):
+        mod, version = _flash_module()
         q, k, v = (x.contiguous() for x in (q, k, v))
-        res = _call(mod._flash_attn_forward, q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale,
-                    causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                    alibi_slopes=None, return_softmax=False)
+        common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+                      softcap=0.0, alibi_slopes=None, return_softmax=False)
+        if cu_seqlens_q is None:
+            res = _call(mod._flash_attn_forward, q=q, k=k, v=v, **common)
+        else:  # packed segments: [1, total, H, D] -> flash-attn's [total, H, D]
+            fn = mod._flash_attn_forward if version == 3 else mod._flash_attn_varlen_forward
+            res = _call(fn, q=q[0], k=k[0], v=v[0], cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **common)
         # 2.7+ and 3 return (out, lse, ...); before 2.7: (out, q, k, v, out_padded, lse, S, rng)
-        lse = res[5] if len(res) == 8 else res[1]
-        return res[0], lse.float()
+        out, lse = res[0], (res[5] if len(res) == 8 else res[1])
+        if cu_seqlens_q is not None:  # varlen lse is [H, total_q]
+            out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+        return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
-        mod, _ = _flash_module()
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+        mod, version = _flash_module()
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call(mod._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
-              dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-              window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-              deterministic=False, rng_state=None)
+        common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+                      softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+        if cu_seqlens_q is None:
+            _call(mod._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
+                  dq=dq, dk=dk, dv=dv, **common)
+        else:
+            fn = mod._flash_attn_backward if version == 3 else mod._flash_attn_varlen_backward
+            _call(fn, dout=dout[0], q=q[0], k=k[0], v=v[0], out=out[0], softmax_lse=lse[0].contiguous(),
+                  dq=dq[0], dk=dk[0], dv=dv[0], cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **common)
         return dq, dk, dv

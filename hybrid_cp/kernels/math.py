@@ -8,16 +8,8 @@ from __future__ import annotations
 
 import torch
 
-
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[B, S, H_kv, D] -> [B, S, H, D] by repeating each KV head for its query group."""
-    return x if x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
-
-
-def _reduce_kv(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Inverse of `_expand_kv` for gradients: sum each query group onto its KV head."""
-    b, s, h, d = x.shape
-    return x if h == kv_heads else x.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+from ..heads import expand_kv, reduce_kv
+from .varlen import segment_backward, segment_forward
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,19 +36,27 @@ class MathKernel:
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         return None if dtype.is_floating_point else f"dtype {dtype} is not a floating point type"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
+    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=None, max_seqlen_k=None):
+        if cu_seqlens_q is not None:
+            return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k)
         ct = _compute_dtype(q.dtype)
         h = q.shape[2]
-        qc, kc, vc = q.to(ct), _expand_kv(k, h).to(ct), _expand_kv(v, h).to(ct)
+        qc, kc, vc = q.to(ct), expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)
         s = _masked_scores(qc, kc, causal, scale)
         lse = torch.logsumexp(s, dim=-1)
         out = torch.einsum("bhqk,bkhd->bqhd", _probs(s, lse), vc)
         return out.to(q.dtype), lse.to(torch.float64 if ct == torch.float64 else torch.float32)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+        if cu_seqlens_q is not None:
+            return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         ct = _compute_dtype(q.dtype)
         h, hkv = q.shape[2], k.shape[2]
-        qc, kc, vc = q.to(ct), _expand_kv(k, h).to(ct), _expand_kv(v, h).to(ct)
+        qc, kc, vc = q.to(ct), expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)
         do, o = dout.to(ct), out.to(ct)
         p = _probs(_masked_scores(qc, kc, causal, scale), lse.to(ct))
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
@@ -65,4 +65,4 @@ class MathKernel:
         ds = p * (dp - delta)
         dq = torch.einsum("bhqk,bkhd->bqhd", ds, kc) * scale
         dk = torch.einsum("bhqk,bqhd->bkhd", ds, qc) * scale
-        return dq.to(q.dtype), _reduce_kv(dk, hkv).to(k.dtype), _reduce_kv(dv, hkv).to(v.dtype)
+        return dq.to(q.dtype), reduce_kv(dk, hkv).to(k.dtype), reduce_kv(dv, hkv).to(v.dtype)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .math import _expand_kv, _reduce_kv
+from ..heads import expand_kv, reduce_kv
+from .varlen import segment_backward, segment_forward
+
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     """[B, S, H, D] -> a [B, H, S, D] view of [B, S, H, D] memory, the layout these operators
@@ -33,9 +35,13 @@ class SDPAKernel:
             return None
         return f"device type {device.type!r} has no fused SDPA operator with log-sum-exp"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
+    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=None, max_seqlen_k=None):
+        if cu_seqlens_q is not None:
+            return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k)
         h = q.shape[2]
-        qt, kt, vt = _bhsd(q), _bhsd(_expand_kv(k, h)), _bhsd(_expand_kv(v, h))
+        qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qt, kt, vt, 0.0, causal, scale=scale)
@@ -44,9 +50,13 @@ class SDPAKernel:
                 qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
         return out.transpose(1, 2), lse[..., : q.shape[1]].float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+        if cu_seqlens_q is not None:
+            return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         h, hkv = q.shape[2], k.shape[2]
-        qt, kt, vt = _bhsd(q), _bhsd(_expand_kv(k, h)), _bhsd(_expand_kv(v, h))
+        qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))
         dot, ot = _bhsd(dout), _bhsd(out)
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -59,4 +69,4 @@ class SDPAKernel:
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
                 dot, qt, kt, vt, None, ot, lse_p.contiguous(), no_rng, no_rng, 0.0,
                 [True, True, True, False], causal, scale=scale)
-        return (dq.transpose(1, 2), _reduce_kv(dk.transpose(1, 2), hkv), _reduce_kv(dv.transpose(1, 2), hkv))
+        return (dq.transpose(1, 2), reduce_kv(dk.transpose(1, 2), hkv), reduce_kv(dv.transpose(1, 2), hkv))

@@ -1,0 +1,36 @@
+"""Packed (varlen) calls for kernels without a native varlen operator: one dense call per segment.
+
+Segment i is queries cu_seqlens_q[i]:cu_seqlens_q[i+1] against keys cu_seqlens_k[i]:cu_seqlens_k[i+1];
+causal segments are square (the block plan only emits square causal segments), so top-left and
+bottom-right alignment agree. The boundaries are read on the host (a sync on CUDA: the native
+varlen kernels avoid it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    q, k = cu_q.tolist(), cu_k.tolist()
+    return [(q[i], q[i + 1], k[i], k[i + 1]) for i in range(len(q) - 1)]
+
+
+def segment_forward(forward, q, k, v, *, causal: bool, scale: float, cu_seqlens_q, cu_seqlens_k):
+    outs, lses = [], []
+    for qa, qb, ka, kb in _bounds(cu_seqlens_q, cu_seqlens_k):
+        o, l = forward(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], causal=causal, scale=scale)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs, 1), torch.cat(lses, 2)
+
+
+def segment_backward(backward, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q, cu_seqlens_k):
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qa, qb, ka, kb in _bounds(cu_seqlens_q, cu_seqlens_k):
+        g = backward(dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb], lse[:, :, qa:qb],
+                     causal=causal, scale=scale)
+        dq[:, qa:qb] = g[0]
+        dk[:, ka:kb] += g[1]
+        dv[:, ka:kb] += g[2]
+    return dq, dk, dv
