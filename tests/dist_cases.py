@@ -223,3 +223,110 @@ def mesh_errors() -> dict:
     planned = hcp.init_cp_mesh(plan=best)
     out["planned"] = ((best.ulysses, best.ring, best.dp), (planned.ulysses_size, planned.ring_size, planned.dp_size))
     return out
+
+
+# ---- packed documents ---------------------------------------------------------------------------
+
+def doc_mix(seed: int, n_docs: int, total: int) -> list[int]:
+    """`n_docs` document lengths summing to `total`: mostly short, one long, a length-1 document."""
+    import random
+
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, total), n_docs - 1))
+    lens = [b - a for a, b in zip([0] + cuts, cuts + [total])]
+    if n_docs > 2:
+        lens[rng.randrange(n_docs - 1)] += lens.pop() - 1
+        lens.insert(rng.randrange(n_docs), 1)
+    return lens
+
+
+def packed_reference(q, k, v, dout, causal: bool, scale: float, doc_lens: list[int]):
+    """Attention inside each document by fp64 autograd over the whole row with a block mask."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    h = q.shape[2]
+    ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+    visible = doc[:, None] == doc[None, :]
+    if causal:
+        visible &= torch.ones_like(visible).tril()
+    s = (torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
+    """For each packed case, relative errors of out/lse/dq/dk/dv on this rank's real tokens against
+    the per-document fp64 reference, and the largest magnitude found in pad slots (must be 0)."""
+    from topology.layouts import PAD
+
+    cp = mesh(u, r, layout)
+    results = []
+    for c in cases:
+        lens, h, hkv, d, causal = c["docs"], c["h"], c["hkv"], c["d"], c["causal"]
+        dtype = DTYPES[c.get("dtype", "fp32")]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        q, k, v, dout = _inputs(c.get("seed", 3), 1, cu[-1], h, hkv, d)
+        ref = packed_reference(q, k, v, dout, causal, 1 / math.sqrt(d), lens)
+        ql, kl, vl = (hcp.shard(x.to(dtype), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
+        out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, cu_seqlens=cu, return_lse=True,
+                                 backend=c.get("backend", "auto"))
+        (out * hcp.shard(dout.to(dtype), cp, cu_seqlens=cu)).sum().backward()
+        got = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
+        lay = hcp.layout.row_layout(cp, cu_seqlens=cu)
+        real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
+        keep, pads = torch.nonzero(real).flatten(), torch.nonzero(~real).flatten()
+        err, pad_max = {}, 0.0
+        for name, dim, rf, gt in zip(["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref, got):
+            err[name] = _rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, cu_seqlens=cu).index_select(dim, keep))
+            if name != "lse" and pads.numel():
+                pad_max = max(pad_max, gt.index_select(dim, pads).abs().max().item())
+        if pads.numel():
+            err["lse_pad_is_neg_inf"] = bool(torch.isneginf(lse.index_select(2, pads)).all())
+        back = hcp.unshard(out.detach(), cp, cu_seqlens=cu)
+        err["unshard_ok"] = tuple(back.shape) == (1, cu[-1], h, d) and _rel(back, ref[0]) <= 1e-5
+        results.append({**c, **err, "pad_max": pad_max})
+    return results
+
+
+def hidden_length_case() -> dict:
+    """Shard a 997-token q/k/v, then another 1,000-token tensor, then non-causal attention and
+    unshard without seq_len: both must raise (ambiguous); with seq_len=997 the answer is exact."""
+    cp = mesh(2, 2)
+    cp.sharded_lengths.clear()  # the cached mesh is shared with other cases
+    q, k, v, dout = _inputs(5, 1, 997, 4, 2, 16)
+    ql, kl, vl = (hcp.shard(x.float(), cp) for x in (q, k, v))
+    hcp.shard(torch.zeros(1, 1000, 3), cp)
+    out = {}
+    for name, call in (("attention", lambda: hcp.attention(ql, kl, vl, cp)),
+                       ("unshard", lambda: hcp.unshard(ql, cp))):
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    res = hcp.attention(ql, kl, vl, cp, seq_len=997)
+    full = hcp.unshard(res, cp, seq_len=997)
+    ref = reference(q, k, v, dout, False, 1 / math.sqrt(16))[0]
+    out["explicit_shape"] = tuple(full.shape)
+    out["explicit_err"] = _rel(full, ref)
+    causal = hcp.unshard(hcp.attention(ql, kl, vl, cp, causal=True), cp, seq_len=997)
+    out["causal_err"] = _rel(causal, reference(q, k, v, dout, True, 1 / math.sqrt(16))[0])
+    cp.sharded_lengths.clear()
+    return out
+
+
+def packed_comm_bytes_case(u: int, r: int, lens: list[int], h: int, hkv: int, d: int, causal: bool) -> dict:
+    cp = mesh(u, r)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v, dout = _inputs(9, 1, cu[-1], h, hkv, d)
+    hcp.reset_comm_bytes(cp)
+    ql, kl, vl = (hcp.shard(x.float(), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
+    out = hcp.attention(ql, kl, vl, cp, causal=causal, cu_seqlens=cu)
+    (out * hcp.shard(dout.float(), cp, cu_seqlens=cu)).sum().backward()
+    return {"ulysses_rank": cp.ulysses_rank, "total": hcp.comm_bytes(cp), "cu": cu}
