@@ -171,7 +171,10 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
         raise ValueError("batch must be the dict from hcp.shard_batch, with 'input_ids' and 'labels'")
     _check_chunk("chunk_tokens", chunk_tokens)
     labels = batch["labels"]
-    call = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if batch.get(k) is not None}
+    # a packed row's document boundaries (shard_batch's cu_seq_lens_q/...) must reach the attention layers
+    keys = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+            "max_length_k")
+    call = {k: batch[k] for k in keys if batch.get(k) is not None}
     call.update(model_kwargs)
     if not tiled:
         logits = model(**call).logits

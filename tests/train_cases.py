@@ -233,3 +233,104 @@ def error_messages(u: int, r: int) -> dict:
     logits = model(input_ids=local["input_ids"]).logits
     out["ok_after"] = tuple(logits.shape)
     return out
+
+
+# ---- packed documents (DataCollatorWithFlattening-style rows) ---------------------------------------------------
+
+PACKED_DOC_LENS = (9, 1, 23, 4, 61, 2, 14)  # uneven, a length-1 document, one longer than the rest
+
+
+def packed_row(seed: int, doc_lens=PACKED_DOC_LENS) -> dict:
+    """One packed row as transformers' DataCollatorWithFlattening builds it: the documents' ids
+    concatenated into [1, total], position ids restarting at 0 per document, and labels = ids with
+    -100 at every document's first token (so no target crosses into the next document)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in doc_lens]
+    ids = torch.cat(docs)[None]
+    labels = torch.cat([torch.cat([torch.tensor([-100]), d[1:]]) for d in docs])[None]
+    pos = torch.cat([torch.arange(n) for n in doc_lens])[None]
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def packed_reference(model, batch: dict, doc_lens=PACKED_DOC_LENS):
+    """Single process, one document at a time (positions 0..len-1, labels shifted inside the document):
+    the token-loss sum over all documents divided by the number of valid targets, and the gradients."""
+    total, count, start = 0.0, 0, 0
+    for n in doc_lens:
+        ids = batch["input_ids"][:, start:start + n]
+        labels = batch["labels"][0, start + 1:start + n]
+        logits = model(input_ids=ids, position_ids=torch.arange(n)[None]).logits
+        total = total + F.cross_entropy(logits[0, :-1].reshape(-1, VOCAB), labels, ignore_index=-100, reduction="sum")
+        count += int((labels != -100).sum())
+        start += n
+    loss = total / count
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False,
+                        explicit_cu: bool = False, tiled_loss: bool = False, checkpoint: bool = False) -> dict:
+    """Loss and every parameter gradient of one packed-row step under CP vs the per-document reference
+    (`tiled_loss`: through `hcp.lm_loss` on the shard_batch dict instead of logits + cross_entropy)."""
+    cp = mesh(u, r)
+    batch = packed_row(4321)
+    ref_loss, ref_grads = packed_reference(tiny_model(kind, hkv), batch)
+    if explicit_cu:  # the other accepted form: boundaries instead of restarting positions
+        cu = torch.tensor([0] + list(torch.tensor(PACKED_DOC_LENS).cumsum(0)), dtype=torch.int32)
+        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu}
+
+    model = apply_context_parallel(tiny_model(kind, hkv), cp)
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp:
+        shard_model(model, cp)
+    local = shard_batch(batch, cp)
+    if tiled_loss:
+        loss = hcp.lm_loss(model, local, cp, chunk_tokens=8)
+    else:
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                       cu_seq_lens_q=local["cu_seq_lens_q"], cu_seq_lens_k=local["cu_seq_lens_k"],
+                       max_length_q=local["max_length_q"], max_length_k=local["max_length_k"]).logits
+        loss = cross_entropy(logits, local["labels"], cp)
+    loss.backward()
+    if not fsdp:
+        average_gradients(model)
+    grads = {n: _full_grad(p) for n, p in model.named_parameters()}
+    grad_errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads if n in grads}
+    worst = max(grad_errs, key=grad_errs.get)
+    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad_errs[worst],
+            "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads)),
+            "cp_loss": loss.item(), "ref_loss": ref_loss.item(), "leak": _leak(kind, hkv, ref_grads)}
+
+
+_LEAKS: dict = {}
+
+
+def _leak(kind: str, hkv: int, ref_grads: dict) -> float:
+    """How far the reference's gradients are from one dense causal pass over the whole packed row
+    (attention crossing the documents): the test asserts this is large, i.e. it would catch a leak."""
+    from hybrid_cp.batch import shift_labels
+
+    if (kind, hkv) not in _LEAKS:
+        batch = packed_row(4321)
+        model = tiny_model(kind, hkv)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        labels = shift_labels(batch["labels"])
+        F.cross_entropy(logits[0], labels[0], ignore_index=-100).backward()
+        _LEAKS[kind, hkv] = max(_rel(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+    return _LEAKS[kind, hkv]
+
+
+def packed_labels(u: int, r: int, explicit_cu: bool = False) -> dict:
+    """shard_batch of a packed row, then unshard of every returned per-token tensor (with cu_seqlens)."""
+    cp = mesh(u, r)
+    batch = packed_row(99)
+    cu = [0] + torch.tensor(PACKED_DOC_LENS).cumsum(0).tolist()
+    if explicit_cu:
+        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu}
+    local = shard_batch(batch, cp, ignore_index=-7)
+    full = {k: hcp.unshard(local[k], cp, dim=1, cu_seqlens=cu) for k in ("input_ids", "labels", "position_ids")}
+    return {"full": full, "local_len": local["input_ids"].shape[1],
+            "cu_q": local["cu_seq_lens_q"].tolist(), "cu_k": local["cu_seq_lens_k"].tolist(),
+            "cu_dtype": str(local["cu_seq_lens_q"].dtype),
+            "max_q": local["max_length_q"], "max_k": local["max_length_k"]}
