@@ -1,4 +1,4 @@
-"""The `hybrid-cp` command: demo, attention-demo, plan."""
+"""The `hybrid-cp` command: demo, attention-demo, plan, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ COMMANDS = {
     "demo": ("hybrid_cp.train_demo", "the README's main job: train a small Llama with CP on 8 CPU processes vs 1"),
     "attention-demo": ("hybrid_cp.demo", "exact hybrid attention on local CPU processes vs one device"),
     "plan": ("topology.cli", "rank (ulysses, ring) splits for a cluster and model with the cost model"),
+    "calibrate": ("hybrid_cp.bench_cli:calibrate_main", "measure this machine's rates and write a cluster file for plan"),
+    "bench": ("hybrid_cp.bench_cli:bench_main", "time one attention fwd+bwd per rank next to the plan's prediction"),
 }
 
 
@@ -24,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import importlib
 
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    module, _, func = COMMANDS[argv[0]][0].partition(":")
+    return getattr(importlib.import_module(module), func or "main")(argv[1:])
 
 
 if __name__ == "__main__":

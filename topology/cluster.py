@@ -20,6 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .calibration import Calibration
+
 __all__ = ["LinkSpec", "Accelerator", "Cluster", "ClusterError", "PRESETS"]
 
 LinkKind = Literal["nvlink", "pcie", "upi", "infiniband", "roce", "ethernet", "loopback"]
@@ -46,6 +48,10 @@ class LinkSpec(_Strict):
     kind: LinkKind = Field(description="physical link family, informational and used by discovery")
     bandwidth_gb_s: float = Field(description="GB/s per GPU per direction, all GPUs sending at once")
     latency_us: float = Field(default=5.0, description="fixed cost of one collective/P2P message, µs")
+    contention: float = Field(
+        default=1.0, ge=1.0,
+        description="slowdown when every group exchanges at once vs one group alone (1 = none; measured by calibrate)",
+    )
 
     @field_validator("bandwidth_gb_s")
     @classmethod
@@ -89,6 +95,13 @@ class Accelerator(_Strict):
     )
     hbm_gb_s: float = Field(
         default=2000.0, description="device memory bandwidth, GB/s: prices the ring's per-step softmax merge"
+    )
+    kernel_call_overhead_us: float = Field(
+        default=0.0, ge=0,
+        description="fixed cost of one attention kernel call: makes the smaller blocks of many ring steps less efficient",
+    )
+    ring_overlap: float = Field(
+        default=1.0, ge=0, le=1, description="fraction of a ring transfer that the step's compute can hide (1 = ideal)"
     )
 
     @field_validator("peak_tflops", "memory_gb", "hbm_gb_s")
@@ -150,6 +163,9 @@ class Cluster(_Strict):
     cross_socket: LinkSpec | None = None
     backend: Literal["nccl", "gloo"] = "nccl"
     sources: list[str] = Field(default_factory=list, description="where the figures come from")
+    calibration: Calibration | None = Field(
+        default=None, description="rates measured by `hybrid-cp calibrate`; the cost model prefers them when set"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "Cluster":

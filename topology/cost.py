@@ -26,7 +26,8 @@ from .cluster import Cluster
 from .layouts import granularity, head_split, make_layout, padded_length, doc_lengths
 from .placement import PlacementError, ring_groups, ulysses_groups
 
-__all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS"]
+__all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS",
+           "engine_known_s"]
 
 Layout = Literal["zigzag", "contiguous"]
 _DTYPE_BYTES = {
@@ -235,6 +236,11 @@ class Estimate:
         return self.compute_s + self.a2a_s + self.ring_exposed_s
 
     @property
+    def attention_time_s(self) -> float:
+        """The attention call alone (what `hybrid-cp bench` measures): ``time_s`` without the rest of the layer."""
+        return self.time_s - self.rest_s
+
+    @property
     def total_bytes(self) -> int:
         return sum(self.bytes_per_rank.values())
 
@@ -257,7 +263,7 @@ class Estimate:
         return {
             "ulysses": self.ulysses, "ring": self.ring, "dp": self.dp, "batch": self.batch,
             "seq_len": self.seq_len, "padded_len": self.padded_len,
-            "time_s": self.time_s, "compute_s": self.compute_s, "attention_s": self.attention_s,
+            "time_s": self.time_s, "attention_time_s": self.attention_time_s, "compute_s": self.compute_s, "attention_s": self.attention_s,
             "ring_overhead_s": self.ring_overhead_s, "rest_s": self.rest_s, "a2a_s": self.a2a_s,
             "ring_comm_s": self.ring_comm_s, "ring_exposed_s": self.ring_exposed_s,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
@@ -267,6 +273,11 @@ class Estimate:
         }  # fmt: skip
 
 
+def _bandwidth(link: Any, concurrent: bool) -> float:
+    """Bytes/s of ``link``; divided by its measured contention when several groups exchange at once."""
+    return link.bandwidth_gb_s * 1e9 / (link.contention if concurrent else 1.0)
+
+
 def _a2a_time(
     cluster: Cluster, groups: list[list[int]], split: list, unit: int, backward: bool = True
 ) -> tuple[float, str]:
@@ -274,8 +285,10 @@ def _a2a_time(
 
     Bytes to peers on different tiers travel concurrently on different links, so a rank's time is the
     max over tiers of bytes/bandwidth, plus one latency of the slowest tier per collective (2 forward,
-    2 backward). Groups whose placement repeats (same offset inside a domain) are priced once.
+    2 backward). Groups whose placement repeats (same offset inside a domain) are priced once. When
+    more than one group exchanges at once, each link's ``contention`` divides its bandwidth.
     """
+    concurrent = sum(1 for g in groups if len(g) > 1) > 1
     dom = cluster.domain_size
     seen: set[int] = set()
     worst, worst_tier = 0.0, -1
@@ -294,8 +307,8 @@ def _a2a_time(
                     acc[0] += f
                     acc[1] += b
             lat = max(cluster.tier_link(t).latency_us for t in per_tier) * 1e-6
-            fwd = max(v[0] / (cluster.tier_link(t).bandwidth_gb_s * 1e9) for t, v in per_tier.items())
-            bwd = max(v[1] / (cluster.tier_link(t).bandwidth_gb_s * 1e9) for t, v in per_tier.items())
+            fwd = max(v[0] / _bandwidth(cluster.tier_link(t), concurrent) for t, v in per_tier.items())
+            bwd = max(v[1] / _bandwidth(cluster.tier_link(t), concurrent) for t, v in per_tier.items())
             total = fwd + 2 * lat + ((bwd + 2 * lat) if backward else 0.0)
             if total > worst:
                 worst = total
@@ -360,6 +373,13 @@ def estimate(
     attn_bwd_s = bwd_factor * attn_fwd_s
     overhead = acc.ring_step_overhead_us * 1e-6
     ring_overhead_s = 0.0
+    if acc.kernel_call_overhead_us:
+        # Kernel efficiency vs block size: every kernel call (r forward, r backward) pays a fixed cost,
+        # so r smaller blocks cost more than one large block of the same FLOPs.
+        calls = ring * (2 if backward else 1)
+        attn_fwd_s += ring * acc.kernel_call_overhead_us * 1e-6
+        attn_bwd_s += (ring if backward else 0) * acc.kernel_call_overhead_us * 1e-6
+        notes.append(f"{calls} kernel calls at {acc.kernel_call_overhead_us:g} us each")
     if ring > 1:
         # r forward steps + r backward steps (at 2x the launches), plus the online-softmax merge, which
         # a single flash-attention call does in registers: per step it reads the block's output and
@@ -389,16 +409,18 @@ def estimate(
         tier = _ring_tier(cluster, ring_groups(world, ulysses, ring, dp))
         link = cluster.tier_link(tier)
         ring_link = cluster.tier_name(tier)
+        bw = _bandwidth(link, dp * ulysses > 1)
         kv_elems = batch * ulysses * s * 2 * k_max * D
-        c_fwd = link.transfer_s(kv_elems * e)
-        c_bwd = link.transfer_s(kv_elems * (e + GRAD_BYTES))  # K/V and the travelling fp32 dK/dV
-        c_home = link.transfer_s(kv_elems * GRAD_BYTES)  # last dK/dV hop home: nothing left to hide it
+        xfer = lambda n: link.latency_us * 1e-6 + n / bw  # noqa: E731
+        c_fwd = xfer(kv_elems * e)
+        c_bwd = xfer(kv_elems * (e + GRAD_BYTES))  # K/V and the travelling fp32 dK/dV
+        c_home = xfer(kv_elems * GRAD_BYTES)  # last dK/dV hop home: nothing left to hide it
         step_fwd, step_bwd = attn_fwd_s / ring, attn_bwd_s / ring
         ring_comm_s = (ring - 1) * c_fwd
-        ring_exposed_s = (ring - 1) * max(0.0, c_fwd - step_fwd)
+        ring_exposed_s = (ring - 1) * _exposed(c_fwd, step_fwd, acc.ring_overlap)
         if backward:
             ring_comm_s += (ring - 1) * c_bwd + c_home
-            ring_exposed_s += (ring - 1) * max(0.0, c_bwd - step_bwd) + c_home
+            ring_exposed_s += (ring - 1) * _exposed(c_bwd, step_bwd, acc.ring_overlap) + c_home
 
     # --- memory (per rank) ---------------------------------------------------------------------
     us = ulysses * s
@@ -414,6 +436,15 @@ def estimate(
         else 0,
         "mlp_recompute": batch * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
     }
+    if cluster.calibration is not None:
+        parts = _calibrated_parts(cluster.calibration, cluster, world, dp, H, Hkv, D, seq_len, batch, ulysses, ring,
+                                  e, layout, causal, backward, dtype)
+        attn_fwd_s, attn_bwd_s = parts["kernel_fwd_s"], parts["kernel_bwd_s"]
+        ring_overhead_s, a2a_s = parts["fixed_s"] + parts["merge_s"] + parts["copy_s"], parts["a2a_s"]
+        ring_comm_s, ring_exposed_s = parts["ring_comm_s"], parts["ring_exposed_s"]
+        a2a_link = "measured" if ulysses > 1 and a2a_link != "none" else a2a_link
+        ring_link = "measured" if ring > 1 else ring_link
+        notes += parts["notes"]
     return Estimate(
         ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=padded, layers=model.layers,
         attention_s=attn_fwd_s + attn_bwd_s, ring_overhead_s=ring_overhead_s, rest_s=rest_s, a2a_s=a2a_s,
@@ -422,3 +453,114 @@ def estimate(
         model_flops=model_flops, peak_flops=acc.peak_tflops * 1e12, notes=tuple(notes),
     )  # fmt: skip
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# calibrated terms (docs/planner.md, section 4): priced from a Cluster's measured Calibration
+
+
+def _exposed(comm: float, compute: float, overlap: float) -> float:
+    """Transfer time a step cannot hide: all of it beyond the step's compute, and ``1 - overlap`` of
+    the part the compute could have hidden (overlap = 1: today's ``max(0, comm - compute)``)."""
+    return comm - overlap * min(comm, compute)
+
+
+def _calibrated_parts(cal: Any, cluster: Cluster | None, world: int, dp: int, H: int, Hkv: int, D: int,
+                      seq_len: int, batch: int, ulysses: int, ring: int, e: int, layout: str, causal: bool,
+                      backward: bool, dtype: Any, kernels: bool = True) -> dict[str, Any]:
+    """One attention call priced with measured rates, term by term (seconds, slowest rank).
+
+    kernel: every kernel call of the slowest ring rank at its real block shape (from the layout's
+    step plan) through the fitted ``call overhead + F (1 + tile/Tq) / rate``; fixed: ``3 r`` step
+    units (forward 1, backward 2) plus one per-call cost; merge: the online-softmax merge (and the
+    backward's fp32 accumulations) at the measured merge rate; copy: the engine's packing copies per
+    byte sent; a2a: the measured all-to-all of this ulysses degree (all groups at once); ring: the
+    measured neighbour exchange with every rank sending, hidden behind the step's kernels by the
+    measured overlap fraction; the last dK/dV hop is always exposed.
+    """
+    split = head_split(H, Hkv, ulysses)
+    c_max, k_max = max(x[0] for x in split), max(x[3] for x in split)
+    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
+    s = lay.local_len
+    notes: list[str] = []
+    name = str(dtype).removeprefix("torch.").lower()
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(name, name)
+    fits = {(c, d): cal.kernel_fit(c, d, dtype=name) for c in (True, False) for d in ("fwd", "bwd")}
+    if kernels and any(f is not None and f.dtype != name for f in fits.values()):
+        notes.append(f"kernel rates for {name} not calibrated; used {cal.dtype}")
+    kf = kb = 0.0
+    if kernels:
+        worst = (0.0, 0.0)
+        for j in range(ring):
+            tf = tb = 0.0
+            for st in range(ring):
+                step = lay.step(j, st, causal)
+                if step is None:
+                    continue
+                for _, nq, _, nk in step.pairs:
+                    for direction in ("fwd", "bwd") if backward else ("fwd",):
+                        fit = fits[(step.causal, direction)]
+                        if fit is None:
+                            raise ValueError(
+                                f"the calibration has no {'causal' if step.causal else 'full'} {direction} kernel fit; "
+                                "re-run hybrid-cp calibrate with the kernels stage")
+                        t = fit.seconds(nq, nk, batch * c_max, D)
+                        if direction == "fwd":
+                            tf += t
+                        else:
+                            tb += t
+            if tf + tb > sum(worst):
+                worst = (tf, tb)
+        kf, kb = worst
+    units = ring * (3 if backward else 1)
+    fixed = units * cal.step_overhead_us * 1e-6 + cal.call_overhead_us * 1e-6 * (1.0 if backward else 0.5)
+    merge_s = 0.0
+    if cal.merge is not None:
+        t = ulysses * s
+        merge_s = ring * cal.merge.seconds(batch * t * c_max * D * (e + 8))
+        if backward:
+            merge_s += ring * cal.merge.seconds(batch * t * D * (c_max * 8 + 2 * k_max * (8 + e)))
+    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout)
+    if not backward:
+        nbytes.update(ulysses_bwd=0, ring_bwd=0)
+    sent = sum(nbytes.values())
+    copy_s = sent / (cal.copy_gb_s * 1e9) if cal.copy_gb_s else 0.0
+    a2a_s = 0.0
+    if ulysses > 1:
+        fit_u = cal.a2a_fit(ulysses)
+        if fit_u is not None:
+            a2a_s = 2 * fit_u.link.latency_us * 1e-6 + nbytes["ulysses_fwd"] / (fit_u.link.bandwidth_gb_s * 1e9)
+            if backward:
+                a2a_s += 2 * fit_u.link.latency_us * 1e-6 + nbytes["ulysses_bwd"] / (fit_u.link.bandwidth_gb_s * 1e9)
+        elif cluster is not None:
+            unit = batch * s * D * e
+            a2a_s = _a2a_time(cluster, ulysses_groups(world, ulysses, ring, dp), split, unit, backward)[0]
+            notes.append(f"all-to-all of ulysses={ulysses} not calibrated; priced with the cluster's links")
+    ring_comm = ring_exposed = 0.0
+    if ring > 1:
+        kv_elems = batch * ulysses * s * 2 * k_max * D
+        if cal.p2p is not None:
+            xfer = cal.p2p.seconds
+        elif cluster is not None:
+            xfer = cluster.intra_node.transfer_s
+            notes.append("ring exchange not calibrated; priced with the cluster's intra_node link")
+        else:
+            xfer = lambda n: 0.0  # noqa: E731
+        c_fwd, c_bwd, c_home = xfer(kv_elems * e), xfer(kv_elems * (e + GRAD_BYTES)), xfer(kv_elems * GRAD_BYTES)
+        ring_comm = (ring - 1) * c_fwd
+        ring_exposed = (ring - 1) * _exposed(c_fwd, kf / ring, cal.overlap)
+        if backward:
+            ring_comm += (ring - 1) * c_bwd + c_home
+            ring_exposed += (ring - 1) * _exposed(c_bwd, kb / ring, cal.overlap) + c_home
+    return {"kernel_fwd_s": kf, "kernel_bwd_s": kb, "fixed_s": fixed, "merge_s": merge_s, "copy_s": copy_s,
+            "a2a_s": a2a_s, "ring_comm_s": ring_comm, "ring_exposed_s": ring_exposed, "sent_bytes": sent,
+            "notes": notes}
+
+
+def engine_known_s(cal: Any, ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                   e: int) -> tuple[float, int]:
+    """The measured parts of a no-arithmetic engine call (all-to-all, ring exchange, merges) as the
+    model prices them, and the bytes it sends; calibration fits the fixed costs to the remainder."""
+    p = _calibrated_parts(cal, None, ulysses * ring, 1, heads, kv_heads, head_dim, seq_len, 1, ulysses, ring, e,
+                          "zigzag", True, True, e, kernels=False)
+    return p["merge_s"] + p["a2a_s"] + p["ring_exposed_s"], p["sent_bytes"]

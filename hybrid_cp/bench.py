@@ -1,0 +1,263 @@
+"""Measuring harness for `hybrid-cp bench` and `hybrid-cp calibrate` (runs on every rank).
+
+Everything here times the engine through its public entry points (`init_cp_mesh`, `shard`,
+`attention`, the kernels' `forward`/`backward`, `ring.merge_`) so that what the planner is
+calibrated on is what a user runs. Each task function runs on every rank (a `WorkerPool` task
+"hybrid_cp.bench:NAME", or directly under torchrun) and returns plain Python data; the parent
+combines ranks. Timings are taken between barriers and reported per repeat as the slowest rank,
+because a collective-bound step finishes when its slowest rank does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hybrid_cp as hcp
+from hybrid_cp.kernels import get_kernel
+
+__all__ = ["NullKernel", "TorchRateSource", "bench_rank", "measure_rank", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+_MESHES: dict[tuple, Any] = {}
+
+
+def _mesh(u: int, r: int, dp: int | None = None, layout: str = "zigzag") -> Any:
+    """Meshes are cached per process: building one creates process groups, which must not repeat."""
+    key = (u, r, dp, layout)
+    if key not in _MESHES:
+        _MESHES[key] = hcp.init_cp_mesh(u, r, dp=dp, layout=layout)
+    return _MESHES[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _slowest(seconds: float) -> float:
+    """The slowest rank's time (all ranks call this the same number of times)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+class NullKernel:
+    """A kernel that does no arithmetic: the engine's cost without attention compute.
+
+    `hcp.attention(..., backend=NullKernel())` still runs the all-to-alls, the layout permutes,
+    the ring exchange, the merges and the autograd plumbing, so its time is the engine's overhead
+    at that shape. The lse is 0 (not -inf) so that the merge takes its normal path.
+    """
+
+    name = "null"
+
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        return None
+
+    def forward(self, q, k, v, *, causal: bool, scale: float):
+        return q.new_zeros(q.shape), q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+
+
+def _inputs(n: int, h: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, hh, d, generator=g).to(device=device, dtype=dtype) for hh in (h, hkv, hkv, h)]
+
+
+def _time_attention(cp: Any, n: int, h: int, hkv: int, d: int, dtype: torch.dtype, causal: bool,
+                    repeats: int, warmup: int, backend: Any) -> tuple[list[float], dict[str, int]]:
+    """Per repeat, the slowest rank's time of one attention forward + backward."""
+    device = cp.device
+    q, k, v, dout = _inputs(n, h, hkv, d, dtype, device)
+    ql, kl, vl = (hcp.shard(x, cp).requires_grad_() for x in (q, k, v))
+    dl = hcp.shard(dout, cp)
+    times = []
+    for i in range(warmup + repeats):
+        for x in (ql, kl, vl):
+            x.grad = None
+        hcp.reset_comm_bytes(cp)
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hcp.attention(ql, kl, vl, cp, causal=causal, backend=backend, seq_len=n)
+        out.backward(dl)
+        _sync(device)
+        t = _slowest(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(t)
+    return times, hcp.comm_bytes(cp)
+
+
+def bench_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+               causal: bool = True, dtype: str = "float32", repeats: int = 5, warmup: int = 1,
+               backend: str = "auto", layout: str = "zigzag") -> dict[str, Any]:
+    """`hybrid-cp bench` on one rank: slowest-rank time of each repeat, and this rank's bytes."""
+    world = dist.get_world_size()
+    cp = _mesh(ulysses, ring, world // (ulysses * ring), layout)
+    times, nbytes = _time_attention(cp, seq_len, heads, kv_heads, head_dim, DTYPES[dtype], causal,
+                                    repeats, warmup, backend)
+    kernel = get_kernel(backend, cp.device, DTYPES[dtype], head_dim)
+    return {"rank": dist.get_rank(), "times": times, "bytes": nbytes, "kernel": kernel.name,
+            "device": str(cp.device)}
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration measurements (topology.calibration.collect decides what is timed, and fits it)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+class TorchRateSource:
+    """Times the engine's pieces on this rank; every rank must make the same calls in the same order
+    (each timing ends in a collective). Implements ``topology.calibration.RateSource``."""
+
+    def __init__(self, repeats: int = 3):
+        self.repeats = repeats
+        self.device = _device()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.kernel_names: dict[str, str] = {}
+
+    def _timeit(self, fn) -> float:
+        """Median over repeats of the slowest rank's time of `fn()` started together on all ranks."""
+        fn()  # warm-up
+        times = []
+        for _ in range(self.repeats):
+            dist.barrier()
+            _sync(self.device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(self.device)
+            times.append(_slowest(time.perf_counter() - t0))
+        return _median(times)
+
+    def kernel(self, backend, dtype, causal, tq, tk, heads, kv_heads, head_dim):
+        dt = DTYPES[dtype]
+        kernel = get_kernel(backend, self.device, dt, head_dim)
+        self.kernel_names[backend] = kernel.name
+        q, k, v, dout = _inputs(max(tq, tk), heads, kv_heads, head_dim, dt, self.device)
+        q, dout, k, v = q[:, :tq], dout[:, :tq], k[:, :tk], v[:, :tk]
+        scale = 1 / math.sqrt(head_dim)
+        res: dict = {}
+
+        def fwd():
+            res["o"] = kernel.forward(q, k, v, causal=causal, scale=scale)
+
+        tf = self._timeit(fwd)
+        o, lse = res["o"]
+        tb = self._timeit(lambda: kernel.backward(dout, q, k, v, o, lse, causal=causal, scale=scale))
+        return tf, tb
+
+    def merge(self, tokens, heads, head_dim, dtype):
+        from hybrid_cp.ring import merge_
+
+        acc = torch.zeros(1, tokens, heads, head_dim, device=self.device)
+        lse = torch.zeros(1, heads, tokens, device=self.device)
+        blk = torch.randn(1, tokens, heads, head_dim, device=self.device).to(DTYPES[dtype])
+        blk_lse = torch.randn(1, heads, tokens, device=self.device)
+        return self._timeit(lambda: merge_(acc, lse, blk, blk_lse))
+
+    def a2a(self, ulysses, nbytes, alone):
+        cp = _mesh(ulysses, 1, self.world // ulysses)
+        per_peer = max(1, nbytes // (4 * (ulysses - 1)))
+        send = torch.randn(ulysses * per_peer, device=self.device)
+        recv = torch.empty_like(send)
+        active = not alone or self.rank < ulysses
+
+        def fn():
+            if active:
+                dist.all_to_all_single(recv, send, group=cp.ulysses_group)
+
+        return self._timeit(fn)
+
+    def p2p(self, nbytes, alone):
+        send = torch.randn(max(1, nbytes // 4), device=self.device)
+        recv = torch.empty_like(send)
+        me, w = self.rank, self.world
+
+        def fn():
+            if alone and me >= 2:
+                return
+            nxt, prv = ((1 - me), (1 - me)) if alone else ((me + 1) % w, (me - 1) % w)
+            ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        return self._timeit(fn)
+
+    def overlap(self, tokens, heads, kv_heads, head_dim, dtype, backend, nbytes):
+        dt = DTYPES[dtype]
+        kernel = get_kernel(backend, self.device, dt, head_dim)
+        q, k, v, _ = _inputs(tokens, heads, kv_heads, head_dim, dt, self.device)
+        send = torch.randn(max(1, nbytes // 4), device=self.device)
+        recv = torch.empty_like(send)
+        me, w = self.rank, self.world
+
+        def post():
+            ops = [dist.P2POp(dist.isend, send, (me + 1) % w), dist.P2POp(dist.irecv, recv, (me - 1) % w)]
+            return dist.batch_isend_irecv(ops)
+
+        def comm():
+            for work in post():
+                work.wait()
+
+        compute = lambda: kernel.forward(q, k, v, causal=False, scale=1 / math.sqrt(head_dim))  # noqa: E731
+
+        def both():
+            works = post()
+            compute()
+            for work in works:
+                work.wait()
+
+        return self._timeit(comm), self._timeit(compute), self._timeit(both)
+
+    def engine(self, ulysses, ring, seq_len, heads, kv_heads, head_dim, dtype):
+        cp = _mesh(ulysses, ring, 1)
+        times, _ = _time_attention(cp, seq_len, heads, kv_heads, head_dim, DTYPES[dtype], True, self.repeats, 1,
+                                   NullKernel())
+        return _median(times)
+
+
+def measure_rank(spec: dict, repeats: int = 3, progress_file: str | None = None) -> dict[str, Any]:
+    """Every calibration timing of ``spec`` (a ``CalibrationSpec`` as a dict) on this rank; rank 0
+    reports progress (printed, or appended to ``progress_file`` when the parent shows it)."""
+    import os
+
+    from topology.calibration import CalibrationSpec, collect
+
+    source = TorchRateSource(repeats)
+    t_start = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        if source.rank != 0:
+            return
+        line = f"[{time.perf_counter() - t_start:6.1f} s] {msg}"
+        if progress_file:
+            with open(progress_file, "a") as f:
+                f.write(line + "\n")
+        else:
+            print(line, flush=True)
+
+    torch.manual_seed(0)
+    samples = collect(source, CalibrationSpec(**spec), progress)
+    device = source.device
+    return {"samples": samples, "kernel_names": source.kernel_names, "backend": dist.get_backend(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "threads": torch.get_num_threads(), "load": list(os.getloadavg())}

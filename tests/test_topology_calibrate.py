@@ -1,0 +1,244 @@
+"""Calibration: fitted rates equal the rates a fake source was fed; the model's new terms vanish in the
+ideal limit; calibrated cluster files round-trip through the CLI; a short real calibrate + bench."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from topology import Cluster, ModelShape, estimate
+from topology.calibration import (
+    A2AFit, Calibration, CalibrationSpec, KernelFit, LinkFit, collect, fit, kernel_flops,
+)
+from topology.cost import engine_known_s
+
+# ------------------------------------------------------------------------------------------------ fake source
+
+TRUE_KERNELS = {  # (causal, direction) -> (TFLOP/s, call overhead us, causal tile tokens)
+    (True, "fwd"): (0.02, 300.0, 180.0),
+    (True, "bwd"): (0.011, 700.0, 250.0),
+    (False, "fwd"): (0.03, 200.0, 0.0),
+    (False, "bwd"): (0.015, 450.0, 0.0),
+}
+TRUE_MERGE = LinkFit(bandwidth_gb_s=3.0, latency_us=120.0)
+TRUE_A2A = {2: (0.8, 900.0, 1.6, 500.0), 4: (0.5, 1500.0, 0.9, 800.0), 8: (0.3, 2500.0, None, None)}
+TRUE_P2P, TRUE_P2P_ALONE = LinkFit(bandwidth_gb_s=0.4, latency_us=1000.0), LinkFit(bandwidth_gb_s=1.2, latency_us=300.0)
+TRUE_OVERLAP, TRUE_STEP_US, TRUE_CALL_US, TRUE_COPY = 0.35, 800.0, 15000.0, 0.25
+
+
+def _true_calibration(world: int = 8) -> Calibration:
+    a2a = [A2AFit(ulysses=u, groups=world // u, link=LinkFit(bandwidth_gb_s=bw, latency_us=lat),
+                  alone=None if abw is None else LinkFit(bandwidth_gb_s=abw, latency_us=alat))
+           for u, (bw, lat, abw, alat) in TRUE_A2A.items()]
+    return Calibration(world=world, backend="gloo", kernel="sdpa", dtype="float32", merge=TRUE_MERGE, a2a=a2a,
+                       p2p=TRUE_P2P, p2p_alone=TRUE_P2P_ALONE, overlap=TRUE_OVERLAP)
+
+
+class FakeSource:
+    """Deterministic timings from known rates, in the model's own functional forms."""
+
+    def kernel(self, backend, dtype, causal, tq, tk, heads, kv_heads, head_dim):
+        out = []
+        for direction in ("fwd", "bwd"):
+            rate, ovh, tile = TRUE_KERNELS[(causal, direction)]
+            f = kernel_flops(tq, tk, heads, head_dim, causal, direction)
+            out.append(ovh * 1e-6 + f * (1 + (tile / tq if causal else 0)) / (rate * 1e12))
+        return tuple(out)
+
+    def merge(self, tokens, heads, head_dim, dtype):
+        return TRUE_MERGE.seconds(tokens * heads * head_dim * (4 + 8))
+
+    def a2a(self, ulysses, nbytes, alone):
+        bw, lat, abw, alat = TRUE_A2A[ulysses]
+        return LinkFit(bandwidth_gb_s=abw if alone else bw, latency_us=alat if alone else lat).seconds(nbytes)
+
+    def p2p(self, nbytes, alone):
+        return (TRUE_P2P_ALONE if alone else TRUE_P2P).seconds(nbytes)
+
+    def overlap(self, tokens, heads, kv_heads, head_dim, dtype, backend, nbytes):
+        c, k = TRUE_P2P.seconds(nbytes), self.kernel(backend, dtype, False, tokens, tokens, heads, kv_heads, head_dim)[0]
+        return c, k, c + k - TRUE_OVERLAP * min(c, k)
+
+    def engine(self, ulysses, ring, seq_len, heads, kv_heads, head_dim, dtype):
+        known, nbytes = engine_known_s(_true_calibration(), ulysses, ring, seq_len, heads, kv_heads, head_dim, 4)
+        return known + 3 * ring * TRUE_STEP_US * 1e-6 + TRUE_CALL_US * 1e-6 + nbytes / (TRUE_COPY * 1e9)
+
+
+def _close(a: float, b: float, rel: float = 1e-6) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
+
+
+def test_fit_returns_exactly_the_rates_fed():
+    spec = CalibrationSpec(world=8)
+    lines: list[str] = []
+    cal = fit(collect(FakeSource(), spec, lines.append), spec, backend="gloo", kernel_names={"auto": "sdpa"})
+    assert lines and cal.kernel == "sdpa" and len(cal.kernels) == 4
+    for (causal, direction), (rate, ovh, tile) in TRUE_KERNELS.items():
+        k = cal.kernel_fit(causal, direction)
+        assert _close(k.tflops, rate) and _close(k.call_overhead_us, ovh) and _close(k.causal_tile_tokens, tile)
+        assert k.rms_rel_error < 1e-9
+    assert _close(cal.merge.bandwidth_gb_s, 3.0) and _close(cal.merge.latency_us, 120.0)
+    for u, (bw, lat, abw, alat) in TRUE_A2A.items():
+        a = cal.a2a_fit(u)
+        assert _close(a.link.bandwidth_gb_s, bw) and _close(a.link.latency_us, lat)
+        if abw is None:
+            assert a.alone is None and a.contention == 1.0
+        else:
+            assert _close(a.alone.bandwidth_gb_s, abw) and _close(a.contention, abw / bw)
+    assert _close(cal.p2p.bandwidth_gb_s, 0.4) and _close(cal.p2p.latency_us, 1000.0)
+    assert _close(cal.p2p_contention, 3.0)
+    assert _close(cal.overlap, TRUE_OVERLAP)
+    assert _close(cal.step_overhead_us, TRUE_STEP_US, 1e-5) and _close(cal.call_overhead_us, TRUE_CALL_US, 1e-5)
+    assert _close(cal.copy_gb_s, TRUE_COPY, 1e-5)
+    # what it could not measure is said, not hidden
+    assert any("rest of the layer" in x for x in cal.not_measured)
+
+
+def test_failed_stage_is_reported_not_fatal():
+    class Broken(FakeSource):
+        def p2p(self, nbytes, alone):
+            raise RuntimeError("no neighbour")
+
+    spec = CalibrationSpec(world=8, stages=["kernels", "merge", "p2p"])
+    cal = fit(collect(Broken(), spec), spec, backend="gloo")
+    text = " | ".join(cal.not_measured)
+    assert "p2p: RuntimeError: no neighbour" in text and "a2a: not requested" in text
+    assert "engine fixed costs: not measured" in text and cal.p2p is None and len(cal.kernels) == 4
+
+
+def test_kernel_efficiency_grows_with_block_size():
+    k = KernelFit(backend="x", dtype="float32", causal=True, direction="fwd", tflops=0.02, call_overhead_us=300,
+                  causal_tile_tokens=200)
+    effs = [k.efficiency(t, t, 2, 64) for t in (128, 512, 2048, 8192)]
+    assert effs == sorted(effs) and effs[0] < 0.6 and effs[-1] > 0.95
+
+
+# ------------------------------------------------------------------------------------------------ ideal limit
+
+# time_s, attention_s, ring_overhead_s, a2a_s, ring_exposed_s of the model before the calibrated terms
+# (commit 2329d54), for presets that leave every new term at its ideal default.
+GOLDEN = [
+    ("dgx-h100", 4, "llama3-8b", 1 << 20, 8, 4, 1, {},
+     [2.0765470992892046, 1.9922394711573226, 0.004045979395820895, 0.0026217891555555552, 0.00537670912]),
+    ("dgx-h100", 4, "llama3-8b", 1 << 20, 2, 16, 1, {},
+     [2.0875665564100006, 1.9922394711573226, 0.01618391758328358, 0.001503308088888889, 0.00537670912]),
+    ("dgx-h200", 1, "glm-4.5-air", 65536, 1, 4, 2, {},
+     [0.23459487900101472, 0.186772450420999, 0.0036595191466666666, 0.0, 0.0003012616177777778]),
+    ("pcie-8gpu", 1, None, 32768, 4, 2, 1, {"backward": False},
+     [0.04150385552425972, 0.01840186824729707, 0.00044836148148148146, 0.0025265824, 0.0]),
+    ("dgx-a100", 2, "llama2-7b", 131072, 8, 2, 1, {"layout": "contiguous"},
+     [0.33600166382108143, 0.2691112375675524, 0.0014306801530161845, 0.0015778734933333334, 0.010745418239999999]),
+    ("cpu", 4, None, 16384, 2, 4, 1, {"causal": False},
+     [10.795673194581333, 6.413817828693333, 0.01783503872, 0.02117152, 0.0135217728]),
+]
+
+
+@pytest.mark.parametrize("preset, nodes, model, n, u, r, dp, kw, want", GOLDEN)
+def test_ideal_limit_recovers_previous_predictions(preset, nodes, model, n, u, r, dp, kw, want):
+    shape = ModelShape.preset(model) if model else ModelShape(heads=32, kv_heads=8, head_dim=128, layers=1)
+    base = Cluster.preset(preset, nodes=nodes)
+    ideal = base.model_copy(update={
+        "accelerator": base.accelerator.model_copy(update={"kernel_call_overhead_us": 0.0, "ring_overlap": 1.0}),
+        "intra_node": base.intra_node.model_copy(update={"contention": 1.0}),
+    })
+    for cluster in (base, ideal):
+        e = estimate(cluster, shape, n, u, r, dp, **kw)
+        got = [e.time_s, e.attention_s, e.ring_overhead_s, e.a2a_s, e.ring_exposed_s]
+        assert all(math.isclose(g, w, rel_tol=1e-12, abs_tol=1e-15) for g, w in zip(got, want)), (got, want)
+
+
+def test_new_terms_only_add_time():
+    base = Cluster.preset("dgx-h100", nodes=4)
+    model = ModelShape.preset("llama3-8b")
+    ref = estimate(base, model, 1 << 18, 2, 16)
+    slow = base.model_copy(update={
+        "accelerator": base.accelerator.model_copy(update={"kernel_call_overhead_us": 50.0, "ring_overlap": 0.5}),
+        "inter_node": base.inter_node.model_copy(update={"contention": 2.0}),
+    })
+    e = estimate(slow, model, 1 << 18, 2, 16)
+    assert e.attention_s > ref.attention_s and e.ring_exposed_s > ref.ring_exposed_s and e.time_s > ref.time_s
+
+
+def test_calibrated_model_prices_every_term():
+    cal = _true_calibration().model_copy(update={
+        "kernels": [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,
+                              causal_tile_tokens=t) for (c, d), (r, o, t) in TRUE_KERNELS.items()],
+        "step_overhead_us": TRUE_STEP_US, "call_overhead_us": TRUE_CALL_US, "copy_gb_s": TRUE_COPY})
+    cluster = Cluster.preset("cpu", gpus_per_node=8).model_copy(update={"calibration": cal})
+    shape = ModelShape(heads=8, kv_heads=2, head_dim=64, layers=1)
+    times = {}
+    for u in (8, 4, 2, 1):
+        e = estimate(cluster, shape, 8192, u, 8 // u, dtype="float32")
+        assert e.attention_s > 0 and e.ring_overhead_s > 0 and e.attention_time_s < e.time_s
+        assert (e.a2a_s > 0) == (u > 1) and (e.ring_exposed_s > 0) == (u < 8)
+        times[u] = e.attention_time_s
+    # no-arithmetic part agrees with the calibration's own pricing of the engine
+    known, nbytes = engine_known_s(cal, 2, 4, 8192, 8, 2, 64, 4)
+    assert known > 0 and nbytes == sum(estimate(cluster, shape, 8192, 2, 4, dtype="float32").bytes_per_rank.values())
+    # bf16 was not calibrated: priced with the fp32 fits, and said so
+    e = estimate(cluster, shape, 8192, 2, 4)
+    assert any("bfloat16 not calibrated" in n for n in e.notes)
+
+
+# ------------------------------------------------------------------------------------------------ files and CLI
+
+
+def test_calibrated_cluster_round_trips_and_plans(tmp_path, capsys):
+    from topology.cli import main as plan_main
+
+    cal = _true_calibration().model_copy(update={
+        "kernels": [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,
+                              causal_tile_tokens=t) for (c, d), (r, o, t) in TRUE_KERNELS.items()],
+        "not_measured": ["rest of the layer"]})
+    cluster = Cluster.preset("cpu", gpus_per_node=8).model_copy(update={"calibration": cal})
+    for name in ("c.yaml", "c.json"):
+        path = cluster.save(tmp_path / name)
+        assert Cluster.load(path) == cluster
+    assert plan_main(["--cluster", str(tmp_path / "c.yaml"), "--heads", "8", "--kv-heads", "2", "--head-dim", "64",
+                      "--layers", "1", "--seq-len", "8K", "--dtype", "fp32", "--json", "--dp", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["plans"]) == 4 and data["chosen"]["ring_link"] in ("measured", "none")
+    # presets stay usable without calibration
+    assert Cluster.preset("dgx-h100").calibration is None
+
+
+def test_bench_cli_errors_are_loud(capsys, monkeypatch):
+    from hybrid_cp.bench_cli import bench_main, calibrate_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert bench_main(["--ulysses", "2", "--ring", "2", "--seq-len", "64", "--heads", "2", "--head-dim", "8"]) == 2
+    assert "not under torchrun: pass --nprocs N" in capsys.readouterr().err
+    assert calibrate_main(["--out", "x.yaml", "--nprocs", "2", "--backend", "nccl"]) == 2
+    assert "needs torchrun" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ real, short
+
+
+def test_end_to_end_calibrate_then_bench(pool):
+    """A tiny real calibration on the suite's 8 gloo ranks, then one bench case priced from it."""
+    from hybrid_cp.bench_cli import _calibrated_cluster, format_bench, summarize
+
+    spec = CalibrationSpec(world=8, causal_blocks=[64, 128, 256], full_blocks=[(128, 64), (64, 128), (256, 128)],
+                           merge_tokens=[256, 1024], a2a_bytes=[1 << 10, 1 << 16], p2p_bytes=[1 << 10, 1 << 16],
+                           overlap_tokens=256, overlap_bytes=1 << 16, engine_heads=8, engine_kv_heads=2,
+                           engine_lengths=[128, 512])
+    res = pool.run("hybrid_cp.bench:measure_rank", timeout=120, spec=spec.model_dump(), repeats=1)
+    r0 = res[0]
+    kinds = {s["kind"] for s in r0["samples"]}
+    assert {"kernel", "merge", "a2a", "p2p", "overlap", "engine"} <= kinds, [s for s in r0["samples"] if s["kind"] == "skip"]
+    cal = fit(r0["samples"], spec, backend=r0["backend"], device=r0["device"], kernel_names=r0["kernel_names"])
+    assert cal.kernel == "sdpa" and cal.world == 8 and len(cal.kernels) == 4
+    cluster = _calibrated_cluster(cal, 1, 8, "gloo")
+    assert Cluster.from_yaml(cluster.to_yaml()) == cluster
+    out = pool.run("hybrid_cp.bench:bench_rank", timeout=120, ulysses=2, ring=4, seq_len=512, heads=8, kv_heads=2,
+                   head_dim=16, causal=True, repeats=2, warmup=1)
+    summary = summarize(out, 2, 4, 512, 8, 2, 16, True, "float32", 1, cluster)
+    for key in ("measured_s", "predicted_s", "ulysses", "ring", "seq_len"):
+        assert summary[key] is not None
+    assert summary["bytes_per_rank"] == summary["predicted_bytes"]  # the engine's counter = the model's bytes
+    assert 0 < summary["measured_min_s"] <= summary["measured_s"] and summary["predicted_s"] > 0
+    assert "predicted (cluster file)" in format_bench(summary)
+    json.dumps(summary)
