@@ -127,7 +127,9 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
         if a.dtypes:
             over["dtypes"] = a.dtypes.split(",")
         if a.quick:
-            over.update(causal_blocks=[128, 256, 512], full_blocks=[(256, 128), (128, 256), (512, 256), (256, 512)],
+            over.update(kernel_shapes=[(128, 128, 4, True), (256, 256, 4, True), (512, 512, 2, True),
+                                       (256, 128, 4, False), (128, 256, 4, False), (512, 256, 2, False),
+                                       (256, 512, 2, False)],
                         merge_tokens=[512, 2048], a2a_bytes=[1 << 12, 1 << 18], p2p_bytes=[1 << 12, 1 << 18],
                         overlap_tokens=512, overlap_bytes=1 << 18, engine_lengths=[256, 1024])
         spec = default_spec(runner.world, device, **over)

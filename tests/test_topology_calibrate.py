@@ -16,11 +16,11 @@ from topology.cost import engine_known_s
 
 # ------------------------------------------------------------------------------------------------ fake source
 
-TRUE_KERNELS = {  # (causal, direction) -> (TFLOP/s, call overhead us, causal tile tokens)
-    (True, "fwd"): (0.02, 300.0, 180.0),
-    (True, "bwd"): (0.011, 700.0, 250.0),
-    (False, "fwd"): (0.03, 200.0, 0.0),
-    (False, "bwd"): (0.015, 450.0, 0.0),
+TRUE_KERNELS = {  # (causal, direction) -> (TFLOP/s, call overhead us, causal tile tokens, io ns per element)
+    (True, "fwd"): (0.02, 300.0, 180.0, 0.0),  # a causal square block's IO is proportional to F / Tq:
+    (True, "bwd"): (0.011, 700.0, 250.0, 0.0),  # the tile term carries it
+    (False, "fwd"): (0.03, 200.0, 0.0, 2.0),
+    (False, "bwd"): (0.015, 450.0, 0.0, 0.0),
 }
 TRUE_MERGE = LinkFit(bandwidth_gb_s=3.0, latency_us=120.0)
 TRUE_A2A = {2: (0.8, 900.0, 1.6, 500.0), 4: (0.5, 1500.0, 0.9, 800.0), 8: (0.3, 2500.0, None, None)}
@@ -42,9 +42,10 @@ class FakeSource:
     def kernel(self, backend, dtype, causal, tq, tk, heads, kv_heads, head_dim):
         out = []
         for direction in ("fwd", "bwd"):
-            rate, ovh, tile = TRUE_KERNELS[(causal, direction)]
+            rate, ovh, tile, io = TRUE_KERNELS[(causal, direction)]
             f = kernel_flops(tq, tk, heads, head_dim, causal, direction)
-            out.append(ovh * 1e-6 + f * (1 + (tile / tq if causal else 0)) / (rate * 1e12))
+            out.append(ovh * 1e-6 + io * 1e-9 * (tq + tk) * heads * head_dim
+                       + f * (1 + (tile / tq if causal else 0)) / (rate * 1e12))
         return tuple(out)
 
     def merge(self, tokens, heads, head_dim, dtype):
@@ -75,9 +76,10 @@ def test_fit_returns_exactly_the_rates_fed():
     lines: list[str] = []
     cal = fit(collect(FakeSource(), spec, lines.append), spec, backend="gloo", kernel_names={"auto": "sdpa"})
     assert lines and cal.kernel == "sdpa" and len(cal.kernels) == 4
-    for (causal, direction), (rate, ovh, tile) in TRUE_KERNELS.items():
+    for (causal, direction), (rate, ovh, tile, io) in TRUE_KERNELS.items():
         k = cal.kernel_fit(causal, direction)
         assert _close(k.tflops, rate) and _close(k.call_overhead_us, ovh) and _close(k.causal_tile_tokens, tile)
+        assert _close(k.io_ns_per_elem, io)
         assert k.rms_rel_error < 1e-9
     assert _close(cal.merge.bandwidth_gb_s, 3.0) and _close(cal.merge.latency_us, 120.0)
     for u, (bw, lat, abw, alat) in TRUE_A2A.items():
@@ -164,7 +166,7 @@ def test_new_terms_only_add_time():
 def test_calibrated_model_prices_every_term():
     cal = _true_calibration().model_copy(update={
         "kernels": [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,
-                              causal_tile_tokens=t) for (c, d), (r, o, t) in TRUE_KERNELS.items()],
+                              causal_tile_tokens=t, io_ns_per_elem=i) for (c, d), (r, o, t, i) in TRUE_KERNELS.items()],
         "step_overhead_us": TRUE_STEP_US, "call_overhead_us": TRUE_CALL_US, "copy_gb_s": TRUE_COPY})
     cluster = Cluster.preset("cpu", gpus_per_node=8).model_copy(update={"calibration": cal})
     shape = ModelShape(heads=8, kv_heads=2, head_dim=64, layers=1)
@@ -190,7 +192,7 @@ def test_calibrated_cluster_round_trips_and_plans(tmp_path, capsys):
 
     cal = _true_calibration().model_copy(update={
         "kernels": [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,
-                              causal_tile_tokens=t) for (c, d), (r, o, t) in TRUE_KERNELS.items()],
+                              causal_tile_tokens=t, io_ns_per_elem=i) for (c, d), (r, o, t, i) in TRUE_KERNELS.items()],
         "not_measured": ["rest of the layer"]})
     cluster = Cluster.preset("cpu", gpus_per_node=8).model_copy(update={"calibration": cal})
     for name in ("c.yaml", "c.json"):
@@ -221,7 +223,8 @@ def test_end_to_end_calibrate_then_bench(pool):
     """A tiny real calibration on the suite's 8 gloo ranks, then one bench case priced from it."""
     from hybrid_cp.bench_cli import _calibrated_cluster, format_bench, summarize
 
-    spec = CalibrationSpec(world=8, causal_blocks=[64, 128, 256], full_blocks=[(128, 64), (64, 128), (256, 128)],
+    spec = CalibrationSpec(world=8, kernel_shapes=[(64, 64, 8, True), (128, 128, 4, True), (256, 256, 2, True),
+                                                   (128, 64, 8, False), (64, 128, 4, False), (256, 128, 2, False)],
                            merge_tokens=[256, 1024], a2a_bytes=[1 << 10, 1 << 16], p2p_bytes=[1 << 10, 1 << 16],
                            overlap_tokens=256, overlap_bytes=1 << 16, engine_heads=8, engine_kv_heads=2,
                            engine_lengths=[128, 512])

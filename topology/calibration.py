@@ -33,7 +33,7 @@ class _Strict(BaseModel):
 
 
 class KernelFit(_Strict):
-    """One attention kernel's time per call: ``call_overhead + F * (1 + tile / Tq) / rate``.
+    """One attention kernel's time per call: ``call_overhead + io * (Tq + Tk) H D + F * (1 + tile / Tq) / rate``.
 
     ``F`` counts useful FLOPs (``4 Tq Tk D H``, half for a causal square block, 2.5x for backward).
     ``causal_tile_tokens`` is the extra work a causal block does on its diagonal tiles (a tiled kernel
@@ -48,6 +48,8 @@ class KernelFit(_Strict):
     tflops: float = Field(gt=0, description="asymptotic rate, TFLOP/s, with every rank computing at once")
     call_overhead_us: float = Field(ge=0)
     causal_tile_tokens: float = Field(default=0.0, ge=0)
+    io_ns_per_elem: float = Field(default=0.0, ge=0, description="per element of q and k/v rows x heads x D "
+                                  "(loads, GQA expansion): what makes short blocks memory-bound")
     samples: int = 0
     rms_rel_error: float = 0.0
 
@@ -55,7 +57,8 @@ class KernelFit(_Strict):
         """Predicted time of one call on a (tq x tk) block with ``heads`` query heads."""
         f = kernel_flops(tq, tk, heads, head_dim, self.causal, self.direction)
         tile = self.causal_tile_tokens / tq if self.causal else 0.0
-        return self.call_overhead_us * 1e-6 + f * (1.0 + tile) / (self.tflops * 1e12)
+        io = (tq + tk) * heads * head_dim * self.io_ns_per_elem * 1e-9
+        return self.call_overhead_us * 1e-6 + io + f * (1.0 + tile) / (self.tflops * 1e12)
 
     def efficiency(self, tq: int, tk: int, heads: int, head_dim: int) -> float:
         """Fraction of the asymptotic rate this block shape reaches."""
@@ -139,7 +142,7 @@ class Calibration(_Strict):
         for k in self.kernels:
             lines.append(f"  kernel {k.backend} {k.dtype} {'causal' if k.causal else 'full  '} {k.direction}: "
                          f"{k.tflops * 1e3:8.2f} GFLOP/s per rank, {k.call_overhead_us:7.0f} us per call, "
-                         f"causal tile {k.causal_tile_tokens:5.0f} tokens (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)")
+                         f"causal tile {k.causal_tile_tokens:5.0f} tokens, io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)")
         if self.merge:
             lines.append(f"  merge: {self.merge.bandwidth_gb_s:.2f} GB/s, {self.merge.latency_us:.0f} us")
         lines.append(f"  per ring step {self.step_overhead_us:.0f} us, per call {self.call_overhead_us:.0f} us, "
@@ -199,10 +202,13 @@ class CalibrationSpec(_Strict):
     heads: int = 2
     kv_heads: int = 1
     head_dim: int = 64
-    causal_blocks: list[int] = Field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
-    full_blocks: list[tuple[int, int]] = Field(
-        default_factory=lambda: [(512, 256), (256, 512), (1024, 512), (512, 1024), (2048, 1024), (1024, 2048),
-                                 (4096, 2048), (2048, 4096)])
+    kernel_shapes: list[tuple[int, int, int, bool]] = Field(
+        default_factory=lambda: [(256, 256, 8, True), (512, 512, 8, True), (1024, 1024, 8, True), (2048, 2048, 2, True),
+                                 (4096, 4096, 1, True), (512, 256, 8, False), (256, 512, 8, False),
+                                 (1024, 512, 8, False), (512, 1024, 8, False), (2048, 1024, 2, False),
+                                 (1024, 2048, 2, False), (4096, 2048, 1, False), (2048, 4096, 1, False)],
+        description="(query tokens, key tokens, query heads, causal) per timed kernel call; KV heads = heads / gqa")
+    gqa: int = Field(default=4, ge=1, description="query heads per KV head in the kernel shapes")
     merge_tokens: list[int] = Field(default_factory=lambda: [1024, 4096, 16384])
     a2a_bytes: list[int] = Field(default_factory=lambda: [1 << 14, 1 << 18, 1 << 21, 1 << 23])
     p2p_bytes: list[int] = Field(default_factory=lambda: [1 << 14, 1 << 18, 1 << 21, 1 << 23])
@@ -219,8 +225,9 @@ def default_spec(world: int, device: str = "cpu", **overrides: Any) -> Calibrati
     base: dict[str, Any] = {"world": world}
     if device.startswith("cuda"):
         base.update(dtypes=["bfloat16", "float16"], heads=8, kv_heads=2, head_dim=128,
-                    causal_blocks=[1024, 2048, 4096, 8192, 16384],
-                    full_blocks=[(2048, 1024), (1024, 2048), (4096, 2048), (2048, 4096), (8192, 4096), (4096, 8192)],
+                    kernel_shapes=[(t, t, 32, True) for t in (1024, 2048, 4096, 8192, 16384)]
+                    + [(a, b, 32, False) for a, b in ((2048, 1024), (1024, 2048), (4096, 2048), (2048, 4096),
+                                                      (8192, 4096), (4096, 8192))],
                     merge_tokens=[4096, 16384, 65536], a2a_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26],
                     p2p_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26], overlap_tokens=8192, overlap_bytes=1 << 25,
                     engine_heads=16, engine_kv_heads=4, engine_lengths=[4096 * world, 16384 * world])
@@ -257,15 +264,15 @@ def collect(source: RateSource, spec: CalibrationSpec, progress: Progress = lamb
         rows = []
         for backend in spec.backends:
             for dtype in spec.dtypes:
-                shapes = [(t, t, True) for t in spec.causal_blocks] + [(a, b, False) for a, b in spec.full_blocks]
                 try:
-                    for tq, tk, causal in shapes:
-                        f, b = source.kernel(backend, dtype, causal, tq, tk, spec.heads, spec.kv_heads, spec.head_dim)
+                    for tq, tk, h, causal in spec.kernel_shapes:
+                        kv = max(1, h // spec.gqa) if h % max(1, h // spec.gqa) == 0 else h
+                        f, b = source.kernel(backend, dtype, causal, tq, tk, h, kv, spec.head_dim)
                         for direction, t in (("fwd", f), ("bwd", b)):
                             rows.append({"kind": "kernel", "backend": backend, "dtype": dtype, "causal": causal,
-                                         "direction": direction, "tq": tq, "tk": tk, "heads": spec.heads,
+                                         "direction": direction, "tq": tq, "tk": tk, "heads": h,
                                          "head_dim": spec.head_dim, "seconds": t})
-                        progress(f"kernel {backend} {dtype} {'causal' if causal else 'full'} {tq}x{tk}: "
+                        progress(f"kernel {backend} {dtype} {'causal' if causal else 'full'} {tq}x{tk} x{h} heads: "
                                  f"fwd {f * 1e3:.1f} ms, bwd {b * 1e3:.1f} ms")
                 except (ValueError, TypeError, RuntimeError) as exc:
                     rows.append({"kind": "skip", "what": f"kernel {backend} {dtype}", "why": str(exc)})
@@ -409,22 +416,29 @@ def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str
     for (kb, dt, causal, direction), pts in sorted(groups.items()):
         flops = [kernel_flops(p["tq"], p["tk"], p["heads"], p["head_dim"], causal, direction) for p in pts]
         y = [p["seconds"] for p in pts]
-        if causal:
-            rows = [[f, 1.0, f / p["tq"]] for f, p in zip(flops, pts)]
-        else:
-            rows = [[f, 1.0] for f in flops]
+        # features by priority: rate, per-call overhead, then the causal tile or (full blocks) the
+        # per-element IO; on a square causal block F / Tq is proportional to the IO, so one term
+        # carries both there. As many features as the distinct shapes can determine.
+        names_f = ["rate", "call", "tile"] if causal else ["rate", "call", "io"]
+        names_f = names_f[:max(1, len({(p["tq"], p["tk"], p["heads"]) for p in pts}))]
+        feats = {"rate": lambda f, p: f, "call": lambda f, p: 1.0, "tile": lambda f, p: f / p["tq"],
+                 "io": lambda f, p: float((p["tq"] + p["tk"]) * p["heads"] * p["head_dim"])}
+        rows = [[feats[n](f, p) for n in names_f] for f, p in zip(flops, pts)]
         try:
-            coef = _nonneg_fit(rows, y)
+            coef = dict(zip(names_f, _nonneg_fit(rows, y)))
+            coef = [coef.get("rate", 0.0), coef.get("call", 0.0), coef.get("io", 0.0), coef.get("tile", 0.0)]
         except ValueError as exc:
             skipped.append(f"kernel {kb} {dt} {'causal' if causal else 'full'} {direction}: {exc}")
             continue
         if coef[0] <= 0:
             skipped.append(f"kernel {kb} {dt} {direction}: time did not grow with block size")
             continue
-        pred = [sum(c * x for c, x in zip(coef, r)) for r in rows]
+        pred = [coef[0] * f + coef[1] + coef[2] * feats["io"](f, p) + coef[3] * feats["tile"](f, p) * causal
+                for f, p in zip(flops, pts)]
         kernels.append(KernelFit(backend=kb, dtype=dt, causal=causal, direction=direction,
                                  tflops=1.0 / coef[0] / 1e12, call_overhead_us=coef[1] * 1e6,
-                                 causal_tile_tokens=(coef[2] / coef[0]) if causal else 0.0,
+                                 io_ns_per_elem=coef[2] * 1e9,
+                                 causal_tile_tokens=(coef[3] / coef[0]) if causal else 0.0,
                                  samples=len(pts), rms_rel_error=_rms_rel(pred, y)))
 
     merge = None
