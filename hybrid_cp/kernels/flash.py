@@ -29,12 +29,39 @@ def _flash_module():
         return None, None
 
 
+# Arguments the adapter always passes but that some releases lack; dropping them is harmless only at
+# these values (flash-attn 3 has no dropout/ALiBi/rng_state, 2.5 no softcap).
+_NEUTRAL = {"dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, "return_softmax": False, "deterministic": False,
+            "rng_state": None, "window_size_left": -1, "window_size_right": -1}
+_RENAMED = {"causal": "is_causal"}  # flash-attn 3's backward since its custom-op rewrite (2025-11)
+
+
+def _parameters(fn) -> dict[str, inspect.Parameter]:
+    """The entry point's own parameters. flash-attn >= 2.7 (torch >= 2.4) and recent flash-attn 3 wrap
+    them in `torch.library.custom_op`, whose signature is only (*args, **kwargs): read the wrapped one."""
+    target = getattr(fn, "_init_fn", None) or inspect.unwrap(fn)
+    params = dict(inspect.signature(target).parameters)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        raise TypeError(f"cannot read the parameters of flash-attn's {getattr(fn, '__name__', fn)!r} "
+                        f"(signature {inspect.signature(target)}); this flash-attn release is not supported")
+    return params
+
+
 def _call(fn, **kwargs):
     """Call a flash-attn entry point by parameter name; parameters we have no value for and
-    that have no default (varlen/paged/rotary inputs of flash-attn 3) get None."""
-    params = inspect.signature(fn).parameters
-    if "window_size" in params:  # flash-attn 3 and 2.x before 2.7 take a tuple
+    that have no default (varlen/paged/rotary inputs of flash-attn 3) get None. An argument the
+    entry point has no parameter for raises, unless dropping it changes nothing (`_NEUTRAL`)."""
+    params = _parameters(fn)
+    if "window_size" in params:  # flash-attn 3 before 2025-11 and 2.x before 2.7 take a tuple
         kwargs["window_size"] = (kwargs.pop("window_size_left", -1), kwargs.pop("window_size_right", -1))
+    for ours, theirs in _RENAMED.items():
+        if ours in kwargs and ours not in params and theirs in params:
+            kwargs[theirs] = kwargs.pop(ours)
+    lost = [k for k, v in kwargs.items() if k not in params and not (
+        k in _NEUTRAL and not isinstance(v, torch.Tensor) and v == _NEUTRAL[k])]
+    if lost:
+        raise TypeError(f"flash-attn's {getattr(fn, '__name__', 'entry point')} has no parameter for {lost} "
+                        f"(it takes {list(params)}); this flash-attn release is not supported")
     args = {k: v for k, v in kwargs.items() if k in params}
     for name, p in params.items():
         if name not in args and p.default is inspect.Parameter.empty and \
