@@ -109,11 +109,22 @@ def bench_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int,
     """`hybrid-cp bench` on one rank: slowest-rank time of each repeat, and this rank's bytes."""
     world = dist.get_world_size()
     cp = _mesh(ulysses, ring, world // (ulysses * ring), layout)
+    source = TorchRateSource(repeats=3)
+    probe = [_probe(source, backend, dtype)]
     times, nbytes = _time_attention(cp, seq_len, heads, kv_heads, head_dim, DTYPES[dtype], causal,
                                     repeats, warmup, backend)
+    probe.append(_probe(source, backend, dtype))
     kernel = get_kernel(backend, cp.device, DTYPES[dtype], head_dim)
     return {"rank": dist.get_rank(), "times": times, "bytes": nbytes, "kernel": kernel.name,
-            "device": str(cp.device)}
+            "device": str(cp.device), "probe_s": sum(probe) / 2}
+
+
+def _probe(source: "TorchRateSource", backend: str, dtype: str) -> float:
+    """The calibration's reference kernel call, timed now: how much of the machine each rank gets."""
+    from topology.calibration import PROBE
+
+    tq, tk, h, kv, causal = PROBE
+    return source.kernel(backend, dtype, causal, tq, tk, h, kv, 64)[0]
 
 
 # ------------------------------------------------------------------------------------------------

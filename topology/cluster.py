@@ -343,6 +343,9 @@ class Cluster(_Strict):
             parts.append(f"cross-socket {self.cross_socket.kind} {self.cross_socket.bandwidth_gb_s:g} GB/s")
         if self.inter_node is not None:
             parts.append(f"inter {self.inter_node.kind} {self.inter_node.bandwidth_gb_s:g} GB/s")
+        if self.calibration is not None:
+            c = self.calibration
+            parts.append(f"calibrated on {c.world} {c.backend} ranks ({c.device}, kernel {c.kernel} {c.dtype})")
         return ", ".join(parts)
 
 

@@ -101,7 +101,9 @@ def cases() -> list[Case]:
             False,
             "model hides ring K/V traffic (a few ms per step over NVLink) behind 13-33 ms ring steps and prices only launches and the "
             "softmax merge; the measured gap comes from the ring implementation (packed varlen RL batches, "
-            "smaller per-step kernels, synchronisation), which a bandwidth model does not see",
+            "smaller per-step kernels, synchronisation), which a bandwidth model does not see; the calibrated terms "
+            "explain it (docs/planner.md section 5.1: a ring path at ~0.64 of the one-call kernel rate reproduces both "
+            "ring rows)",
         ),
         Case(
             "yunchang 8xL20 PCIe, best split",

@@ -1,0 +1,130 @@
+"""Predicted vs measured attention time for every (ulysses, ring) of 8 local gloo ranks.
+
+    hybrid-cp calibrate --out benchmarks/results/cpu8_calibrated.yaml --nprocs 8
+    python benchmarks/predict_vs_measured.py --cluster benchmarks/results/cpu8_calibrated.yaml \
+        --seq-lens 6144 12288 --rounds 3 --out benchmarks/results/predict_vs_measured_cpu8
+
+Runs what `hybrid-cp bench` runs (hybrid_cp.bench.bench_rank, causal GQA fwd+bwd, slowest rank per
+repeat) in one pool of 8 processes, in `--rounds` interleaved rounds so that the spread between
+rounds shows the machine's noise. Prints and writes a markdown table (measured median/min, noise,
+predicted, error) with the rankings, a JSON file, and a plot (matplotlib, if installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", required=True, help="cluster file written by hybrid-cp calibrate")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[6144, 12288])
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per case per round")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (noise = spread of round medians)")
+    p.add_argument("--out", help="path prefix for .md, .json and .png")
+    a = p.parse_args()
+
+    from hybrid_cp.bench_cli import summarize
+    from hybrid_cp.testing import WorkerPool
+    from topology.cluster import Cluster
+
+    cluster = Cluster.load(a.cluster)
+    splits = [(u, a.world // u) for u in range(a.world, 0, -1) if a.world % u == 0 and u <= a.heads]
+    runs: dict[tuple[int, int, int], list[list[float]]] = {}
+    summaries: dict[tuple[int, int, int], dict] = {}
+    t0 = time.perf_counter()
+    with WorkerPool(a.world) as pool:
+        for rnd in range(a.rounds):
+            for n in a.seq_lens:
+                for u, r in splits:
+                    res = pool.run("hybrid_cp.bench:bench_rank", timeout=3600, ulysses=u, ring=r, seq_len=n,
+                                   heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, causal=True,
+                                   repeats=a.repeats, warmup=1)
+                    runs.setdefault((u, r, n), []).append(res[0]["times"])
+                    summaries[(u, r, n)] = summarize(res, u, r, n, a.heads, a.kv_heads, a.head_dim, True, "float32",
+                                                     1, cluster)
+                    print(f"round {rnd + 1} n={n} u={u} r={r}: " + ", ".join(f"{t:.3f}" for t in res[0]["times"]),
+                          flush=True)
+    wall = time.perf_counter() - t0
+    rows = []
+    for (u, r, n), rounds in runs.items():
+        flat = [t for rr in rounds for t in rr]
+        meds = [statistics.median(rr) for rr in rounds]
+        med = statistics.median(flat)
+        pred = summaries[(u, r, n)]["predicted_s"]
+        rows.append({"ulysses": u, "ring": r, "seq_len": n, "measured_s": med, "measured_min_s": min(flat),
+                     "round_medians_s": meds, "noise": (max(meds) - min(meds)) / med, "predicted_s": pred,
+                     "error": pred / med - 1, "parts": summaries[(u, r, n)]["predicted_parts"]})
+    lines = [f"causal GQA attention fwd+bwd per rank, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, fp32, "
+             f"{a.world} gloo ranks; {a.rounds} rounds x {a.repeats} repeats; prediction from {a.cluster}",
+             "", "| seq_len | u | r | measured median s | min s | round medians s | noise | predicted s | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['seq_len']} | {row['ulysses']} | {row['ring']} | {row['measured_s']:.3f} | "
+                     f"{row['measured_min_s']:.3f} | {' / '.join(f'{m:.3f}' for m in row['round_medians_s'])} | "
+                     f"{row['noise']:.0%} | {row['predicted_s']:.3f} | {row['error']:+.0%} |")
+    lines.append("")
+    verdicts = []
+    for n in a.seq_lens:
+        sub = [row for row in rows if row["seq_len"] == n]
+        meas = sorted(sub, key=lambda x: x["measured_s"])
+        pred = sorted(sub, key=lambda x: x["predicted_s"])
+        name = lambda x: f"u{x['ulysses']}r{x['ring']}"  # noqa: E731
+        # pairs whose measured difference exceeds both cases' noise must be ordered the same way
+        bad = []
+        for i, x in enumerate(sub):
+            for y in sub[i + 1:]:
+                gap = abs(x["measured_s"] - y["measured_s"]) / min(x["measured_s"], y["measured_s"])
+                if gap > max(x["noise"], y["noise"]) and (x["measured_s"] < y["measured_s"]) != (
+                        x["predicted_s"] < y["predicted_s"]):
+                    bad.append(f"{name(x)} vs {name(y)} ({gap:.0%} apart)")
+        worst = max(abs(x["error"]) for x in sub)
+        verdicts.append(f"seq_len {n}: measured order {' < '.join(map(name, meas))}; predicted order "
+                        f"{' < '.join(map(name, pred))}; worst error {worst:.0%}; pairs ordered wrongly beyond noise: "
+                        f"{', '.join(bad) or 'none'}")
+    lines += verdicts
+    lines.append(f"\nwall time {wall:.0f} s")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(a.out + ".json", "w") as f:
+            json.dump({"rows": rows, "verdicts": verdicts, "cluster": a.cluster, "wall_s": wall}, f, indent=2)
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib not installed: no plot")
+            return
+        fig, axes = plt.subplots(1, len(a.seq_lens), figsize=(5 * len(a.seq_lens), 4))
+        for ax, n in zip(axes if len(a.seq_lens) > 1 else [axes], a.seq_lens):
+            sub = [row for row in rows if row["seq_len"] == n]
+            labels = [f"u{x['ulysses']} r{x['ring']}" for x in sub]
+            xs = range(len(sub))
+            med = [x["measured_s"] for x in sub]
+            lo = [x["measured_s"] - min(x["round_medians_s"]) for x in sub]
+            hi = [max(x["round_medians_s"]) - x["measured_s"] for x in sub]
+            ax.bar([i - 0.2 for i in xs], med, 0.4, yerr=[lo, hi], label="measured median (range of rounds)")
+            ax.bar([i + 0.2 for i in xs], [x["predicted_s"] for x in sub], 0.4, label="predicted (calibrated)")
+            ax.set_xticks(list(xs), labels)
+            ax.set_title(f"seq_len {n}")
+            ax.set_ylabel("s per attention fwd+bwd")
+        axes_list = axes if len(a.seq_lens) > 1 else [axes]
+        axes_list[0].legend(fontsize=8)
+        fig.suptitle(f"{a.world} gloo ranks on this machine: predicted vs measured")
+        fig.tight_layout()
+        fig.savefig(a.out + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
