@@ -39,6 +39,7 @@ def main() -> None:
     splits = [(u, a.world // u) for u in range(a.world, 0, -1) if a.world % u == 0 and u <= a.heads]
     runs: dict[tuple[int, int, int], list[list[float]]] = {}
     summaries: dict[tuple[int, int, int], dict] = {}
+    probes: dict[tuple[int, int, int], list[float]] = {}
     t0 = time.perf_counter()
     with WorkerPool(a.world) as pool:
         for rnd in range(a.rounds):
@@ -48,6 +49,7 @@ def main() -> None:
                                    heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, causal=True,
                                    repeats=a.repeats, warmup=1)
                     runs.setdefault((u, r, n), []).append(res[0]["times"])
+                    probes.setdefault((u, r, n), []).append(res[0].get("probe_s") or 0.0)
                     summaries[(u, r, n)] = summarize(res, u, r, n, a.heads, a.kv_heads, a.head_dim, True, "float32",
                                                      1, cluster)
                     print(f"round {rnd + 1} n={n} u={u} r={r}: " + ", ".join(f"{t:.3f}" for t in res[0]["times"]),
@@ -59,17 +61,24 @@ def main() -> None:
         meds = [statistics.median(rr) for rr in rounds]
         med = statistics.median(flat)
         pred = summaries[(u, r, n)]["predicted_s"]
+        cal_probe = cluster.calibration.probe_s if cluster.calibration is not None else None
+        factor = statistics.median(probes[(u, r, n)]) / cal_probe if cal_probe and all(probes[(u, r, n)]) else None
         rows.append({"ulysses": u, "ring": r, "seq_len": n, "measured_s": med, "measured_min_s": min(flat),
                      "round_medians_s": meds, "noise": (max(meds) - min(meds)) / med, "predicted_s": pred,
-                     "error": pred / med - 1, "parts": summaries[(u, r, n)]["predicted_parts"]})
+                     "error": pred / med - 1, "parts": summaries[(u, r, n)]["predicted_parts"],
+                     "load_factor": factor, "predicted_load_adjusted_s": pred * factor if factor else None,
+                     "error_load_adjusted": pred * factor / med - 1 if factor else None})
     lines = [f"causal GQA attention fwd+bwd per rank, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, fp32, "
              f"{a.world} gloo ranks; {a.rounds} rounds x {a.repeats} repeats; prediction from {a.cluster}",
-             "", "| seq_len | u | r | measured median s | min s | round medians s | noise | predicted s | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| seq_len | u | r | measured median s | min s | round medians s | noise | predicted s | error | "
+             "probe vs calibration | load-adjusted predicted s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        adj = (f"{row['load_factor']:.2f}x | {row['predicted_load_adjusted_s']:.3f} | {row['error_load_adjusted']:+.0%}"
+               if row["load_factor"] else "- | - | -")
         lines.append(f"| {row['seq_len']} | {row['ulysses']} | {row['ring']} | {row['measured_s']:.3f} | "
                      f"{row['measured_min_s']:.3f} | {' / '.join(f'{m:.3f}' for m in row['round_medians_s'])} | "
-                     f"{row['noise']:.0%} | {row['predicted_s']:.3f} | {row['error']:+.0%} |")
+                     f"{row['noise']:.0%} | {row['predicted_s']:.3f} | {row['error']:+.0%} | {adj} |")
     lines.append("")
     verdicts = []
     for n in a.seq_lens:
@@ -86,8 +95,10 @@ def main() -> None:
                         x["predicted_s"] < y["predicted_s"]):
                     bad.append(f"{name(x)} vs {name(y)} ({gap:.0%} apart)")
         worst = max(abs(x["error"]) for x in sub)
+        adj = [abs(x["error_load_adjusted"]) for x in sub if x["error_load_adjusted"] is not None]
         verdicts.append(f"seq_len {n}: measured order {' < '.join(map(name, meas))}; predicted order "
-                        f"{' < '.join(map(name, pred))}; worst error {worst:.0%}; pairs ordered wrongly beyond noise: "
+                        f"{' < '.join(map(name, pred))}; worst error {worst:.0%}"
+                        + (f" (load-adjusted {max(adj):.0%})" if adj else "") + "; pairs ordered wrongly beyond noise: "
                         f"{', '.join(bad) or 'none'}")
     lines += verdicts
     lines.append(f"\nwall time {wall:.0f} s")

@@ -54,6 +54,11 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def ping() -> int:
+    """A task that returns at once: the ranks are up and joined."""
+    return dist.get_rank()
+
+
 class NullKernel:
     """A kernel that does no arithmetic: the engine's cost without attention compute.
 
@@ -147,7 +152,11 @@ class TorchRateSource:
         self.kernel_names: dict[str, str] = {}
 
     def _timeit(self, fn) -> float:
-        """Median over repeats of the slowest rank's time of `fn()` started together on all ranks."""
+        """Fastest over repeats of the slowest rank's time of `fn()` started together on all ranks.
+
+        The minimum, not the median: on a machine shared with other jobs a load spike during one
+        repeat would bend the fitted curve; the minimum is this job's rate at its fair share, and
+        the reference probe (``bench`` times it too) measures how far a later run is from that."""
         fn()  # warm-up
         times = []
         for _ in range(self.repeats):
@@ -157,7 +166,7 @@ class TorchRateSource:
             fn()
             _sync(self.device)
             times.append(_slowest(time.perf_counter() - t0))
-        return _median(times)
+        return min(times)
 
     def kernel(self, backend, dtype, causal, tq, tk, heads, kv_heads, head_dim):
         dt = DTYPES[dtype]
@@ -243,7 +252,7 @@ class TorchRateSource:
         cp = _mesh(ulysses, ring, 1)
         times, _ = _time_attention(cp, seq_len, heads, kv_heads, head_dim, DTYPES[dtype], True, self.repeats, 1,
                                    NullKernel())
-        return _median(times)
+        return min(times)
 
 
 def measure_rank(spec: dict, repeats: int = 3, progress_file: str | None = None) -> dict[str, Any]:

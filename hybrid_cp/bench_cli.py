@@ -41,6 +41,7 @@ class _Runner:
 
             self.pool = WorkerPool(nprocs)
             self.world = nprocs
+            self.pool.run("hybrid_cp.bench:ping", timeout=600)  # wait until every rank has joined
         else:
             import torch
             import torch.distributed as dist

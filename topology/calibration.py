@@ -176,7 +176,7 @@ def kernel_flops(tq: int, tk: int, heads: int, head_dim: int, causal: bool, dire
 
 class RateSource(Protocol):
     """Something that can time the engine's pieces. Every method returns seconds (the slowest rank's
-    time, median over repeats). Implemented on real ranks by ``hybrid_cp.bench.TorchRateSource``."""
+    time, fastest of the repeats). Implemented on real ranks by ``hybrid_cp.bench.TorchRateSource``."""
 
     def kernel(self, backend: str, dtype: str, causal: bool, tq: int, tk: int, heads: int, kv_heads: int,
                head_dim: int) -> tuple[float, float]:
