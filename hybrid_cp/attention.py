@@ -17,10 +17,10 @@ from topology.layouts import Layout, granularity
 
 from .comm import head_to_seq, seq_to_head
 from .heads import HeadMap, HeadSplit, head_split
-from .kernels import AttentionKernel, get_kernel, takes_varlen
+from .kernels import AttentionKernel, get_kernel, takes_keyword
 from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
 from .mesh import CPMesh, agree_across_ranks
-from .ring import Task, block_plan, ring_backward, ring_forward
+from .ring import Plan, block_plan, ring_backward, ring_forward
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -61,28 +61,30 @@ class _HeadToSeq(torch.autograd.Function):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPMesh, kernel: AttentionKernel, kv_index: list[int], plan: list[Task | None],
+    def forward(ctx, q, k, v, cp: CPMesh, kernel: AttentionKernel, kv_index: list[int], plan: Plan,
                 scale: float):
-        out, lse = ring_forward(cp, kernel, q, k, v, kv_index, plan, scale=scale)
+        out, lse, halo = ring_forward(cp, kernel, q, k, v, kv_index, plan, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (cp, kernel, kv_index, plan, scale)
+        ctx.args = (cp, kernel, kv_index, plan, scale, halo)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, kernel, kv_index, plan, scale = ctx.args
-        dq, dk, dv = ring_backward(cp, kernel, dout.contiguous(), q, k, v, out, lse, kv_index, plan, scale=scale)
+        cp, kernel, kv_index, plan, scale, halo = ctx.args
+        dq, dk, dv = ring_backward(cp, kernel, dout.contiguous(), q, k, v, out, lse, kv_index, plan, halo,
+                                   scale=scale)
         return dq, dk, dv, None, None, None, None, None
 
 
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
-def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len,
-                  cu_seqlens) -> tuple[Layout, AttentionKernel | None]:
-    """Raise ValueError/TypeError for inputs this rank can judge alone; return (layout, kernel)."""
+def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens,
+                  window) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+    """Raise ValueError/TypeError for inputs this rank can judge alone; return (layout, kernel,
+    the window in effect)."""
     if not isinstance(cp, CPMesh):
         raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -127,27 +129,30 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len,
     if not isinstance(causal, bool):
         raise TypeError(f"causal={causal!r} must be a bool")
     lay = row_layout(cp, local_len=s, seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
+    window = lay.effective_window(causal, window)
     if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
         if cp.ring_size != 1:
             raise ValueError(f"a plain local-attention callable works with ring=1 only (got ring="
                              f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
                              f"register one with hcp.register_kernel")
-        if cu_seqlens is not None or (lay.padded_len != lay.seq_len and not causal):
-            raise ValueError("a plain local-attention callable cannot mask document boundaries or (non-causal) "
+        if cu_seqlens is not None or window is not None or (lay.padded_len != lay.seq_len and not causal):
+            raise ValueError("a plain local-attention callable cannot mask document boundaries, windows or (non-causal) "
                              "padding; use a kernel backend, or for dense rows a length divisible by "
                              f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
-        return lay, None
+        return lay, None, None
     kernel = get_kernel(backend, q.device, q.dtype, d)
-    if cu_seqlens is not None and not takes_varlen(kernel):
-        raise ValueError(f"backend={getattr(kernel, 'name', backend)!r} does not take the packed-segment keywords "
-                         f"(cu_seqlens_q/k, max_seqlen_q/k) that cu_seqlens needs; see hybrid_cp/kernels/__init__.py")
-    return lay, kernel
+    for needed, keyword in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")):
+        if needed and not takes_keyword(kernel, keyword):
+            raise ValueError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword that "
+                             f"{'cu_seqlens' if keyword == 'cu_seqlens_q' else 'window'} needs; see "
+                             f"hybrid_cp/kernels/__init__.py")
+    return lay, kernel, window
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
-              cu_seqlens=None):
+              cu_seqlens=None, window: int | tuple[int, int] | None = None):
     """Exact attention over the whole row from this rank's shards.
 
     q is [B, S_local, H, D], k/v are [B, S_local, H_kv, D], laid out by `hcp.shard`. Returns out
@@ -155,12 +160,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     Dense rows: `seq_len` is the unpadded global length (by default the length `hcp.shard` saw;
     ambiguous lengths raise). Packed rows: `cu_seqlens` = [0, len_0, ..., total] (the same on every
     rank, B = 1): no token attends across a document boundary; padding is invisible.
+    `window`: with causal=True an int W, each query sees the W keys ending at itself
+    (transformers' sliding_window); with causal=False (left, right), query i sees keys i - left ..
+    i + right (flash-attn's window_size). Positions count inside each document. Blocks no window
+    reaches are skipped, and short windows exchange only the halo rows between ring ranks.
     `backend` is "auto", a registered kernel name, a kernel object, or (ring = 1, dense only) a
     plain callable attn(q, k, v) -> out run on the gathered sequence.
     """
     error, lay, kernel = None, None, None
     try:
-        lay, kernel = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens)
+        lay, kernel, window = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window)
     except (TypeError, ValueError) as exc:
         if not (cp.__class__ is CPMesh and cp.validate and cp.size > 1):
             raise
@@ -169,10 +178,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
         name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
         docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
+        win = (-1, -1) if error is not None or window is None else (window, 0) if isinstance(window, int) else window
         signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(q.dtype, 0),
-                     int(causal), lay.seq_len if lay is not None else 0, docs, zlib.crc32(name.encode())]
+                     int(causal), lay.seq_len if lay is not None else 0, docs, win[0], win[1],
+                     zlib.crc32(name.encode())]
         names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-                 "cu_seqlens (checksum)", "backend"]
+                 "cu_seqlens (checksum)", "window", "window right", "backend"]
         agree_across_ranks(cp, signature, names, error, "hcp.attention inputs")
     b, s, h, d = q.shape
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -188,7 +199,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
                              f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
                              f"shaped like its q input, {tuple(qh.shape)}")
         return _HeadToSeq.apply(cp, split, lay, out_h)
-    plan = block_plan(lay, cp.ring_rank, causal, q.device)
+    plan = block_plan(lay, cp.ring_rank, causal, q.device, window)
     out_h, lse_h = _RingAttention.apply(qh, kh, vh, cp, kernel, kv_index, plan, scale)
     out = _HeadToSeq.apply(cp, split, lay, out_h)
     if not return_lse:

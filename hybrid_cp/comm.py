@@ -1,6 +1,6 @@
 """Communication: the ulysses all-to-all, the ring exchange, byte accounting.
 
-Every byte sent to another rank goes through `_count`, so `comm_bytes(cp)` is the exact traffic
+Every byte sent to another rank goes through `count`, so `comm_bytes(cp)` is the exact traffic
 of this rank by stage; `topology.comm_bytes` predicts the same numbers from the shapes.
 """
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .mesh import CPMesh
 
 
-def _count(cp: "CPMesh", stage: str, nbytes: int) -> None:
+def count(cp: "CPMesh", stage: str, nbytes: int) -> None:
     cp.sent_bytes[stage] += int(nbytes)
 
 
@@ -31,7 +31,7 @@ def reset_comm_bytes(cp: "CPMesh") -> None:
 def _a2a(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], stage: str) -> torch.Tensor:
     recv = send.new_empty(sum(recv_sizes))
     me = cp.ulysses_rank
-    _count(cp, stage, (sum(send_sizes) - send_sizes[me]) * send.element_size())
+    count(cp, stage, (sum(send_sizes) - send_sizes[me]) * send.element_size())
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=cp.ulysses_group)
     return recv
 
@@ -95,7 +95,7 @@ class RingExchange:
         self.cp, self.group, self.stage = cp, group, stage
 
     def start(self, send: torch.Tensor, recv: torch.Tensor) -> list:
-        _count(self.cp, self.stage, send.numel() * send.element_size())
+        count(self.cp, self.stage, send.numel() * send.element_size())
         ops = [dist.P2POp(dist.isend, send, self.cp.ring_next, self.group),
                dist.P2POp(dist.irecv, recv, self.cp.ring_prev, self.group)]
         return dist.batch_isend_irecv(ops)

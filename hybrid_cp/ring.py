@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import torch.distributed as dist
+
 from topology.layouts import Layout, Step
 
-from .comm import RingExchange
+from .comm import RingExchange, count
 from .heads import HeadMap
 
 if TYPE_CHECKING:
@@ -29,14 +31,33 @@ Rows = slice | torch.Tensor
 
 @dataclass(frozen=True)
 class Task:
-    """One kernel call: my query rows against rows of the visiting key block. With several
-    (query, key) segment pairs the rows are their concatenation and `varlen` holds the kernel's
-    cu_seqlens_q/k and max_seqlen_q/k (flash-attn's varlen naming)."""
+    """One kernel call: my query rows against rows of the visiting key block (or, in halo mode, of
+    the rows received from that rank). With several (query, key) segment pairs the rows are their
+    concatenation and `varlen` holds the kernel's cu_seqlens_q/k and max_seqlen_q/k (flash-attn's
+    varlen naming); `window` is flash-attn's bottom-right aligned window_size for the call."""
 
     q_rows: Rows
     k_rows: Rows
     causal: bool
+    window: tuple[int, int] | None = None
     varlen: dict | None = None
+
+    def kernel_kwargs(self) -> dict:
+        extra = dict(self.varlen or {})
+        if self.window is not None:
+            extra["window"] = self.window
+        return extra
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A call's block plan for one ring rank: the tasks of every ring step, and, in halo mode, the
+    rows to receive from / send to each ring peer (by ring step distance) instead of streaming."""
+
+    steps: tuple[tuple[Task, ...], ...]
+    halo: bool = False
+    recv_rows: tuple[tuple[tuple[int, int], ...], ...] = ()   # per step s: runs of rank (me - s)'s block
+    send_rows: tuple[Rows | None, ...] = ()                    # per step s: my rows that rank (me + s) reads
 
 
 def _rows(ranges: list[tuple[int, int]], device: torch.device) -> Rows:
@@ -46,9 +67,19 @@ def _rows(ranges: list[tuple[int, int]], device: torch.device) -> Rows:
     return torch.cat([torch.arange(a, a + n, device=device) for a, n in ranges])
 
 
-def _task(step: Step, device: torch.device) -> Task:
+def _compact(row: int, runs: list[tuple[int, int]]) -> int:
+    """Position of block row `row` inside the concatenation of `runs` (the received halo rows)."""
+    offset = 0
+    for a, n in runs:
+        if a <= row < a + n:
+            return offset + row - a
+        offset += n
+    raise AssertionError((row, runs))
+
+
+def _task(step: Step, device: torch.device, key_runs: list[tuple[int, int]] | None = None) -> Task:
     q = [(a, n) for a, n, _, _ in step.pairs]
-    k = [(a, n) for _, _, a, n in step.pairs]
+    k = [(a if key_runs is None else _compact(a, key_runs), n) for _, _, a, n in step.pairs]
     varlen = None
     if len(step.pairs) > 1:
         def cu(ranges):
@@ -58,19 +89,29 @@ def _task(step: Step, device: torch.device) -> Task:
             return torch.tensor(out, dtype=torch.int32, device=device)
         varlen = dict(cu_seqlens_q=cu(q), cu_seqlens_k=cu(k), max_seqlen_q=max(n for _, n in q),
                       max_seqlen_k=max(n for _, n in k))
-    return Task(_rows(q, device), _rows(k, device), step.causal, varlen)
+    return Task(_rows(q, device), _rows(k, device), step.causal, step.window, varlen)
 
 
 _PLANS: dict = {}
 
 
-def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device) -> list[Task | None]:
-    """The task of each ring step for this rank (None: the visiting block is invisible), cached
-    per (layout, rank, mask, device) since every layer of a model asks for the same plan."""
-    key = (lay, ring_rank, causal, str(device))
+def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window=None) -> Plan:
+    """This rank's plan for one call, cached per (layout, rank, mask, window, device): every layer
+    of a model asks for the same one. Halo mode when the window makes it move fewer rows."""
+    window = tuple(window) if isinstance(window, list) else window
+    key = (lay, ring_rank, causal, window, str(device))
     if key not in _PLANS:
-        steps = [lay.step(ring_rank, s, causal) for s in range(lay.ring)]
-        _PLANS[key] = [None if st is None else _task(st, device) for st in steps]
+        r = lay.ring
+        if not lay.halo(causal, window):
+            steps = tuple(tuple(_task(t, device) for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r))
+            _PLANS[key] = Plan(steps)
+        else:
+            recv = [lay.needed_rows(ring_rank, s, causal, window) if s else [] for s in range(r)]
+            send = [None] + [(lambda runs: _rows(runs, device) if runs else None)(
+                lay.needed_rows((ring_rank + s) % r, s, causal, window)) for s in range(1, r)]
+            steps = tuple(tuple(_task(t, device, recv[s] if s else None)
+                                for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r))
+            _PLANS[key] = Plan(steps, True, tuple(tuple(x) for x in recv), tuple(send))
     return _PLANS[key]
 
 
@@ -121,59 +162,120 @@ def _kv_buffers(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return kv
 
 
+def _halo_fetch(cp: "CPMesh", plan: Plan, kv: torch.Tensor) -> tuple[list, list]:
+    """Send each ring peer the rows of my fused K/V [2, B, L, H, D] that it reads and receive the rows
+    I read from each peer; returns (works, received [2, B, rows, H, D] by ring step distance)."""
+    r, me = cp.ring_size, cp.ring_rank
+    ops, bufs = [], [None] * r
+    for s in range(1, r):
+        if plan.send_rows[s] is not None:
+            block = _take(kv, plan.send_rows[s], 2).contiguous()
+            ops.append(dist.P2POp(dist.isend, block, cp.ring_ranks[(me + s) % r], cp.ring_group))
+            count(cp, "ring_fwd", block.numel() * block.element_size())
+        n = sum(m for _, m in plan.recv_rows[s])
+        if n:
+            bufs[s] = kv.new_empty(*kv.shape[:2], n, *kv.shape[3:])
+            ops.append(dist.P2POp(dist.irecv, bufs[s], cp.ring_ranks[(me - s) % r], cp.ring_group))
+    return (dist.batch_isend_irecv(ops) if ops else []), bufs
+
+
 def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_index: list[int], plan: list[Task | None], *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, L, Hq, D], k/v [B, L, Hkv, D] (this ring rank's block) -> (out in q.dtype, lse fp32)."""
+                 kv_index: list[int], plan: Plan, *, scale: float):
+    """q [B, L, Hq, D], k/v [B, L, Hkv, D] (this ring rank's block) -> (out in q.dtype, lse fp32,
+    the halo K/V received from each peer (halo mode; kept for backward) or None)."""
     r = cp.ring_size
     b, n, hq, d = q.shape
     heads = HeadMap(kv_index, k.shape[2], q.device)
     acc = _acc_dtype(q.dtype)
     out = torch.zeros(b, n, hq, d, dtype=acc, device=q.device)
     lse = torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
+
+    def compute(tasks, kb_full, vb_full):
+        for task in tasks:
+            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
+            o_b, lse_b = kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
+                                        **task.kernel_kwargs())
+            _merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
+
+    if plan.halo:
+        works, halo = _halo_fetch(cp, plan, torch.stack([k, v]))
+        compute(plan.steps[0], k, v)
+        RingExchange.wait(works)
+        for s in range(1, r):
+            if halo[s] is not None:
+                compute(plan.steps[s], halo[s][0], halo[s][1])
+        return out.to(q.dtype), lse, halo
     kv = _kv_buffers(k, v)
     exchange = RingExchange(cp, cp.ring_group, "ring_fwd")
-    for step, task in enumerate(plan):
+    for step, tasks in enumerate(plan.steps):
         cur = kv[step % 2]
         works = exchange.start(cur, kv[(step + 1) % 2]) if step < r - 1 else None
-        if task is not None:
-            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (cur[0], cur[1]))
-            o_b, lse_b = kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
-                                        **(task.varlen or {}))
-            _merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
+        compute(tasks, cur[0], cur[1])
         exchange.wait(works)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, None
 
 
 def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_index: list[int],
-                  plan: list[Task | None], *, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_index: list[int], plan: Plan,
+                  halo: list | None, *, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes)."""
     r = cp.ring_size
     heads = HeadMap(kv_index, k.shape[2], q.device)
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+
+    def compute(tasks, kb_full, vb_full) -> list:
+        """Run the tasks' backward; dq accumulates here, (key rows, dk, dv) are returned."""
+        grads = []
+        for task in tasks:
+            rows = task.q_rows
+            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
+            dq_b, dk_b, dv_b = kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
+                                               _take(lse, rows, 2), causal=task.causal, scale=scale,
+                                               **task.kernel_kwargs())
+            _add_rows_(dq, rows, dq_b)
+            grads.append((task.k_rows, heads.reduce(dk_b), heads.reduce(dv_b)))
+        return grads
+
+    def add(dkv, grads) -> None:
+        for k_rows, dk_b, dv_b in grads:
+            _add_rows_(dkv[0], k_rows, dk_b)
+            _add_rows_(dkv[1], k_rows, dv_b)
+
+    if plan.halo:
+        home = torch.zeros(2, *k.shape, dtype=acc, device=k.device)
+        add(home, compute(plan.steps[0], k, v))
+        ops, grads = [], [None] * r
+        for s in range(1, r):
+            if halo[s] is not None:  # my gradients for the rows I read from rank me - s go back to it
+                g = torch.zeros(halo[s].shape, dtype=acc, device=k.device)
+                add(g, compute(plan.steps[s], halo[s][0], halo[s][1]))
+                ops.append(dist.P2POp(dist.isend, g, cp.ring_ranks[(cp.ring_rank - s) % r], cp.ring_group_bwd))
+                count(cp, "ring_bwd", g.numel() * g.element_size())
+            if plan.send_rows[s] is not None:  # gradients of my rows that rank me + s read
+                rows = plan.send_rows[s]
+                n = len(range(k.shape[1])[rows]) if isinstance(rows, slice) else rows.numel()
+                grads[s] = torch.empty(2, k.shape[0], n, *k.shape[2:], dtype=acc, device=k.device)
+                ops.append(dist.P2POp(dist.irecv, grads[s], cp.ring_ranks[(cp.ring_rank + s) % r],
+                                      cp.ring_group_bwd))
+        RingExchange.wait(dist.batch_isend_irecv(ops) if ops else None)
+        for s in range(1, r):
+            if grads[s] is not None:
+                _add_rows_(home[0], plan.send_rows[s], grads[s][0])
+                _add_rows_(home[1], plan.send_rows[s], grads[s][1])
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
     kv = _kv_buffers(k, v)
     dkv = torch.zeros(2, 2, *k.shape, dtype=acc, device=k.device)  # travelling fp32 dK/dV
     kv_exchange = RingExchange(cp, cp.ring_group_bwd, "ring_bwd")
     dkv_exchange = RingExchange(cp, cp.ring_group_bwd, "ring_bwd")
     dkv_works = None
-    for step, task in enumerate(plan):
+    for step, tasks in enumerate(plan.steps):
         cur = kv[step % 2]
         kv_works = kv_exchange.start(cur, kv[(step + 1) % 2]) if step < r - 1 else None
-        grads = None
-        if task is not None:
-            rows = task.q_rows
-            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (cur[0], cur[1]))
-            dq_b, dk_b, dv_b = kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
-                                               _take(lse, rows, 2), causal=task.causal, scale=scale,
-                                               **(task.varlen or {}))
-            _add_rows_(dq, rows, dq_b)
-            grads = (heads.reduce(dk_b), heads.reduce(dv_b))
+        grads = compute(tasks, cur[0], cur[1])
         dkv_exchange.wait(dkv_works)  # my travelling buffer for this block has arrived
         mine = dkv[step % 2]
-        if grads is not None:
-            _add_rows_(mine[0], task.k_rows, grads[0])
-            _add_rows_(mine[1], task.k_rows, grads[1])
+        add(mine, grads)
         if r > 1:
             dkv_works = dkv_exchange.start(mine, dkv[(step + 1) % 2])
         kv_exchange.wait(kv_works)

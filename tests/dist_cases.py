@@ -60,9 +60,9 @@ def _fill_references(cases: list[dict]) -> None:
         _REFS[key] = item[0]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest elementwise error relative to the largest reference magnitude."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
+    """Largest elementwise error relative to the largest reference magnitude (at least `floor`)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(floor)).item()
 
 
 def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -330,3 +330,72 @@ def packed_comm_bytes_case(u: int, r: int, lens: list[int], h: int, hkv: int, d:
     out = hcp.attention(ql, kl, vl, cp, causal=causal, cu_seqlens=cu)
     (out * hcp.shard(dout.float(), cp, cu_seqlens=cu)).sum().backward()
     return {"ulysses_rank": cp.ulysses_rank, "total": hcp.comm_bytes(cp), "cu": cu}
+
+
+# ---- sliding windows ----------------------------------------------------------------------------
+
+def window_reference(q, k, v, dout, causal: bool, scale: float, doc_lens: list[int], window):
+    """fp64 autograd attention inside each document under a sliding window (positions per document)."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    h = q.shape[2]
+    ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+    pos = torch.cat([torch.arange(n) for n in doc_lens])
+    diff = pos[None, :] - pos[:, None]  # key position - query position
+    visible = doc[:, None] == doc[None, :]
+    if causal:
+        visible &= (diff <= 0) & (diff > -window)
+    else:
+        visible &= (diff >= -window[0]) & (diff <= window[1])
+    s = (torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
+    """Relative errors of windowed attention (dense rows, or packed with `docs`) on this rank's real
+    tokens against the fp64 reference, plus the bytes each ring stage sent."""
+    from topology.layouts import PAD
+
+    cp = mesh(u, r, layout)
+    results = []
+    for c in cases:
+        h, hkv, d, causal, window = c["h"], c["hkv"], c["d"], c["causal"], c["window"]
+        window = window if causal else tuple(window)
+        packed = "docs" in c
+        lens = c["docs"] if packed else [c["n"]]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        kw = {"cu_seqlens": cu} if packed else {}
+        dtype = DTYPES[c.get("dtype", "fp32")]
+        q, k, v, dout = _inputs(c.get("seed", 4), 1, cu[-1], h, hkv, d)
+        ref = window_reference(q, k, v, dout, causal, 1 / math.sqrt(d), lens, window)
+        hcp.reset_comm_bytes(cp)
+        ql, kl, vl = (hcp.shard(x.to(dtype), cp, **kw).requires_grad_() for x in (q, k, v))
+        out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, window=window, return_lse=True,
+                                 backend=c.get("backend", "auto"), seq_len=None if packed else cu[-1], **kw)
+        (out * hcp.shard(dout.to(dtype), cp, **kw)).sum().backward()
+        lay = hcp.layout.row_layout(cp, seq_len=None if packed else cu[-1], **kw)
+        real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
+        keep = torch.nonzero(real).flatten()
+        # relative to max(|ref|, 1): with W = 1 the exact dq and dk are 0 and only round-off remains
+        err = {name: _rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **kw).index_select(dim, keep), floor=1.0)
+               for name, dim, rf, gt in zip(["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref,
+                                             (out.detach(), lse, ql.grad, kl.grad, vl.grad))}
+        results.append({**c, **err, "bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank,
+                        "ulysses_rank": cp.ulysses_rank})
+    return results
+
+
+def window_bytes_case(u: int, r: int, n: int, h: int, hkv: int, d: int, window) -> dict:
+    """Bytes each stage sends for one windowed causal call (no reference: n may be large)."""
+    cp = mesh(u, r)
+    q, k, v, dout = _inputs(13, 1, n, h, hkv, d)
+    hcp.reset_comm_bytes(cp)
+    ql, kl, vl = (hcp.shard(x.float(), cp).requires_grad_() for x in (q, k, v))
+    out = hcp.attention(ql, kl, vl, cp, causal=True, window=window, seq_len=n)
+    (out * hcp.shard(dout.float(), cp)).sum().backward()
+    return {"bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank, "ulysses_rank": cp.ulysses_rank}

@@ -158,6 +158,9 @@ def comm_bytes(
     layout: str = "zigzag",
     ulysses_rank: int | None = None,
     cu_seqlens: Any = None,
+    causal: bool = True,
+    window: Any = None,
+    ring_rank: int | None = None,
 ) -> dict[str, int]:
     """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
 
@@ -165,15 +168,23 @@ def comm_bytes(
     value is the maximum over ulysses ranks (taken per key). These are the formulas the engine's
     byte counter must satisfy exactly; see docs/planner.md for the derivation. For a packed row pass
     the documents' boundaries as ``cu_seqlens`` (``seq_len`` is then their total): the packed layout's
-    padding decides the local length, the formulas are the same.
+    padding decides the local length, the formulas are the same. With a sliding ``window`` (an int W
+    with ``causal``, or ``(left, right)``) short enough for the engine's halo exchange, a rank sends
+    each ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring
+    values then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks).
     """
     _check_ints(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
                 ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
     split = head_split(heads, kv_heads, ulysses)
     if cu_seqlens is not None and doc_lengths(cu_seqlens) and sum(doc_lengths(cu_seqlens)) != seq_len:
         raise ValueError(f"cu_seqlens ends at {sum(doc_lengths(cu_seqlens))} but seq_len={seq_len}; pass the packed row's total")
-    _, s = _local_tokens(seq_len, ulysses, ring, layout, cu_seqlens)
+    lay = make_layout(layout, ulysses, ring, seq_len=None if cu_seqlens is not None else seq_len,
+                      doc_lens=doc_lengths(cu_seqlens) if cu_seqlens is not None else None)
+    s = lay.local_len
     unit = batch * s * head_dim * dtype_bytes
+    window = lay.effective_window(causal, window)
+    halo = lay.halo(causal, window)
+    ring_ranks = range(ring) if ring_rank is None else [ring_rank]
     ranks = range(ulysses) if ulysses_rank is None else [ulysses_rank]
     if ulysses_rank is not None and not 0 <= ulysses_rank < ulysses:
         raise ValueError(f"ulysses_rank={ulysses_rank} must be in [0, {ulysses}) or None for the maximum")
@@ -184,9 +195,17 @@ def comm_bytes(
             if p != i:
                 f, b = _a2a_peer_bytes(split, i, p, unit)
                 fwd, bwd = fwd + f, bwd + b
-        kv_block = batch * (ulysses * s) * 2 * split[i][3] * head_dim  # elements of one K/V block
-        ring_fwd = (ring - 1) * kv_block * dtype_bytes
-        ring_bwd = ring_fwd + ring * kv_block * GRAD_BYTES if ring > 1 else 0
+        row = batch * 2 * split[i][3] * head_dim  # K/V elements of one token row
+        if halo:  # rows my peers read from me go out; gradients of rows I read go back
+            def sent(j: int) -> tuple[int, int]:
+                out_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows((j + st) % ring, st, causal, window))
+                back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, causal, window))
+                return out_rows * row * dtype_bytes, back_rows * row * GRAD_BYTES
+            ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
+        else:
+            kv_block = (ulysses * s) * row  # elements of one K/V block
+            ring_fwd = (ring - 1) * kv_block * dtype_bytes
+            ring_bwd = ring_fwd + ring * kv_block * GRAD_BYTES if ring > 1 else 0
         for key, val in (("ulysses_fwd", fwd), ("ulysses_bwd", bwd), ("ring_fwd", ring_fwd), ("ring_bwd", ring_bwd)):
             out[key] = max(out[key], val)
     return out

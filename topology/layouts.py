@@ -73,15 +73,77 @@ class Span:
 
 @dataclass(frozen=True)
 class Step:
-    """The work of one ring step: (query row start, count, key row start, count) pairs that are each
-    fully visible, or (with ``causal``) square causal blocks on identical rows."""
+    """One kernel call of a ring step: (query row start, count, key row start, count) segment pairs
+    with one mask. ``causal``: square causal blocks on identical rows. ``window``: flash-attn's
+    ``window_size`` (left, right), bottom-right aligned, -1 for unbounded: key j is visible to
+    query i iff -left <= j - i - (nk - nq) <= right. Neither: every pair is fully visible."""
 
     pairs: tuple[tuple[int, int, int, int], ...]
     causal: bool
+    window: tuple[int, int] | None = None
 
     def work(self) -> int:
         """Score-matrix entries evaluated (per batch row and head)."""
-        return sum(nq * (nq + 1) // 2 if self.causal else nq * nk for _, nq, _, nk in self.pairs)
+        return sum(_visible(nq, nk, self.causal, self.window) for _, nq, _, nk in self.pairs)
+
+
+def _visible(nq: int, nk: int, causal: bool, window: tuple[int, int] | None) -> int:
+    """Visible entries of one nq x nk block under the step's mask."""
+    if causal:
+        return nq * (nq + 1) // 2
+    if window is None:
+        return nq * nk
+    left, right = window
+    lo = -UNBOUNDED if left < 0 else (nk - nq) - left
+    hi = UNBOUNDED if right < 0 else (nk - nq) + right
+    return sum(max(0, min(nk - 1, i + hi) - max(0, i + lo) + 1) for i in range(nq))
+
+
+UNBOUNDED = 1 << 60
+
+
+def band(causal: bool, window) -> tuple[int, int]:
+    """The visible key-minus-query position offsets [lo, hi] of a mask; +-UNBOUNDED when open.
+
+    ``window=W`` (an int, causal): W keys including the query itself (transformers'
+    ``sliding_window``); ``window=(left, right)`` (non-causal): i - left <= j <= i + right."""
+    if window is None:
+        return (-UNBOUNDED, 0) if causal else (-UNBOUNDED, UNBOUNDED)
+    if causal:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} with causal=True must be an int W >= 1: each query sees the W keys "
+                             f"ending at itself (transformers' sliding_window); for local non-causal attention pass "
+                             f"causal=False and window=(left, right)")
+        return -(window - 1), 0
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and
+            all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in window)):
+        raise ValueError(f"window={window!r} with causal=False must be (left, right), two ints >= 0: query i sees "
+                         f"keys i - left .. i + right (flash-attn's window_size); for a causal sliding window pass "
+                         f"causal=True and window=W")
+    return -window[0], window[1]
+
+
+def _chunk_pair(q_row: int, q_pos: int, nq: int, k_row: int, k_pos: int, nk: int,
+                lo: int, hi: int) -> tuple[tuple[int, int, int, int], bool, tuple[int, int] | None] | None:
+    """The part of a (query chunk, key chunk) block that the band [lo, hi] reaches, trimmed to its
+    bounding box, with the kernel mask that reproduces the band there (None if invisible)."""
+    d = k_pos - q_pos
+    dlo, dhi = lo - d, hi - d                          # visible iff dlo <= j - i <= dhi
+    i0, i1 = max(0, -dhi), min(nq - 1, nk - 1 - dlo)
+    if i0 > i1:
+        return None
+    j0, j1 = max(0, i0 + dlo), min(nk - 1, i1 + dhi)
+    nq2, nk2 = i1 - i0 + 1, j1 - j0 + 1
+    dlo2, dhi2 = dlo - (j0 - i0), dhi - (j0 - i0)    # the band in the trimmed block's frame
+    pair = (q_row + i0, nq2, k_row + j0, nk2)
+    full_lo, full_hi = dlo2 <= -(nq2 - 1), dhi2 >= nk2 - 1
+    if full_lo and full_hi:
+        return pair, False, None
+    left = -1 if full_lo else (nk2 - nq2) - dlo2
+    right = -1 if full_hi else dhi2 - (nk2 - nq2)
+    if nq2 == nk2 and left == -1 and right == 0:
+        return pair, True, None
+    return pair, False, (left, right)
 
 
 class Layout:
@@ -159,36 +221,99 @@ class Layout:
                     out.append((PAD if tok == PAD else tok + off, pos + off, b - a))
         return out
 
-    def step(self, ring_rank: int, step: int, causal: bool) -> Step | None:
-        """What ring rank `ring_rank` computes at ring step `step` (keys from rank ring_rank - step)."""
+    def effective_window(self, causal: bool, window):
+        """`window` validated, or None when it reaches every key of every document anyway (then
+        the windowless plan, with whole-document segments, is the same attention)."""
+        if window is None:
+            return None
+        lo, hi = band(causal, window)
+        longest = max(self.doc_lens, default=0)
+        if lo <= -(longest - 1) and (causal or hi >= longest - 1):
+            return None
+        return window if causal else tuple(window)
+
+    def tasks(self, ring_rank: int, step: int, causal: bool, window=None) -> tuple[Step, ...]:
+        """What ring rank `ring_rank` computes at ring step `step` (keys from rank ring_rank - step):
+        one kernel call per mask; empty when the visiting block is invisible. Cached."""
+        cache = self.__dict__.setdefault("_task_cache", {})
+        key = (ring_rank, step, causal, tuple(window) if isinstance(window, list) else window)
+        if key not in cache:
+            cache[key] = self._tasks(ring_rank, step, causal, window)
+        return cache[key]
+
+    def _tasks(self, ring_rank: int, step: int, causal: bool, window) -> tuple[Step, ...]:
         src = (ring_rank - step) % self.ring
         queries = {sp.doc: sp for sp in self.spans(ring_rank) if sp.doc != PAD}
-        pairs = []
-        for sp in self.spans(src):
-            q = queries.get(sp.doc)
-            if q is None or sp.doc == PAD:
-                continue
-            if not causal:
-                pairs.append((q.row, q.length, sp.row, sp.length))
-            elif src == ring_rank:
-                pairs.append((q.row, q.length, q.row, q.length))
-            else:
-                pair = _visible_rectangle(q, sp)
-                if pair is not None:
+        keys = [sp for sp in self.spans(src) if sp.doc in queries]
+        if window is None:  # whole document spans: one pair per document and step
+            pairs = []
+            for sp in keys:
+                q = queries[sp.doc]
+                if not causal:
+                    pairs.append((q.row, q.length, sp.row, sp.length))
+                elif src == ring_rank:
+                    pairs.append((q.row, q.length, q.row, q.length))
+                elif (pair := _visible_rectangle(q, sp)) is not None:
                     pairs.append(pair)
-        if not pairs:
-            return None
-        return Step(tuple(pairs), causal and src == ring_rank)
+            return (Step(tuple(pairs), causal and src == ring_rank),) if pairs else ()
+        lo, hi = band(causal, window)
+        groups: dict[tuple, list[list[tuple[int, int, int, int]]]] = {}
+        for sp in keys:  # chunk by chunk: a window's reach depends on document positions
+            q = queries[sp.doc]
+            q_row = q.row
+            for q_pos, nq in q.chunks:
+                k_row = sp.row
+                for k_pos, nk in sp.chunks:
+                    found = _chunk_pair(q_row, q_pos, nq, k_row, k_pos, nk, lo, hi)
+                    if found is not None:
+                        pair, is_causal, win = found
+                        calls = groups.setdefault((is_causal, win), [])
+                        # one kernel call never repeats a query row (its results merge by row)
+                        home = next((c for c in calls if all(pair[0] + pair[1] <= a or a + n <= pair[0]
+                                                             for a, n, _, _ in c)), None)
+                        if home is None:
+                            calls.append([pair])
+                        else:
+                            home.append(pair)
+                    k_row += nk
+                q_row += nq
+        return tuple(Step(tuple(sorted(c)), mask[0], mask[1]) for mask, calls in sorted(groups.items(), key=str)
+                     for c in calls)
 
-    def work(self, causal: bool = True) -> list[list[int]]:
+    def step(self, ring_rank: int, step: int, causal: bool) -> Step | None:
+        """The single kernel call of a ring step without a window (None if the block is invisible)."""
+        found = self.tasks(ring_rank, step, causal)
+        return found[0] if found else None
+
+    def work(self, causal: bool = True, window=None) -> list[list[int]]:
         """Score entries each ring rank evaluates at each step, counted from the same plan the engine runs."""
-        return [[0 if (t := self.step(j, s, causal)) is None else t.work() for s in range(self.ring)]
+        return [[sum(t.work() for t in self.tasks(j, s, causal, window)) for s in range(self.ring)]
                 for j in range(self.ring)]
 
-    def kernel_calls(self, causal: bool = True) -> list[int]:
-        """(query, key) pairs per ring rank over all steps: the segments its kernel calls carry."""
-        return [sum(len(t.pairs) for s in range(self.ring) if (t := self.step(j, s, causal)) is not None)
+    def kernel_calls(self, causal: bool = True, window=None) -> list[int]:
+        """(query, key) segment pairs per ring rank over all steps: what its kernel calls carry."""
+        return [sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window))
                 for j in range(self.ring)]
+
+    def needed_rows(self, ring_rank: int, step: int, causal: bool, window=None) -> list[tuple[int, int]]:
+        """Merged (first row, count) runs of the visiting key block that the step's calls read."""
+        runs = sorted((a, n) for t in self.tasks(ring_rank, step, causal, window) for _, _, a, n in t.pairs)
+        merged: list[list[int]] = []
+        for a, n in runs:
+            if merged and a <= merged[-1][0] + merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], a + n - merged[-1][0])
+            else:
+                merged.append([a, n])
+        return [(a, n) for a, n in merged]
+
+    def halo(self, causal: bool, window) -> bool:
+        """Whether exchanging only the key rows each rank reads (the halo) moves fewer rows, for every
+        rank, than streaming whole blocks around the ring; decided identically on every rank."""
+        if window is None or self.ring == 1:
+            return False
+        ring_rows = (self.ring - 1) * self.block_len
+        return all(sum(n for s in range(1, self.ring) for _, n in self.needed_rows(j, s, causal, window)) < ring_rows
+                   for j in range(self.ring))
 
     def key(self) -> tuple:
         return (self.kind, self.ulysses, self.ring, self.doc_lens, self.block_len)
@@ -439,5 +564,5 @@ def doc_lengths(cu_seqlens) -> tuple[int, ...]:
     return lens
 
 
-__all__ = ["LAYOUTS", "PAD", "Layout", "DenseZigzag", "DenseContiguous", "Packed", "Span", "Step", "head_split",
+__all__ = ["LAYOUTS", "PAD", "Layout", "DenseZigzag", "DenseContiguous", "Packed", "Span", "Step", "band", "head_split",
            "granularity", "padded_length", "make_layout", "doc_lengths", "check_layout"]

@@ -11,8 +11,10 @@ h // (H // H_kv)). out is [B, Sq, H, D] in q's dtype, lse is [B, H, Sq] in fp32 
 Packed documents add `varlen` = cu_seqlens_q, cu_seqlens_k (int32 boundaries, flash-attn's
 naming), max_seqlen_q, max_seqlen_k: q is then [1, total_q, H, D], k/v [1, total_k, H_kv, D], and
 segment i is queries cu_seqlens_q[i]:[i+1] against keys cu_seqlens_k[i]:[i+1] (causal segments are
-square). Kernels without packed support need not take these keywords: the engine passes them only
-for packed rows, and says so if a kernel refuses them.
+square). Sliding windows add `window` = (left, right): flash-attn's bottom-right aligned
+window_size (key j visible to query i iff -left <= j - i - (Sk - Sq) <= right; -1 unbounded).
+Kernels without packed or window support need not take these keywords: the engine passes them
+only when a call needs them, and says so if a kernel refuses them.
 `backward` receives the *final* out and lse of the whole attention (not of this block), which is
 what makes a block's gradient exact in ring attention. dk/dv come back with H_kv heads.
 """
@@ -84,13 +86,13 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
     return kernel
 
 
-def takes_varlen(kernel: AttentionKernel) -> bool:
-    """Whether the kernel's forward and backward accept the packed-segment keywords."""
+def takes_keyword(kernel: AttentionKernel, name: str) -> bool:
+    """Whether the kernel's forward and backward accept keyword `name` (e.g. "cu_seqlens_q", "window")."""
     import inspect
 
     def ok(fn) -> bool:
         params = inspect.signature(fn).parameters
-        return "cu_seqlens_q" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
     return ok(kernel.forward) and ok(kernel.backward)
 
 
@@ -98,5 +100,5 @@ register_kernel("math", MathKernel())
 register_kernel("sdpa", SDPAKernel())
 register_kernel("flash", FlashAttnKernel())
 
-__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_varlen",
+__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_keyword",
            "MathKernel", "SDPAKernel", "FlashAttnKernel"]

@@ -85,11 +85,12 @@ class FlashAttnKernel:
             return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                 max_seqlen_q=None, max_seqlen_k=None):
         mod, version = _flash_module()
         q, k, v = (x.contiguous() for x in (q, k, v))
-        common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        left, right = window if window is not None else (-1, -1)
+        common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
                       softcap=0.0, alibi_slopes=None, return_softmax=False)
         if cu_seqlens_q is None:
             res = _call(mod._flash_attn_forward, q=q, k=k, v=v, **common)
@@ -103,12 +104,13 @@ class FlashAttnKernel:
             out, lse = out.unsqueeze(0), lse.unsqueeze(0)
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         mod, version = _flash_module()
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        left, right = window if window is not None else (-1, -1)
+        common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
                       softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
         if cu_seqlens_q is None:
             _call(mod._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),

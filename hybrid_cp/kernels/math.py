@@ -9,19 +9,20 @@ from __future__ import annotations
 import torch
 
 from ..heads import expand_kv, reduce_kv
-from .varlen import segment_backward, segment_forward
+from .varlen import segment_backward, segment_forward, window_mask
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, window=None) -> torch.Tensor:
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
     if causal:
-        sq, sk = s.shape[-2], s.shape[-1]
-        visible = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~visible, float("-inf"))
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if window is not None:
+        s = s.masked_fill(~window_mask(sq, sk, window, s.device), float("-inf"))
     return s
 
 
@@ -36,29 +37,29 @@ class MathKernel:
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         return None if dtype.is_floating_point else f"dtype {dtype} is not a floating point type"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                 max_seqlen_q=None, max_seqlen_k=None):
         if cu_seqlens_q is not None:
             return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k)
+                                   cu_seqlens_k=cu_seqlens_k, window=window)
         ct = _compute_dtype(q.dtype)
         h = q.shape[2]
         qc, kc, vc = q.to(ct), expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)
-        s = _masked_scores(qc, kc, causal, scale)
+        s = _masked_scores(qc, kc, causal, scale, window)
         lse = torch.logsumexp(s, dim=-1)
         out = torch.einsum("bhqk,bkhd->bqhd", _probs(s, lse), vc)
         return out.to(q.dtype), lse.to(torch.float64 if ct == torch.float64 else torch.float32)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         if cu_seqlens_q is not None:
             return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window)
         ct = _compute_dtype(q.dtype)
         h, hkv = q.shape[2], k.shape[2]
         qc, kc, vc = q.to(ct), expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)
         do, o = dout.to(ct), out.to(ct)
-        p = _probs(_masked_scores(qc, kc, causal, scale), lse.to(ct))
+        p = _probs(_masked_scores(qc, kc, causal, scale, window), lse.to(ct))
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, vc)
         delta = (do * o).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, 1]

@@ -11,13 +11,25 @@ from __future__ import annotations
 import torch
 
 from ..heads import expand_kv, reduce_kv
-from .varlen import segment_backward, segment_forward
+from .varlen import segment_backward, segment_forward, window_mask
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     """[B, S, H, D] -> a [B, H, S, D] view of [B, S, H, D] memory, the layout these operators
     produce and expect (the CUDA memory-efficient backward reads garbage from other layouts)."""
     return x.contiguous().transpose(1, 2)
+
+
+def _window_bias(q: torch.Tensor, k: torch.Tensor, window) -> torch.Tensor | None:
+    """The additive mask (0 / -inf, in q's dtype) of a window block, for the CPU operator; windows
+    on CUDA need a kernel with native windows (flash-attn) or the math backend."""
+    if window is None:
+        return None
+    if q.device.type != "cpu":
+        raise ValueError("the CUDA SDPA backend has no verified window path; use backend='flash' (flash-attn, "
+                         "native windows) or backend='math' for sliding-window attention on CUDA")
+    visible = window_mask(q.shape[1], k.shape[1], window, q.device)
+    return torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
 
 
 class SDPAKernel:
@@ -35,33 +47,35 @@ class SDPAKernel:
             return None
         return f"device type {device.type!r} has no fused SDPA operator with log-sum-exp"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                 max_seqlen_q=None, max_seqlen_k=None):
         if cu_seqlens_q is not None:
             return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k)
+                                   cu_seqlens_k=cu_seqlens_k, window=window)
+        mask = _window_bias(q, k, window)
         h = q.shape[2]
         qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qt, kt, vt, 0.0, causal, scale=scale)
+                qt, kt, vt, 0.0, causal, attn_mask=mask, scale=scale)
         else:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
                 qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
         return out.transpose(1, 2), lse[..., : q.shape[1]].float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         if cu_seqlens_q is not None:
             return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window)
+        mask = _window_bias(q, k, window)
         h, hkv = q.shape[2], k.shape[2]
         qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))
         dot, ot = _bhsd(dout), _bhsd(out)
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse.float(),
-                0.0, causal, scale=scale)
+                0.0, causal, attn_mask=mask, scale=scale)
         else:
             pad = (-q.shape[1]) % 32
             lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
