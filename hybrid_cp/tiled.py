@@ -75,17 +75,20 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
-            probs = torch.softmax(F.linear(h, weight, bias).float(), dim=-1)
+            # one [chunk, vocab] fp32 buffer: logits -> probabilities -> d(logits), all in place
+            probs = F.linear(h, weight, bias).float()
+            lse = torch.logsumexp(probs, dim=-1, keepdim=True)
+            probs.sub_(lse).exp_()
             rows = torch.arange(end - start, device=probs.device)
             probs[rows, labels[start:end]] -= 1.0
-            dlogits = (probs * scale[start:end, None]).to(h.dtype)
-            del probs
+            probs.mul_(scale[start:end, None])
             if dh is not None:
-                dh[start:end] = dlogits @ weight
+                dh[start:end] = probs.to(h.dtype) @ weight
             if dw is not None:
-                dw += (dlogits.t() @ h).to(acc)
+                dw.addmm_(probs.t().to(acc), h.to(acc))
             if db is not None:
-                db += dlogits.sum(0).to(acc)
+                db += probs.sum(0).to(acc)
+            del probs, lse
         return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
                 None, None, None)
 

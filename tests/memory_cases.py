@@ -92,3 +92,16 @@ def tiled_loss_bad_label(u: int, r: int) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def measure_step(**kwargs) -> dict:
+    """benchmarks/memory_step.py:measure (one exactly measured training step) on this rank."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from memory_step import measure
+
+    return measure(**kwargs)

@@ -1,0 +1,107 @@
+"""The memory tool counts live storage exactly; the planner's memory model matches its measurements and
+its longest sequence grows with memory and with nodes."""
+
+
+import pytest
+import torch
+
+from hybrid_cp.memory import StorageTracker, mark
+from topology import Cluster
+from topology.cost import ModelShape
+from topology.memory import MemoryOptions, max_seq_len, step_memory
+
+
+LLAMA8B = ModelShape.preset("llama3-8b")
+
+
+def test_tracker_counts_a_known_peak_exactly():
+    t = StorageTracker()
+    with t:
+        a = torch.empty(1000)                 # 4000 B
+        b = torch.empty(2000)                 # 8000 B
+        assert t.live == 12000
+        del a
+        view = b.view(40, 50)                 # a view: no new storage
+        assert t.live == 8000
+        with t.stage("cat"):
+            c = torch.cat([view.flatten(), b])   # 16000 B
+            assert t.live == 24000
+            del c
+        d = b[:10].clone()                    # 40 B
+        del view, b, d
+        assert t.live == 0
+    assert t.peak == 24000
+    assert t.report()["cat"] == {"peak": 24000, "transient": 16000, "entries": 1}
+
+
+def test_tracker_follows_autograd_saved_tensors():
+    n = 10_000
+    x = torch.randn(n, requires_grad=True)
+    t = StorageTracker()
+    with t:
+        t.track(x)                                          # 4n
+        y = mark(x, t, "exp.bwd", "exit").exp()             # 4n, kept by exp's backward
+        loss = mark(y.sum(), t, "exp.bwd", "enter")         # 4 B
+        assert t.live == 8 * n + 4
+        del y
+        assert t.live == 8 * n + 4                          # still saved by autograd
+        loss.backward()                                     # grad = grad_out * y: 4n more, stolen into x.grad
+        del loss
+        assert t.live == 8 * n                              # x and x.grad; y freed with the graph
+    assert 12 * n <= t.peak <= 12 * n + 16                  # x + y + grad (+ scalar grad outputs)
+    assert t.report()["exp.bwd"]["transient"] >= 4 * n
+
+
+def test_step_memory_is_monotone_and_options_help():
+    base = dict(model=LLAMA8B, ulysses=8, ring=1)
+    plain = step_memory(seq_len=1 << 20, options=MemoryOptions(), **base)
+    longer = step_memory(seq_len=1 << 21, options=MemoryOptions(), **base)
+    assert longer.peak > plain.peak
+    tiled = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True, tiled_mlp=8192), **base)
+    chunked = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=4),
+                          **base)
+    assert chunked.stages["attention_bwd"] < tiled.stages["attention_bwd"] < plain.stages["attention_bwd"] * 1.01
+    assert tiled.stages["loss_bwd"] < plain.stages["loss_bwd"] / 10 and tiled.peak < plain.peak
+    # the tiled loss's working set does not grow with the sequence (beyond d(hidden))
+    t2 = step_memory(seq_len=1 << 21, options=MemoryOptions(tiled_loss=True), **base)
+    t1 = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True), **base)
+    assert t2.stages["loss_bwd"] - t1.stages["loss_bwd"] == (1 << 17) * 4096 * 2
+    with pytest.raises(ValueError, match="head_chunks=0"):
+        MemoryOptions(head_chunks=0)
+    with pytest.raises(ValueError, match="offload_checkpoints"):
+        MemoryOptions(checkpoint=False, offload_checkpoints=True)
+
+
+@pytest.mark.parametrize("opts", [MemoryOptions(), MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=8),
+                                  MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=8,
+                                                offload_checkpoints=True)])
+def test_max_seq_grows_with_memory_and_nodes(opts):
+    seqs = []
+    for gb in (40, 80, 140):
+        best = max_seq_len(LLAMA8B, 8, 0.9 * gb * 1e9, opts, granularity=8192)
+        seqs.append(best.seq_len if best else 0)
+        if best:
+            assert best.estimate.peak <= 0.9 * gb * 1e9
+            assert step_memory(LLAMA8B, best.seq_len + 8192, best.ulysses, best.ring, 1, 1, best.options).peak > \
+                0.9 * gb * 1e9
+    assert seqs == sorted(seqs) and seqs[-1] > seqs[0], seqs
+    by_nodes = []
+    for nodes in (1, 2, 4):
+        c = Cluster.preset("dgx-h100", nodes=nodes)
+        best = max_seq_len(LLAMA8B, c.world_size, 0.9 * c.accelerator.memory_gb * 1e9, opts, granularity=8192)
+        by_nodes.append(best.seq_len)
+    assert by_nodes == sorted(by_nodes) and by_nodes[-1] > by_nodes[0], by_nodes
+
+
+MEASURED_SHAPE = ModelShape(heads=8, kv_heads=2, head_dim=32, hidden=256, layers=2, intermediate=1024, vocab=8192)
+
+
+@pytest.mark.parametrize("u,r,kw", [(4, 2, dict(tiled_loss=True, tiled_mlp=512, checkpoint=True))])
+def test_estimate_within_ten_percent_of_measured_peak(pool, u, r, kw):
+    """benchmarks/memory_step.py measures one step exactly; topology.memory predicts it."""
+    rows = pool.run("memory_cases:measure_step", u=u, r=r, seq_len=4096, loss_chunk=512, **kw)
+    est = step_memory(MEASURED_SHAPE, 4096, u, r, 8 // (u * r), 1,
+                      MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), foreach_optimizer=False,
+                                    loss_chunk=512, tiled_mlp=kw.get("tiled_mlp", 0), fsdp=False), dtype="fp32")
+    worst = max(row["peak"] for row in rows)
+    assert abs(est.peak / worst - 1) <= 0.10, (est.peak, worst, est.phases)

@@ -1,0 +1,288 @@
+"""Per-rank peak memory of one training step, and the longest sequence that fits.
+
+The model follows the tensors a Hugging Face Llama-style decoder keeps alive under hybrid-cp,
+counted op by op (the derivation is in docs/memory.md) and checked against exact measurements of
+live tensor storage (`benchmarks/memory_step.py`, `hybrid_cp.memory.StorageTracker`):
+
+* **Model states**: with FSDP2 over all dp x cp ranks (``fsdp=True``), fp32 master weights,
+  fp32 gradients and AdamW's two fp32 moments are sharded (16 bytes/parameter / world), plus the
+  unsharded compute-dtype weights of the root (embedding and LM head, kept unsharded through the
+  step) and of two decoder blocks (the current one and the prefetched one), and the unsharded
+  gradients of one block in backward. Without FSDP every rank holds all of it in fp32.
+* **Activations**: per decoder layer and local token, what autograd keeps: three tensors per
+  RMSNorm (input, normalised, output; the normalised one in fp32), the attention engine's gathered
+  q/k/v, output and fp32 lse, the output projection's input, and the MLP's four
+  ``[tokens, intermediate]`` tensors (none with the tiled MLP). With activation checkpointing only
+  each layer's input is kept (``offload_checkpoints`` moves those to host memory), plus one layer
+  recomputed in backward.
+* **Stage working sets** (on top of the above): the attention stage (local q/k/v, all-to-all buffers,
+  the ring's buffers and fp32 gradients; divided by ``head_chunks`` for the per-head parts), the MLP
+  (whole or one chunk at a time) and the loss (full ``[tokens, vocab]`` fp32 logits three times,
+  or three chunks of them plus an fp32 weight gradient).
+
+The peak is the largest of: the loss's backward, the last layer's backward (first in backward),
+and the optimizer step. Not modelled: allocator fragmentation and caching, the CUDA context and
+NCCL buffers (the planner's default budget leaves 10% of device memory for those), kernel scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cost import ModelShape, _local_tokens, dtype_bytes, head_split
+
+__all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq"]
+
+GiB = 1 << 30
+ADAM_STATE = 8  # two fp32 moments per parameter
+MASTER = 4      # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
+GRAD = 4        # fp32 gradients (reduce dtype)
+LOSS_CHUNK_BYTES = 256 << 20  # hcp.tiled_cross_entropy's default chunk: 256 MiB of fp32 logits
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Training options that change memory: what `hcp` offers and what the step does."""
+
+    checkpoint: bool = True           # activation checkpointing of every decoder layer
+    offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (ALST, FPDT)
+    head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
+    tiled_loss: bool = False          # hcp.tiled_cross_entropy / hcp.lm_loss
+    loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
+    tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
+    fsdp: bool = True                 # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
+    foreach_optimizer: bool = True    # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
+                                      # parameter at once; False (CPU default): per tensor, the largest twice
+
+    def __post_init__(self) -> None:
+        for name in ("head_chunks", "loss_chunk"):
+            v = getattr(self, name)
+            if v is None and name == "loss_chunk":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 0:
+            raise ValueError(f"tiled_mlp={self.tiled_mlp!r} must be a token count >= 1, or 0 for off")
+        if self.offload_checkpoints and not self.checkpoint:
+            raise ValueError("offload_checkpoints=True needs checkpoint=True (only checkpointed inputs are offloaded)")
+
+    def describe(self) -> str:
+        parts = ["ckpt" + ("+offload" if self.offload_checkpoints else "") if self.checkpoint else "no ckpt"]
+        if self.head_chunks > 1:
+            parts.append(f"head_chunks={self.head_chunks}")
+        parts.append(f"tiled loss ({self.loss_chunk or 'default'})" if self.tiled_loss else "full logits")
+        parts.append(f"tiled MLP ({self.tiled_mlp})" if self.tiled_mlp else "whole MLP")
+        if not self.fsdp:
+            parts.append("replicated weights")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes per rank and where they go. ``stages`` are the working sets on top of the persistent
+    part; ``phases`` the candidate peaks (the largest is ``peak``)."""
+
+    peak: int
+    persistent: dict[str, int]
+    stages: dict[str, int]
+    phases: dict[str, int]
+    local_tokens: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak": self.peak, "peak_phase": self.peak_phase, "persistent": dict(self.persistent),
+                "stages": dict(self.stages), "phases": dict(self.phases), "local_tokens": self.local_tokens}
+
+
+def _norm(e: int) -> int:
+    """Bytes per hidden unit a (Hugging Face) RMSNorm keeps: its input upcast to fp32 (the input itself
+    in fp32), the normalised value cast back to the compute dtype, and the output (which the next
+    projection keeps as its input)."""
+    return 4 + 2 * e
+
+
+def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
+                options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag",
+                ulysses_rank: int | None = None) -> MemoryEstimate:
+    """Predicted peak memory of one rank for one training step (forward, backward, AdamW step) of
+    ``batch`` sequences of ``seq_len`` tokens on a (ulysses, ring) mesh with ``dp`` replicas.
+
+    ``dtype`` is the compute/activation dtype (bf16: FSDP2 mixed precision with fp32 master weights;
+    fp32: everything fp32). Head counts that ``ulysses`` does not divide are priced for the rank with
+    the most heads (or ``ulysses_rank``).
+    """
+    o = options or MemoryOptions()
+    for name, v in (("seq_len", seq_len), ("ulysses", ulysses), ("ring", ring), ("dp", dp), ("batch", batch)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an integer >= 1")
+    e = dtype_bytes(dtype)
+    world = dp * ulysses * ring
+    H, Hkv, D, E = model.heads, model.n_kv, model.head_dim, model.d_model
+    inter = model.intermediate or 4 * E
+    n_mlp = 3 if (model.gated_mlp or model.intermediate is None) else 2
+    V, L = model.vocab, model.layers
+    split = head_split(H, Hkv, ulysses)
+    i = max(range(ulysses), key=lambda j: (split[j][0], split[j][3])) if ulysses_rank is None else ulysses_rank
+    c, k = split[i][0], split[i][3]
+    _, s = _local_tokens(seq_len, ulysses, ring, layout)
+    T = batch * s            # local tokens
+    G = ulysses * T          # tokens of the ulysses group (the heads' sequence after the all-to-all)
+    hc = min(o.head_chunks, c)
+    c_chunk = -(-c // hc)    # query heads of the largest chunk
+    # KV heads of the largest chunk: a GQA group straddling a chunk boundary is shared, not duplicated
+    group = H // Hkv
+    k_chunk = min(k, -(-c_chunk // group) + (1 if group > 1 and c_chunk % group else 0)) if hc > 1 else k
+    notes: list[str] = []
+
+    # --- persistent: model states ------------------------------------------------------------
+    P = model.params
+    lp = model.layer_params
+    root = 2 * V * E
+    if o.fsdp:
+        persistent = {
+            "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,
+            "unsharded_root": root * e if world > 1 else 0,
+            "unsharded_blocks": 2 * lp * e if world > 1 else 0,
+        }
+        grad_block = lp * max(e, GRAD) if world > 1 else 0   # one block's unsharded gradient in backward
+        grad_root = root * max(e, GRAD) if world > 1 else 0
+        if e < 4:
+            persistent["sharded_states"] += 0  # fp32 master weights are the sharded parameters
+    else:
+        persistent = {"params": MASTER * P, "adam": ADAM_STATE * P}
+        grad_block, grad_root = 0, 0
+    # gradients: under FSDP2 the sharded fp32 gradients are in sharded_states; without it they appear in
+    # backward (the LM head's first)
+    grads_unsharded = 0 if o.fsdp else GRAD * P
+
+    # --- activations kept for backward (per local token) ---------------------------------------
+    attn_saved = (ulysses * (c + 2 * k) * D * e      # gathered q, k, v (the ring saves them)
+                  + ulysses * c * D * e + ulysses * c * 4  # output in head layout, fp32 lse
+                  + (H * D * e if ulysses > 1 else 0))    # output back in sequence layout (o_proj input)
+    mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
+    layer_saved = T * (2 * _norm(e) * E + attn_saved + mlp_saved)
+    final = T * _norm(e) * E                               # final norm
+    if o.checkpoint:
+        kept = 0 if o.offload_checkpoints else L * T * E * e
+        acts = kept + layer_saved + final                   # one layer recomputed in backward
+        if o.offload_checkpoints:
+            acts += 2 * T * E * e                           # the layer input being fetched back
+    else:
+        acts = L * layer_saved + final
+
+    # --- stage working sets ----------------------------------------------------------------------
+    local_qkv = T * (H + 2 * Hkv) * D * e
+    heads_frac = c_chunk / c
+    chunk_g = G * (c_chunk + 2 * k_chunk) * D
+    ring_buf = (2 * G * 2 * k_chunk * D * e + 2 * G * 2 * k_chunk * D * GRAD) if ring > 1 else 0
+    attn_fwd = (2 * local_qkv * (1 if hc == 1 else heads_frac + 1 / hc)   # projection out + contiguous copy
+                + 2 * chunk_g * e                                           # all-to-all send + receive
+                + T * H * D * e + T * E * e) + ring_buf // 2
+    attn_bwd = (T * H * D * e                                               # d(output), sequence layout
+                + G * c_chunk * D * e * 2                                   # d(output) all-to-all
+                + chunk_g * GRAD + 2 * chunk_g * e                          # fp32 dq/dk/dv, and back
+                + local_qkv + T * E * e) + ring_buf
+    if o.tiled_mlp:
+        C = min(o.tiled_mlp, T)
+        mlp_fwd = max(T * E * e + 3 * C * inter * e - C * E * e, 2 * T * E * e)
+        mlp_bwd = T * E * e + 2 * n_mlp * E * inter * max(e, 4) + int(6.5 * C * inter * e)
+    else:
+        mlp_fwd = (n_mlp + 1) * T * inter * e + T * E * e
+        mlp_bwd = 2 * T * inter * e + T * inter * max(e, 4) + T * E * e
+    if o.tiled_loss:
+        C = min(o.loss_chunk or max(1, LOSS_CHUNK_BYTES // (4 * max(1, V))), T)
+        loss_fwd = C * V * max(e, 4) + (C * V * e if e < 4 else 0)
+        loss_bwd = (C * V * 4 + (2 * C * V * e if e < 4 else 0)   # one fp32 buffer: logits, probs, d(logits)
+                    + V * E * 4 + (V * E * e if e < 4 else 0)       # fp32 weight-gradient accumulator (+ cast)
+                    + T * E * e)                                     # d(hidden)
+    else:
+        loss_fwd = T * V * e + T * V * 4 + (T * V * 4 if e < 4 else 0)
+        loss_bwd = 2 * T * V * 4 + (T * V * e if e < 4 else 0)
+    saved_logits = 0 if o.tiled_loss else T * V * 4
+    stages = {"attention_fwd": int(attn_fwd), "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd),
+              "mlp_bwd": int(mlp_bwd), "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
+    if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
+        stages["recompute"] = int(max(attn_fwd, mlp_fwd))
+
+    base = sum(persistent.values())
+    largest = max(V * E, E * inter, H * D * E) // (world if o.fsdp else 1)
+    optimizer_temp = 4 * P // (world if o.fsdp else 1)
+    # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's
+    # and the second norm's saved tensors are freed
+    layer_bwd = max(layer_saved + mlp_bwd, layer_saved - T * (mlp_saved + _norm(e) * E) + attn_bwd) + grad_block
+    phases = {
+        "forward": base + acts - (layer_saved if o.checkpoint else 0) + max(attn_fwd, mlp_fwd),
+        "loss": base + acts + saved_logits + max(loss_fwd, loss_bwd) - (layer_saved if o.checkpoint else 0),
+        "last_layer_backward": base + acts - layer_saved + grad_root + (GRAD * V * E if not o.fsdp else 0) + layer_bwd,
+        "optimizer": base + grads_unsharded + (optimizer_temp if o.foreach_optimizer else 2 * 4 * largest),
+    }
+    if o.checkpoint and o.offload_checkpoints:
+        notes.append(f"{L * T * E * e / GiB:.1f} GiB of checkpointed layer inputs in host memory")
+    persistent = {kk: int(v) for kk, v in persistent.items()}
+    persistent["activations"] = int(acts)
+    return MemoryEstimate(peak=int(max(phases.values())), persistent=persistent, stages=stages,
+                          phases={kk: int(v) for kk, v in phases.items()}, local_tokens=T, notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class MaxSeq:
+    """The longest sequence found and the configuration that reaches it."""
+
+    seq_len: int
+    ulysses: int
+    ring: int
+    dp: int
+    options: MemoryOptions
+    estimate: MemoryEstimate
+
+    def explain(self) -> str:
+        e = self.estimate
+        return (f"max seq {self.seq_len:,} tokens ({self.seq_len / 2**20:.2f}M) with ulysses={self.ulysses} "
+                f"ring={self.ring} dp={self.dp}, {self.options.describe()}: peak {e.peak / GiB:.1f} GiB "
+                f"({e.peak_phase})")
+
+
+def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: MemoryOptions | None = None, *,
+                heads_bound: bool = True, dtype: Any = "bf16", layout: str = "zigzag", dp: int = 1,
+                splits: list[tuple[int, int]] | None = None, granularity: int = 1024) -> MaxSeq | None:
+    """Longest sequence (a multiple of ``granularity`` tokens) whose :func:`step_memory` peak fits
+    ``memory_budget`` bytes per rank, over every (ulysses, ring) split of ``world // dp`` ranks (or
+    ``splits``). ``options.head_chunks`` is an upper bound: every k <= it that the heads allow is tried.
+    Returns None when not even ``granularity`` tokens fit."""
+    o = options or MemoryOptions()
+    if world % dp:
+        raise ValueError(f"dp={dp} must divide world={world}")
+    cp = world // dp
+    if splits is None:
+        splits = [(u, cp // u) for u in range(1, cp + 1) if cp % u == 0 and (not heads_bound or u <= model.heads)]
+    best: MaxSeq | None = None
+    for u, r in splits:
+        c = head_split(model.heads, model.n_kv, u)[0][0]
+        chunk_options = sorted({min(hc, c) for hc in range(1, o.head_chunks + 1)})
+        for hc in chunk_options:
+            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc})
+
+            def fits(n: int) -> bool:
+                return step_memory(model, n * granularity, u, r, dp, 1, opt, dtype=dtype, layout=layout).peak \
+                    <= memory_budget
+
+            if not fits(1):
+                continue
+            lo, hi = 1, 2
+            while fits(hi):
+                lo, hi = hi, hi * 2
+                if hi > 1 << 24:
+                    break
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            n = lo * granularity
+            if best is None or n > best.seq_len or (n == best.seq_len and (u > best.ulysses or
+                                                                           hc < best.options.head_chunks)):
+                best = MaxSeq(n, u, r, dp, opt, step_memory(model, n, u, r, dp, 1, opt, dtype=dtype, layout=layout))
+    return best
