@@ -105,3 +105,23 @@ def test_estimate_within_ten_percent_of_measured_peak(pool, u, r, kw):
                                     loss_chunk=512, tiled_mlp=kw.get("tiled_mlp", 0), fsdp=False), dtype="fp32")
     worst = max(row["peak"] for row in rows)
     assert abs(est.peak / worst - 1) <= 0.10, (est.peak, worst, est.phases)
+
+
+def test_plan_max_seq_cli(capsys):
+    import json
+
+    from topology.cli import main
+
+    assert main(["--preset", "dgx-h100", "--nodes", "1", "--model", "llama3-8b", "--max-seq", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    seqs = [r["seq_len"] for r in rows]
+    assert len(rows) == 5 and all(s > 0 for s in seqs)
+    assert seqs == sorted(seqs) and seqs[-1] > 4 * seqs[0], seqs   # each option adds length
+    assert all(r["memory"]["peak"] <= 0.9 * 80e9 for r in rows)
+    assert main(["--preset", "dgx-h100", "--nodes", "2", "--model", "llama3-8b", "--max-seq"]) == 0
+    out = capsys.readouterr().out
+    assert "+ checkpoint offload" in out and "max seq" in out
+    with pytest.raises(SystemExit):
+        main(["--preset", "dgx-h100", "--model", "llama3-8b"])     # neither --seq-len nor --max-seq
+    assert main(["--preset", "dgx-h100", "--heads", "8", "--head-dim", "64", "--max-seq"]) == 2
+    assert "vocabulary" in capsys.readouterr().err

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--layers", type=int, help="default 32")
     m.add_argument("--intermediate", type=int, help="MLP width (default 4 x hidden, plain MLP)")
     w = p.add_argument_group("workload")
-    w.add_argument("--seq-len", type=parse_count, required=True, help="tokens per sequence, e.g. 131072, 128K, 1M")
+    w.add_argument("--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)")
     w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
     w.add_argument("--world-size", type=int, help="GPUs to use (default: all)")
     w.add_argument("--dp", type=int, help="fix the data-parallel degree (1 = one CP group over all GPUs)")
@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--top", type=int, default=0, help="show only the N best plans")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--plot", metavar="FILE", help="stacked bar chart of the time components (needs matplotlib)")
+    from .memory import add_max_seq_arguments
+
+    add_max_seq_arguments(p)
     return p
 
 
@@ -135,9 +138,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hybrid-cp plan``; returns the process exit code."""
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.seq_len is None and not args.max_seq:
+        parser.error("--seq-len is required (or --max-seq to find the longest sequence that fits)")
     try:
         cluster = _cluster(args)
         model = _model(args)
+        if args.max_seq:
+            from .memory import max_seq_main
+
+            return max_seq_main(args, cluster, model)
         plans = plan(
             cluster, model, args.seq_len, batch=args.batch, world_size=args.world_size,
             memory_budget=args.memory_budget, dp=args.dp, dtype=args.dtype, layout=args.layout, causal=args.causal,
