@@ -36,6 +36,14 @@ def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, **overrides):
     elif kind == "qwen3":
         config = transformers.Qwen3Config(**{"head_dim": 8, **common})
         cls = transformers.Qwen3ForCausalLM
+    elif kind == "gemma3":  # alternating sliding-window and full layers
+        layers = common["num_hidden_layers"]
+        config = transformers.Gemma3TextConfig(**{"head_dim": 8, "sliding_window": 16, "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)], **common})
+        cls = transformers.Gemma3ForCausalLM
+    elif kind == "gemma2":  # attention logit soft-capping
+        config = transformers.Gemma2Config(**{"head_dim": 8, **common})
+        cls = transformers.Gemma2ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -84,13 +92,15 @@ def _full_grad(p):
 
 
 def model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False, b: int = 2, s: int = 100,
-                 pad: bool = True, checkpoint: bool = False) -> dict:
-    """logits / loss / every parameter gradient under CP vs one process (fp32)."""
+                 pad: bool = True, checkpoint: bool = False, config: dict | None = None) -> dict:
+    """logits / loss / every parameter gradient under CP vs one process (fp32); `config`
+    overrides the tiny model's configuration (e.g. a sliding window)."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad)
-    ref_logits, ref_loss, ref_grads = reference(tiny_model(kind, hkv), batch)
+    config = config or {}
+    ref_logits, ref_loss, ref_grads = reference(tiny_model(kind, hkv, **config), batch)
 
-    model = apply_context_parallel(tiny_model(kind, hkv), cp)
+    model = apply_context_parallel(tiny_model(kind, hkv, **config), cp)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
@@ -220,8 +230,13 @@ def error_messages(u: int, r: int) -> dict:
                                      attention_mask=torch.ones(2, 1, local["input_ids"].shape[1], 40)))
     attempt("positions", lambda: model(input_ids=local["input_ids"],
                                        position_ids=torch.arange(local["input_ids"].shape[1])[None]))
-    mistral = apply_context_parallel(tiny_model("mistral", sliding_window=16), cp)
-    attempt("sliding_window", lambda: mistral(input_ids=local["input_ids"]))
+    attempt("softcap", lambda: apply_context_parallel(tiny_model("gemma2"), cp))
+    gemma = apply_context_parallel(tiny_model("gemma2", attn_logit_softcapping=None), cp)
+    for m in gemma.modules():  # soft-capping switched on after apply: the attention call refuses it
+        if hasattr(m, "attn_logit_softcapping"):
+            m.attn_logit_softcapping = 50.0
+    gemma.config.attn_logit_softcapping = 50.0
+    attempt("softcap_runtime", lambda: gemma(input_ids=local["input_ids"]))
     attempt("dropout", lambda: apply_context_parallel(tiny_model("llama", attention_dropout=0.1), cp))
     drop = apply_context_parallel(tiny_model("llama"), cp)
     drop.config.attention_dropout = 0.1

@@ -48,8 +48,9 @@ class _MeshRef:
 
 
 def _unsupported(msg: str) -> ValueError:
-    return ValueError(msg + " (hybrid_cp.integrations.transformers supports causal attention with "
-                            "right padding, no sliding window, no dropout)")
+    return ValueError(msg + " (hybrid_cp.integrations.transformers supports causal attention, with sliding "
+                            "windows, right padding or packed documents; no dropout, attention sinks or "
+                            "logit soft-capping)")
 
 
 def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -73,26 +74,26 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         raise _unsupported(f"{type(module).__name__} received a prepared attention mask "
                            f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
                            f"attention with right padding is supported (pass a 2-D padding mask or none)")
-    for name in ("softcap", "s_aux", "sinks"):
+    for name, option in (("softcap", "config.attn_logit_softcapping"), ("s_aux", "attention sinks"),
+                         ("sinks", "attention sinks")):
         if kwargs.get(name) is not None:
-            raise _unsupported(f"{type(module).__name__} uses {name}={kwargs[name]!r}")
+            raise _unsupported(f"{type(module).__name__} uses {name}={kwargs[name]!r} ({option}), which the attention "
+                               f"kernels cannot compute exactly under context parallelism")
     cu = kwargs.get("cu_seq_lens_q")
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and (cu is None or not torch.equal(torch.as_tensor(cu_k).cpu(), torch.as_tensor(cu).cpu())):
         raise _unsupported(f"{type(module).__name__} received cu_seq_lens_k different from cu_seq_lens_q; packed "
                            f"self-attention needs the same boundaries for queries and keys")
     lay = row_layout(cp, local_len=query.shape[2], cu_seqlens=cu, causal=True, what=type(module).__name__)
-    seq_len = max(lay.doc_lens)
     window = kwargs.get("sliding_window")
-    if window is not None and window < seq_len:
-        raise _unsupported(f"sliding_window={window} is shorter than the sequence ({seq_len} tokens) in "
-                           f"{type(module).__name__}; sliding windows are not supported yet: use sequences of at "
-                           f"most {window} tokens or set config.sliding_window=None")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
+                           f"number of keys each query sees, itself included)")
     q = query.transpose(1, 2).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
     out = _cp_attention(q, k, v, cp, causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len,
-                        cu_seqlens=cu)
+                        cu_seqlens=cu, window=window)
     return out, None
 
 
@@ -199,9 +200,11 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh) -> torch.nn.Modul
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
     `hcp.shard_batch`) returns this rank's logits [B, S_local, V]; compute the loss with
     `hcp.cross_entropy`. Works for models whose attention goes through transformers' attention
-    registry (Llama, Mistral, Qwen2, Qwen3, ... including GQA/MQA). Raises ValueError for
-    configurations it would get wrong: attention dropout > 0, sliding windows shorter than the
-    sequence, non-causal attention, masks other than right padding. Returns the model.
+    registry (Llama, Mistral, Qwen2, Qwen3, Gemma 3, ... including GQA/MQA). Sliding-window
+    layers (``sliding_window``, or ``layer_types`` that mix window and full layers) get their
+    window in every layer. Raises ValueError for configurations it would get wrong: attention
+    dropout > 0, logit soft-capping, attention sinks, non-causal attention, masks other than
+    right padding. Returns the model.
     """
     if not isinstance(cp, CPMesh):
         raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
@@ -213,6 +216,9 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh) -> torch.nn.Modul
         drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
         if drop > 0:
             raise _unsupported(f"config.attention_dropout={drop}; set it to 0.0 for context-parallel training")
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise _unsupported(f"config.attn_logit_softcapping={cfg.attn_logit_softcapping} (attention logit "
+                               f"soft-capping); set it to None for context-parallel training")
         if getattr(cfg, "is_encoder_decoder", False):
             raise _unsupported(f"{type(model).__name__} is an encoder-decoder model")
     heads = getattr(config, "num_attention_heads", None)
