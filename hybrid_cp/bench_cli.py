@@ -216,6 +216,14 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = p.parse_args(argv)
     kv = a.kv_heads or a.heads
+    for name in ("ulysses", "ring", "seq_len", "heads", "head_dim", "repeats"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
+    if kv < 1 or a.heads % kv:
+        p.error(f"--heads={a.heads} must be a multiple of --kv-heads={kv} (GQA groups)")
+    if a.ulysses > a.heads:
+        p.error(f"--ulysses={a.ulysses} exceeds --heads={a.heads}: every ulysses rank needs a head; "
+                f"use --ulysses <= {a.heads} and put the rest into --ring")
     cluster = None
     if a.cluster:
         from topology.cluster import Cluster, ClusterError

@@ -214,6 +214,9 @@ def test_bench_cli_errors_are_loud(capsys, monkeypatch):
     assert "not under torchrun: pass --nprocs N" in capsys.readouterr().err
     assert calibrate_main(["--out", "x.yaml", "--nprocs", "2", "--backend", "nccl"]) == 2
     assert "needs torchrun" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main(["--ulysses", "16", "--ring", "1", "--seq-len", "64", "--heads", "8", "--head-dim", "8"])
+    assert "--ulysses=16 exceeds --heads=8" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ real, short
