@@ -240,20 +240,40 @@ def doc_mix(seed: int, n_docs: int, total: int) -> list[int]:
     return lens
 
 
-def packed_reference(q, k, v, dout, causal: bool, scale: float, doc_lens: list[int]):
-    """Attention inside each document by fp64 autograd over the whole row with a block mask."""
+def visibility(doc_lens: list[int], causal: bool, window=None) -> torch.Tensor:
+    """[N, N] bool: key j visible to query i inside the same document, under the mask and window
+    (window W with causal: the W keys ending at i; (left, right) without: i - left .. i + right)."""
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+    pos = torch.cat([torch.arange(n) for n in doc_lens])
+    diff = pos[None, :] - pos[:, None]  # key position - query position
+    visible = doc[:, None] == doc[None, :]
+    if causal:
+        visible &= diff <= 0
+        if window is not None:
+            visible &= diff > -window
+    elif window is not None:
+        visible &= (diff >= -window[0]) & (diff <= window[1])
+    return visible
+
+
+def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor):
+    """Attention by fp64 autograd over the whole row with a [N, N] visibility mask."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     h = q.shape[2]
     ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
-    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
-    visible = doc[:, None] == doc[None, :]
-    if causal:
-        visible &= torch.ones_like(visible).tril()
     s = (torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale).masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, -1)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
     out.backward(dout.double())
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def assert_errors(rows_per_rank, limit: float = 1e-5, tensors=("out", "lse", "dq", "dk", "dv")) -> None:
+    """Every rank's every case has relative errors <= limit in every tensor."""
+    for rank, rows in enumerate(rows_per_rank):
+        for row in rows:
+            bad = {t: row[t] for t in tensors if not row[t] <= limit}
+            assert not bad, f"rank {rank}, case {row}: relative errors {bad} exceed {limit}"
 
 
 def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
@@ -270,7 +290,7 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         for n in lens:
             cu.append(cu[-1] + n)
         q, k, v, dout = _inputs(c.get("seed", 3), 1, cu[-1], h, hkv, d)
-        ref = packed_reference(q, k, v, dout, causal, 1 / math.sqrt(d), lens)
+        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal))
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
         out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, cu_seqlens=cu, return_lse=True,
                                  backend=c.get("backend", "auto"))
@@ -334,26 +354,6 @@ def packed_comm_bytes_case(u: int, r: int, lens: list[int], h: int, hkv: int, d:
 
 # ---- sliding windows ----------------------------------------------------------------------------
 
-def window_reference(q, k, v, dout, causal: bool, scale: float, doc_lens: list[int], window):
-    """fp64 autograd attention inside each document under a sliding window (positions per document)."""
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    h = q.shape[2]
-    ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
-    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
-    pos = torch.cat([torch.arange(n) for n in doc_lens])
-    diff = pos[None, :] - pos[:, None]  # key position - query position
-    visible = doc[:, None] == doc[None, :]
-    if causal:
-        visible &= (diff <= 0) & (diff > -window)
-    else:
-        visible &= (diff >= -window[0]) & (diff <= window[1])
-    s = (torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale).masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
-
-
 def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
     """Relative errors of windowed attention (dense rows, or packed with `docs`) on this rank's real
     tokens against the fp64 reference, plus the bytes each ring stage sent."""
@@ -372,7 +372,7 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         kw = {"cu_seqlens": cu} if packed else {}
         dtype = DTYPES[c.get("dtype", "fp32")]
         q, k, v, dout = _inputs(c.get("seed", 4), 1, cu[-1], h, hkv, d)
-        ref = window_reference(q, k, v, dout, causal, 1 / math.sqrt(d), lens, window)
+        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal, window))
         hcp.reset_comm_bytes(cp)
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, **kw).requires_grad_() for x in (q, k, v))
         out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, window=window, return_lse=True,

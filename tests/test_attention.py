@@ -2,6 +2,8 @@
 
 import pytest
 
+from dist_cases import assert_errors
+
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
@@ -14,10 +16,7 @@ def _cases(u: int, dtype: str = "fp32", lengths=(512, 1000)) -> list[dict]:
 
 
 def _check(rows_per_rank, limit: float) -> None:
-    for rank, rows in enumerate(rows_per_rank):
-        for row in rows:
-            bad = {t: row[t] for t in TENSORS if not row[t] <= limit}
-            assert not bad, f"rank {rank}, case {row}: relative errors {bad} exceed {limit}"
+    assert_errors(rows_per_rank, limit)
 
 
 @pytest.mark.parametrize("u,r", MESHES)
