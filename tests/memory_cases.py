@@ -57,12 +57,14 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
 
 
 def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_loss: bool = True,
-                       mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2) -> dict:
-    """A tiny Llama under CP with lm_loss(tiled) and tile_mlp vs the plain single-process run."""
+                       mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2,
+                       head_chunks: int = 1, heads: int = 4) -> dict:
+    """A tiny Llama under CP with lm_loss(tiled), tile_mlp and head_chunks vs the plain single-process run."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad=True)
-    _, ref_loss, ref_grads = reference(tiny_model("llama", hkv), batch)
-    model = apply_context_parallel(tiny_model("llama", hkv), cp)
+    _, ref_loss, ref_grads = reference(tiny_model("llama", hkv, num_attention_heads=heads), batch)
+    model = apply_context_parallel(tiny_model("llama", hkv, num_attention_heads=heads), cp,
+                                   **({"head_chunks": head_chunks} if head_chunks != 1 else {}))
     if mlp_chunk:
         tile_mlp(model, mlp_chunk)
     if checkpoint:
@@ -105,3 +107,50 @@ def measure_step(**kwargs) -> dict:
     from memory_step import measure
 
     return measure(**kwargs)
+
+
+def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (2, 4), causal: bool = True,
+                     s: int = 96, b: int = 2, d: int = 16, return_lse: bool = False, overlap: bool = True) -> dict:
+    """hcp.attention with head_chunks=k vs head_chunks=1 on the same shards: out (lse) and dq/dk/dv, and the
+    bytes each sent."""
+    from hybrid_cp import headchunk
+
+    cp = mesh(u, r)
+    g = torch.Generator().manual_seed(11 + h + hkv + s)
+    full = [torch.randn(b, s, n, d, generator=g) for n in (h, hkv, hkv, h)]
+    q, k, v, dout = (hcp.shard(x, cp, dim=1) for x in full)
+
+    def run(kc: int):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        hcp.reset_comm_bytes(cp)
+        res = hcp.attention(*xs, cp, causal=causal, head_chunks=kc, return_lse=return_lse)
+        out, lse = res if return_lse else (res, None)
+        out.backward(dout)
+        return out.detach(), lse, [x.grad for x in xs], hcp.comm_bytes(cp)
+
+    saved = headchunk.chunked_attention.__defaults__ if False else None  # noqa: F841 (overlap is per call below)
+    ref = run(1)
+    rows = {}
+    for kc in chunks:
+        if not overlap:
+            orig = headchunk._ChunkedAttention.apply
+
+            def no_overlap(*a, _orig=orig):
+                a = list(a)
+                a[10] = False
+                return _orig(*a)
+            headchunk._ChunkedAttention.apply = no_overlap
+        try:
+            got = run(kc)
+        finally:
+            if not overlap:
+                headchunk._ChunkedAttention.apply = orig
+        errs = {"out": _rel(got[0], ref[0])}
+        if return_lse:
+            errs["lse"] = _rel(got[1], ref[1])
+        for name, a, bb in zip(("dq", "dk", "dv"), got[2], ref[2]):
+            errs[name] = _rel(a, bb)
+        errs["bytes"] = got[3]
+        rows[kc] = errs
+    rows["ref_bytes"] = ref[3]
+    return rows

@@ -1,0 +1,272 @@
+"""Head-chunked hybrid attention (UPipe-style): the heads go through all-to-all -> ring -> all-to-all a
+few at a time, and the all-to-all of chunk i + 1 runs while chunk i computes.
+
+Why: with all heads at once the attention stage holds, per rank, the gathered query, output,
+d(output) and fp32 d(query) of every local head for the ulysses group's whole sequence. Processing
+`head_chunks` chunks one after another divides that working set by the number of chunks (the
+"Untied Ulysses" paper, UPipe, arXiv 2602.21196: 87.5% less attention-stage memory at 8 chunks).
+The paper's stages run one after another; here each chunk's all-to-all is posted asynchronously
+before the previous chunk's ring attention runs (forward and backward), so communication hides
+behind compute.
+
+Schedule, per rank (u = ulysses degree):
+* Every rank's query heads (its part of the usual uneven head split) are cut into `head_chunks`
+  consecutive pieces (sizes differ by at most one); chunk j is piece j of every rank. So a rank keeps
+  the same KV heads in every chunk, and K/V go through the all-to-all ONCE, up front (GQA-aware:
+  a KV head used by several chunks is not exchanged again), while Q and the output travel per chunk.
+* Ring attention runs per chunk on the chunk's query heads and only the KV heads they use.
+* Forward keeps this rank's local q (sequence layout), the exchanged K/V, the local output and each
+  chunk's lse; backward re-exchanges q, output and d(output) per chunk (prefetching the next chunk's)
+  instead of keeping every chunk's gathered tensors, accumulates dK/dV in fp32 and sends them home once.
+  Traffic: the all-to-all sends q and the output once more in backward than `head_chunks=1`; the
+  ring streams a KV head once per chunk that uses it (once in total when chunks align with GQA groups).
+
+`head_chunks` larger than a rank's query heads is clamped (every rank needs a head in every chunk);
+results equal `head_chunks=1` to fp32 round-off (heads are independent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from .comm import count
+from .heads import HeadSplit
+from .layout import gathered_to_ring_block, ring_block_to_gathered
+from .ring import ring_backward, ring_forward
+
+if TYPE_CHECKING:
+    from topology.layouts import Layout
+
+    from .kernels import AttentionKernel
+    from .mesh import CPMesh
+    from .ring import Plan
+
+Ranges = tuple[tuple[int, int], ...]
+
+__all__ = ["HeadChunks", "chunk_heads", "chunked_attention"]
+
+
+@dataclass(frozen=True)
+class HeadChunks:
+    """Chunk j: the query-head range of every ulysses rank (`q[j][p]`), and for this rank the range of
+    its local KV heads the chunk uses (`kv_local[j]`, relative to its first KV head) with each chunk
+    query head's index into that range (`kv_index[j]`)."""
+
+    q: tuple[Ranges, ...]
+    kv_local: tuple[tuple[int, int], ...]
+    kv_index: tuple[tuple[int, ...], ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.q)
+
+
+def _pieces(start: int, end: int, n: int) -> list[tuple[int, int]]:
+    """[start, end) in n consecutive pieces whose sizes differ by at most one (the first ones larger)."""
+    size, extra = divmod(end - start, n)
+    out, at = [], start
+    for i in range(n):
+        width = size + (1 if i < extra else 0)
+        out.append((at, at + width))
+        at += width
+    return out
+
+
+def chunk_heads(split: HeadSplit, head_chunks: int, rank: int) -> HeadChunks:
+    """Cut every rank's query heads into min(head_chunks, fewest heads on a rank) chunks."""
+    n = max(1, min(head_chunks, min(e - s for s, e in split.q)))
+    per_rank = [_pieces(s, e, n) for s, e in split.q]
+    group = split.heads // split.kv_heads
+    ks = split.kv[rank][0]
+    q, kv_local, kv_index = [], [], []
+    for j in range(n):
+        q.append(tuple(per_rank[p][j] for p in range(len(split.q))))
+        qs, qe = per_rank[rank][j]
+        lo, hi = qs // group - ks, (qe - 1) // group + 1 - ks
+        kv_local.append((lo, hi))
+        kv_index.append(tuple(h // group - ks - lo for h in range(qs, qe)))
+    return HeadChunks(tuple(q), tuple(kv_local), tuple(kv_index))
+
+
+class _InFlight:
+    """An all-to-all posted with async_op=True; `wait()` returns what `finish` makes of the receive buffer."""
+
+    def __init__(self, work, keep: tuple, finish: Callable[[], object]):
+        self.work, self.keep, self.finish = work, keep, finish
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        self.keep = ()
+        return self.finish()
+
+
+def _post_seq_to_head(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges],
+                      stage: str) -> _InFlight:
+    """Post [B, S, h_i, D] (sequence layout) -> [B, u*S, my heads of ranges[i], D] (ring-block order)."""
+    u, me = cp.ulysses_size, cp.ulysses_rank
+    if u == 1:
+        out = [gathered_to_ring_block(x[:, :, r[0][0]:r[0][1]], lay) for x, r in zip(parts, ranges)]
+        return _InFlight(None, (), lambda: out)
+    b, s, _, d = parts[0].shape
+    pieces = [torch.cat([x[:, :, r[p][0]:r[p][1]] for x, r in zip(parts, ranges)], dim=2).reshape(-1)
+              for p in range(u)]
+    send = torch.cat(pieces)
+    send_sizes = [x.numel() for x in pieces]
+    del pieces
+    mine = [r[me][1] - r[me][0] for r in ranges]
+    recv = send.new_empty(u * b * s * sum(mine) * d)
+    count(cp, stage, (send.numel() - send_sizes[me]) * send.element_size())
+    work = dist.all_to_all_single(recv, send, [b * s * sum(mine) * d] * u, send_sizes, group=cp.ulysses_group,
+                                  async_op=True)
+
+    def finish():
+        full = recv.view(u, b, s, sum(mine), d).transpose(0, 1).reshape(b, u * s, sum(mine), d)
+        return [gathered_to_ring_block(x, lay) for x in full.split(mine, dim=2)]
+
+    return _InFlight(work, (send,), finish)
+
+
+def _post_head_to_seq(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges],
+                      targets: list[torch.Tensor], stage: str, accumulate: bool = False) -> _InFlight:
+    """Post [B, u*S (ring-block order), my heads, D] -> write (or add, for replicated KV gradients) each
+    rank's heads into targets[i] [B, S, heads, D] at ranges[i][p]."""
+    u = cp.ulysses_size
+    gathered = [ring_block_to_gathered(x, lay) for x in parts]
+    b, n, _, d = gathered[0].shape
+    s = n // u
+    if u == 1:
+        def local():
+            for x, r, t in zip(gathered, ranges, targets):
+                view = t[:, :, r[0][0]:r[0][1]]
+                view.add_(x) if accumulate else view.copy_(x)
+            return targets
+        return _InFlight(None, (), local)
+    mine = [x.shape[2] for x in gathered]
+    send = torch.cat([x.reshape(b, u, s, h, d) for x, h in zip(gathered, mine)], dim=3).transpose(0, 1).reshape(-1)
+    del gathered
+    sizes_in = [b * s * sum(r[p][1] - r[p][0] for r in ranges) * d for p in range(u)]
+    recv = send.new_empty(sum(sizes_in))
+    per_peer = b * s * sum(mine) * d
+    count(cp, stage, (u - 1) * per_peer * send.element_size())
+    work = dist.all_to_all_single(recv, send, sizes_in, [per_peer] * u, group=cp.ulysses_group, async_op=True)
+
+    def finish():
+        offset = 0
+        for p in range(u):
+            widths = [r[p][1] - r[p][0] for r in ranges]
+            block = recv[offset:offset + sizes_in[p]].view(b, s, sum(widths), d)
+            offset += sizes_in[p]
+            for t, r, piece in zip(targets, ranges, block.split(widths, dim=2)):
+                view = t[:, :, r[p][0]:r[p][1]]
+                view.add_(piece) if accumulate else view.copy_(piece)
+        return targets
+
+    return _InFlight(work, (send,), finish)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp, kernel, lay, split, chunks, plan, scale, overlap, want_lse):
+        u, me = cp.ulysses_size, cp.ulysses_rank
+        n = chunks.count
+        kv_flight = _post_seq_to_head(cp, lay, [k, v], [split.kv, split.kv], "ulysses_fwd")
+        q_flight = [None] * n
+        q_flight[0] = _post_seq_to_head(cp, lay, [q], [chunks.q[0]], "ulysses_fwd")
+        out = q.new_empty(q.shape)
+        lse_seq = torch.empty(q.shape[0], q.shape[1], q.shape[2], 1, dtype=torch.float32, device=q.device) \
+            if want_lse else None
+        kh, vh = kv_flight.wait()
+        lses, halos, back = [], [], []
+        for j in range(n):
+            (qh,) = q_flight[j].wait()
+            if overlap and j + 1 < n:   # the next chunk's queries travel while this chunk computes
+                q_flight[j + 1] = _post_seq_to_head(cp, lay, [q], [chunks.q[j + 1]], "ulysses_fwd")
+            lo, hi = chunks.kv_local[j]
+            out_h, lse_h, halo = ring_forward(cp, kernel, qh, kh[:, :, lo:hi], vh[:, :, lo:hi],
+                                              list(chunks.kv_index[j]), plan, scale=scale)
+            del qh
+            lses.append(lse_h)
+            halos.append(halo)
+            flights = [_post_head_to_seq(cp, lay, [out_h], [chunks.q[j]], [out], "ulysses_fwd")]
+            if want_lse:
+                flights.append(_post_head_to_seq(cp, lay, [lse_h.transpose(1, 2).unsqueeze(-1).contiguous()],
+                                                 [chunks.q[j]], [lse_seq], "ulysses_lse"))
+            del out_h
+            if overlap:
+                back.extend(flights)
+            else:
+                for flight in flights:
+                    flight.wait()
+                if j + 1 < n:
+                    q_flight[j + 1] = _post_seq_to_head(cp, lay, [q], [chunks.q[j + 1]], "ulysses_fwd")
+        for flight in back:
+            flight.wait()
+        ctx.save_for_backward(q, kh, vh, out, *lses)
+        ctx.args = (cp, kernel, lay, split, chunks, plan, scale, overlap, halos, k.shape, k.dtype)
+        if want_lse:
+            ctx.mark_non_differentiable(lse_seq)
+            return out, lse_seq.squeeze(-1).transpose(1, 2).contiguous()
+        return out
+
+    @staticmethod
+    def backward(ctx, dout, *_ignored):
+        q, kh, vh, out, *lses = ctx.saved_tensors
+        cp, kernel, lay, split, chunks, plan, scale, overlap, halos, k_shape, k_dtype = ctx.args
+        n = chunks.count
+        dout = dout.contiguous()
+        acc = _acc(q.dtype)
+        dkv_h = torch.zeros(2, *kh.shape, dtype=acc, device=kh.device)
+        dq = torch.empty_like(q)
+
+        def post(j):
+            r = chunks.q[j]
+            return _post_seq_to_head(cp, lay, [q, out, dout], [r, r, r], "ulysses_bwd")
+
+        flights = [None] * n
+        flights[0] = post(0)
+        back = []
+        for j in range(n):
+            qh, oh, doh = flights[j].wait()
+            if overlap and j + 1 < n:
+                flights[j + 1] = post(j + 1)
+            lo, hi = chunks.kv_local[j]
+            dqh, dkh, dvh = ring_backward(cp, kernel, doh, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], oh, lses[j],
+                                          list(chunks.kv_index[j]), plan, halos[j], scale=scale)
+            del qh, oh, doh
+            dkv_h[0][:, :, lo:hi] += dkh
+            dkv_h[1][:, :, lo:hi] += dvh
+            del dkh, dvh
+            flight = _post_head_to_seq(cp, lay, [dqh], [chunks.q[j]], [dq], "ulysses_bwd")
+            del dqh
+            if overlap:
+                back.append(flight)
+            else:
+                flight.wait()
+                if j + 1 < n:
+                    flights[j + 1] = post(j + 1)
+        # dK/dV go home once; replicated KV heads (H_kv < u) sum their replicas' gradients in fp32
+        dk = torch.zeros(k_shape, dtype=acc, device=kh.device)
+        dv = torch.zeros(k_shape, dtype=acc, device=kh.device)
+        back.append(_post_head_to_seq(cp, lay, [dkv_h[0], dkv_h[1]], [split.kv, split.kv], [dk, dv], "ulysses_bwd",
+                                      accumulate=True))
+        for flight in back:
+            flight.wait()
+        return dq, dk.to(k_dtype), dv.to(k_dtype), None, None, None, None, None, None, None, None, None
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "CPMesh", kernel: "AttentionKernel",
+                      lay: "Layout", split: HeadSplit, plan: "Plan", scale: float, head_chunks: int, *,
+                      overlap: bool = True, return_lse: bool = False):
+    """The attention pipeline of `hcp.attention` with the heads in `head_chunks` chunks (see the module
+    docstring). Inputs are already validated by `hcp.attention`; returns out (and lse [B, H, S])."""
+    chunks = chunk_heads(split, head_chunks, cp.ulysses_rank)
+    return _ChunkedAttention.apply(q, k, v, cp, kernel, lay, split, chunks, plan, scale, overlap, return_lse)

@@ -1,0 +1,53 @@
+"""Head-chunked attention (UPipe-style, with overlapped all-to-alls) equals head_chunks=1."""
+
+import pytest
+
+from hybrid_cp.headchunk import chunk_heads
+from hybrid_cp.heads import head_split
+
+TOL = 1e-5
+
+
+def test_chunk_schedule_is_gqa_aware_and_uneven():
+    split = head_split(32, 8, 8)                      # 4 query heads (one KV head) per rank
+    ch = chunk_heads(split, 4, rank=3)
+    assert ch.count == 4 and ch.q[0][3] == (12, 13) and ch.q[3][3] == (15, 16)
+    assert all(kv == (0, 1) for kv in ch.kv_local)     # the same KV head in every chunk: exchanged once
+    assert chunk_heads(split, 16, 0).count == 4        # clamped: every rank needs a head in every chunk
+    uneven = chunk_heads(head_split(10, 2, 4), 2, rank=0)   # ranks hold 3, 3, 2, 2 heads
+    assert uneven.q[0] == ((0, 2), (3, 5), (6, 7), (8, 9)) and uneven.q[1] == ((2, 3), (5, 6), (7, 8), (9, 10))
+    # a rank whose heads straddle two KV groups uses only the group(s) of each chunk's heads
+    straddle = chunk_heads(head_split(10, 2, 4), 2, rank=1)    # rank 1: heads 3, 4 (KV 0), 5 (KV 1)
+    assert straddle.kv_local == ((0, 1), (1, 2)) and straddle.kv_index == ((0, 0), (0,))
+
+
+@pytest.mark.parametrize("u,r,h,hkv,chunks", [
+    (4, 2, 8, 2, (2,)),          # GQA with H_kv < u
+    (2, 2, 8, 8, (2, 4)),        # MHA, ulysses x ring
+    (8, 1, 16, 1, (2,)),         # MQA, pure ulysses
+    (4, 1, 10, 2, (2,)),         # uneven heads (3, 3, 2, 2) and a GQA group straddling ranks
+    (1, 8, 6, 3, (2, 4)),        # pure ring: chunks of a rank's 6 heads (uneven 2, 2, 1, 1 at k=4)
+])
+def test_head_chunks_equal_one_chunk(pool, u, r, h, hkv, chunks):
+    for rank, rows in enumerate(pool.run("memory_cases:headchunk_parity", u=u, r=r, h=h, hkv=hkv, chunks=chunks,
+                                         causal=(u, r) != (2, 2))):
+        for kc in chunks:
+            for key in ("out", "dq", "dk", "dv"):
+                assert rows[kc][key] <= TOL, (rank, kc, key, rows[kc])
+
+
+def test_head_chunks_lse_padding_and_no_overlap(pool):
+    # s=90 is not a multiple of the zigzag granularity 16: padding is masked in every chunk
+    for rows in pool.run("memory_cases:headchunk_parity", u=2, r=2, h=4, hkv=2, chunks=(2,), s=90, return_lse=True,
+                         overlap=False):
+        assert all(rows[2][key] <= TOL for key in ("out", "lse", "dq", "dk", "dv")), rows
+        # K/V cross the all-to-all once in forward, like head_chunks=1
+        assert rows[2]["bytes"]["ulysses_fwd"] == rows["ref_bytes"]["ulysses_fwd"]
+
+
+def test_transformers_llama_with_head_chunks_trains_like_single_process(pool):
+    # 8 heads over ulysses 2 = 4 per rank in 2 chunks; tiled loss and MLP too; FSDP2 + checkpointing
+    for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=2, heads=8, head_chunks=2,
+                                        fsdp=True, checkpoint=True)):
+        assert not row["missing"], row
+        assert row["loss"] <= TOL and row["grad"] <= TOL, (rank, row)
