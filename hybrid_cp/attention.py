@@ -152,7 +152,7 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
-              cu_seqlens=None, window: int | tuple[int, int] | None = None):
+              cu_seqlens=None, window: int | tuple[int, int] | None = None, head_chunks: int = 1):
     """Exact attention over the whole row from this rank's shards.
 
     q is [B, S_local, H, D], k/v are [B, S_local, H_kv, D], laid out by `hcp.shard`. Returns out
@@ -166,10 +166,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     reaches are skipped, and short windows exchange only the halo rows between ring ranks.
     `backend` is "auto", a registered kernel name, a kernel object, or (ring = 1, dense only) a
     plain callable attn(q, k, v) -> out run on the gathered sequence.
+    `head_chunks` > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
+    each chunk's all-to-all overlapping the previous chunk's compute: less attention memory, same
+    result (`hybrid_cp/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
     """
     error, lay, kernel = None, None, None
     try:
+        if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
+            raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
         lay, kernel, window = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window)
+        if head_chunks > 1 and kernel is None:
+            raise ValueError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
+                             f"local-attention callable runs all heads at once: use head_chunks=1")
     except (TypeError, ValueError) as exc:
         if not (cp.__class__ is CPMesh and cp.validate and cp.size > 1):
             raise
@@ -181,14 +189,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         win = (-1, -1) if error is not None or window is None else (window, 0) if isinstance(window, int) else window
         signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(q.dtype, 0),
                      int(causal), lay.seq_len if lay is not None else 0, docs, win[0], win[1],
-                     zlib.crc32(name.encode())]
+                     zlib.crc32(name.encode()), head_chunks if error is None else 0]
         names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-                 "cu_seqlens (checksum)", "window", "window right", "backend"]
+                 "cu_seqlens (checksum)", "window", "window right", "backend", "head_chunks"]
         agree_across_ranks(cp, signature, names, error, "hcp.attention inputs")
     b, s, h, d = q.shape
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     split = head_split(h, k.shape[2], cp.ulysses_size)
     kv_index = split.kv_index(cp.ulysses_rank)
+    if head_chunks > 1:
+        from .headchunk import chunked_attention
+
+        plan = block_plan(lay, cp.ring_rank, causal, q.device, window)
+        return chunked_attention(q, k, v, cp, kernel, lay, split, plan, scale, head_chunks, return_lse=return_lse)
     qh, kh, vh = _SeqToHead.apply(cp, split, lay, q, k, v)
     if kernel is None:  # plain local-attention callable (ring = 1)
         ragged = HeadMap(kv_index, kh.shape[2], q.device)  # callables get plain GQA groups

@@ -38,10 +38,11 @@ _HOOK_ATTR = "_hybrid_cp_hook"
 class _MeshRef:
     """Holds the mesh on each module; copying a model shares it instead of copying process groups."""
 
-    __slots__ = ("cp",)
+    __slots__ = ("cp", "head_chunks")
 
-    def __init__(self, cp: CPMesh):
+    def __init__(self, cp: CPMesh, head_chunks: int = 1):
         self.cp = cp
+        self.head_chunks = head_chunks
 
     def __deepcopy__(self, memo):
         return self
@@ -93,7 +94,7 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
     out = _cp_attention(q, k, v, cp, causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len,
-                        cu_seqlens=cu, window=window)
+                        cu_seqlens=cu, window=window, head_chunks=ref.head_chunks)
     return out, None
 
 
@@ -194,7 +195,7 @@ def _check_global_right_padding(cp: CPMesh, mask: torch.Tensor, pos: torch.Tenso
                          f"for right padding; right-pad the batch or drop the mask")
 
 
-def apply_context_parallel(model: torch.nn.Module, cp: CPMesh) -> torch.nn.Module:
+def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
@@ -204,8 +205,12 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh) -> torch.nn.Modul
     layers (``sliding_window``, or ``layer_types`` that mix window and full layers) get their
     window in every layer. Raises ValueError for configurations it would get wrong: attention
     dropout > 0, logit soft-capping, attention sinks, non-causal attention, masks other than
-    right padding. Returns the model.
+    right padding. `head_chunks` > 1 runs every attention call's heads in that many chunks with
+    overlapped all-to-alls (`hcp.attention(head_chunks=...)`; the Q/K/V projections still run for all
+    heads at once). Returns the model.
     """
+    if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
+        raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
     if not isinstance(cp, CPMesh):
         raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)
@@ -227,7 +232,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh) -> torch.nn.Modul
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    ref = _MeshRef(cp)
+    ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
     old = model.__dict__.get(_HOOK_ATTR)
