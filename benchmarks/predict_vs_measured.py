@@ -7,7 +7,8 @@
 Runs what `hybrid-cp bench` runs (hybrid_cp.bench.bench_rank, causal GQA fwd+bwd, slowest rank per
 repeat) in one pool of 8 processes, in `--rounds` interleaved rounds so that the spread between
 rounds shows the machine's noise. Prints and writes a markdown table (measured median/min, noise,
-predicted, error) with the rankings, a JSON file, and a plot (matplotlib, if installed).
+predicted, error) with the rankings, a JSON file, and a plot (matplotlib, if installed; `--plot`,
+default docs/predict_vs_measured_cpu8.png, since the repository keeps images under docs/ only).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def main() -> None:
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case per round")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (noise = spread of round medians)")
-    p.add_argument("--out", help="path prefix for .md, .json and .png")
+    p.add_argument("--out", help="path prefix for .md and .json")
+    p.add_argument("--plot", default="docs/predict_vs_measured_cpu8.png", help="plot file (needs matplotlib)")
     a = p.parse_args()
 
     from hybrid_cp.bench_cli import summarize
@@ -134,7 +136,7 @@ def main() -> None:
         axes_list[0].legend(fontsize=8)
         fig.suptitle(f"{a.world} gloo ranks on this machine: predicted vs measured")
         fig.tight_layout()
-        fig.savefig(a.out + ".png", dpi=110)
+        fig.savefig(a.plot, dpi=110)
 
 
 if __name__ == "__main__":
