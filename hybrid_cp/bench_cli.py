@@ -113,7 +113,6 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE or all ranks)")
     a = p.parse_args(argv)
     from topology.calibration import default_spec, fit
-    from topology.cluster import Cluster, LinkSpec
 
     t0 = time.perf_counter()
     print(f"hybrid-cp calibrate: starting {a.nprocs or 'torchrun'} {a.backend} ranks ...", flush=True)
@@ -138,7 +137,8 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
         stop = threading.Event()
         watcher = None
         if runner.pool is not None:
-            progress_file = tempfile.mktemp(prefix="hcp-calibrate-", suffix=".log")
+            with tempfile.NamedTemporaryFile(prefix="hcp-calibrate-", suffix=".log", delete=False) as f:
+                progress_file = f.name
             watcher = threading.Thread(target=_tail, args=(progress_file, stop, lambda s: print(s, flush=True)),
                                        daemon=True)
             watcher.start()
@@ -147,6 +147,7 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
         stop.set()
         if watcher is not None:
             watcher.join(timeout=2)
+            Path(progress_file).unlink(missing_ok=True)
         r0 = res[0]
         seconds = time.perf_counter() - t0
         cal = fit(r0["samples"], spec, backend=r0["backend"], device=r0["device"], kernel_names=r0["kernel_names"],
