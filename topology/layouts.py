@@ -414,7 +414,7 @@ class Packed(Layout):
     policy "balanced" (default): documents longer than a threshold are cut per-document zigzag
     (2r chunks, rank j holds chunks j and 2r-1-j: equal causal work everywhere); the others stay
     whole on one ring rank, placed greedily (largest work first, onto the least-loaded rank with
-    room). The threshold is the longest-first split count that balances best (see docs/packing.md).
+    room). The threshold is the longest-first split count that balances best (see docs/layouts.md).
     policy "zigzag": every document per-document zigzag (the peers' scheme, without their
     per-document padding). policy "contiguous": the row cut into equal runs (no balance).
     Each ring block is [split documents' two chunks, adjacent; whole documents; padding]; ulysses
