@@ -75,6 +75,32 @@ def _mesh(u: int, r: int):
     return cache[key]
 
 
+class _engine_stage:
+    """Bracket every `hcp.attention` call of the transformers integration as the stage "engine" (forward)
+    and "engine.bwd" (backward): the engine's own working set, without the Q/K/V projections."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def __enter__(self):
+        import hybrid_cp.integrations.transformers as tf
+
+        self.module, self.original = tf, tf._cp_attention
+        tracker, original = self.tracker, self.original
+
+        def wrapped(q, k, v, cp, **kw):
+            q, k, v = (mark(x, tracker, "engine.bwd", "exit") for x in (q, k, v))
+            with tracker.stage("engine"):
+                out = original(q, k, v, cp, **kw)
+            return mark(out, tracker, "engine.bwd", "enter")
+
+        tf._cp_attention = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        self.module._cp_attention = self.original
+
+
 def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_loss: bool = False,
             loss_chunk: int | None = 512, tiled_mlp: int = 0, checkpoint: bool = False, head_chunks: int = 1,
             device: str = "cpu", shape: dict | None = None) -> dict:
@@ -126,7 +152,7 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         peak = tracker.finish()
     else:
         tracker = StorageTracker()
-        with tracker:
+        with tracker, _engine_stage(tracker):
             tracker.track(list(model.parameters()), [list(s.values()) for s in opt.state.values()], local)
             base = tracker.live
             handles = mark_stages(model, tracker)
@@ -136,3 +162,154 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         h.remove()
     dist.barrier()
     return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report()}
+
+
+def time_attention(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 64,
+                   seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8), repeats: int = 2) -> dict:
+    """Forward + backward time of one hcp.attention call per head_chunks, with and without the overlap of
+    the next chunk's all-to-all (fastest of `repeats`); runs in a WorkerPool worker."""
+    import time
+
+    import torch.distributed as dist
+
+    from hybrid_cp import headchunk
+
+    cp = _mesh(u, r)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, seq_len, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads, heads)]
+    q, k, v, dout = (hcp.shard(x, cp, dim=1) for x in full)
+    orig = headchunk._ChunkedAttention.apply
+    out = {}
+    for kc in chunks:
+        for overlap in ((True, False) if kc > 1 else (True,)):
+            def apply(*a, _o=overlap):
+                a = list(a)
+                a[10] = _o
+                return orig(*a)
+            headchunk._ChunkedAttention.apply = apply
+            best = float("inf")
+            try:
+                for _ in range(repeats):
+                    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    hcp.attention(*xs, cp, causal=True, head_chunks=kc).backward(dout)
+                    dist.barrier()
+                    best = min(best, time.perf_counter() - t0)
+            finally:
+                headchunk._ChunkedAttention.apply = orig
+            out[f"{kc}{'' if overlap else '-serial'}"] = best
+    return out
+
+
+OPTION_ROWS = [
+    ("plain", dict()),
+    ("tiled loss", dict(tiled_loss=True)),
+    ("tiled loss + MLP", dict(tiled_loss=True, tiled_mlp=512)),
+    ("checkpointing + tiled loss + MLP", dict(checkpoint=True, tiled_loss=True, tiled_mlp=512)),
+]
+HEADS_TOKENS = 8192
+HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
+
+
+def _estimate(u, r, seq_len, kw, shape=None):
+    from topology.cost import ModelShape
+    from topology.memory import MemoryOptions, step_memory
+
+    cfg = dict(SHAPE, **(shape or {}))
+    model = ModelShape(heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+                       hidden=cfg["hidden_size"], layers=kw.get("layers", 2), intermediate=cfg["intermediate_size"],
+                       vocab=cfg["vocab_size"])
+    opts = MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), loss_chunk=512,
+                         tiled_mlp=kw.get("tiled_mlp", 0), head_chunks=kw.get("head_chunks", 1), fsdp=False,
+                         foreach_optimizer=False)
+    return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype="fp32")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", choices=("options", "heads", "overlap", "all"), default="all")
+    p.add_argument("--out", help="also write the markdown tables here")
+    p.add_argument("--json", help="write the raw measurements here")
+    args = p.parse_args(argv)
+    from hybrid_cp.testing import WorkerPool
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    class _Lines(list):
+        def append(self, line):
+            print(line, flush=True)
+            super().append(line)
+
+        def __iadd__(self, more):
+            for line in more:
+                self.append(line)
+            return self
+
+    lines, raw = _Lines(), {}
+
+    def mib(x):
+        return f"{x / MiB:.1f}"
+
+    with WorkerPool(8, extra_paths=[here]) as pool:
+        if args.table in ("options", "all"):
+            lines += ["### One training step, u=2 x r=2 (dp=2), 4096 and 8192 tokens, fp32, AdamW (exact live storage, MiB "
+                      "per rank, worst rank)", "",
+                      "| options | tokens | measured peak | estimate | error | attention fwd / bwd | MLP fwd / bwd | "
+                      "loss fwd / bwd |", "|---|---|---|---|---|---|---|---|"]
+            for name, kw in OPTION_ROWS:
+                for n in (4096, 8192):
+                    rows = pool.run("memory_step:measure", u=2, r=2, seq_len=n, loss_chunk=512, **kw)
+                    worst = max(rows, key=lambda x: x["peak"])
+                    st = worst["stages"]
+                    est = _estimate(2, 2, n, kw)
+                    raw[f"options/{name}/{n}"] = {"measured": worst, "estimate": est.to_dict()}
+
+                    def tr(key):
+                        return mib(st.get(key, {}).get("transient", 0))
+                    lines.append(f"| {name} | {n} | {mib(worst['peak'])} | {mib(est.peak)} | "
+                                 f"{est.peak / worst['peak'] - 1:+.1%} | {tr('attention')} / {tr('attention.bwd')} | "
+                                 f"{tr('mlp')} / {tr('mlp.bwd')} | {tr('loss')} / {tr('loss.bwd')} |")
+            lines.append("")
+        if args.table in ("heads", "all"):
+            lines += [f"### Head chunks, u=4 x r=2, 32 heads / 8 KV heads (head_dim 16), {HEADS_TOKENS} tokens, fp32, tiled loss + "
+                      "MLP, checkpointing (MiB per rank, worst rank)", "",
+                      "| head_chunks | measured peak | estimate | error | engine fwd | engine bwd | attention module fwd "
+                      "| attention module bwd | engine bwd vs k=1 |", "|---|---|---|---|---|---|---|---|---|"]
+            first = None
+            for kc in (1, 2, 4, 8):
+                kw = dict(checkpoint=True, tiled_loss=True, tiled_mlp=512, head_chunks=kc)
+                rows = pool.run("memory_step:measure", u=4, r=2, seq_len=HEADS_TOKENS, loss_chunk=512, shape=HEADS_SHAPE, **kw)
+                worst = max(rows, key=lambda x: x["peak"])
+                st = worst["stages"]
+                est = _estimate(4, 2, HEADS_TOKENS, kw, HEADS_SHAPE)
+                raw[f"heads/{kc}"] = {"measured": worst, "estimate": est.to_dict()}
+                eng = st["engine.bwd"]["transient"]
+                first = first or eng
+                lines.append(f"| {kc} | {mib(worst['peak'])} | {mib(est.peak)} | {est.peak / worst['peak'] - 1:+.1%} | "
+                             f"{mib(st['engine']['transient'])} | {mib(eng)} | {mib(st['attention']['transient'])} | "
+                             f"{mib(st['attention.bwd']['transient'])} | {eng / first - 1:+.0%} |")
+            lines.append("")
+        if args.table in ("overlap", "all"):
+            res = pool.run("memory_step:time_attention", u=4, r=2)
+            raw["overlap"] = res
+            lines += ["### Overlap: one hcp.attention forward + backward, u=4 x r=2, 8192 tokens, 32/8 heads, head_dim 64, "
+                      "fp32, 8 gloo CPU processes (seconds, fastest of 2, slowest rank)", "",
+                      "| head_chunks | overlapped | serial (no overlap) | gain |", "|---|---|---|---|"]
+            slow = {key: max(r[key] for r in res) for key in res[0]}
+            lines.append(f"| 1 | {slow['1']:.3f} | - | - |")
+            for kc in (2, 4, 8):
+                a, b = slow[f"{kc}"], slow[f"{kc}-serial"]
+                lines.append(f"| {kc} | {a:.3f} | {b:.3f} | {1 - a / b:+.1%} |")
+            lines.append("")
+    text = "\n".join(lines)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

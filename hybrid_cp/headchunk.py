@@ -102,7 +102,8 @@ class _InFlight:
         if self.work is not None:
             self.work.wait()
         self.keep = ()
-        return self.finish()
+        result, self.finish, self.work = self.finish(), None, None   # drop the receive buffer with the closure
+        return result
 
 
 def _post_seq_to_head(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges],
@@ -201,8 +202,10 @@ class _ChunkedAttention(torch.autograd.Function):
                 flights.append(_post_head_to_seq(cp, lay, [lse_h.transpose(1, 2).unsqueeze(-1).contiguous()],
                                                  [chunks.q[j]], [lse_seq], "ulysses_lse"))
             del out_h
-            if overlap:
-                back.extend(flights)
+            if overlap:   # at most one chunk's output in flight: its buffers are freed as soon as it lands
+                for flight in back:
+                    flight.wait()
+                back = flights
             else:
                 for flight in flights:
                     flight.wait()
@@ -247,8 +250,10 @@ class _ChunkedAttention(torch.autograd.Function):
             del dkh, dvh
             flight = _post_head_to_seq(cp, lay, [dqh], [chunks.q[j]], [dq], "ulysses_bwd")
             del dqh
-            if overlap:
-                back.append(flight)
+            if overlap:   # at most one chunk's dq in flight
+                for pending in back:
+                    pending.wait()
+                back = [flight]
             else:
                 flight.wait()
                 if j + 1 < n:

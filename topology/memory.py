@@ -52,6 +52,7 @@ class MemoryOptions:
     loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
     tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
     fsdp: bool = True                 # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
+    fused_norm: bool = False          # a fused RMSNorm (keeps its input and rstd only; not part of hcp)
     foreach_optimizer: bool = True    # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
                                       # parameter at once; False (CPU default): per tensor, the largest twice
 
@@ -75,6 +76,8 @@ class MemoryOptions:
         parts.append(f"tiled MLP ({self.tiled_mlp})" if self.tiled_mlp else "whole MLP")
         if not self.fsdp:
             parts.append("replicated weights")
+        if self.fused_norm:
+            parts.append("fused RMSNorm")
         return ", ".join(parts)
 
 
@@ -99,11 +102,11 @@ class MemoryEstimate:
                 "stages": dict(self.stages), "phases": dict(self.phases), "local_tokens": self.local_tokens}
 
 
-def _norm(e: int) -> int:
+def _norm(e: int, fused: bool = False) -> int:
     """Bytes per hidden unit a (Hugging Face) RMSNorm keeps: its input upcast to fp32 (the input itself
     in fp32), the normalised value cast back to the compute dtype, and the output (which the next
-    projection keeps as its input)."""
-    return 4 + 2 * e
+    projection keeps as its input). A fused kernel keeps only its input and the output."""
+    return 2 * e if fused else 4 + 2 * e
 
 
 def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
@@ -161,12 +164,15 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     grads_unsharded = 0 if o.fsdp else GRAD * P
 
     # --- activations kept for backward (per local token) ---------------------------------------
-    attn_saved = (ulysses * (c + 2 * k) * D * e      # gathered q, k, v (the ring saves them)
-                  + ulysses * c * D * e + ulysses * c * 4  # output in head layout, fp32 lse
-                  + (H * D * e if ulysses > 1 else 0))    # output back in sequence layout (o_proj input)
+    if hc == 1:
+        attn_saved = (ulysses * (c + 2 * k) * D * e      # gathered q, k, v (the ring saves them)
+                      + ulysses * c * D * e + ulysses * c * 4  # output in head layout, fp32 lse
+                      + (H * D * e if ulysses > 1 else 0))    # output back in sequence layout (o_proj input)
+    else:  # hybrid_cp.headchunk keeps the local q and output, the exchanged K/V and the lse only
+        attn_saved = 2 * H * D * e + ulysses * 2 * k * D * e + ulysses * c * 4
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
-    layer_saved = T * (2 * _norm(e) * E + attn_saved + mlp_saved)
-    final = T * _norm(e) * E                               # final norm
+    layer_saved = T * (2 * _norm(e, o.fused_norm) * E + attn_saved + mlp_saved)
+    final = T * _norm(e, o.fused_norm) * E                               # final norm
     if o.checkpoint:
         kept = 0 if o.offload_checkpoints else L * T * E * e
         acts = kept + layer_saved + final                   # one layer recomputed in backward
@@ -177,16 +183,24 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
 
     # --- stage working sets ----------------------------------------------------------------------
     local_qkv = T * (H + 2 * Hkv) * D * e
-    heads_frac = c_chunk / c
-    chunk_g = G * (c_chunk + 2 * k_chunk) * D
+    chunk_g = G * (c + 2 * k) * D
     ring_buf = (2 * G * 2 * k_chunk * D * e + 2 * G * 2 * k_chunk * D * GRAD) if ring > 1 else 0
-    attn_fwd = (2 * local_qkv * (1 if hc == 1 else heads_frac + 1 / hc)   # projection out + contiguous copy
-                + 2 * chunk_g * e                                           # all-to-all send + receive
-                + T * H * D * e + T * E * e) + ring_buf // 2
-    attn_bwd = (T * H * D * e                                               # d(output), sequence layout
-                + G * c_chunk * D * e * 2                                   # d(output) all-to-all
-                + chunk_g * GRAD + 2 * chunk_g * e                          # fp32 dq/dk/dv, and back
-                + local_qkv + T * E * e) + ring_buf
+    # the attention module: Q/K/V projections (+ their contiguous copies) and the output projection run for
+    # all heads at once; only the engine's part (all-to-alls, ring) is cut into head chunks
+    module_fwd = 2 * local_qkv + T * E * e
+    module_bwd = local_qkv + T * E * e
+    if hc == 1:
+        engine_fwd = 2 * chunk_g * e + T * H * D * e + ring_buf // 2
+        engine_bwd = T * H * D * e + 2 * G * c * D * e + chunk_g * GRAD + 2 * chunk_g * e + ring_buf
+    else:
+        # per chunk (q-sized pieces of G * c_chunk * D): the current chunk's received copies, the ring's
+        # accumulators, and (overlap) the next chunk's send + receive buffers and the previous chunk's return
+        piece = G * c_chunk * D * e
+        engine_fwd = T * H * D * e + G * 2 * k * D * e + 8 * piece + ring_buf // 2
+        engine_bwd = (T * H * D * e + G * 2 * k * D * GRAD + T * 2 * Hkv * D * GRAD   # dq, fp32 dK/dV
+                      + 13 * piece + ring_buf)
+    attn_fwd = module_fwd + engine_fwd
+    attn_bwd = module_bwd + engine_bwd
     if o.tiled_mlp:
         C = min(o.tiled_mlp, T)
         mlp_fwd = max(T * E * e + 3 * C * inter * e - C * E * e, 2 * T * E * e)
@@ -204,7 +218,7 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
         loss_fwd = T * V * e + T * V * 4 + (T * V * 4 if e < 4 else 0)
         loss_bwd = 2 * T * V * 4 + (T * V * e if e < 4 else 0)
     saved_logits = 0 if o.tiled_loss else T * V * 4
-    stages = {"attention_fwd": int(attn_fwd), "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd),
+    stages = {"engine_fwd": int(engine_fwd), "engine_bwd": int(engine_bwd), "attention_fwd": int(attn_fwd), "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd),
               "mlp_bwd": int(mlp_bwd), "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
     if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
         stages["recompute"] = int(max(attn_fwd, mlp_fwd))
@@ -214,7 +228,7 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     optimizer_temp = 4 * P // (world if o.fsdp else 1)
     # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's
     # and the second norm's saved tensors are freed
-    layer_bwd = max(layer_saved + mlp_bwd, layer_saved - T * (mlp_saved + _norm(e) * E) + attn_bwd) + grad_block
+    layer_bwd = max(layer_saved + mlp_bwd, layer_saved - T * (mlp_saved + _norm(e, o.fused_norm) * E) + attn_bwd) + grad_block
     phases = {
         "forward": base + acts - (layer_saved if o.checkpoint else 0) + max(attn_fwd, mlp_fwd),
         "loss": base + acts + saved_logits + max(loss_fwd, loss_bwd) - (layer_saved if o.checkpoint else 0),
