@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--tiled-loss", type=int, nargs="?", const=0, default=None, metavar="TOKENS",
                    help="loss from the final hidden states in chunks of TOKENS tokens (default chunk: 256 MiB of fp32 "
                         "logits), never the full [tokens, vocab] logits (hcp.lm_loss)")
+    p.add_argument("--head-chunks", type=int, default=1, metavar="K",
+                   help="run the attention heads in K chunks with overlapped all-to-alls (less attention memory)")
     p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
                    help="run each MLP over chunks of TOKENS tokens with recomputation (hcp.tile_mlp; 0: off)")
     p.add_argument("--no-fsdp", action="store_true", help="replicate the weights and average gradients instead of FSDP2")
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     model.train()
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    apply_context_parallel(model, cp)                                          # CP: attention -> hcp.attention
+    apply_context_parallel(model, cp, head_chunks=args.head_chunks)            # CP: attention -> hcp.attention
     if args.tiled_mlp:
         hcp.tile_mlp(model, args.tiled_mlp)                                    # MLP one token chunk at a time
     if args.no_fsdp:
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
         print(f"{cp} world={dist.get_world_size()} params={n_params / 1e6:.2f}M seq_len={args.seq_len} "
               f"batch={args.batch}/replica dtype={args.dtype} fsdp={not args.no_fsdp} "
               f"checkpoint_activations={args.checkpoint_activations} "
-              f"tiled_loss={args.tiled_loss is not None} tiled_mlp={args.tiled_mlp or 'off'}", flush=True)
+              f"tiled_loss={args.tiled_loss is not None} tiled_mlp={args.tiled_mlp or 'off'} head_chunks={args.head_chunks}", flush=True)
 
     progress = contextlib.nullcontext()
     bar = None
