@@ -155,3 +155,13 @@ def test_packed_layout_rejects_bad_boundaries():
     with pytest.raises(ValueError, match="decreases"):
         doc_lengths([0, 5, 3])
     assert Packed((3, 0, 4), 2, 2).seq_len == 7  # empty documents hold no tokens and are allowed
+
+
+@settings(max_examples=8, deadline=None)
+@given(docs=st.lists(st.integers(1, 70), min_size=1, max_size=9), mesh=st.sampled_from(MESHES[1:]),
+       causal=st.booleans(), heads=st.sampled_from([(8, 2), (8, 1), (6, 2)]))
+def test_random_mixes_match_per_document_attention(pool, docs, mesh, causal, heads):
+    u, r = mesh
+    h, hkv = heads if heads[0] >= u else (8, 2)
+    case = dict(docs=docs, h=h, hkv=hkv, d=8, causal=causal, seed=len(docs))
+    _check(pool.run("dist_cases:packed_errors", u=u, r=r, layout="zigzag", cases=[case], timeout=300))
