@@ -88,15 +88,34 @@ class Step:
 
 
 def _visible(nq: int, nk: int, causal: bool, window: tuple[int, int] | None) -> int:
-    """Visible entries of one nq x nk block under the step's mask."""
+    """Visible entries of one nq x nk block under the step's mask (closed form: windows of
+    million-token rows are priced without a loop over rows)."""
     if causal:
         return nq * (nq + 1) // 2
     if window is None:
         return nq * nk
     left, right = window
-    lo = -UNBOUNDED if left < 0 else (nk - nq) - left
-    hi = UNBOUNDED if right < 0 else (nk - nq) + right
-    return sum(max(0, min(nk - 1, i + hi) - max(0, i + lo) + 1) for i in range(nq))
+    lo = -(nq - 1) if left < 0 else max(-(nq - 1), (nk - nq) - left)   # band of d = j - i
+    hi = nk - 1 if right < 0 else min(nk - 1, (nk - nq) + right)
+    # entries on diagonal d: min(nq, nk - d) - max(0, -d), linear between the breakpoints 0 and nk - nq
+
+    def on_diagonals(a: int, b: int) -> int:
+        total = 0
+        for x, y in ((a, min(b, -1)), (max(a, 0), b)):  # d < 0 and d >= 0
+            for u, v in ((x, min(y, nk - nq - 1)), (max(x, nk - nq), y)):  # nk - d > nq and <= nq
+                if u > v:
+                    continue
+                # count(d) = A + B*d on [u, v]
+                if u < nk - nq:   # min(nq, nk - d) = nq
+                    A, B = nq, 0
+                else:             # = nk - d
+                    A, B = nk, -1
+                if u < 0:         # - max(0, -d) = d
+                    B += 1
+                total += A * (v - u + 1) + B * (u + v) * (v - u + 1) // 2
+        return total
+
+    return on_diagonals(lo, hi) if lo <= hi else 0
 
 
 UNBOUNDED = 1 << 60
