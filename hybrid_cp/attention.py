@@ -21,6 +21,7 @@ from .kernels import AttentionKernel, get_kernel, takes_keyword
 from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
 from .mesh import CPMesh, agree_across_ranks
 from .ring import Plan, block_plan, ring_backward, ring_forward
+from .errors import ConfigError, CPError, InputTypeError, ShapeError
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -78,6 +79,11 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _needs_grad(q, k, v) -> int:
+    """1 if this call records a backward (every rank must agree, or backward hangs on the others)."""
+    return int(torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)))
+
+
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
@@ -86,64 +92,64 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
     """Raise ValueError/TypeError for inputs this rank can judge alone; return (layout, kernel,
     the window in effect)."""
     if not isinstance(cp, CPMesh):
-        raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+        raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
-            raise ValueError(f"{name} must be [batch, seq_local, heads, head_dim], got shape {tuple(x.shape)}")
+            raise ShapeError(f"{name} must be [batch, seq_local, heads, head_dim], got shape {tuple(x.shape)}")
         if not x.is_floating_point():
-            raise TypeError(f"{name}.dtype={x.dtype} is not floating point; pass bf16/fp16/fp32/fp64 tensors")
+            raise InputTypeError(f"{name}.dtype={x.dtype} is not floating point; pass bf16/fp16/fp32/fp64 tensors")
         if x.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; cast all three to one dtype")
+            raise InputTypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; cast all three to one dtype")
         if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move all three to one device")
+            raise ConfigError(f"{name} is on {x.device} but q is on {q.device}; move all three to one device")
         if x.stride(-1) != 1:
-            raise ValueError(f"{name} has stride {x.stride(-1)} in head_dim; the kernels need a unit stride: "
+            raise ShapeError(f"{name} has stride {x.stride(-1)} in head_dim; the kernels need a unit stride: "
                              f"pass {name}.contiguous()")
     if q.device.type != cp.device.type:
-        raise ValueError(f"q is on {q.device} but the cp mesh was built for {cp.device}; "
+        raise ConfigError(f"q is on {q.device} but the cp mesh was built for {cp.device}; "
                          f"move the inputs to {cp.device} or rebuild the mesh with device=...")
     b, s, h, d = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"k.shape={tuple(k.shape)} != v.shape={tuple(v.shape)}; k and v must match")
+        raise ShapeError(f"k.shape={tuple(k.shape)} != v.shape={tuple(v.shape)}; k and v must match")
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
-        raise ValueError(f"k.shape={tuple(k.shape)} does not match q.shape={tuple(q.shape)} in batch, "
+        raise ShapeError(f"k.shape={tuple(k.shape)} does not match q.shape={tuple(q.shape)} in batch, "
                          f"local length or head_dim; k/v must be [{b}, {s}, H_kv, {d}]")
     hkv = k.shape[2]
     if hkv < 1 or h % hkv:
-        raise ValueError(f"q has {h} heads and k/v have {hkv}: the query heads must be a multiple of the "
+        raise ShapeError(f"q has {h} heads and k/v have {hkv}: the query heads must be a multiple of the "
                          f"KV heads (GQA groups); fix num_key_value_heads")
     if h < cp.ulysses_size:
-        raise ValueError(f"q has {h} heads but ulysses={cp.ulysses_size}: every ulysses rank needs at least "
+        raise ShapeError(f"q has {h} heads but ulysses={cp.ulysses_size}: every ulysses rank needs at least "
                          f"one head; use ulysses <= {h} and put the rest of the degree into ring")
     if s == 0:
-        raise ValueError(f"q has local length 0 (shape {tuple(q.shape)}); shard a non-empty sequence")
+        raise ShapeError(f"q has local length 0 (shape {tuple(q.shape)}); shard a non-empty sequence")
     if cu_seqlens is not None and b != 1:
-        raise ValueError(f"q has batch size {b} with cu_seqlens: a packed row is a batch of one; concatenate the "
+        raise ShapeError(f"q has batch size {b} with cu_seqlens: a packed row is a batch of one; concatenate the "
                          f"documents into one row [1, total, ...] and describe them with cu_seqlens")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and
                                           math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number (or None "
+        raise ConfigError(f"softmax_scale={softmax_scale!r} must be a positive finite number (or None "
                          f"for 1/sqrt(head_dim))")
     if not isinstance(causal, bool):
-        raise TypeError(f"causal={causal!r} must be a bool")
+        raise InputTypeError(f"causal={causal!r} must be a bool")
     lay = row_layout(cp, local_len=s, seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
     window = lay.effective_window(causal, window)
     if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
         if cp.ring_size != 1:
-            raise ValueError(f"a plain local-attention callable works with ring=1 only (got ring="
+            raise ConfigError(f"a plain local-attention callable works with ring=1 only (got ring="
                              f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
                              f"register one with hcp.register_kernel")
         if cu_seqlens is not None or window is not None or (lay.padded_len != lay.seq_len and not causal):
-            raise ValueError("a plain local-attention callable cannot mask document boundaries, windows or (non-causal) "
+            raise ConfigError("a plain local-attention callable cannot mask document boundaries, windows or (non-causal) "
                              "padding; use a kernel backend, or for dense rows a length divisible by "
                              f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
         return lay, None, None
     kernel = get_kernel(backend, q.device, q.dtype, d)
     for needed, keyword in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")):
         if needed and not takes_keyword(kernel, keyword):
-            raise ValueError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword that "
+            raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword that "
                              f"{'cu_seqlens' if keyword == 'cu_seqlens_q' else 'window'} needs; see "
                              f"hybrid_cp/kernels/__init__.py")
     return lay, kernel, window
@@ -173,26 +179,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     error, lay, kernel = None, None, None
     try:
         if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
-            raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
+            raise ConfigError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
         lay, kernel, window = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window)
         if head_chunks > 1 and kernel is None:
-            raise ValueError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
+            raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
                              f"local-attention callable runs all heads at once: use head_chunks=1")
     except (TypeError, ValueError) as exc:
+        if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
+            exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
         if not (cp.__class__ is CPMesh and cp.validate and cp.size > 1):
-            raise
+            raise exc from None
         error = exc
     if cp.validate and cp.size > 1:
         shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
         name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
         docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
         win = (-1, -1) if error is not None or window is None else (window, 0) if isinstance(window, int) else window
-        signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(q.dtype, 0),
-                     int(causal), lay.seq_len if lay is not None else 0, docs, win[0], win[1],
-                     zlib.crc32(name.encode()), head_chunks if error is None else 0]
+        signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(getattr(q, "dtype", None), 0),
+                     int(causal) if isinstance(causal, bool) else -1, lay.seq_len if lay is not None else 0, docs, win[0], win[1],
+                     zlib.crc32(name.encode()), _needs_grad(q, k, v) if error is None else 0, head_chunks if error is None else 0]
         names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-                 "cu_seqlens (checksum)", "window", "window right", "backend", "head_chunks"]
-        agree_across_ranks(cp, signature, names, error, "hcp.attention inputs")
+                 "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks"]
+        agree_across_ranks(cp, signature, names, error, "hcp.attention inputs",
+                           tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
     b, s, h, d = q.shape
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     split = head_split(h, k.shape[2], cp.ulysses_size)
@@ -208,7 +217,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         kh, vh = ragged.expand(kh), ragged.expand(vh)
         out_h = backend(qh, kh, vh)
         if not isinstance(out_h, torch.Tensor) or out_h.shape != qh.shape:
-            raise ValueError(f"the local attention callable returned "
+            raise ShapeError(f"the local attention callable returned "
                              f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
                              f"shaped like its q input, {tuple(qh.shape)}")
         return _HeadToSeq.apply(cp, split, lay, out_h)

@@ -23,6 +23,7 @@ import torch
 from topology.layouts import make_layout
 
 from .layout import _record_length, _shard_tensor, positions, row_layout
+from .errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -36,17 +37,17 @@ def _check_right_padding(mask: torch.Tensor, name: str = "attention_mask") -> to
         m = mask
     else:
         if mask.is_floating_point() or mask.is_complex():
-            raise ValueError(f"{name} has dtype {mask.dtype}; pass a 0/1 integer or bool padding mask "
+            raise ConfigError(f"{name} has dtype {mask.dtype}; pass a 0/1 integer or bool padding mask "
                              f"(additive float masks are not supported under context parallelism)")
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
-            raise ValueError(f"{name} holds values other than 0 and 1 (e.g. {mask[bad][0].item()}); pass a "
+            raise ConfigError(f"{name} holds values other than 0 and 1 (e.g. {mask[bad][0].item()}); pass a "
                              f"0/1 padding mask")
         m = mask != 0
     # right padding: once a row turns 0 it stays 0, i.e. the mask never increases along the row
     if m.shape[-1] > 1 and bool((m[..., 1:] & ~m[..., :-1]).any()):
         rows = torch.nonzero((m[..., 1:] & ~m[..., :-1]).any(-1)).flatten().tolist()
-        raise ValueError(f"{name} is not right padding in batch rows {rows[:8]} (a 0 is followed by a 1: left "
+        raise ConfigError(f"{name} is not right padding in batch rows {rows[:8]} (a 0 is followed by a 1: left "
                          f"padding, holes or packed documents). Context-parallel attention is causal over the "
                          f"whole sequence, which is exact only for right padding; right-pad the batch "
                          f"(tokenizer padding_side='right') or drop the mask")
@@ -104,27 +105,27 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     the other keys given); feed ``labels`` to `hcp.cross_entropy`, not to the model.
     """
     if not isinstance(batch, Mapping):
-        raise TypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+        raise InputTypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
     if "input_ids" not in batch or not isinstance(batch["input_ids"], torch.Tensor):
-        raise ValueError(f"batch needs an 'input_ids' tensor [batch, seq] (got keys {sorted(batch)}); "
+        raise ShapeError(f"batch needs an 'input_ids' tensor [batch, seq] (got keys {sorted(batch)}); "
                          f"pass the full-sequence token ids as batch['input_ids']")
     ids = batch["input_ids"]
     if ids.dim() != 2:
-        raise ValueError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(ids.shape)}; "
+        raise ShapeError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(ids.shape)}; "
                          f"add a batch dimension with input_ids[None]")
     if ids.is_floating_point():
-        raise ValueError(f"batch['input_ids'] has dtype {ids.dtype}; token ids must be integers")
+        raise ConfigError(f"batch['input_ids'] has dtype {ids.dtype}; token ids must be integers")
     b, s = ids.shape
     if s == 0 or b == 0:
-        raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it needs at least one sequence "
+        raise ShapeError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it needs at least one sequence "
                          f"and one token")
     if not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index={ignore_index!r} must be an int")
+        raise ConfigError(f"ignore_index={ignore_index!r} must be an int")
     device = torch.device(device) if device is not None else cp.device
 
     mask = batch.get("attention_mask")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-        raise ValueError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
+        raise ShapeError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
                          f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}; 4-D or custom masks are "
                          f"not supported under context parallelism (attention is causal over the sequence)")
     for key, value in batch.items():
@@ -133,16 +134,16 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         if key == "position_ids" and value.shape[0] == 1:
             pass
         elif value.shape[0] != b:
-            raise ValueError(f"batch[{key!r}] has batch size {value.shape[0]} (shape {tuple(value.shape)}) but "
+            raise ShapeError(f"batch[{key!r}] has batch size {value.shape[0]} (shape {tuple(value.shape)}) but "
                              f"input_ids has {b}; every per-token tensor must be [{b}, {s}, ...]")
         if value.shape[1] != s:
-            raise ValueError(f"batch[{key!r}] has sequence length {value.shape[1]} (shape {tuple(value.shape)}) "
+            raise ShapeError(f"batch[{key!r}] has sequence length {value.shape[1]} (shape {tuple(value.shape)}) "
                              f"but input_ids has {s}; every per-token tensor must be [{b}, {s}, ...] over "
                              f"the same full sequence")
     pos = batch.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.dim() == 1:
         if pos.shape[0] != s:
-            raise ValueError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
+            raise ShapeError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
         pos = pos[None]
     cu = _packed_boundaries(batch, pos, b, s)
     if cu is not None:
@@ -157,10 +158,10 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     if labels is None:
         labels = ids
     elif not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-        raise ValueError(f"batch['labels'] must be a [batch, seq] integer tensor, got "
+        raise ShapeError(f"batch['labels'] must be a [batch, seq] integer tensor, got "
                          f"{getattr(labels, 'shape', type(labels).__name__)}")
     elif labels.is_floating_point():
-        raise ValueError(f"batch['labels'] has dtype {labels.dtype}; labels must be integer token ids")
+        raise ConfigError(f"batch['labels'] has dtype {labels.dtype}; labels must be integer token ids")
     if shift:
         labels = shift_labels(labels, ignore_index, mask_bool)
     elif mask_bool is not None:
@@ -168,9 +169,9 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
 
     if pos is not None:
         if pos.is_floating_point():
-            raise ValueError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
+            raise ConfigError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
         if s > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-            raise ValueError("batch['position_ids'] do not increase by one along the sequence, nor restart at 0 "
+            raise ConfigError("batch['position_ids'] do not increase by one along the sequence, nor restart at 0 "
                              "per document (packed rows); custom positions are not supported: drop position_ids "
                              "(the default is 0..S-1), pass arange-like rows, or pack documents into one row "
                              "whose positions restart at 0 (or give cu_seq_lens_q)")
@@ -209,7 +210,7 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
     if cu is not None:
         cu = [int(x) for x in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
         if cu[-1] != s:
-            raise ValueError(f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
+            raise ShapeError(f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
                              f"must describe the whole packed row")
     elif isinstance(pos, torch.Tensor) and s > 1 and not pos.is_floating_point() and \
             bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
@@ -217,7 +218,7 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
         if not bool((pos[:, 1:][restarts] == 0).all()) or bool((pos[:, 0] != 0).any()):
             return None  # not packing: the dense checks below explain what is wrong
         if b != 1 or pos.shape[0] != 1:
-            raise ValueError(f"batch['position_ids'] restart inside rows of a batch of {b} (packed documents); a packed "
+            raise ConfigError(f"batch['position_ids'] restart inside rows of a batch of {b} (packed documents); a packed "
                              f"row is a batch of one: concatenate the documents into input_ids [1, total] "
                              f"(DataCollatorWithFlattening does)")
         starts = torch.nonzero(pos[0] == 0).flatten().tolist()
@@ -225,10 +226,10 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
     else:
         return None
     if b != 1:
-        raise ValueError(f"packed documents (cu_seq_lens_q) need a batch of one row, got input_ids of batch {b}; "
+        raise ConfigError(f"packed documents (cu_seq_lens_q) need a batch of one row, got input_ids of batch {b}; "
                          f"concatenate the documents into input_ids [1, total]")
     if batch.get("attention_mask") is not None:
-        raise ValueError("a packed row (position ids restarting per document, or cu_seq_lens_q) takes no "
+        raise ConfigError("a packed row (position ids restarting per document, or cu_seq_lens_q) takes no "
                          "attention_mask: padding-free rows have no padding; drop batch['attention_mask']")
     return cu
 

@@ -6,10 +6,13 @@ of this rank by stage; `topology.comm_bytes` predicts the same numbers from the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
+
+from .errors import CommTimeoutError, CPError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -28,11 +31,28 @@ def reset_comm_bytes(cp: "CPMesh") -> None:
     cp.sent_bytes.clear()
 
 
+@contextmanager
+def comm_guard(cp: "CPMesh", what: str) -> Iterator[None]:
+    """Turn a backend failure inside a collective (peer died, timed out, connection reset) into
+    `hcp.CommTimeoutError` naming the collective, this rank and the timeout in effect."""
+    try:
+        yield
+    except CPError:
+        raise
+    except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+        raise CommTimeoutError(
+            f"{what} failed on cp rank {cp.rank} (ulysses {cp.ulysses_rank}, ring {cp.ring_rank}) within the "
+            f"group timeout {getattr(cp, 'timeout', None)}: a peer rank died, hung, or raised on its own. "
+            f"Backend said: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Look for the first "
+            f"error on the other ranks; set init_cp_mesh(timeout=...) to fail sooner") from exc
+
+
 def _a2a(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], stage: str) -> torch.Tensor:
     recv = send.new_empty(sum(recv_sizes))
     me = cp.ulysses_rank
     count(cp, stage, (sum(send_sizes) - send_sizes[me]) * send.element_size())
-    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=cp.ulysses_group)
+    with comm_guard(cp, f"the ulysses all-to-all ({stage})"):
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=cp.ulysses_group)
     return recv
 
 
@@ -98,9 +118,21 @@ class RingExchange:
         count(self.cp, self.stage, send.numel() * send.element_size())
         ops = [dist.P2POp(dist.isend, send, self.cp.ring_next, self.group),
                dist.P2POp(dist.irecv, recv, self.cp.ring_prev, self.group)]
-        return dist.batch_isend_irecv(ops)
+        with comm_guard(self.cp, f"the ring exchange ({self.stage})"):
+            return dist.batch_isend_irecv(ops)
 
     @staticmethod
-    def wait(works: list | None) -> None:
-        for w in works or ():
-            w.wait()
+    def wait(works: list | None, cp: "CPMesh | None" = None) -> None:
+        if not works:
+            return
+        try:
+            for w in works:
+                w.wait()
+        except CPError:
+            raise
+        except RuntimeError as exc:
+            raise CommTimeoutError(
+                f"a ring exchange failed{'' if cp is None else f' on cp rank {cp.rank} (timeout {cp.timeout})'}: "
+                f"a peer rank died, hung, or raised on its own. Backend said: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Look for the first error on "
+                f"the other ranks; set init_cp_mesh(timeout=...) to fail sooner") from exc

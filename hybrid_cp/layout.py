@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from topology.layouts import LAYOUTS, PAD, Layout, doc_lengths, granularity, make_layout, padded_length
+from .errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -34,11 +35,11 @@ if TYPE_CHECKING:
 def _doc_lens(cu_seqlens: Any) -> tuple[int, ...]:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, len_0 + len_1, ..., total], "
+            raise ShapeError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, len_0 + len_1, ..., total], "
                              f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}")
         cu_seqlens = cu_seqlens.tolist()
     elif not isinstance(cu_seqlens, (list, tuple)) or not all(isinstance(x, int) for x in cu_seqlens):
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, ..., total], "
+        raise ConfigError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, ..., total], "
                          f"got {type(cu_seqlens).__name__}")
     return doc_lengths(cu_seqlens)
 
@@ -56,33 +57,33 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
     u, r = cp.ulysses_size, cp.ring_size
     if cu_seqlens is not None:
         if seq_len is not None:
-            raise ValueError(f"{what}: pass cu_seqlens= or seq_len=, not both (a packed row's length is cu_seqlens[-1])")
+            raise ConfigError(f"{what}: pass cu_seqlens= or seq_len=, not both (a packed row's length is cu_seqlens[-1])")
         lay = make_layout(cp.layout, u, r, doc_lens=_doc_lens(cu_seqlens))
         if local_len is not None and local_len != lay.local_len:
-            raise ValueError(f"{what}: the shard has {local_len} local tokens but cu_seqlens (total {lay.seq_len}, "
+            raise ShapeError(f"{what}: the shard has {local_len} local tokens but cu_seqlens (total {lay.seq_len}, "
                              f"{len(lay.doc_lens)} documents) lays out {lay.local_len} per rank on ulysses={u} x "
                              f"ring={r}; shard packed rows with hcp.shard(x, cp, cu_seqlens=cu) and pass the same cu")
         return lay
     if seq_len is not None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-            raise ValueError(f"{what}: seq_len={seq_len!r} must be a positive integer (the unpadded global length)")
+            raise ConfigError(f"{what}: seq_len={seq_len!r} must be a positive integer (the unpadded global length)")
         lay = make_layout(cp.layout, u, r, seq_len=seq_len)
         if local_len is not None and local_len != lay.local_len:
-            raise ValueError(f"{what}: seq_len={seq_len} does not match local length {local_len} on a {cp.size}-rank "
+            raise ShapeError(f"{what}: seq_len={seq_len} does not match local length {local_len} on a {cp.size}-rank "
                              f"{cp.layout!r} layout (which pads it to {lay.padded_len}, {lay.local_len} per rank); "
                              f"pass the global length of the sequence that was sharded")
         return lay
     if local_len is None:
-        raise ValueError(f"{what}: pass seq_len= (or cu_seqlens= for a packed row)")
+        raise ConfigError(f"{what}: pass seq_len= (or cu_seqlens= for a packed row)")
     padded = local_len * cp.size
     g = granularity(cp.layout, u, r)
     if padded % g:
-        raise ValueError(f"{what}: local length {local_len} is not a multiple of {g // cp.size} for the "
+        raise ShapeError(f"{what}: local length {local_len} is not a multiple of {g // cp.size} for the "
                          f"{cp.layout!r} layout on ulysses={u} x ring={r}; shard inputs with hcp.shard, which pads "
                          f"the sequence (or pass cu_seqlens= for a packed row)")
     seen = sorted(cp.sharded_lengths.get(padded, ()))
     if len(seen) > 1 and not causal:
-        raise ValueError(f"{what}: the sequence length is ambiguous: hcp.shard has seen lengths {seen} that all pad to "
+        raise ConfigError(f"{what}: the sequence length is ambiguous: hcp.shard has seen lengths {seen} that all pad to "
                          f"{padded} tokens on this mesh; pass seq_len= explicitly")
     return make_layout(cp.layout, u, r, seq_len=seen[-1] if seen else padded)
 
@@ -119,7 +120,7 @@ def _shard_tensor(x: torch.Tensor, cp: "CPMesh", dim: int, lay: Layout,
 
 def _check_tensor(x: Any, what: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
+        raise InputTypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
 
 
 def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -> torch.Tensor:
@@ -132,22 +133,42 @@ def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -
     dim = dim % x.dim()
     n = x.shape[dim]
     if n == 0:
-        raise ValueError(f"x has an empty sequence dimension (dim={dim}, shape={tuple(x.shape)})")
+        raise ShapeError(f"x has an empty sequence dimension (dim={dim}, shape={tuple(x.shape)})")
     if cu_seqlens is not None:
         lay = row_layout(cp, cu_seqlens=cu_seqlens, what="hcp.shard")
         _check_packed_row(x, dim, lay, "x")
     else:
         lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=n)
         _record_length(cp, n)
+    _warn_padding(cp, lay)
     return _shard_tensor(x, cp, dim, lay).contiguous()
+
+
+def _warn_padding(cp: "CPMesh", lay: Layout) -> None:
+    """Warn (once per mesh and layout) when padding is over 10% of the tokens: compute and
+    communication spent on nothing."""
+    pad = lay.padded_len - lay.seq_len
+    if pad * 10 <= lay.padded_len:
+        return
+    warned = cp.__dict__.setdefault("_padding_warned", set())
+    key = (lay.seq_len, lay.padded_len)
+    if key in warned:
+        return
+    warned.add(key)
+    import logging
+
+    logging.getLogger("hybrid_cp").warning(
+        "padding is %d of %d tokens (%.0f%%) on this %s mesh (ulysses=%d, ring=%d): pick a length that is a "
+        "multiple of %d, or fewer ranks for short rows", pad, lay.padded_len, 100 * pad / lay.padded_len,
+        cp.layout, cp.ulysses_size, cp.ring_size, granularity(cp.layout, cp.ulysses_size, cp.ring_size))
 
 
 def _check_packed_row(x: torch.Tensor, dim: int, lay: Layout, name: str) -> None:
     if x.shape[dim] != lay.seq_len:
-        raise ValueError(f"{name} has {x.shape[dim]} tokens along dim {dim} but cu_seqlens ends at {lay.seq_len}; "
+        raise ShapeError(f"{name} has {x.shape[dim]} tokens along dim {dim} but cu_seqlens ends at {lay.seq_len}; "
                          f"cu_seqlens must describe this packed row")
     if dim != 0 and x.shape[0] != 1:
-        raise ValueError(f"{name} has batch size {x.shape[0]} (shape {tuple(x.shape)}); a packed row is a batch of "
+        raise ShapeError(f"{name} has batch size {x.shape[0]} (shape {tuple(x.shape)}); a packed row is a batch of "
                          f"one: concatenate the documents into [1, total, ...] and describe them with cu_seqlens")
 
 
@@ -194,11 +215,11 @@ def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | No
     """Position ids of this rank's tokens: global positions of a dense row (pad slots get ids >=
     seq_len), or positions inside each document of a packed row (restarting at 0; pad slots 0..)."""
     if cu_seqlens is None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
-        raise ValueError(f"seq_len={seq_len!r} must be a positive integer (or pass cu_seqlens= for a packed row)")
+        raise ConfigError(f"seq_len={seq_len!r} must be a positive integer (or pass cu_seqlens= for a packed row)")
     if cu_seqlens is not None:
         lay = row_layout(cp, seq_len=None, cu_seqlens=cu_seqlens, what="hcp.positions")
         if seq_len is not None and seq_len != lay.seq_len:
-            raise ValueError(f"seq_len={seq_len} but cu_seqlens ends at {lay.seq_len}; pass seq_len=None with cu_seqlens")
+            raise ConfigError(f"seq_len={seq_len} but cu_seqlens ends at {lay.seq_len}; pass seq_len=None with cu_seqlens")
     else:
         lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=seq_len)
     device = device if device is not None else cp.device

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from .errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -64,15 +65,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
     The loss is computed in fp32 whatever the logits' dtype.
     """
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
+        raise ConfigError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor, got "
+        raise InputTypeError(f"logits must be a floating-point tensor, got "
                         f"{getattr(logits, 'dtype', type(logits).__name__)}")
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor of token ids, got "
+        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
                         f"{getattr(labels, 'dtype', type(labels).__name__)}")
     if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
-        raise ValueError(f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
+        raise ShapeError(f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
                          f"logits must be labels.shape + (vocab,), e.g. [B, S_local, V] with labels [B, S_local] "
                          f"from the same shard")
     vocab = logits.shape[-1]
@@ -93,7 +94,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
     if world > 1:
         dist.all_reduce(stats, group=group)
     if check and stats[2].item() > 0:
-        raise ValueError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
+        raise ConfigError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
                          f"ignore_index={ignore_index}; fix the labels or the ignore_index")
     total, count = stats[0], stats[1]
     if reduction == "mean":

@@ -6,6 +6,10 @@ nodes. Every process group and coordinate comes from the ("dp", "ring", "ulysses
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,15 +19,24 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from topology.layouts import LAYOUTS, check_layout
+from .comm import comm_guard
+from .errors import CommTimeoutError, ConfigError, InconsistentRanksError, NonFiniteError, SetupError
+
+log = logging.getLogger("hybrid_cp")
 
 
 @dataclass
 class CPMesh:
     """Context-parallel mesh: who my ulysses and ring peers are, and how sequences are laid out.
 
-    `validate` makes every attention call all-gather a few integers of metadata over the cp
-    group first, so that ranks called with inconsistent shapes all raise instead of hanging.
-    It costs one tiny collective per call; set it to False once a training loop is known good.
+    `validate` (True, "debug" or False) makes every attention call check, before its first
+    collective, that all cp ranks were called with the same signature, so that inconsistent
+    ranks all raise instead of hanging (docs/errors.md, "Validation"). True: one all-reduce of
+    3 integers per call, on a host-side group (no device sync). "debug": a full all-gather of the
+    signature, a checksum of the inputs' metadata and NaN/inf flags per tensor. False: nothing.
+
+    `timeout` is the timeout of every group the mesh created: a collective that a peer never
+    joins (dead, hung, or raised alone) raises `hcp.CommTimeoutError` after it.
 
     `sharded_lengths` records, by padded size, the dense lengths `hcp.shard` has seen, so that
     `attention`/`unshard` without `seq_len=` can tell a unique length from an ambiguous one.
@@ -43,7 +56,11 @@ class CPMesh:
     ring_rank: int
     dp_rank: int
     ring_ranks: list[int] = field(default_factory=list)
-    validate: bool = True
+    validate: bool | str = True
+    timeout: datetime.timedelta | None = None
+    check_group: Any = None
+    agreed: set = field(default_factory=set, repr=False)
+    validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
     sharded_lengths: dict[int, set[int]] = field(default_factory=dict, repr=False)
     sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
 
@@ -80,86 +97,239 @@ def _divisor_hint(world: int) -> str:
 
 def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int | None = None,
                  layout: str = "zigzag", plan: Any = None, device: str | torch.device | None = None,
-                 validate: bool = True) -> CPMesh:
+                 validate: bool | str = True, timeout: datetime.timedelta | None = None) -> CPMesh:
     """Build the ("dp", "ring", "ulysses") mesh after `torch.distributed.init_process_group`.
 
     `plan` may be a `topology` plan (anything with integer `ulysses`, `ring`, `dp` attributes)
     instead of explicit degrees. `dp` defaults to world_size // (ulysses * ring).
+    `timeout` applies to every group the mesh creates; by default they inherit the default
+    process group's timeout (torch's `new_group` would otherwise give them its 30-minute default,
+    so a rank that stops calling would hang the others far past the timeout you chose).
+    Logs the resolved configuration once on logger "hybrid_cp" (INFO) and warns about settings
+    that silently cost performance.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("init_cp_mesh needs torch.distributed: call "
-                           "torch.distributed.init_process_group(...) first (or launch with torchrun)")
+        raise SetupError("init_cp_mesh needs torch.distributed: call "
+                         "torch.distributed.init_process_group(...) first (or launch with torchrun)")
     if plan is not None:
         if ulysses is not None or ring is not None:
-            raise ValueError("pass either plan=... or ulysses=/ring=, not both")
+            raise ConfigError("pass either plan=... or ulysses=/ring=, not both")
         ulysses, ring = int(plan.ulysses), int(plan.ring)
         dp = int(getattr(plan, "dp", 0)) or dp
     if ulysses is None or ring is None:
-        raise ValueError("init_cp_mesh needs ulysses= and ring= (or plan=)")
-    check_layout(layout)
+        raise ConfigError("init_cp_mesh needs ulysses= and ring= (or plan=)")
+    try:
+        check_layout(layout)
+    except ValueError as exc:
+        raise ConfigError(f"layout={layout!r}: {exc}") from None
+    if validate not in (True, False, "debug"):
+        raise ConfigError(f"validate={validate!r} must be True (cheap check on every call), \"debug\" (full "
+                          f"check, metadata checksum, NaN/inf) or False (no check)")
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+        raise ConfigError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None to inherit "
+                          f"the default process group's timeout)")
     world = dist.get_world_size()
     for name, value in (("ulysses", ulysses), ("ring", ring)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
     cp = ulysses * ring
     if world % cp != 0:
-        raise ValueError(f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
-                         f"{world}; degrees that would work: {_divisor_hint(world)}")
+        raise ConfigError(f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
+                          f"{world}; degrees that would work: {_divisor_hint(world)}")
     if dp is None:
         dp = world // cp
     if dp * cp != world:
-        raise ValueError(f"dp={dp} x ulysses={ulysses} x ring={ring} = {dp * cp} != world size "
-                         f"{world}; use dp={world // cp} (or leave dp unset)")
+        raise ConfigError(f"dp={dp} x ulysses={ulysses} x ring={ring} = {dp * cp} != world size "
+                          f"{world}; use dp={world // cp} (or leave dp unset)")
     if device is None:
         if torch.cuda.is_available() and dist.get_backend() != "gloo":
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
     device = torch.device(device)
-    mesh = init_device_mesh(device.type, (dp, ring, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
+    if timeout is None:
+        timeout = default_timeout()
+    mesh = _device_mesh(device, (dp, ring, ulysses), timeout)
     dp_rank, ring_rank, ulysses_rank = mesh.get_coordinate()
     grid = mesh.mesh.tolist()  # [dp][ring][ulysses] -> global rank
     ring_ranks = [grid[dp_rank][j][ulysses_rank] for j in range(ring)]
     # The ring gets a second communicator for backward so that forward and backward exchanges
     # (e.g. with activation checkpointing or pipelining) cannot serialise on each other.
-    ring_bwd = _my_group([[grid[d][j][i] for j in range(ring)] for d in range(dp) for i in range(ulysses)])
-    cp_group = _my_group([[x for row in grid[d] for x in row] for d in range(dp)])
-    return CPMesh(
+    ring_bwd = _my_group([[grid[d][j][i] for j in range(ring)] for d in range(dp) for i in range(ulysses)], timeout)
+    cp_lists = [[x for row in grid[d] for x in row] for d in range(dp)]
+    cp_group = _my_group(cp_lists, timeout)
+    # The per-call validation all-reduce runs on a host (gloo) group, so it never syncs the device.
+    check_group = cp_group if dist.get_backend() == "gloo" else _my_group(cp_lists, timeout, backend="gloo")
+    out = CPMesh(
         ulysses_size=ulysses, ring_size=ring, dp_size=dp, layout=layout, device=device,
         device_mesh=mesh, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"),
         ring_group_bwd=ring_bwd, cp_group=cp_group,
         ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=dp_rank, ring_ranks=ring_ranks,
-        validate=validate)
+        validate=validate, timeout=timeout, check_group=check_group)
+    _announce(out, grid)
+    return out
 
 
-def _my_group(rank_lists: list[list[int]]):
+def default_timeout() -> datetime.timedelta:
+    """The default process group's timeout (what `init_process_group(timeout=...)` set)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._get_default_group()
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return pg._get_backend(dev).options._timeout
+        except Exception:  # no backend for this device type, or an older torch
+            continue
+    return c10d.default_pg_timeout
+
+
+def _device_mesh(device: torch.device, shape: tuple[int, int, int], timeout: datetime.timedelta) -> DeviceMesh:
+    """The DeviceMesh with `timeout` built into its groups' options: setting it afterwards is not
+    enough (gloo's point-to-point waits keep the timeout their context was created with)."""
+    names = ("dp", "ring", "ulysses")
+    backend = dist.get_backend()
+    opts = None
+    try:
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+        if opts is not None:
+            opts._timeout = timeout
+    except Exception:  # an older torch: no such options
+        opts = None
+    if opts is not None:
+        try:
+            return init_device_mesh(device.type, shape, mesh_dim_names=names,
+                                    backend_override={n: (backend, opts) for n in names})
+        except TypeError:  # torch without backend_override
+            pass
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    for dim in ("ulysses", "ring"):
+        _set_timeout(mesh.get_group(dim), timeout)
+    return mesh
+
+
+def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        c10d._set_pg_timeout(timeout, group)
+    except Exception as exc:  # torch without per-group timeouts: say so once instead of hanging silently
+        log.warning("could not set timeout=%s on a DeviceMesh group (%s); that group keeps its own timeout",
+                    timeout, exc)
+
+
+def _announce(cp: CPMesh, grid: list) -> None:
+    """One INFO line with the resolved configuration; a WARNING for placements that cost speed."""
+    try:
+        backend = dist.get_backend()
+    except Exception:
+        backend = "?"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    me = dist.get_rank()
+    ulysses_ranks = grid[cp.dp_rank][cp.ring_rank]
+    nodes = sorted({r // local for r in ulysses_ranks}) if local > 0 else None
+    placement = (f"ulysses ranks {ulysses_ranks} on node(s) {nodes}" if nodes is not None
+                 else f"ulysses ranks {ulysses_ranks} (LOCAL_WORLD_SIZE unset: node placement unknown)")
+    if me == 0 or log.isEnabledFor(logging.DEBUG):
+        log.info("hybrid-cp mesh: ulysses=%d ring=%d dp=%d layout=%s backend=%s device=%s validate=%s "
+                 "timeout=%s; rank %d: %s, ring ranks %s", cp.ulysses_size, cp.ring_size, cp.dp_size, cp.layout,
+                 backend, cp.device, cp.validate, cp.timeout, me, placement, cp.ring_ranks)
+    if nodes is not None and len(nodes) > 1:
+        log.warning("the ulysses group %s spans nodes %s (LOCAL_WORLD_SIZE=%d): its all-to-all runs over the "
+                    "inter-node network; use ulysses <= %d and put the rest of the degree into ring",
+                    ulysses_ranks, nodes, local, local)
+
+
+def _my_group(rank_lists: list[list[int]], timeout: datetime.timedelta | None = None, backend: str | None = None):
     """Create one group per list (every rank must create all of them, in the same order) and
     return the one holding this rank."""
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout, backend=backend)
         if me in ranks:
             mine = g
     return mine
 
 
+_BIG = (1 << 62) - 1
+
+
+def _digest(values: list[int]) -> int:
+    """A 62-bit hash of a signature (the same on every rank for the same values)."""
+    data = ",".join(str(int(x)) for x in values).encode()
+    return (zlib.crc32(data) << 30) ^ zlib.adler32(data) ^ len(values)
+
+
+def _metadata(tensors) -> list[int]:
+    """Checksum of dtype/stride/requires_grad/device type of each tensor, and NaN/inf flags (debug)."""
+    meta, flags = [], []
+    for t in tensors:
+        meta.append(f"{t.dtype}|{t.stride()}|{int(t.requires_grad)}|{t.device.type}")
+        flags.append(int(not bool(torch.isfinite(t.detach()).all())))
+    return [zlib.crc32("/".join(meta).encode())] + flags
+
+
 def agree_across_ranks(cp: CPMesh, values: list[int], names: list[str], error: Exception | None,
-                       what: str) -> None:
-    """All-gather each cp rank's `values` and whether its own checks failed; raise on every rank
-    if any rank failed or the ranks disagree, so that no rank goes on into a collective alone."""
-    mine = torch.tensor([0 if error is None else 1] + list(values), dtype=torch.int64, device=cp.device)
+                       what: str, tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
+    """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`,
+    so that no rank goes on into a collective alone.
+
+    Every rank runs the same collectives whatever its local state (a rank-local cache must not
+    decide whether a rank joins a collective): one all-reduce(MAX) of (hash, -hash, failed) on
+    the host group; only if that shows a failure or a disagreement (every rank sees the same
+    reduced values, so every rank takes this branch) the full all-gather that names the ranks
+    and fields. validate="debug" always takes the full all-gather, with the inputs' metadata
+    checksum and NaN/inf flags of `tensors` (name, tensor) added.
+    """
+    debug = cp.validate == "debug"
+    failed = 0 if error is None else 1
+    values = list(values)
+    names = list(names)
+    if debug:
+        extra = _metadata([t for _, t in tensors]) if error is None and tensors else [0] * (len(tensors) + 1)
+        if tensors:
+            values += [extra[0]]
+            names += ["dtype/stride/requires_grad/device (checksum)"]
+        _full_check(cp, values, names, error, what, extra[1:], [n for n, _ in tensors])
+        return
+    h = _digest(values) if error is None else 0
+    key = (h, failed)
+    cp.validation_calls["hash"] += 1
+    mine = torch.tensor([h, -h, failed], dtype=torch.int64)
+    with comm_guard(cp, f"the {what} agreement check"):
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=cp.check_group)
+    top, neg_low, any_failed = mine.tolist()
+    if not any_failed and top == h and -neg_low == h:
+        cp.agreed.add(key[0])
+        return
+    _full_check(cp, values, names, error, what, [], [])
+
+
+def _full_check(cp: CPMesh, values: list[int], names: list[str], error: Exception | None, what: str,
+                nonfinite: list[int], tensor_names: list[str]) -> None:
+    cp.validation_calls["full"] += 1
+    row = [0 if error is None else 1] + list(nonfinite) + list(values)
+    mine = torch.tensor(row, dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(cp.size)]
-    dist.all_gather(rows, mine, group=cp.cp_group)
+    with comm_guard(cp, f"the {what} agreement check"):
+        dist.all_gather(rows, mine, group=cp.check_group)
     if error is not None:
         raise error
-    rows = [row.tolist() for row in rows]
-    bad = [rank for rank, row in enumerate(rows) if row[0]]
+    rows = [r.tolist() for r in rows]
+    bad = [rank for rank, r in enumerate(rows) if r[0]]
     if bad:
-        raise ValueError(f"cp ranks {bad} rejected their {what} (their error says why); "
-                         f"every rank stops here instead of hanging")
-    for rank, row in enumerate(rows):
-        if row[1:] != list(values):
+        raise InconsistentRanksError(f"cp ranks {bad} rejected their {what} (their error says why); "
+                                     f"every rank stops here instead of hanging")
+    k = len(nonfinite)
+    found = [f"{tensor_names[i]} on cp rank {rank}" for rank, r in enumerate(rows) for i in range(k) if r[1 + i]]
+    if found:
+        raise NonFiniteError(f"NaN or inf in {', '.join(found)} ({what}, validate=\"debug\"); every rank stops "
+                             f"here; find where that rank's activations overflow")
+    for rank, r in enumerate(rows):
+        if r[1 + k:] != list(values):
             diffs = [f"{name}: {theirs} on cp rank {rank} vs {ours} here"
-                     for name, theirs, ours in zip(names, row[1:], values) if theirs != ours]
-            raise ValueError(f"inconsistent {what} across the cp group (" + "; ".join(diffs) +
-                             "); every rank must pass its shard of the same batch with the same settings")
+                     for name, theirs, ours in zip(names, r[1 + k:], values) if theirs != ours]
+            raise InconsistentRanksError(f"inconsistent {what} across the cp group (" + "; ".join(diffs) +
+                                         "); every rank must pass its shard of the same batch with the same settings")

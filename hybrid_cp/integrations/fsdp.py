@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import CPMesh
+from ..errors import ConfigError, InputTypeError
 
 FLAT_DIM = "dp_cp"
 
@@ -26,7 +27,7 @@ FLAT_DIM = "dp_cp"
 def flat_mesh(cp: CPMesh):
     """The 1-D DeviceMesh over all dp x ring x ulysses ranks (the FSDP2 sharding group)."""
     if cp.device_mesh is None:
-        raise ValueError("this CPMesh has no device_mesh; build it with hcp.init_cp_mesh")
+        raise ConfigError("this CPMesh has no device_mesh; build it with hcp.init_cp_mesh")
     cached = cp.__dict__.get("_flat_mesh")
     if cached is not None:
         return cached
@@ -58,9 +59,9 @@ def shard_model(model: nn.Module, cp: CPMesh, **fully_shard_kwargs: Any) -> nn.M
     from torch.distributed.fsdp import fully_shard
 
     if not isinstance(cp, CPMesh):
-        raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+        raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     if "mesh" in fully_shard_kwargs:
-        raise ValueError("shard_model picks the mesh (all dp x ring x ulysses ranks); drop mesh=... or call "
+        raise ConfigError("shard_model picks the mesh (all dp x ring x ulysses ranks); drop mesh=... or call "
                          "fully_shard yourself")
     mesh = flat_mesh(cp)
     for block in _blocks(model):

@@ -30,6 +30,7 @@ from ..attention import attention as _cp_attention
 from ..layout import positions as _positions
 from ..layout import row_layout
 from ..mesh import CPMesh, agree_across_ranks
+from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
 _HOOK_ATTR = "_hybrid_cp_hook"
@@ -63,7 +64,7 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     """
     ref = getattr(module, "_hybrid_cp_mesh", None)
     if ref is None:
-        raise RuntimeError(f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but has "
+        raise SetupError(f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but has "
                            f"no cp mesh; call hybrid_cp.integrations.transformers.apply_context_parallel(model, cp)")
     cp = ref.cp
     if dropout and dropout > 0:
@@ -119,27 +120,27 @@ def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict)
     b = s = 0
     try:
         if ref is None:
-            raise ValueError("the model needs input_ids=... (or inputs_embeds=...): this rank's shard from "
+            raise ConfigError("the model needs input_ids=... (or inputs_embeds=...): this rank's shard from "
                              "hcp.shard_batch")
         b, s = ref.shape[0], ref.shape[1]
         if kwargs.get("labels") is not None:
-            raise ValueError("labels= was passed to a context-parallel model: its built-in loss would shift the "
+            raise ConfigError("labels= was passed to a context-parallel model: its built-in loss would shift the "
                              "labels inside this rank's shard and average per rank. Call the model without "
                              "labels and use hcp.cross_entropy(logits, batch['labels'], cp) with the labels "
                              "from hcp.shard_batch (already shifted on the full sequence)")
         for name in ("cache", "past_key_values"):
             if kwargs.get(name) is not None:
-                raise ValueError(f"{name}= was passed: KV caches (generation) are not supported under context "
+                raise ConfigError(f"{name}= was passed: KV caches (generation) are not supported under context "
                                  f"parallelism; run generation on one device")
         if kwargs.get("use_cache"):
-            raise ValueError("use_cache=True is not supported under context parallelism (training only); "
+            raise ConfigError("use_cache=True is not supported under context parallelism (training only); "
                              "pass use_cache=False")
         cu = kwargs.get("cu_seq_lens_q")
         lay = row_layout(cp, local_len=s, cu_seqlens=cu, causal=True, what="the model's input")
         expected = _positions(lay.seq_len if cu is None else None, cp, device=ref.device, cu_seqlens=cu)
         pos = kwargs.get("position_ids")
         if cu is not None and (mask is not None or b != 1):
-            raise ValueError("a packed row (cu_seq_lens_q) is one row without attention_mask: pass the output of "
+            raise ConfigError("a packed row (cu_seq_lens_q) is one row without attention_mask: pass the output of "
                              "hcp.shard_batch for the packed batch as it is")
         if pos is None:
             kwargs["position_ids"] = expected[None].expand(b, -1)
@@ -147,20 +148,20 @@ def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict)
             if pos.dim() == 1:
                 pos = pos[None]
             if pos.shape[-1] != s:
-                raise ValueError(f"position_ids has local length {pos.shape[-1]} but input has {s}; pass "
+                raise ShapeError(f"position_ids has local length {pos.shape[-1]} but input has {s}; pass "
                                  f"batch['position_ids'] from hcp.shard_batch")
             offset = pos - expected
             if bool((offset != offset[:, :1]).any()) or (cu is not None and bool((offset != 0).any())):
-                raise ValueError("position_ids are not the positions of this rank's tokens (they differ from "
+                raise ShapeError("position_ids are not the positions of this rank's tokens (they differ from "
                                  "hcp.positions(...) by more than a constant, or for a packed row at all): pass "
                                  "batch['position_ids'] from hcp.shard_batch, or none (the default is filled in)")
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape != (b, s):
-                raise ValueError(f"attention_mask must be this rank's [batch, seq_local] = [{b}, {s}] 0/1 padding "
+                raise ShapeError(f"attention_mask must be this rank's [batch, seq_local] = [{b}, {s}] 0/1 padding "
                                  f"mask from hcp.shard_batch, got {getattr(mask, 'shape', type(mask).__name__)}; "
                                  f"4-D and custom masks are not supported under context parallelism")
             if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
-                raise ValueError("attention_mask must hold 0/1 (or bool) padding flags; additive float masks are "
+                raise ConfigError("attention_mask must hold 0/1 (or bool) padding flags; additive float masks are "
                                  "not supported under context parallelism")
     except ValueError as exc:
         if not (cp.validate and cp.size > 1):
@@ -190,7 +191,7 @@ def _check_global_right_padding(cp: CPMesh, mask: torch.Tensor, pos: torch.Tenso
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=cp.cp_group)
     rows = torch.nonzero(stats[:, 0] > -stats[:, 1]).flatten().tolist()
     if rows:
-        raise ValueError(f"attention_mask is not right padding over the whole sequence in batch rows {rows[:8]} (a "
+        raise ConfigError(f"attention_mask is not right padding over the whole sequence in batch rows {rows[:8]} (a "
                          f"masked token comes before a kept one): context-parallel attention is causal, exact only "
                          f"for right padding; right-pad the batch or drop the mask")
 
@@ -212,10 +213,10 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
         raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
     if not isinstance(cp, CPMesh):
-        raise TypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+        raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
+        raise InputTypeError(f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
                         f"pip install 'hybrid-cp[hf]'), got {type(model).__name__}")
     for cfg in [config] + [getattr(config, k) for k in getattr(config, "sub_configs", {}) if getattr(config, k, None)]:
         drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
@@ -228,7 +229,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
             raise _unsupported(f"{type(model).__name__} is an encoder-decoder model")
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None and heads < cp.ulysses_size:
-        raise ValueError(f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
+        raise ShapeError(f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -28,6 +28,7 @@ import torch
 from .flash import FlashAttnKernel
 from .math import MathKernel
 from .sdpa import SDPAKernel
+from ..errors import ConfigError, InputTypeError
 
 
 @runtime_checkable
@@ -51,9 +52,9 @@ _REGISTRY: dict[str, AttentionKernel] = {}
 def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = False) -> None:
     """Make `kernel` selectable as `hcp.attention(..., backend=name)`."""
     if not isinstance(kernel, AttentionKernel):
-        raise TypeError(f"kernel {kernel!r} must provide name, supports(), forward() and backward()")
+        raise InputTypeError(f"kernel {kernel!r} must provide name, supports(), forward() and backward()")
     if name in _REGISTRY and not overwrite:
-        raise ValueError(f"a kernel named {name!r} is already registered; pass overwrite=True to replace it")
+        raise ConfigError(f"a kernel named {name!r} is already registered; pass overwrite=True to replace it")
     _REGISTRY[name] = kernel
 
 
@@ -73,17 +74,38 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
         order = ["flash", "sdpa", "math"] if device.type == "cuda" else ["sdpa", "math"]
         for name in order:
             if _REGISTRY[name].supports(device, dtype, head_dim) is None:
+                if name != order[0] and dtype != torch.float64:  # fp64 has no fast kernel anywhere
+                    _warn_fallback(order, name, device, dtype, head_dim)
                 return _REGISTRY[name]
-        raise ValueError(f"no attention backend supports device={device}, dtype={dtype}, head_dim={head_dim}")
+        raise ConfigError(f"no attention backend supports device={device}, dtype={dtype}, head_dim={head_dim}")
     elif isinstance(backend, str) and backend in _REGISTRY:
         kernel = _REGISTRY[backend]
     else:
-        raise ValueError(f"backend={backend!r} is not a registered attention kernel; "
+        raise ConfigError(f"backend={backend!r} is not a registered attention kernel; "
                          f"use 'auto' or one of {available_kernels()}")
     reason = kernel.supports(device, dtype, head_dim)
     if reason is not None:
-        raise ValueError(f"backend={getattr(kernel, 'name', backend)!r} cannot run these inputs: {reason}")
+        raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} cannot run these inputs: {reason}")
     return kernel
+
+
+_WARNED: set = set()
+
+
+def _warn_fallback(order: list[str], chosen: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Warn once per input kind when "auto" had to skip a faster kernel (silently slower otherwise)."""
+    key = (chosen, device.type, dtype, head_dim)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    reasons = []
+    for name in order[:order.index(chosen)]:
+        reasons.append(f"{name}: {_REGISTRY[name].supports(device, dtype, head_dim)}")
+    import logging
+
+    logging.getLogger("hybrid_cp").warning(
+        "backend='auto' falls back to %r for device=%s dtype=%s head_dim=%d (%s); expect it to be slower",
+        chosen, device, dtype, head_dim, "; ".join(reasons))
 
 
 def takes_keyword(kernel: AttentionKernel, name: str) -> bool:

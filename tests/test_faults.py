@@ -1,0 +1,106 @@
+"""Lost ranks: a rank that dies (killed) or raises alone in the middle of hcp.attention, forward
+or backward, on ring, Ulysses and hybrid meshes. Every other rank must raise
+hcp.CommTimeoutError within the group timeout plus a margin, never hang.
+
+Each scenario has its own short-lived gloo process group (4 processes forked from a forkserver
+that has torch preloaded), so a broken group never touches the session pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+
+import pytest
+
+WORLD = 4
+TIMEOUT_S = 5.0
+MARGIN_S = 25.0  # the machine is shared and loaded; measured times are reported in the test output
+MESHES = {"ring": (1, 4), "ulysses": (4, 1), "hybrid": (2, 2)}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_CTX = None
+
+
+def _ctx():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "hybrid_cp", "reliability_cases"])
+    return _CTX
+
+
+def run_scenarios(scenarios: list[tuple[str, str, str]], victim: int = 1) -> dict:
+    """Run (mesh, phase, kind) scenarios concurrently; return per scenario the survivors' reports."""
+    ctx = _ctx()
+    results = ctx.Queue()
+    procs, by_port = [], {}
+    for sc in scenarios:
+        u, r = MESHES[sc[0]]
+        port = _port()
+        by_port[port] = sc
+        for rank in range(WORLD):
+            p = ctx.Process(target=_target, args=(rank, WORLD, port, u, r, sc[1], sc[2], victim, TIMEOUT_S, results,
+                                                  port), daemon=True)
+            p.start()
+            procs.append((sc, rank, p))
+    reports: dict = {sc: {} for sc in scenarios}
+    expected = sum(WORLD - (1 if sc[2] == "kill" else 0) for sc in scenarios)
+    deadline = time.monotonic() + 120
+    got = 0
+    try:
+        while got < expected:
+            try:
+                port, rank, kind, msg, secs = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            reports[by_port[port]][rank] = (kind, msg, secs)
+            got += 1
+    finally:
+        for _, _, p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    return reports
+
+
+def _target(rank, world, port, u, r, phase, kind, victim, timeout_s, results, tag):
+    import reliability_cases
+
+    class _Tagged:
+        def put(self, item):
+            results.put((tag,) + tuple(item))
+
+    reliability_cases.fault_worker(rank, world, port, u, r, phase, kind, victim, timeout_s, _Tagged())
+
+
+def _check(reports: dict, victim: int = 1) -> None:
+    lines = []
+    for (mesh, phase, kind), by_rank in reports.items():
+        survivors = [rk for rk in range(WORLD) if rk != victim]
+        for rk in survivors:
+            assert rk in by_rank, f"{mesh}/{phase}/{kind}: rank {rk} never reported (a hang?) {by_rank}"
+            err, msg, secs = by_rank[rk]
+            assert err == "CommTimeoutError", f"{mesh}/{phase}/{kind}: rank {rk} got {err}: {msg}"
+            assert 0 <= secs <= TIMEOUT_S + MARGIN_S, f"{mesh}/{phase}/{kind}: rank {rk} took {secs:.1f}s"
+        if kind == "raise":
+            assert by_rank.get(victim, ("?",))[0] == "RuntimeError", by_rank.get(victim)
+        lines.append(f"{mesh:8s} {phase:8s} {kind:5s} " +
+                     " ".join(f"r{rk}:{by_rank[rk][2]:.1f}s" for rk in survivors))
+    print("\n".join(lines))
+
+
+def test_lost_rank_every_mesh_forward_and_backward():
+    """12 scenarios at once (3 meshes x forward/backward x killed/raised alone): the process
+    start-up dominates, so running them concurrently keeps the wall time down."""
+    _check(run_scenarios([(m, phase, kind) for kind in ("kill", "raise") for m in MESHES
+                          for phase in ("forward", "backward")]))
