@@ -230,17 +230,19 @@ def test_end_to_end_calibrate_then_bench(pool):
                                                    (256, 128, 2, False)],
                            merge_tokens=[256, 1024], a2a_bytes=[1 << 10, 1 << 16], p2p_bytes=[1 << 10, 1 << 16],
                            overlap_tokens=128, overlap_bytes=1 << 14, engine_heads=8, engine_kv_heads=2,
-                           engine_lengths=[128], kernel_passes=1, probe_passes=1)
-    res = pool.run("hybrid_cp.bench:measure_rank", timeout=120, spec=spec.model_dump(), repeats=1)
+                           engine_lengths=[128], kernel_passes=1, probe_passes=1,
+                           stages=["kernels", "merge", "p2p", "overlap", "engine"])  # a2a: covered by the fake source
+    res = pool.run("hybrid_cp.bench:measure_rank", timeout=600, spec=spec.model_dump(), repeats=1)
     r0 = res[0]
     kinds = {s["kind"] for s in r0["samples"]}
-    assert {"kernel", "merge", "a2a", "p2p", "overlap", "engine"} <= kinds, [s for s in r0["samples"] if s["kind"] == "skip"]
+    assert {"kernel", "merge", "p2p", "overlap", "engine", "probe"} <= kinds, [s for s in r0["samples"] if s["kind"] == "skip"]
     cal = fit(r0["samples"], spec, backend=r0["backend"], device=r0["device"], kernel_names=r0["kernel_names"])
     assert cal.kernel == "sdpa" and cal.world == 8 and len(cal.kernels) == 4 and cal.probe_s > 0
-    assert all(k.tflops > 0 for k in cal.kernels) and len(cal.a2a) + sum("all-to-all u=" in x for x in cal.not_measured) == 3
+    assert all(k.tflops > 0 for k in cal.kernels) and cal.p2p is not None
+    assert any("a2a: not requested" in x for x in cal.not_measured)  # said, not hidden
     cluster = _calibrated_cluster(cal, 1, 8, "gloo")
     assert Cluster.from_yaml(cluster.to_yaml()) == cluster
-    out = pool.run("hybrid_cp.bench:bench_rank", timeout=120, ulysses=2, ring=4, seq_len=256, heads=8, kv_heads=2,
+    out = pool.run("hybrid_cp.bench:bench_rank", timeout=600, ulysses=2, ring=4, seq_len=256, heads=8, kv_heads=2,
                    head_dim=16, causal=True, repeats=2, warmup=1)
     summary = summarize(out, 2, 4, 256, 8, 2, 16, True, "float32", 1, cluster)
     assert summary["load_factor"] > 0 and summary["predicted_load_adjusted_s"] > 0
