@@ -110,7 +110,8 @@ def measure_step(**kwargs) -> dict:
 
 
 def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (2, 4), causal: bool = True,
-                     s: int = 96, b: int = 2, d: int = 16, return_lse: bool = False, overlap: bool = True) -> dict:
+                     s: int = 96, b: int = 2, d: int = 16, return_lse: bool = False, overlap: bool = True,
+                     cu_seqlens: list | None = None, window: int | None = None) -> dict:
     """hcp.attention with head_chunks=k vs head_chunks=1 on the same shards: out (lse) and dq/dk/dv, and the
     bytes each sent."""
     from hybrid_cp import headchunk
@@ -118,17 +119,17 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
     cp = mesh(u, r)
     g = torch.Generator().manual_seed(11 + h + hkv + s)
     full = [torch.randn(b, s, n, d, generator=g) for n in (h, hkv, hkv, h)]
-    q, k, v, dout = (hcp.shard(x, cp, dim=1) for x in full)
+    extra = {k_: v_ for k_, v_ in (("cu_seqlens", cu_seqlens), ("window", window)) if v_ is not None}
+    q, k, v, dout = (hcp.shard(x, cp, dim=1, **({"cu_seqlens": cu_seqlens} if cu_seqlens else {})) for x in full)
 
     def run(kc: int):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         hcp.reset_comm_bytes(cp)
-        res = hcp.attention(*xs, cp, causal=causal, head_chunks=kc, return_lse=return_lse)
+        res = hcp.attention(*xs, cp, causal=causal, head_chunks=kc, return_lse=return_lse, **extra)
         out, lse = res if return_lse else (res, None)
         out.backward(dout)
         return out.detach(), lse, [x.grad for x in xs], hcp.comm_bytes(cp)
 
-    saved = headchunk.chunked_attention.__defaults__ if False else None  # noqa: F841 (overlap is per call below)
     ref = run(1)
     rows = {}
     for kc in chunks:

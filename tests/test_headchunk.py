@@ -51,3 +51,12 @@ def test_transformers_llama_with_head_chunks_trains_like_single_process(pool):
                                         fsdp=True, checkpoint=True)):
         assert not row["missing"], row
         assert row["loss"] <= TOL and row["grad"] <= TOL, (rank, row)
+
+
+def test_head_chunks_with_packed_documents_and_windows(pool):
+    cu = [0, 30, 31, 77, 120]   # packed row: documents of 30, 1, 46 and 43 tokens
+    for rows in pool.run("memory_cases:headchunk_parity", u=2, r=2, h=8, hkv=2, chunks=(2,), s=120, b=1,
+                         cu_seqlens=cu):
+        assert all(rows[2][key] <= TOL for key in ("out", "dq", "dk", "dv")), rows
+    for rows in pool.run("memory_cases:headchunk_parity", u=2, r=4, h=4, hkv=1, chunks=(2,), s=128, window=9):
+        assert all(rows[2][key] <= TOL for key in ("out", "dq", "dk", "dv")), rows
