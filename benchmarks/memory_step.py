@@ -202,6 +202,42 @@ def time_attention(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, h
     return out
 
 
+def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 16,
+                  seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8)) -> dict:
+    """Exact working set of one hcp.attention call (forward, then backward) per head_chunks, with and without
+    the overlap: bytes allocated above the inputs, including the output (forward) and the input gradients
+    (backward). Runs in a WorkerPool worker."""
+    from hybrid_cp import headchunk
+
+    cp = _mesh(u, r)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, seq_len, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads, heads)]
+    q, k, v, dout = (hcp.shard(x, cp, dim=1) for x in full)
+    orig = headchunk._ChunkedAttention.apply
+    res = {"output": q.numel() * 4, "input_grads": (q.numel() + k.numel() + v.numel()) * 4}
+    for kc in chunks:
+        for overlap in ((True, False) if kc > 1 else (True,)):
+            def apply(*a, _o=overlap):
+                a = list(a)
+                a[10] = _o
+                return orig(*a)
+            headchunk._ChunkedAttention.apply = apply
+            xs = [x.clone().requires_grad_() for x in (q, k, v)]
+            t = StorageTracker()
+            try:
+                with t:
+                    t.track(xs, dout)
+                    ins = [mark(x, t, "bwd", "exit") for x in xs]
+                    with t.stage("fwd"):
+                        out = hcp.attention(*ins, cp, causal=True, head_chunks=kc)
+                    mark(out, t, "bwd", "enter").backward(dout)
+            finally:
+                headchunk._ChunkedAttention.apply = orig
+            rep = t.report()
+            res[f"{kc}{'' if overlap else '-serial'}"] = (rep["fwd"]["transient"], rep["bwd"]["transient"])
+    return res
+
+
 OPTION_ROWS = [
     ("plain", dict()),
     ("tiled loss", dict(tiled_loss=True)),
@@ -228,7 +264,7 @@ def _estimate(u, r, seq_len, kw, shape=None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", choices=("options", "heads", "overlap", "all"), default="all")
+    p.add_argument("--table", choices=("options", "heads", "engine", "overlap", "all"), default="all")
     p.add_argument("--out", help="also write the markdown tables here")
     p.add_argument("--json", help="write the raw measurements here")
     args = p.parse_args(argv)
@@ -288,6 +324,25 @@ def main(argv=None) -> int:
                 lines.append(f"| {kc} | {mib(worst['peak'])} | {mib(est.peak)} | {est.peak / worst['peak'] - 1:+.1%} | "
                              f"{mib(st['engine']['transient'])} | {mib(eng)} | {mib(st['attention']['transient'])} | "
                              f"{mib(st['attention.bwd']['transient'])} | {eng / first - 1:+.0%} |")
+            lines.append("")
+        if args.table in ("engine", "all"):
+            res = pool.run("memory_step:engine_memory")
+            raw["engine"] = res
+            lines += ["### The engine alone: one hcp.attention call, u=4 x r=2, 8192 tokens, 32/8 heads, head_dim 16, "
+                      "fp32 (exact MiB above the inputs, worst rank; 'intermediate' leaves out the output (forward) "
+                      "and the input gradients (backward))", "",
+                      "| head_chunks | overlap | forward | backward | intermediate fwd / bwd | vs k=1 fwd / bwd | "
+                      "target 0.8 x (1 - 1/k) |", "|---|---|---|---|---|---|---|"]
+            o, gi = res[0]["output"], res[0]["input_grads"]
+            worst = {key: (max(r[key][0] for r in res), max(r[key][1] for r in res)) for key in res[0]
+                     if key not in ("output", "input_grads")}
+            f1, b1 = worst["1"][0] - o, worst["1"][1] - gi
+            for key, (f, b) in worst.items():
+                kc = int(key.split("-")[0])
+                fi, bi = f - o, b - gi
+                lines.append(f"| {kc} | {'no' if 'serial' in key else 'yes'} | {mib(f)} | {mib(b)} | {mib(fi)} / "
+                             f"{mib(bi)} | {fi / f1 - 1:+.0%} / {bi / b1 - 1:+.0%} | "
+                             f"{-0.8 * (1 - 1 / kc):+.0%} |")
             lines.append("")
         if args.table in ("overlap", "all"):
             res = pool.run("memory_step:time_attention", u=4, r=2)
