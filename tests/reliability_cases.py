@@ -235,6 +235,10 @@ def nan_confinement(u: int, r: int, tensor: str, causal: bool, where: str = "all
             "missing": int((expect & ~got).sum())}
 
 
+def nan_confinements(u: int, r: int, combos: list) -> list[dict]:
+    return [nan_confinement(u, r, tensor, causal) for tensor, causal in combos]
+
+
 def determinism(u: int, r: int, layout: str, packed: bool, window) -> bool:
     """Two identical runs (forward and backward) are bitwise equal under deterministic algorithms."""
     torch.use_deterministic_algorithms(True)

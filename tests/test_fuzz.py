@@ -34,7 +34,7 @@ def cases(draw):
                 seed=draw(st.integers(0, 1000)))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases())
 def test_every_call_is_exact_or_raises_a_documented_error_on_every_rank(pool, case):
     results = pool.run("reliability_cases:fuzz_case", c=case, timeout=120)
