@@ -268,10 +268,18 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq, dk.to(k_dtype), dv.to(k_dtype), None, None, None, None, None, None, None, None, None
 
 
+OVERLAP = True
+"""Default schedule: True posts the next chunk's all-to-all before this chunk computes (faster where the
+communication hides, two chunks' buffers alive); False runs the chunks one after another (less memory:
+see docs/memory.md). Set `hybrid_cp.headchunk.OVERLAP = False` on every rank alike."""
+
+
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "CPMesh", kernel: "AttentionKernel",
                       lay: "Layout", split: HeadSplit, plan: "Plan", scale: float, head_chunks: int, *,
-                      overlap: bool = True, return_lse: bool = False):
+                      overlap: bool | None = None, return_lse: bool = False):
     """The attention pipeline of `hcp.attention` with the heads in `head_chunks` chunks (see the module
-    docstring). Inputs are already validated by `hcp.attention`; returns out (and lse [B, H, S])."""
+    docstring). Inputs are already validated by `hcp.attention`; returns out (and lse [B, H, S]).
+    `overlap=None` uses `OVERLAP`."""
+    overlap = OVERLAP if overlap is None else bool(overlap)
     chunks = chunk_heads(split, head_chunks, cp.ulysses_rank)
     return _ChunkedAttention.apply(q, k, v, cp, kernel, lay, split, chunks, plan, scale, overlap, return_lse)
