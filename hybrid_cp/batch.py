@@ -208,10 +208,18 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
     restart at 0; None for a dense batch."""
     cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
     if cu is not None:
+        if isinstance(cu, torch.Tensor) and cu.dim() != 1:
+            raise ShapeError(f"batch['cu_seq_lens_q'] has shape {tuple(cu.shape)}; pass the 1-D boundaries "
+                             f"[0, len_0, len_0 + len_1, ..., total] of the one packed row")
         cu = [int(x) for x in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
         if cu[-1] != s:
             raise ShapeError(f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
                              f"must describe the whole packed row")
+        if isinstance(pos, torch.Tensor):  # given positions must be the per-document ones
+            want = torch.cat([torch.arange(e - a) for a, e in zip(cu, cu[1:])]).to(pos.device)
+            if pos.shape[-1] != s or not torch.equal(pos.reshape(-1, s)[0].to(torch.long), want):
+                raise ShapeError("batch['position_ids'] disagree with batch['cu_seq_lens_q']: in a packed row they must "
+                                 "restart at 0 in every document; drop one of them or make them agree")
     elif isinstance(pos, torch.Tensor) and s > 1 and not pos.is_floating_point() and \
             bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
         restarts = (pos[:, 1:] - pos[:, :-1] != 1)

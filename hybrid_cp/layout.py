@@ -9,7 +9,7 @@ model); this module turns it into tensors. Dense rows use `cp.layout`:
 
 Dense lengths that are not a multiple of the layout's granularity are padded at the end, after
 every real token. Packed rows (``cu_seqlens=``) use the packed layout (documents balanced over the
-ring ranks, see docs/packing.md); their padding sits at the end of each ring block. Padding is
+ring ranks, see docs/layouts.md); their padding sits at the end of each ring block. Padding is
 invisible in every result: `unshard` drops it and attention masks it.
 
 Lengths are never guessed silently: `attention`/`unshard` take ``seq_len=`` (dense) or
