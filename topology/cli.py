@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden", type=int, help="default: heads * head_dim")
     m.add_argument("--layers", type=int, help="default 32")
     m.add_argument("--intermediate", type=int, help="MLP width (default 4 x hidden, plain MLP)")
+    m.add_argument("--sliding-window", type=parse_count, help="keys each query sees in window layers (e.g. 4K)")
+    m.add_argument("--window-layers", type=int, help="how many layers use the window (default: all)")
     w = p.add_argument_group("workload")
     w.add_argument("--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)")
     w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
@@ -93,7 +95,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 def _model(args: argparse.Namespace) -> ModelShape:
     base = dict(MODEL_PRESETS[args.model], name=args.model) if args.model else {}
-    for key in ("heads", "kv_heads", "head_dim", "hidden", "layers", "intermediate"):
+    for key in ("heads", "kv_heads", "head_dim", "hidden", "layers", "intermediate", "sliding_window", "window_layers"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
     missing = [f"--{k.replace('_', '-')}" for k in ("heads", "head_dim") if k not in base]

@@ -17,7 +17,7 @@ FLOPs per sequence (half of the dense ``4 N^2 D H``); backward costs 2.5x forwar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -69,10 +69,14 @@ class ModelShape(BaseModel):
     intermediate: int | None = Field(default=None, ge=1)
     gated_mlp: bool = True
     vocab: int = Field(default=0, ge=0, description="embedding + LM head size, for model-state memory")
+    sliding_window: int | None = Field(default=None, ge=1, description="keys each query sees in window layers")
+    window_layers: int | None = Field(default=None, ge=0, description="layers with the window (default: all)")
     name: str = "custom"
 
     @model_validator(mode="after")
     def _check(self) -> "ModelShape":
+        if self.window_layers is not None and self.window_layers > self.layers:
+            raise ValueError(f"window_layers={self.window_layers} exceeds layers={self.layers}")
         kv = self.kv_heads or self.heads
         if kv > self.heads or self.heads % kv:
             raise ValueError(
@@ -367,7 +371,51 @@ def estimate(
     Ranks ``0 .. dp*ulysses*ring - 1`` of ``cluster`` are used, placed as in
     :func:`topology.placement.mesh_ranks` (ulysses innermost). See the module docstring for the model.
     ``backward=False`` prices a forward pass only (inference, or forward-only benchmarks).
+    A model with ``sliding_window`` (causal) is priced as its average layer: ``window_layers`` of
+    its ``layers`` with the window (skipped blocks, halo exchange), the rest full; memory is the
+    larger of the two.
     """
+    kw = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
+    window = model.sliding_window if causal else None
+    if window is not None and window >= seq_len:
+        window = None
+    if window is None:
+        return _estimate_layer(cluster, model, seq_len, ulysses, ring, dp, batch, **kw)
+    n_win = model.layers if model.window_layers is None else model.window_layers
+    win = _estimate_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
+    if n_win == model.layers:
+        return win
+    full = _estimate_layer(cluster, model, seq_len, ulysses, ring, dp, batch, **kw)
+    a = n_win / model.layers
+
+    def mix(x, y):
+        return a * x + (1 - a) * y
+
+    times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops")
+    return replace(win, **{f: mix(getattr(win, f), getattr(full, f)) for f in times},
+                   bytes_per_rank={k: round(mix(win.bytes_per_rank[k], full.bytes_per_rank[k]))
+                                   for k in win.bytes_per_rank},
+                   memory_bytes=max(win.memory_bytes, full.memory_bytes),
+                   notes=win.notes + (f"{n_win} of {model.layers} layers use the {window}-token window; the "
+                                      f"figures are the average layer",))
+
+
+def _estimate_layer(
+    cluster: Cluster,
+    model: ModelShape,
+    seq_len: int,
+    ulysses: int,
+    ring: int,
+    dp: int = 1,
+    batch: int = 1,
+    *,
+    dtype: Any = "bf16",
+    layout: Layout = "zigzag",
+    causal: bool = True,
+    backward: bool = True,
+    window: int | None = None,
+) -> Estimate:
+    """One layer (see `estimate`); `window`: a causal sliding window of that many keys."""
     _check_ints(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
     e = dtype_bytes(dtype)
     world = dp * ulysses * ring
@@ -387,6 +435,17 @@ def estimate(
     causal_factor = 0.5 if causal else 1.0
     imbalance = (2.0 - 1.0 / ring) if (causal and layout == "contiguous" and ring > 1) else 1.0
     attn_fwd_flops = causal_factor * 4.0 * batch * padded * (padded / ring) * D * c_max * imbalance
+    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
+    window = lay.effective_window(causal, window)
+    halo = lay.halo(causal, window)
+    window_share = busiest_share = 1.0  # of the useful work, and of the busiest rank's, that a window keeps
+    if window is not None:
+        with_w, without = lay.work(causal, window), lay.work(causal)
+        busiest_share = max(map(sum, with_w)) / max(map(sum, without))
+        attn_fwd_flops *= busiest_share
+        window_share = sum(map(sum, with_w)) / sum(map(sum, without))
+        notes.append(f"{window}-token window: blocks it does not reach are skipped"
+                     + ("; only the halo rows are exchanged" if halo else ""))
     attn_fwd_s = attn_fwd_flops / acc.attention_flops
     bwd_factor = ATTN_BWD_FACTOR if backward else 0.0
     attn_bwd_s = bwd_factor * attn_fwd_s
@@ -409,7 +468,7 @@ def estimate(
         ring_overhead_s = ring * (launches * overhead + (merge_fwd + merge_bwd) / (acc.hbm_gb_s * 1e9))
     gemm_flops_per_token = (6.0 if backward else 2.0) * model.layer_params  # fwd 2/param, bwd 4/param
     rest_s = gemm_flops_per_token * batch * s / acc.dense_flops
-    useful = causal_factor * 4.0 * batch * seq_len * seq_len * D * H * (1 + bwd_factor)
+    useful = causal_factor * 4.0 * batch * seq_len * seq_len * D * H * (1 + bwd_factor) * window_share
     model_flops = useful + gemm_flops_per_token * batch * seq_len
     if imbalance > 1:
         notes.append(f"contiguous causal ring: slowest rank does {imbalance:.2f}x the mean attention work")
@@ -417,7 +476,7 @@ def estimate(
         notes.append(f"padded {seq_len} -> {padded} tokens")
 
     # --- communication -------------------------------------------------------------------------
-    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout)
+    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal, window=window)
     if not backward:
         nbytes.update(ulysses_bwd=0, ring_bwd=0)
     unit = batch * s * D * e
@@ -435,11 +494,16 @@ def estimate(
         c_bwd = xfer(kv_elems * (e + GRAD_BYTES))  # K/V and the travelling fp32 dK/dV
         c_home = xfer(kv_elems * GRAD_BYTES)  # last dK/dV hop home: nothing left to hide it
         step_fwd, step_bwd = attn_fwd_s / ring, attn_bwd_s / ring
-        ring_comm_s = (ring - 1) * c_fwd
-        ring_exposed_s = (ring - 1) * _exposed(c_fwd, step_fwd, acc.ring_overlap)
-        if backward:
-            ring_comm_s += (ring - 1) * c_bwd + c_home
-            ring_exposed_s += (ring - 1) * _exposed(c_bwd, step_bwd, acc.ring_overlap) + c_home
+        if halo:  # one exchange of the halo rows, hidden behind the local block; gradients go back after
+            h_fwd, h_bwd = xfer(nbytes["ring_fwd"]), xfer(nbytes["ring_bwd"])
+            ring_comm_s = h_fwd + (h_bwd if backward else 0.0)
+            ring_exposed_s = _exposed(h_fwd, step_fwd, acc.ring_overlap) + (h_bwd if backward else 0.0)
+        else:
+            ring_comm_s = (ring - 1) * c_fwd
+            ring_exposed_s = (ring - 1) * _exposed(c_fwd, step_fwd, acc.ring_overlap)
+            if backward:
+                ring_comm_s += (ring - 1) * c_bwd + c_home
+                ring_exposed_s += (ring - 1) * _exposed(c_bwd, step_bwd, acc.ring_overlap) + c_home
 
     # --- memory (per rank) ---------------------------------------------------------------------
     us = ulysses * s
@@ -461,6 +525,11 @@ def estimate(
         attn_fwd_s, attn_bwd_s = parts["kernel_fwd_s"], parts["kernel_bwd_s"]
         ring_overhead_s, a2a_s = parts["fixed_s"] + parts["merge_s"] + parts["copy_s"], parts["a2a_s"]
         ring_comm_s, ring_exposed_s = parts["ring_comm_s"], parts["ring_exposed_s"]
+        if window is not None:  # the calibrated kernel and ring terms, for the work and bytes a window keeps
+            attn_fwd_s, attn_bwd_s = attn_fwd_s * busiest_share, attn_bwd_s * busiest_share
+            full = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal)
+            moved = (nbytes["ring_fwd"] + nbytes["ring_bwd"]) / max(1, full["ring_fwd"] + full["ring_bwd"])
+            ring_comm_s, ring_exposed_s = ring_comm_s * moved, ring_exposed_s * moved
         a2a_link = "measured" if ulysses > 1 and a2a_link != "none" else a2a_link
         ring_link = "measured" if ring > 1 else ring_link
         notes += parts["notes"]
@@ -539,7 +608,7 @@ def _calibrated_parts(cal: Any, cluster: Cluster | None, world: int, dp: int, H:
         merge_s = ring * cal.merge.seconds(batch * t * c_max * D * (e + 8))
         if backward:
             merge_s += ring * cal.merge.seconds(batch * t * D * (c_max * 8 + 2 * k_max * (8 + e)))
-    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout)
+    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal, window=window)
     if not backward:
         nbytes.update(ulysses_bwd=0, ring_bwd=0)
     sent = sum(nbytes.values())
