@@ -238,7 +238,10 @@ def test_end_to_end_calibrate_then_bench(pool):
     assert {"kernel", "merge", "p2p", "overlap", "engine", "probe"} <= kinds, [s for s in r0["samples"] if s["kind"] == "skip"]
     cal = fit(r0["samples"], spec, backend=r0["backend"], device=r0["device"], kernel_names=r0["kernel_names"])
     assert cal.kernel == "sdpa" and cal.world == 8 and len(cal.kernels) == 4 and cal.probe_s > 0
-    assert all(k.tflops > 0 for k in cal.kernels) and cal.p2p is not None
+    assert all(k.tflops > 0 for k in cal.kernels)
+    # on a loaded machine a 2-size link fit can fail; then it must be said, not hidden
+    assert cal.p2p is not None or any(x.startswith("ring p2p:") for x in cal.not_measured)
+    assert cal.merge is not None or any(x.startswith("merge:") for x in cal.not_measured)
     assert any("a2a: not requested" in x for x in cal.not_measured)  # said, not hidden
     cluster = _calibrated_cluster(cal, 1, 8, "gloo")
     assert Cluster.from_yaml(cluster.to_yaml()) == cluster

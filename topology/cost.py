@@ -608,7 +608,7 @@ def _calibrated_parts(cal: Any, cluster: Cluster | None, world: int, dp: int, H:
         merge_s = ring * cal.merge.seconds(batch * t * c_max * D * (e + 8))
         if backward:
             merge_s += ring * cal.merge.seconds(batch * t * D * (c_max * 8 + 2 * k_max * (8 + e)))
-    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal, window=window)
+    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal)  # full row; estimate() scales for a window
     if not backward:
         nbytes.update(ulysses_bwd=0, ring_bwd=0)
     sent = sum(nbytes.values())
