@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from topology import ClusterError, discover
-from topology.discover import launcher_layout
+from topology.discovery import launcher_layout
 
 
 def fake_torch(name="NVIDIA H100 80GB HBM3", count=8, memory=80e9):

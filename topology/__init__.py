@@ -6,7 +6,8 @@
 >>> best = topology.plan(cluster, model, seq_len=1 << 20).best   # best.ulysses, best.ring, best.dp
 
 Names are imported on first use, so that the engine can import the torch-free, pydantic-free
-`topology.layouts` (head and token arithmetic) without loading the planner.
+`topology.layouts` (head and token arithmetic) without loading the planner. (No submodule shares
+an exported name: importing it would replace the name on the package.)
 """
 
 from importlib import import_module
@@ -14,7 +15,7 @@ from importlib import import_module
 _EXPORTS = {
     "cluster": ["Accelerator", "Cluster", "ClusterError", "LinkSpec"],
     "cost": ["Estimate", "ModelShape", "comm_bytes", "dtype_bytes", "estimate", "head_split"],
-    "discover": ["discover"],
+    "discovery": ["discover"],
     "placement": ["PlacementError", "PlacementReport", "PlacementWarning", "check_placement",
                   "fitting_ulysses_degrees", "mesh_ranks", "ring_groups", "ulysses_groups"],
     "planner": ["Plan", "PlanError", "PlanList", "Rejected", "plan"],

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from .cluster import Cluster, ClusterError
 from .cost import MODEL_PRESETS, ModelShape
-from .discover import discover
+from .discovery import discover
 from .planner import PlanError, PlanList, plan
 
 __all__ = ["main", "parse_count", "parse_bytes"]
