@@ -352,6 +352,9 @@ def _ring_tier(cluster: Cluster, groups: list[list[int]]) -> int:
     return worst
 
 
+_MODEL_WINDOW: Any = "model"  # estimate's default window: the model's sliding_window / window_layers mix
+
+
 def estimate(
     cluster: Cluster,
     model: ModelShape,
@@ -365,6 +368,7 @@ def estimate(
     layout: Layout = "zigzag",
     causal: bool = True,
     backward: bool = True,
+    window: int | None = _MODEL_WINDOW,
 ) -> Estimate:
     """Predict time, bytes and memory of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
@@ -373,49 +377,29 @@ def estimate(
     ``backward=False`` prices a forward pass only (inference, or forward-only benchmarks).
     A model with ``sliding_window`` (causal) is priced as its average layer: ``window_layers`` of
     its ``layers`` with the window (skipped blocks, halo exchange), the rest full; memory is the
-    larger of the two.
+    larger of the two. ``window=W`` (or None) prices one layer with that window (or none) instead.
     """
-    kw = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
-    window = model.sliding_window if causal else None
-    if window is not None and window >= seq_len:
-        window = None
-    if window is None:
-        return _estimate_layer(cluster, model, seq_len, ulysses, ring, dp, batch, **kw)
-    n_win = model.layers if model.window_layers is None else model.window_layers
-    win = _estimate_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
-    if n_win == model.layers:
-        return win
-    full = _estimate_layer(cluster, model, seq_len, ulysses, ring, dp, batch, **kw)
-    a = n_win / model.layers
+    if window is _MODEL_WINDOW:
+        kw = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
+        window = model.sliding_window if causal and (model.sliding_window or 0) < seq_len else None
+        n_win = model.layers if model.window_layers is None else model.window_layers
+        win = estimate(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
+        if window is None or n_win == model.layers:
+            return win
+        full = estimate(cluster, model, seq_len, ulysses, ring, dp, batch, window=None, **kw)
+        a = n_win / model.layers
 
-    def mix(x, y):
-        return a * x + (1 - a) * y
+        def mix(x, y):
+            return a * x + (1 - a) * y
 
-    times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops")
-    return replace(win, **{f: mix(getattr(win, f), getattr(full, f)) for f in times},
-                   bytes_per_rank={k: round(mix(win.bytes_per_rank[k], full.bytes_per_rank[k]))
-                                   for k in win.bytes_per_rank},
-                   memory_bytes=max(win.memory_bytes, full.memory_bytes),
-                   notes=win.notes + (f"{n_win} of {model.layers} layers use the {window}-token window; the "
-                                      f"figures are the average layer",))
+        times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops")
+        return replace(win, **{f: mix(getattr(win, f), getattr(full, f)) for f in times},
+                       bytes_per_rank={k: round(mix(win.bytes_per_rank[k], full.bytes_per_rank[k]))
+                                       for k in win.bytes_per_rank},
+                       memory_bytes=max(win.memory_bytes, full.memory_bytes),
+                       notes=win.notes + (f"{n_win} of {model.layers} layers use the {window}-token window; the "
+                                          f"figures are the average layer",))
 
-
-def _estimate_layer(
-    cluster: Cluster,
-    model: ModelShape,
-    seq_len: int,
-    ulysses: int,
-    ring: int,
-    dp: int = 1,
-    batch: int = 1,
-    *,
-    dtype: Any = "bf16",
-    layout: Layout = "zigzag",
-    causal: bool = True,
-    backward: bool = True,
-    window: int | None = None,
-) -> Estimate:
-    """One layer (see `estimate`); `window`: a causal sliding window of that many keys."""
     _check_ints(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
     e = dtype_bytes(dtype)
     world = dp * ulysses * ring
