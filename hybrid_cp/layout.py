@@ -157,10 +157,12 @@ def _warn_padding(cp: "CPMesh", lay: Layout) -> None:
     warned.add(key)
     import logging
 
+    fix = ("pack more tokens into the row, or use fewer ranks for short rows" if len(lay.doc_lens) > 1 or
+           lay.kind.startswith("packed") else f"pick a length that is a multiple of "
+           f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}, or fewer ranks for short rows")
     logging.getLogger("hybrid_cp").warning(
-        "padding is %d of %d tokens (%.0f%%) on this %s mesh (ulysses=%d, ring=%d): pick a length that is a "
-        "multiple of %d, or fewer ranks for short rows", pad, lay.padded_len, 100 * pad / lay.padded_len,
-        cp.layout, cp.ulysses_size, cp.ring_size, granularity(cp.layout, cp.ulysses_size, cp.ring_size))
+        "padding is %d of %d tokens (%.0f%%) on this %s mesh (ulysses=%d, ring=%d): %s", pad, lay.padded_len,
+        100 * pad / lay.padded_len, cp.layout, cp.ulysses_size, cp.ring_size, fix)
 
 
 def _check_packed_row(x: torch.Tensor, dim: int, lay: Layout, name: str) -> None:
