@@ -5,7 +5,7 @@ group; none hangs (the pool's timeout would fail the test)."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import example, HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hybrid_cp.errors as errors
@@ -34,8 +34,12 @@ def cases(draw):
                 seed=draw(st.integers(0, 1000)))
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# derandomize: CI sees the same 24 draws every run (a failure reproduces); change the seed to explore
+@settings(max_examples=24, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases())
+@example(case={"u": 8, "r": 1, "h": 8, "hkv": 1, "d": 8, "lens": [1], "packed": False, "causal": False,
+               "window": None, "dtype": "fp32", "fault": None, "seed": 0})  # one token: dq is exactly 0
 def test_every_call_is_exact_or_raises_a_documented_error_on_every_rank(pool, case):
     results = pool.run("reliability_cases:fuzz_case", c=case, timeout=120)
     size = case["u"] * case["r"]

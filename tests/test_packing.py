@@ -157,7 +157,7 @@ def test_packed_layout_rejects_bad_boundaries():
     assert Packed((3, 0, 4), 2, 2).seq_len == 7  # empty documents hold no tokens and are allowed
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=8, deadline=None, derandomize=True)  # the same draws in every CI run
 @given(docs=st.lists(st.integers(1, 70), min_size=1, max_size=9), mesh=st.sampled_from(MESHES[1:]),
        causal=st.booleans(), heads=st.sampled_from([(8, 2), (8, 1), (6, 2)]))
 def test_random_mixes_match_per_document_attention(pool, docs, mesh, causal, heads):
