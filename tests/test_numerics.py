@@ -18,7 +18,7 @@ from hybrid_cp.ring import merge_
 MATH = get_kernel("math", torch.device("cpu"), torch.float64, 8)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=6), seed=st.integers(0, 2**16),
        scale=st.sampled_from([0.1, 1.0, 30.0]))
 def test_merge_in_any_order_and_grouping_is_one_softmax(sizes, seed, scale):
@@ -68,7 +68,7 @@ def _fake_mesh(u: int, r: int, layout: str, cp_rank: int) -> CPMesh:
                   ulysses_rank=cp_rank % u, ring_rank=cp_rank // u, dp_rank=0)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(u=st.sampled_from([1, 2, 4]), r=st.sampled_from([1, 2, 3, 4]), layout=st.sampled_from(["zigzag", "contiguous"]),
        docs=st.lists(st.integers(0, 40), min_size=1, max_size=5), packed=st.booleans())
 def test_shard_then_place_back_is_the_identity(u, r, layout, docs, packed):
