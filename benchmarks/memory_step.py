@@ -13,6 +13,7 @@ allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -172,34 +173,47 @@ def time_attention(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, h
 
     import torch.distributed as dist
 
-    from hybrid_cp import headchunk
+    cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
+    out = {}
+    for kc, overlap, name in _schedules(chunks):
+        best = float("inf")
+        with _overlap(overlap):
+            for _ in range(repeats):
+                xs = [x.clone().requires_grad_() for x in (q, k, v)]
+                dist.barrier()
+                t0 = time.perf_counter()
+                hcp.attention(*xs, cp, causal=True, head_chunks=kc).backward(dout)
+                dist.barrier()
+                best = min(best, time.perf_counter() - t0)
+        out[name] = best
+    return out
 
+
+def _attention_case(u: int, r: int, heads: int, kv_heads: int, head_dim: int, seq_len: int):
+    """The mesh and this rank's shards of fixed random q, k, v and dout."""
     cp = _mesh(u, r)
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, seq_len, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads, heads)]
-    q, k, v, dout = (hcp.shard(x, cp, dim=1) for x in full)
-    orig = headchunk._ChunkedAttention.apply
-    out = {}
+    return cp, [hcp.shard(x, cp, dim=1) for x in full]
+
+
+def _schedules(chunks: tuple):
+    """(head_chunks, overlapped, result key): both schedules for every k > 1."""
     for kc in chunks:
         for overlap in ((True, False) if kc > 1 else (True,)):
-            def apply(*a, _o=overlap):
-                a = list(a)
-                a[10] = _o
-                return orig(*a)
-            headchunk._ChunkedAttention.apply = apply
-            best = float("inf")
-            try:
-                for _ in range(repeats):
-                    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    hcp.attention(*xs, cp, causal=True, head_chunks=kc).backward(dout)
-                    dist.barrier()
-                    best = min(best, time.perf_counter() - t0)
-            finally:
-                headchunk._ChunkedAttention.apply = orig
-            out[f"{kc}{'' if overlap else '-serial'}"] = best
-    return out
+            yield kc, overlap, f"{kc}{'' if overlap else '-serial'}"
+
+
+@contextlib.contextmanager
+def _overlap(overlap: bool):
+    """Run head-chunked attention with (or without) the next chunk's all-to-all in flight."""
+    from hybrid_cp import headchunk
+
+    old, headchunk.OVERLAP = headchunk.OVERLAP, overlap
+    try:
+        yield
+    finally:
+        headchunk.OVERLAP = old
 
 
 def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 16,
@@ -207,34 +221,19 @@ def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, he
     """Exact working set of one hcp.attention call (forward, then backward) per head_chunks, with and without
     the overlap: bytes allocated above the inputs, including the output (forward) and the input gradients
     (backward). Runs in a WorkerPool worker."""
-    from hybrid_cp import headchunk
-
-    cp = _mesh(u, r)
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(1, seq_len, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads, heads)]
-    q, k, v, dout = (hcp.shard(x, cp, dim=1) for x in full)
-    orig = headchunk._ChunkedAttention.apply
+    cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
     res = {"output": q.numel() * 4, "input_grads": (q.numel() + k.numel() + v.numel()) * 4}
-    for kc in chunks:
-        for overlap in ((True, False) if kc > 1 else (True,)):
-            def apply(*a, _o=overlap):
-                a = list(a)
-                a[10] = _o
-                return orig(*a)
-            headchunk._ChunkedAttention.apply = apply
-            xs = [x.clone().requires_grad_() for x in (q, k, v)]
-            t = StorageTracker()
-            try:
-                with t:
-                    t.track(xs, dout)
-                    ins = [mark(x, t, "bwd", "exit") for x in xs]
-                    with t.stage("fwd"):
-                        out = hcp.attention(*ins, cp, causal=True, head_chunks=kc)
-                    mark(out, t, "bwd", "enter").backward(dout)
-            finally:
-                headchunk._ChunkedAttention.apply = orig
-            rep = t.report()
-            res[f"{kc}{'' if overlap else '-serial'}"] = (rep["fwd"]["transient"], rep["bwd"]["transient"])
+    for kc, overlap, name in _schedules(chunks):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        t = StorageTracker()
+        with _overlap(overlap), t:
+            t.track(xs, dout)
+            ins = [mark(x, t, "bwd", "exit") for x in xs]
+            with t.stage("fwd"):
+                out = hcp.attention(*ins, cp, causal=True, head_chunks=kc)
+            mark(out, t, "bwd", "enter").backward(dout)
+        rep = t.report()
+        res[name] = (rep["fwd"]["transient"], rep["bwd"]["transient"])
     return res
 
 

@@ -84,28 +84,46 @@ def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[tuple[tupl
     the gradient of a replicated KV head is the sum of its replicas' gradients.
     """
     u = cp.ulysses_size
-    b, n, _, d = parts[0].shape
-    s = n // u
     if u == 1:
         return list(parts)
-    mine = [x.shape[2] for x in parts]
-    send = torch.cat([x.view(b, u, s, h, d) for x, h in zip(parts, mine)], dim=3)
-    send = send.transpose(0, 1).reshape(-1)
-    sizes_in = [b * s * sum(r[p][1] - r[p][0] for r in ranges) * d for p in range(u)]
-    recv = _a2a(cp, send, [b * s * sum(mine) * d] * u, sizes_in, stage)
-    outs = []
-    for x, h in zip(parts, heads):
-        dtype = torch.float32 if accumulate and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        outs.append(torch.zeros(b, s, h, d, dtype=dtype, device=x.device))
-    offset = 0
-    for p in range(u):
-        widths = [r[p][1] - r[p][0] for r in ranges]
-        block = recv[offset:offset + sizes_in[p]].view(b, s, sum(widths), d)
-        offset += sizes_in[p]
-        for out, r, piece in zip(outs, ranges, block.split(widths, dim=2)):
-            target = out[:, :, r[p][0]:r[p][1]]
-            target.add_(piece) if accumulate else target.copy_(piece)
+    send, sizes_out, sizes_in = pack_head_to_seq(parts, ranges, u)
+    recv = _a2a(cp, send, sizes_out, sizes_in, stage)
+    b, n, _, d = parts[0].shape
+    outs = [torch.zeros(b, n // u, h, d, dtype=acc_dtype(x.dtype) if accumulate else x.dtype, device=x.device)
+            for x, h in zip(parts, heads)]
+    unpack_head_to_seq_(recv, outs, ranges, sizes_in, accumulate)
     return [o.to(x.dtype) for o, x in zip(outs, parts)]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results and gradients accumulate in: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pack_head_to_seq(parts: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
+                     u: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The send buffer of the head -> sequence all-to-all (rank-major tokens, my heads of every part
+    fused), its per-peer sizes, and the per-peer sizes to receive (peer p's heads of each part)."""
+    b, n, _, d = parts[0].shape
+    s = n // u
+    mine = [x.shape[2] for x in parts]
+    send = torch.cat([x.reshape(b, u, s, h, d) for x, h in zip(parts, mine)], dim=3).transpose(0, 1).reshape(-1)
+    sizes_in = [b * s * sum(r[p][1] - r[p][0] for r in ranges) * d for p in range(u)]
+    return send, [b * s * sum(mine) * d] * u, sizes_in
+
+
+def unpack_head_to_seq_(recv: torch.Tensor, targets: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
+                        sizes_in: list[int], accumulate: bool) -> None:
+    """Write (or, for replicated KV gradients, add) each peer's heads into targets[i] [B, S, heads, D]."""
+    b, s, _, d = targets[0].shape
+    offset = 0
+    for p, size in enumerate(sizes_in):
+        widths = [r[p][1] - r[p][0] for r in ranges]
+        block = recv[offset:offset + size].view(b, s, sum(widths), d)
+        offset += size
+        for t, r, piece in zip(targets, ranges, block.split(widths, dim=2)):
+            view = t[:, :, r[p][0]:r[p][1]]
+            view.add_(piece) if accumulate else view.copy_(piece)
 
 
 class RingExchange:

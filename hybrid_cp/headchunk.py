@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from .comm import count
+from .comm import acc_dtype, count, pack_head_to_seq, unpack_head_to_seq_
 from .heads import HeadSplit
 from .layout import gathered_to_ring_block, ring_block_to_gathered
 from .ring import ring_backward, ring_forward
@@ -138,8 +138,6 @@ def _post_head_to_seq(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ra
     rank's heads into targets[i] [B, S, heads, D] at ranges[i][p]."""
     u = cp.ulysses_size
     gathered = [ring_block_to_gathered(x, lay) for x in parts]
-    b, n, _, d = gathered[0].shape
-    s = n // u
     if u == 1:
         def local():
             for x, r, t in zip(gathered, ranges, targets):
@@ -147,37 +145,22 @@ def _post_head_to_seq(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ra
                 view.add_(x) if accumulate else view.copy_(x)
             return targets
         return _InFlight(None, (), local)
-    mine = [x.shape[2] for x in gathered]
-    send = torch.cat([x.reshape(b, u, s, h, d) for x, h in zip(gathered, mine)], dim=3).transpose(0, 1).reshape(-1)
+    send, sizes_out, sizes_in = pack_head_to_seq(gathered, ranges, u)
     del gathered
-    sizes_in = [b * s * sum(r[p][1] - r[p][0] for r in ranges) * d for p in range(u)]
     recv = send.new_empty(sum(sizes_in))
-    per_peer = b * s * sum(mine) * d
-    count(cp, stage, (u - 1) * per_peer * send.element_size())
-    work = dist.all_to_all_single(recv, send, sizes_in, [per_peer] * u, group=cp.ulysses_group, async_op=True)
+    count(cp, stage, (u - 1) * sizes_out[0] * send.element_size())
+    work = dist.all_to_all_single(recv, send, sizes_in, sizes_out, group=cp.ulysses_group, async_op=True)
 
     def finish():
-        offset = 0
-        for p in range(u):
-            widths = [r[p][1] - r[p][0] for r in ranges]
-            block = recv[offset:offset + sizes_in[p]].view(b, s, sum(widths), d)
-            offset += sizes_in[p]
-            for t, r, piece in zip(targets, ranges, block.split(widths, dim=2)):
-                view = t[:, :, r[p][0]:r[p][1]]
-                view.add_(piece) if accumulate else view.copy_(piece)
+        unpack_head_to_seq_(recv, targets, ranges, sizes_in, accumulate)
         return targets
 
     return _InFlight(work, (send,), finish)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp, kernel, lay, split, chunks, plan, scale, overlap, want_lse):
-        u, me = cp.ulysses_size, cp.ulysses_rank
         n = chunks.count
         kv_flight = _post_seq_to_head(cp, lay, [k, v], [split.kv, split.kv], "ulysses_fwd")
         q_flight = [None] * n
@@ -226,7 +209,7 @@ class _ChunkedAttention(torch.autograd.Function):
         cp, kernel, lay, split, chunks, plan, scale, overlap, halos, k_shape, k_dtype = ctx.args
         n = chunks.count
         dout = dout.contiguous()
-        acc = _acc(q.dtype)
+        acc = acc_dtype(q.dtype)
         dkv_h = torch.zeros(2, *kh.shape, dtype=acc, device=kh.device)
         dq = torch.empty_like(q)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from topology.layouts import Layout, Step
 
-from .comm import RingExchange, count
+from .comm import RingExchange, acc_dtype, count
 from .heads import HeadMap
 
 if TYPE_CHECKING:
@@ -151,10 +151,6 @@ def _add_rows_(target: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
         target.index_add_(1, rows, value.to(target.dtype))
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _kv_buffers(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     kv = torch.empty(2, 2, *k.shape, dtype=k.dtype, device=k.device)  # double buffer of fused K/V
     kv[0, 0].copy_(k)
@@ -186,7 +182,7 @@ def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: to
     r = cp.ring_size
     b, n, hq, d = q.shape
     heads = HeadMap(kv_index, k.shape[2], q.device)
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = torch.zeros(b, n, hq, d, dtype=acc, device=q.device)
     lse = torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
 
@@ -221,7 +217,7 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
     """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes)."""
     r = cp.ring_size
     heads = HeadMap(kv_index, k.shape[2], q.device)
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 
     def compute(tasks, kb_full, vb_full) -> list:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cluster import Cluster
-from .layouts import granularity, head_split, make_layout, padded_length, doc_lengths
+from .layouts import doc_lengths, head_split, make_layout
 from .placement import PlacementError, ring_groups, ulysses_groups
 
 __all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS",

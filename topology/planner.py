@@ -15,6 +15,7 @@ from typing import Any
 
 from .cluster import Cluster
 from .cost import Estimate, ModelShape, estimate
+from .layouts import granularity
 from .placement import PlacementWarning, check_placement
 
 __all__ = ["Plan", "PlanList", "Rejected", "PlanError", "plan"]
@@ -167,7 +168,7 @@ def plan(
             if u > model.heads:
                 rejected.append(Rejected(u, r, d, f"ulysses={u} > heads={model.heads}"))
                 continue
-            g = (2 if layout == "zigzag" else 1) * cp
+            g = granularity(layout, u, r)
             if seq_len < g:
                 rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
                 continue
