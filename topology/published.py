@@ -28,13 +28,7 @@ class Case:
 
 def prime_rl_relative() -> dict[tuple[int, str], float]:
     """prime-rl PR #2418: GLM-4.5-Air, FA3, 8x H200, 64K tokens; throughput relative to cp=1 (dp=8)."""
-    cluster, model, n = Cluster.preset("dgx-h200"), ModelShape.preset("glm-4.5-air"), 65536
-    base = estimate(cluster, model, n, 1, 1, dp=8).tokens_per_s
-    out = {}
-    for cp in (2, 4):
-        out[(cp, "ulysses")] = estimate(cluster, model, n, cp, 1, dp=8 // cp).tokens_per_s / base - 1
-        out[(cp, "ring")] = estimate(cluster, model, n, 1, cp, dp=8 // cp).tokens_per_s / base - 1
-    return out
+    return prime_rl_with()
 
 
 PRIME_RL_PUBLISHED = {(2, "ulysses"): -0.08, (2, "ring"): -0.29, (4, "ulysses"): 0.01, (4, "ring"): -0.32}
@@ -164,7 +158,8 @@ def _with_acc(cluster: Cluster, **update: float) -> Cluster:
 
 def prime_rl_with(**update: float) -> dict[tuple[int, str], float]:
     """:func:`prime_rl_relative` with accelerator fields replaced (the calibrated terms)."""
-    cluster, model, n = _with_acc(Cluster.preset("dgx-h200"), **update), ModelShape.preset("glm-4.5-air"), 65536
+    cluster = Cluster.preset("dgx-h200")
+    cluster, model, n = _with_acc(cluster, **update) if update else cluster, ModelShape.preset("glm-4.5-air"), 65536
     base = estimate(cluster, model, n, 1, 1, dp=8).tokens_per_s
     out = {}
     for cp in (2, 4):
