@@ -95,7 +95,7 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     document (as `DataCollatorWithFlattening` produces) or ``cu_seq_lens_q`` = [0, len_0, ...,
     total]. The row is sharded with the packed layout, labels are shifted inside each document (the
     last token of every document gets `ignore_index`), ``position_ids`` restart per document, and
-    the result holds ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global boundaries, int32) and
+    the result holds ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global boundaries, int32, on the host) and
     ``max_length_q``/``max_length_k``: pass them to the model with the rest (they reach the attention
     layers as transformers' flash-attention keywords do).
 
@@ -264,7 +264,8 @@ def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, igno
     out["input_ids"] = take(ids, pad_token_id)
     out["labels"] = take(labels, ignore_index)
     out["position_ids"] = positions(None, cp, device=device, cu_seqlens=cu)[None]
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    # on the host: every attention layer reads the boundaries, and a device tensor would sync each time
+    cu_t = torch.tensor(cu, dtype=torch.int32)
     longest = max(lay.doc_lens)
     out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=longest, max_length_k=longest)
     return out

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from topology.layouts import LAYOUTS, check_layout
+from topology.layouts import check_layout
 from .comm import comm_guard
-from .errors import CommTimeoutError, ConfigError, InconsistentRanksError, NonFiniteError, SetupError
+from .errors import ConfigError, InconsistentRanksError, NonFiniteError, SetupError
 
 log = logging.getLogger("hybrid_cp")
 

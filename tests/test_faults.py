@@ -9,12 +9,9 @@ that has torch preloaded), so a broken group never touches the session pool.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import socket
 import time
-
-import pytest
 
 WORLD = 4
 TIMEOUT_S = 5.0
