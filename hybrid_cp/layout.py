@@ -20,6 +20,7 @@ of picking one.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -228,30 +229,26 @@ def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | No
     return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in lay.token_runs(cp.rank)])
 
 
-_PERMS: dict = {}
-
-
+@lru_cache(maxsize=256)
 def _perm(lay: Layout, device: torch.device, inverse: bool) -> torch.Tensor | None:
-    key = (lay, str(device), inverse)
-    if key not in _PERMS:
-        rows = lay.gathered_rows()
-        if rows is None:
-            _PERMS[key] = None
-        else:
-            t = torch.tensor(rows, device=device)
-            _PERMS[key] = torch.argsort(t) if inverse else t
-    return _PERMS[key]
+    """The gathered <-> ring-block row permutation on `device` (None when it is the identity); cached
+    and bounded, since packed rows bring a new layout every step."""
+    rows = lay.gathered_rows()
+    if rows is None:
+        return None
+    t = torch.tensor(rows, device=device)
+    return torch.argsort(t) if inverse else t
 
 
 def gathered_to_ring_block(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.Tensor:
     """Reorder tokens gathered from the ulysses ranks (rank-major) into the ring block's row order."""
-    p = _perm(lay, x.device, inverse=True)
+    p = _perm(lay, x.device, True)
     return x if p is None else x.index_select(dim, p)
 
 
 def ring_block_to_gathered(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.Tensor:
     """Inverse of `gathered_to_ring_block`."""
-    p = _perm(lay, x.device, inverse=False)
+    p = _perm(lay, x.device, False)
     return x if p is None else x.index_select(dim, p)
 
 

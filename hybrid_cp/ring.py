@@ -11,6 +11,7 @@ dK/dV accumulate in fp32 buffers that travel the ring with K/V and arrive home a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,27 +93,24 @@ def _task(step: Step, device: torch.device, key_runs: list[tuple[int, int]] | No
     return Task(_rows(q, device), _rows(k, device), step.causal, step.window, varlen)
 
 
-_PLANS: dict = {}
-
-
 def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window=None) -> Plan:
     """This rank's plan for one call, cached per (layout, rank, mask, window, device): every layer
-    of a model asks for the same one. Halo mode when the window makes it move fewer rows."""
-    window = tuple(window) if isinstance(window, list) else window
-    key = (lay, ring_rank, causal, window, str(device))
-    if key not in _PLANS:
-        r = lay.ring
-        if not lay.halo(causal, window):
-            steps = tuple(tuple(_task(t, device) for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r))
-            _PLANS[key] = Plan(steps)
-        else:
-            recv = [lay.needed_rows(ring_rank, s, causal, window) if s else [] for s in range(r)]
-            send = [None] + [(lambda runs: _rows(runs, device) if runs else None)(
-                lay.needed_rows((ring_rank + s) % r, s, causal, window)) for s in range(1, r)]
-            steps = tuple(tuple(_task(t, device, recv[s] if s else None)
-                                for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r))
-            _PLANS[key] = Plan(steps, True, tuple(tuple(x) for x in recv), tuple(send))
-    return _PLANS[key]
+    of a model asks for the same one (bounded: packed rows bring a new layout every step). Halo mode
+    when the window makes it move fewer rows."""
+    return _plan(lay, ring_rank, causal, torch.device(device), tuple(window) if isinstance(window, list) else window)
+
+
+@lru_cache(maxsize=256)
+def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window) -> Plan:
+    r = lay.ring
+    if not lay.halo(causal, window):
+        return Plan(tuple(tuple(_task(t, device) for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r)))
+    recv = [lay.needed_rows(ring_rank, s, causal, window) if s else [] for s in range(r)]
+    send = [None] + [(lambda runs: _rows(runs, device) if runs else None)(
+        lay.needed_rows((ring_rank + s) % r, s, causal, window)) for s in range(1, r)]
+    steps = tuple(tuple(_task(t, device, recv[s] if s else None)
+                        for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r))
+    return Plan(steps, True, tuple(tuple(x) for x in recv), tuple(send))
 
 
 def _take(x: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
