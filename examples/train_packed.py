@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
+import shutil
 import sys
 import time
 
@@ -34,6 +34,7 @@ from hybrid_cp.batch import shard_batch
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
 from hybrid_cp.loss import cross_entropy
+from hybrid_cp.testing import local_rendezvous
 from hybrid_cp.train_demo import build_model, stdlib_corpus, tiny_llama_config
 
 
@@ -148,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),
+                            init_method=os.environ.get("HCP_INIT_METHOD"))  # None under torchrun: env://
     try:
         corpus = stdlib_corpus(1 << 20)
         rows = [flatten_documents(sample_documents(corpus, s, args.row_tokens, args.mean_doc, args.seed))
@@ -174,9 +176,9 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def _spawned(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      HCP_INIT_METHOD=f"{init_method}?rank={rank}&world_size={world}")
     code = run(args)
     if code:
         sys.exit(code)
@@ -186,14 +188,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ:  # under torchrun
         return run(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    init_method, folder = local_rendezvous()
     try:
-        torch.multiprocessing.spawn(_spawned, args=(args.nprocs, port, args), nprocs=args.nprocs)
+        torch.multiprocessing.spawn(_spawned, args=(args.nprocs, init_method, args), nprocs=args.nprocs)
     except torch.multiprocessing.ProcessExitedException as exc:
         print(f"a rank failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

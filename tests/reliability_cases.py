@@ -59,15 +59,15 @@ class _FaultyKernel:
         return getattr(self.__dict__["inner"], item)
 
 
-def fault_worker(rank: int, world: int, port: int, u: int, r: int, phase: str, kind: str, victim: int,
+def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase: str, kind: str, victim: int,
                  timeout_s: float, results) -> None:
     """One rank of a fault scenario: one call (forward, backward) with the victim's kernel armed;
     survivors report (error type, message, seconds from the call to the error)."""
     try:
         torch.set_num_threads(1)
         # A patient store (processes start slowly on a loaded machine), a short collective timeout.
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=90))
+        store = dist.FileStore(init_method.removeprefix("file://"), world)
+        store.set_timeout(datetime.timedelta(seconds=90))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=90))  # only the barriers use it
         cp = hcp.init_cp_mesh(u, r, timeout=datetime.timedelta(seconds=timeout_s))

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
+import shutil
 import time
+
+from hybrid_cp.testing import local_rendezvous
 
 WORLD = 4
 TIMEOUT_S = 5.0
 MARGIN_S = 25.0  # the machine is shared and loaded; measured times are reported in the test output
 MESHES = {"ring": (1, 4), "ulysses": (4, 1), "hybrid": (2, 2)}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _CTX = None
@@ -40,14 +36,14 @@ def run_scenarios(scenarios: list[tuple[str, str, str]], victim: int = 1) -> dic
     """Run (mesh, phase, kind) scenarios concurrently; return per scenario the survivors' reports."""
     ctx = _ctx()
     results = ctx.Queue()
-    procs, by_port = [], {}
-    for sc in scenarios:
+    procs, folders = [], []
+    for tag, sc in enumerate(scenarios):
         u, r = MESHES[sc[0]]
-        port = _port()
-        by_port[port] = sc
+        init_method, folder = local_rendezvous()
+        folders.append(folder)
         for rank in range(WORLD):
-            p = ctx.Process(target=_target, args=(rank, WORLD, port, u, r, sc[1], sc[2], victim, TIMEOUT_S, results,
-                                                  port), daemon=True)
+            p = ctx.Process(target=_target, args=(rank, WORLD, init_method, u, r, sc[1], sc[2], victim, TIMEOUT_S,
+                                                  results, tag), daemon=True)
             p.start()
             procs.append((sc, rank, p))
     reports: dict = {sc: {} for sc in scenarios}
@@ -57,27 +53,29 @@ def run_scenarios(scenarios: list[tuple[str, str, str]], victim: int = 1) -> dic
     try:
         while got < expected:
             try:
-                port, rank, kind, msg, secs = results.get(timeout=max(1.0, deadline - time.monotonic()))
+                tag, rank, kind, msg, secs = results.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            reports[by_port[port]][rank] = (kind, msg, secs)
+            reports[scenarios[tag]][rank] = (kind, msg, secs)
             got += 1
     finally:
         for _, _, p in procs:
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
     return reports
 
 
-def _target(rank, world, port, u, r, phase, kind, victim, timeout_s, results, tag):
+def _target(rank, world, init_method, u, r, phase, kind, victim, timeout_s, results, tag):
     import reliability_cases
 
     class _Tagged:
         def put(self, item):
             results.put((tag,) + tuple(item))
 
-    reliability_cases.fault_worker(rank, world, port, u, r, phase, kind, victim, timeout_s, _Tagged())
+    reliability_cases.fault_worker(rank, world, init_method, u, r, phase, kind, victim, timeout_s, _Tagged())
 
 
 def _check(reports: dict, victim: int = 1) -> None:

@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
+import shutil
 import sys
+import tempfile
 import traceback
 from typing import Any
 
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def local_rendezvous() -> tuple[str, str]:
+    """A `file://` init method for processes on this machine, and the folder to delete afterwards.
+
+    A file store needs no port: picking a free TCP port and handing it to the children races with
+    every other process on the machine (gloo's own connections included) that may take it first.
+    """
+    folder = tempfile.mkdtemp(prefix="hybrid-cp-rdzv-")
+    return f"file://{os.path.join(folder, 'store')}", folder
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], threads: int) -> None:
+def _worker(rank: int, world: int, init_method: str, tasks, results, paths: list[str], threads: int) -> None:
     sys.path[:0] = [p for p in paths if p not in sys.path]
     import importlib
 
@@ -31,7 +36,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, paths: list[str], 
 
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     while True:
         task = tasks.get()
         if task is None:
@@ -55,9 +60,10 @@ class WorkerPool:
         self.broken = ""
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        port = _free_port()
+        init_method, self.folder = local_rendezvous()
         paths = list(extra_paths or []) + [p for p in sys.path if p]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, paths, threads),
+        self.procs = [ctx.Process(target=_worker, args=(r, world, init_method, self.tasks[r], self.results, paths,
+                                                        threads),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -98,6 +104,7 @@ class WorkerPool:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> "WorkerPool":
         return self
