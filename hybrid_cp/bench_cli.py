@@ -80,6 +80,21 @@ class _Runner:
             self.pool.close()
 
 
+def _error(prog: str, msg: str) -> int:
+    """Print a usage error the same way for every subcommand; the exit status for it."""
+    print(f"hybrid-cp {prog}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _start(prog: str, nprocs: int | None, backend: str) -> "_Runner | None":
+    """Start (or join) the ranks; None after printing why they cannot be started."""
+    try:
+        return _Runner(nprocs, backend)
+    except ValueError as exc:
+        _error(prog, str(exc))
+        return None
+
+
 def _tail(path: str, stop: threading.Event, echo: Callable[[str], None]) -> None:
     """Show the ranks' progress lines as they appear (the pool's rank 0 appends them to a file)."""
     pos = 0
@@ -108,28 +123,26 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--kernels", default="auto", help="comma-separated kernel backends to time (default: auto)")
     p.add_argument("--dtypes", help="comma-separated dtypes (default: float32 on CPU, bfloat16,float16 on CUDA)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (median is kept)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per transfer/merge/engine figure "
+                   "(fastest kept; kernels use the spec's passes)")
     p.add_argument("--quick", action="store_true", help="smallest sizes only (tests, smoke runs)")
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE or all ranks)")
     a = p.parse_args(argv)
-    from topology.calibration import default_spec, fit
+    from topology.calibration import default_spec, fit, heads_per_call, kernel_grid
 
     t0 = time.perf_counter()
     print(f"hybrid-cp calibrate: starting {a.nprocs or 'torchrun'} {a.backend} ranks ...", flush=True)
-    try:
-        runner = _Runner(a.nprocs, a.backend)
-    except ValueError as exc:
-        print(f"hybrid-cp calibrate: error: {exc}", file=sys.stderr)
+    runner = _start("calibrate", a.nprocs, a.backend)
+    if runner is None:
         return 2
+    startup = time.perf_counter() - t0
     try:
         device = "cuda" if a.backend == "nccl" else "cpu"
         over: dict[str, Any] = {"backends": a.kernels.split(",")}
         if a.dtypes:
             over["dtypes"] = a.dtypes.split(",")
         if a.quick:
-            over.update(kernel_shapes=[(128, 128, 4, True), (256, 256, 4, True), (512, 512, 2, True),
-                                       (256, 128, 4, False), (128, 256, 4, False), (512, 256, 2, False),
-                                       (256, 512, 2, False)],
+            over.update(kernel_shapes=kernel_grid(heads_per_call(runner.world, 8), (128, 256)),
                         merge_tokens=[512, 2048], a2a_bytes=[1 << 12, 1 << 18], p2p_bytes=[1 << 12, 1 << 18],
                         overlap_tokens=512, overlap_bytes=1 << 18, engine_lengths=[256, 1024])
         spec = default_spec(runner.world, device, **over)
@@ -142,7 +155,7 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
             watcher = threading.Thread(target=_tail, args=(progress_file, stop, lambda s: print(s, flush=True)),
                                        daemon=True)
             watcher.start()
-        print(f"  ranks up after {time.perf_counter() - t0:.1f} s; measuring (progress below)", flush=True)
+        print(f"  ranks up after {startup:.1f} s; measuring (progress below)", flush=True)
         res = runner.run("measure_rank", spec=spec.model_dump(), repeats=a.repeats, progress_file=progress_file)
         stop.set()
         if watcher is not None:
@@ -151,7 +164,7 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
         r0 = res[0]
         seconds = time.perf_counter() - t0
         cal = fit(r0["samples"], spec, backend=r0["backend"], device=r0["device"], kernel_names=r0["kernel_names"],
-                  seconds=seconds, load=r0["load"])
+                  seconds=seconds, startup_s=startup, load=r0["load"])
         if runner.is_main:
             gpn = a.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", runner.world))
             nodes = max(1, runner.world // gpn)
@@ -232,19 +245,15 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
         try:
             cluster = Cluster.load(a.cluster)
         except ClusterError as exc:
-            print(f"hybrid-cp bench: error: {exc}", file=sys.stderr)
-            return 2
-    try:
-        runner = _Runner(a.nprocs, a.backend)
-    except ValueError as exc:
-        print(f"hybrid-cp bench: error: {exc}", file=sys.stderr)
+            return _error("bench", str(exc))
+    runner = _start("bench", a.nprocs, a.backend)
+    if runner is None:
         return 2
     try:
         world = runner.world
         if world % (a.ulysses * a.ring):
-            print(f"hybrid-cp bench: error: ulysses={a.ulysses} x ring={a.ring} does not divide the {world} ranks; "
-                  f"use --nprocs {a.ulysses * a.ring}", file=sys.stderr)
-            return 2
+            return _error("bench", f"ulysses={a.ulysses} x ring={a.ring} does not divide the {world} ranks; "
+                          f"use --nprocs {a.ulysses * a.ring}")
         res = runner.run("bench_rank", ulysses=a.ulysses, ring=a.ring, seq_len=a.seq_len, heads=a.heads, kv_heads=kv,
                          head_dim=a.head_dim, causal=a.causal, dtype=a.dtype, repeats=a.repeats, warmup=a.warmup,
                          backend=a.kernel)

@@ -10,7 +10,7 @@ import pytest
 
 from topology import Cluster, ModelShape, estimate
 from topology.calibration import (
-    A2AFit, Calibration, CalibrationSpec, KernelFit, LinkFit, collect, fit, kernel_flops,
+    A2AFit, Calibration, CalibrationSpec, KernelFit, LinkFit, collect, default_spec, fit, heads_per_call, kernel_flops,
 )
 from topology.cost import engine_known_s
 
@@ -21,6 +21,12 @@ TRUE_KERNELS = {  # (causal, direction) -> (TFLOP/s, call overhead us, causal ti
     (True, "bwd"): (0.011, 700.0, 250.0, 0.0),  # the tile term carries it
     (False, "fwd"): (0.03, 200.0, 0.0, 2.0),
     (False, "bwd"): (0.015, 450.0, 0.0, 0.0),
+}
+TRUE_HEAD_EFF = {  # (causal, direction) -> rate with h query heads per call / rate with 1 head
+    (True, "fwd"): {1: 1.0, 2: 0.9, 4: 0.8, 8: 0.6},
+    (True, "bwd"): {1: 1.0, 2: 1.1, 4: 0.95, 8: 0.7},
+    (False, "fwd"): {1: 1.0, 2: 0.85, 4: 0.75, 8: 0.5},
+    (False, "bwd"): {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0},
 }
 TRUE_MERGE = LinkFit(bandwidth_gb_s=3.0, latency_us=120.0)
 TRUE_A2A = {2: (0.8, 900.0, 1.6, 500.0), 4: (0.5, 1500.0, 0.9, 800.0), 8: (0.3, 2500.0, None, None)}
@@ -44,8 +50,9 @@ class FakeSource:
         for direction in ("fwd", "bwd"):
             rate, ovh, tile, io = TRUE_KERNELS[(causal, direction)]
             f = kernel_flops(tq, tk, heads, head_dim, causal, direction)
+            eff = TRUE_HEAD_EFF[(causal, direction)].get(heads, 1.0)
             out.append(ovh * 1e-6 + io * 1e-9 * (tq + tk) * heads * head_dim
-                       + f * (1 + (tile / tq if causal else 0)) / (rate * 1e12))
+                       + f / (rate * 1e12 * eff) + f * (tile / tq if causal else 0) / (rate * 1e12))
         return tuple(out)
 
     def merge(self, tokens, heads, head_dim, dtype):
@@ -79,7 +86,9 @@ def test_fit_returns_exactly_the_rates_fed():
     for (causal, direction), (rate, ovh, tile, io) in TRUE_KERNELS.items():
         k = cal.kernel_fit(causal, direction)
         assert _close(k.tflops, rate) and _close(k.call_overhead_us, ovh) and _close(k.causal_tile_tokens, tile)
-        assert _close(k.io_ns_per_elem, io)
+        assert _close(k.io_ns_per_elem, io) and k.reference_heads == 1
+        assert set(k.head_efficiency) == {1, 2, 4, 8}
+        assert all(_close(k.head_efficiency[h], e) for h, e in TRUE_HEAD_EFF[(causal, direction)].items())
         assert k.rms_rel_error < 1e-9
     assert _close(cal.merge.bandwidth_gb_s, 3.0) and _close(cal.merge.latency_us, 120.0)
     for u, (bw, lat, abw, alat) in TRUE_A2A.items():
@@ -94,8 +103,9 @@ def test_fit_returns_exactly_the_rates_fed():
     assert _close(cal.overlap, TRUE_OVERLAP)
     assert _close(cal.step_overhead_us, TRUE_STEP_US, 1e-5) and _close(cal.call_overhead_us, TRUE_CALL_US, 1e-5)
     assert _close(cal.copy_gb_s, TRUE_COPY, 1e-5)
-    # what it could not measure is said, not hidden
+    # what it could not measure is said, not hidden; where its time went is reported
     assert any("rest of the layer" in x for x in cal.not_measured)
+    assert set(cal.stage_seconds) == {"probe", "kernels", "merge", "a2a", "p2p", "overlap", "engine"}
 
 
 def test_failed_stage_is_reported_not_fatal():
@@ -115,6 +125,37 @@ def test_kernel_efficiency_grows_with_block_size():
                   causal_tile_tokens=200)
     effs = [k.efficiency(t, t, 2, 64) for t in (128, 512, 2048, 8192)]
     assert effs == sorted(effs) and effs[0] < 0.6 and effs[-1] > 0.95
+
+
+def test_kernel_grid_separates_heads_from_shape_terms():
+    shapes = default_spec(8).kernel_shapes
+    assert {h for _, _, h, _ in shapes} == set(heads_per_call(8, 8)) == {1, 2, 4, 8}
+    # every head count at two lengths, causal and full: 4 rates + call + tile/io from 8 points each
+    assert len(shapes) == 16 and all(tq % 64 == 0 or not c for tq, _, _, c in shapes)
+
+
+def test_head_efficiency_interpolates_and_its_ideal_limit_is_the_block_size_model():
+    args = dict(backend="x", dtype="float32", causal=True, direction="fwd", tflops=0.02, call_overhead_us=300,
+                causal_tile_tokens=200, io_ns_per_elem=0.5)
+    plain, heads = KernelFit(**args), KernelFit(**args, head_efficiency={1: 1.0, 8: 0.5})
+    assert [heads.head_factor(h) for h in (1, 2, 8, 32)] == [1.0, 1 - 0.5 / 3, 0.5, 0.5]
+    for tq, tk, h in ((128, 128, 8), (768, 384, 8), (6144, 6144, 1), (1000, 3000, 3)):
+        f = kernel_flops(tq, tk, h, 64, True, "fwd")
+        old = 300e-6 + 0.5e-9 * (tq + tk) * h * 64 + f * (1 + 200 / tq) / 0.02e12  # the block-size-only form
+        assert math.isclose(plain.seconds(tq, tk, h, 64), old, rel_tol=1e-12)
+    assert heads.seconds(6144, 6144, 1, 64) == plain.seconds(6144, 6144, 1, 64)
+    assert heads.seconds(768, 768, 8, 64) > plain.seconds(768, 768, 8, 64)
+    # priced per call with the heads a ulysses rank holds: only u=1 (8 heads per call) slows down
+    cal = _true_calibration()
+    fits = lambda eff: [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,  # noqa: E731
+                                  causal_tile_tokens=t, io_ns_per_elem=i, head_efficiency=eff)
+                        for (c, d), (r, o, t, i) in TRUE_KERNELS.items()]
+    shape = ModelShape(heads=8, kv_heads=2, head_dim=64, layers=1)
+    for u, slower in ((8, False), (1, True)):
+        e0, e1 = (estimate(Cluster.preset("cpu", gpus_per_node=8).model_copy(update={
+            "calibration": cal.model_copy(update={"kernels": fits(eff)})}), shape, 6144, u, 8 // u, dtype="float32")
+            for eff in ({}, {1: 1.0, 8: 0.5}))
+        assert (e1.attention_s > e0.attention_s) == slower and e1.a2a_s == e0.a2a_s
 
 
 # ------------------------------------------------------------------------------------------------ ideal limit

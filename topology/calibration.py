@@ -17,12 +17,13 @@ deterministic one and check that the fit returns exactly the rates it was fed.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Iterable, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["KernelFit", "LinkFit", "A2AFit", "Calibration", "RateSource", "CalibrationSpec", "collect", "fit",
-           "kernel_flops", "default_spec", "PROBE"]
+           "kernel_flops", "default_spec", "kernel_grid", "heads_per_call", "PROBE"]
 
 ATTN_BWD_FACTOR = 2.5  # same convention as topology.cost: backward = 2.5x forward FLOPs
 _E = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -33,35 +34,60 @@ class _Strict(BaseModel):
 
 
 class KernelFit(_Strict):
-    """One attention kernel's time per call: ``call_overhead + io * (Tq + Tk) H D + F * (1 + tile / Tq) / rate``.
+    """One attention kernel's time per call:
+    ``call_overhead + io (Tq + Tk) H D + F / (rate e(H)) + F tile / (Tq rate)``.
 
     ``F`` counts useful FLOPs (``4 Tq Tk D H``, half for a causal square block, 2.5x for backward).
     ``causal_tile_tokens`` is the extra work a causal block does on its diagonal tiles (a tiled kernel
     computes whole tiles, so a T x T causal block costs ``T (T + tile) / 2`` entries, not ``T^2 / 2``);
     together with the per-call overhead it is the kernel's efficiency as a function of block size.
+    ``e(H)`` (``head_efficiency``) is its efficiency as a function of the query heads per call: a
+    ulysses degree u hands the kernel H/u heads (and expands H_kv/u KV heads to them), and on a CPU
+    8 heads per call run measurably slower per FLOP than 1 or 2 (cache footprint, GQA expansion), which
+    no block-size term can express because the candidate splits trade heads for block length.
     """
 
     backend: str
     dtype: str
     causal: bool
     direction: Literal["fwd", "bwd"]
-    tflops: float = Field(gt=0, description="asymptotic rate, TFLOP/s, with every rank computing at once")
+    tflops: float = Field(gt=0, description="asymptotic rate at reference_heads heads per call, TFLOP/s, "
+                          "with every rank computing at once")
     call_overhead_us: float = Field(ge=0)
     causal_tile_tokens: float = Field(default=0.0, ge=0)
     io_ns_per_elem: float = Field(default=0.0, ge=0, description="per element of q and k/v rows x heads x D "
                                   "(loads, GQA expansion): what makes short blocks memory-bound")
+    reference_heads: int = Field(default=1, ge=1, description="query heads per call that ``tflops`` is the rate of")
+    head_efficiency: dict[int, float] = Field(
+        default_factory=dict, description="query heads per call -> rate at that head count / tflops, measured at "
+        "H/u for each candidate ulysses degree u; other counts interpolate in log2(heads), clamped at the ends; "
+        "empty: 1 for every count (the block-size-only model)")
     samples: int = 0
     rms_rel_error: float = 0.0
+
+    def head_factor(self, heads: int) -> float:
+        """Rate with ``heads`` query heads per call relative to ``tflops`` (1 when not measured)."""
+        if not self.head_efficiency:
+            return 1.0
+        pts = sorted(self.head_efficiency.items())
+        if heads <= pts[0][0]:
+            return pts[0][1]
+        for (h0, e0), (h1, e1) in zip(pts, pts[1:]):
+            if heads <= h1:
+                w = (math.log2(heads) - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
 
     def seconds(self, tq: int, tk: int, heads: int, head_dim: int) -> float:
         """Predicted time of one call on a (tq x tk) block with ``heads`` query heads."""
         f = kernel_flops(tq, tk, heads, head_dim, self.causal, self.direction)
-        tile = self.causal_tile_tokens / tq if self.causal else 0.0
+        tile = f * self.causal_tile_tokens / tq if self.causal else 0.0
         io = (tq + tk) * heads * head_dim * self.io_ns_per_elem * 1e-9
-        return self.call_overhead_us * 1e-6 + io + f * (1.0 + tile) / (self.tflops * 1e12)
+        rate = self.tflops * 1e12
+        return self.call_overhead_us * 1e-6 + io + f / (rate * self.head_factor(heads)) + tile / rate
 
     def efficiency(self, tq: int, tk: int, heads: int, head_dim: int) -> float:
-        """Fraction of the asymptotic rate this block shape reaches."""
+        """Fraction of the asymptotic rate (at ``reference_heads``) this block shape reaches."""
         f = kernel_flops(tq, tk, heads, head_dim, self.causal, self.direction)
         return f / (self.tflops * 1e12) / self.seconds(tq, tk, heads, head_dim)
 
@@ -110,7 +136,9 @@ class Calibration(_Strict):
     p2p_alone: LinkFit | None = None
     overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a ring transfer a kernel call hides")
     not_measured: list[str] = Field(default_factory=list)
-    seconds: float = Field(default=0.0, ge=0, description="how long the calibration took")
+    seconds: float = Field(default=0.0, ge=0, description="how long the calibration took, starting the ranks included")
+    startup_s: float = Field(default=0.0, ge=0, description="of which starting and joining the ranks")
+    stage_seconds: dict[str, float] = Field(default_factory=dict, description="measurement time of each stage")
     load: list[float] = Field(default_factory=list, description="1/5/15-min load average when it ran")
     probe_s: float | None = Field(
         default=None, gt=0, description="time of the reference kernel call (PROBE) with every rank computing, "
@@ -140,12 +168,17 @@ class Calibration(_Strict):
 
     def summary(self) -> str:
         """A few lines for the CLI."""
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in self.stage_seconds.items())
         lines = [f"calibration: {self.world} {self.backend} ranks on {self.device}, kernel {self.kernel} "
-                 f"{self.dtype}, {self.seconds:.0f} s"]
+                 f"{self.dtype}, {self.seconds:.0f} s ({self.startup_s:.0f} s starting the ranks"
+                 + (f"; measuring: {stages} s" if stages else "") + ")"]
         for k in self.kernels:
+            heads = ", ".join(f"{h}: {e:.2f}" for h, e in sorted(k.head_efficiency.items()))
             lines.append(f"  kernel {k.backend} {k.dtype} {'causal' if k.causal else 'full  '} {k.direction}: "
-                         f"{k.tflops * 1e3:8.2f} GFLOP/s per rank, {k.call_overhead_us:7.0f} us per call, "
-                         f"causal tile {k.causal_tile_tokens:5.0f} tokens, io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)")
+                         f"{k.tflops * 1e3:8.2f} GFLOP/s per rank at {k.reference_heads} head(s), "
+                         f"{k.call_overhead_us:7.0f} us per call, causal tile {k.causal_tile_tokens:5.0f} tokens, "
+                         f"io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)"
+                         + (f"; rate by heads per call {{{heads}}}" if heads else ""))
         if self.merge:
             lines.append(f"  merge: {self.merge.bandwidth_gb_s:.2f} GB/s, {self.merge.latency_us:.0f} us")
         lines.append(f"  per ring step {self.step_overhead_us:.0f} us, per call {self.call_overhead_us:.0f} us, "
@@ -199,8 +232,33 @@ class RateSource(Protocol):
         """`hcp.attention` fwd+bwd (causal, zigzag) with a kernel that does no arithmetic."""
 
 
+def kernel_grid(heads_per_call: Iterable[int], diagonals: Iterable[int] = (1024, 2048),
+                min_tokens: int = 64) -> list[tuple[int, int, int, bool]]:
+    """Kernel shapes for every head count h: per size c, a causal T x T block and a full T/2 x T one
+    (the zigzag ring's two block kinds) with ``T = c / sqrt(h)`` (rounded to 64 tokens).
+
+    The candidate splits of one model trade heads for block length (u ulysses ranks: H/u heads per call,
+    blocks N/r long), so every head count is timed at two lengths: enough to separate its rate from the
+    per-call and per-tile (or IO) terms it shares with the others. ``T = c / sqrt(h)`` gives every shape
+    of one c the same FLOPs, and keeps those shared terms distinguishable: on lines of equal ``T h``
+    the tile/IO term would take the same value for every h, and the fit would be singular.
+    """
+    shapes: list[tuple[int, int, int, bool]] = []
+    for h in sorted(set(heads_per_call)):
+        for c in diagonals:
+            t = max(min_tokens, 64 * round(c / math.sqrt(h) / 64))
+            shapes += [(t, t, h, True), (t // 2, t, h, False)]
+    return shapes
+
+
+def heads_per_call(world: int, heads: int) -> list[int]:
+    """Query heads one kernel call gets for every ulysses degree a world of ``world`` ranks allows."""
+    return sorted({-(-heads // u) for u in _divisors(world) if u <= heads})
+
+
 class CalibrationSpec(_Strict):
-    """Which shapes and sizes a calibration times (defaults: about a minute for 8 CPU ranks)."""
+    """Which shapes and sizes a calibration times (defaults: 8 CPU ranks, about 40 s of measuring on
+    2 quiet cores)."""
 
     world: int = Field(ge=1)
     backends: list[str] = Field(default_factory=lambda: ["auto"])
@@ -209,17 +267,14 @@ class CalibrationSpec(_Strict):
     kv_heads: int = 1
     head_dim: int = 64
     kernel_shapes: list[tuple[int, int, int, bool]] = Field(
-        default_factory=lambda: [(256, 256, 8, True), (512, 512, 8, True), (1024, 1024, 8, True), (2048, 2048, 2, True),
-                                 (4096, 4096, 1, True), (8192, 8192, 1, True), (512, 256, 8, False), (256, 512, 8, False),
-                                 (1024, 512, 8, False), (512, 1024, 8, False), (2048, 1024, 2, False),
-                                 (1024, 2048, 2, False), (4096, 2048, 1, False), (2048, 4096, 1, False)],
+        default_factory=lambda: kernel_grid([1, 2, 4, 8]),
         description="(query tokens, key tokens, query heads, causal) per timed kernel call; KV heads = heads / gqa")
     gqa: int = Field(default=4, ge=1, description="query heads per KV head in the kernel shapes")
-    kernel_passes: int = Field(default=3, ge=1, description="passes over all kernel shapes (fastest kept)")
-    probe_passes: int = Field(default=3, ge=1)
+    kernel_passes: int = Field(default=2, ge=1, description="passes over all kernel shapes (fastest kept)")
+    probe_passes: int = Field(default=2, ge=1)
     merge_tokens: list[int] = Field(default_factory=lambda: [1024, 4096, 16384])
-    a2a_bytes: list[int] = Field(default_factory=lambda: [1 << 14, 1 << 18, 1 << 21, 1 << 23])
-    p2p_bytes: list[int] = Field(default_factory=lambda: [1 << 14, 1 << 18, 1 << 21, 1 << 23])
+    a2a_bytes: list[int] = Field(default_factory=lambda: [1 << 14, 1 << 20, 1 << 23])
+    p2p_bytes: list[int] = Field(default_factory=lambda: [1 << 14, 1 << 20, 1 << 23])
     overlap_tokens: int = 2048
     overlap_bytes: int = 1 << 22
     engine_heads: int = 8
@@ -229,13 +284,14 @@ class CalibrationSpec(_Strict):
 
 
 def default_spec(world: int, device: str = "cpu", **overrides: Any) -> CalibrationSpec:
-    """The spec `hybrid-cp calibrate` uses: fp32 on CPU; bf16 (and fp16) and larger blocks on GPUs."""
-    base: dict[str, Any] = {"world": world}
+    """The spec `hybrid-cp calibrate` uses: fp32 on CPU; bf16 (and fp16) and larger blocks on GPUs.
+    Kernel shapes cover the heads per call of every ulysses degree of ``world`` ranks for a model of
+    ``engine_heads`` query heads (8 on CPU, 32 on GPUs)."""
+    base: dict[str, Any] = {"world": world, "kernel_shapes": kernel_grid(heads_per_call(world, 8))}
     if device.startswith("cuda"):
+        heads = heads_per_call(world, 32)
         base.update(dtypes=["bfloat16", "float16"], heads=8, kv_heads=2, head_dim=128,
-                    kernel_shapes=[(t, t, 32, True) for t in (1024, 2048, 4096, 8192, 16384)]
-                    + [(a, b, 32, False) for a, b in ((2048, 1024), (1024, 2048), (4096, 2048), (2048, 4096),
-                                                      (8192, 4096), (4096, 8192))],
+                    kernel_shapes=kernel_grid(heads, (12288, 49152), min_tokens=1024),
                     merge_tokens=[4096, 16384, 65536], a2a_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26],
                     p2p_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26], overlap_tokens=8192, overlap_bytes=1 << 25,
                     engine_heads=16, engine_kv_heads=4, engine_lengths=[4096 * world, 16384 * world])
@@ -254,19 +310,25 @@ def collect(source: RateSource, spec: CalibrationSpec, progress: Progress = lamb
     """Ask ``source`` for every timing of ``spec``, in a fixed order (all ranks run the same calls).
 
     A stage that raises is recorded as ``{"kind": "skip", "what": ..., "why": ...}`` and the rest goes
-    on, so the calibration can say what it could not measure.
+    on, so the calibration can say what it could not measure. Each stage's own run time is recorded as
+    ``{"kind": "time", "stage": ..., "seconds": ...}``, so a slow calibration says where the time went.
     """
     out: list[dict] = []
 
-    def stage(name: str, fn: Callable[[], Iterable[dict]]) -> None:
-        if name not in spec.stages:
-            out.append({"kind": "skip", "what": name, "why": "not requested (--stages)"})
+    def stage(name: str, fn: Callable[[], Iterable[dict]], gate: str | None = None) -> None:
+        if (gate or name) not in spec.stages:
+            if gate is None:
+                out.append({"kind": "skip", "what": name, "why": "not requested (--stages)"})
             return
+        t0 = time.perf_counter()
         try:
             out.extend(fn())
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             out.append({"kind": "skip", "what": name, "why": f"{type(exc).__name__}: {exc}"})
             progress(f"{name}: could not measure ({type(exc).__name__}: {exc})")
+        dt = time.perf_counter() - t0
+        out.append({"kind": "time", "stage": name, "seconds": dt})
+        progress(f"{name}: {dt:.1f} s")
 
     def kernels() -> Iterable[dict]:
         rows = []
@@ -349,11 +411,11 @@ def collect(source: RateSource, spec: CalibrationSpec, progress: Progress = lamb
                 for _ in range(spec.probe_passes))
         return [{"kind": "probe", "seconds": t}]
 
-    stage("kernels", probe)
+    stage("probe", probe, gate="kernels")
     for name, fn in (("kernels", kernels), ("merge", merge), ("a2a", a2a), ("p2p", p2p), ("overlap", overlap),
                      ("engine", engine)):
         stage(name, fn)
-    stage("kernels", probe)
+    stage("probe", probe, gate="kernels")
     return out
 
 
@@ -421,8 +483,50 @@ def _merge_bytes(tokens: int, heads: int, head_dim: int, dtype: str) -> int:
     return tokens * heads * head_dim * (_E.get(dtype, 4) + 8)
 
 
+def _fit_kernel(backend: str, dtype: str, causal: bool, direction: Literal["fwd", "bwd"], pts: list[dict],
+                skipped: list[str]) -> KernelFit:
+    """One kernel's terms by non-negative least squares on relative error.
+
+    Features: one FLOP coefficient per measured head count (its rate), then the per-call overhead, then
+    the causal tile or (full blocks) the per-element IO; on a square causal block F / Tq is
+    proportional to the IO, so one term carries both there. As many shape terms as the distinct
+    shapes beyond one per head count can determine.
+    """
+    flops = [kernel_flops(p["tq"], p["tk"], p["heads"], p["head_dim"], causal, direction) for p in pts]
+    y = [p["seconds"] for p in pts]
+    heads = sorted({p["heads"] for p in pts})
+    extra = ["call", "tile" if causal else "io"]
+    extra = extra[:max(0, len({(p["tq"], p["tk"], p["heads"]) for p in pts}) - len(heads))]
+    shape_feats = {"call": lambda f, p: 1.0, "tile": lambda f, p: f / p["tq"],
+                   "io": lambda f, p: float((p["tq"] + p["tk"]) * p["heads"] * p["head_dim"])}
+    rows = [[f if p["heads"] == h else 0.0 for h in heads] + [shape_feats[n](f, p) for n in extra]
+            for f, p in zip(flops, pts)]
+    label = f"kernel {backend} {dtype} {'causal' if causal else 'full'} {direction}"
+    try:
+        coef = _nonneg_fit(rows, y, keep=len(heads))
+    except ValueError:
+        coef = [0.0] * len(rows[0])
+    inv_rate = dict(zip(heads, coef))
+    shape = dict(zip(extra, coef[len(heads):]))
+    if min(inv_rate.values()) <= 0:
+        # too noisy to separate the terms: keep a plain rate (time proportional to FLOPs) and say so
+        inv_rate = dict.fromkeys(heads, sum(t / f for t, f in zip(y, flops)) / len(y))
+        shape = {}
+        skipped.append(f"{label}: times did not grow with block size (noise?); only a mean rate was fitted, "
+                       "no per-call/tile/IO/head-count terms")
+    ref = heads[0]
+    rate = 1.0 / inv_rate[ref] / 1e12
+    k = KernelFit(backend=backend, dtype=dtype, causal=causal, direction=direction, tflops=rate,
+                  call_overhead_us=shape.get("call", 0.0) * 1e6, io_ns_per_elem=shape.get("io", 0.0) * 1e9,
+                  causal_tile_tokens=shape.get("tile", 0.0) * rate * 1e12, reference_heads=ref,
+                  head_efficiency={h: inv_rate[ref] / c for h, c in inv_rate.items()} if len(heads) > 1 else {},
+                  samples=len(pts))
+    pred = [k.seconds(p["tq"], p["tk"], p["heads"], p["head_dim"]) for p in pts]
+    return k.model_copy(update={"rms_rel_error": _rms_rel(pred, y)})
+
+
 def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str = "cpu",
-        kernel_names: dict[str, str] | None = None, seconds: float = 0.0,
+        kernel_names: dict[str, str] | None = None, seconds: float = 0.0, startup_s: float = 0.0,
         load: list[float] | None = None) -> Calibration:
     """Fit every term of :class:`Calibration` from :func:`collect`'s samples; say what is missing.
 
@@ -439,34 +543,7 @@ def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str
     for s in by_kind.get("kernel", []):
         groups.setdefault((names.get(s["backend"], s["backend"]), s["dtype"], s["causal"], s["direction"]), []).append(s)
     for (kb, dt, causal, direction), pts in sorted(groups.items()):
-        flops = [kernel_flops(p["tq"], p["tk"], p["heads"], p["head_dim"], causal, direction) for p in pts]
-        y = [p["seconds"] for p in pts]
-        # features by priority: rate, per-call overhead, then the causal tile or (full blocks) the
-        # per-element IO; on a square causal block F / Tq is proportional to the IO, so one term
-        # carries both there. As many features as the distinct shapes can determine.
-        names_f = ["rate", "call", "tile"] if causal else ["rate", "call", "io"]
-        names_f = names_f[:max(1, len({(p["tq"], p["tk"], p["heads"]) for p in pts}))]
-        feats = {"rate": lambda f, p: f, "call": lambda f, p: 1.0, "tile": lambda f, p: f / p["tq"],
-                 "io": lambda f, p: float((p["tq"] + p["tk"]) * p["heads"] * p["head_dim"])}
-        rows = [[feats[n](f, p) for n in names_f] for f, p in zip(flops, pts)]
-        label = f"kernel {kb} {dt} {'causal' if causal else 'full'} {direction}"
-        try:
-            coef = dict(zip(names_f, _nonneg_fit(rows, y)))
-            coef = [coef.get("rate", 0.0), coef.get("call", 0.0), coef.get("io", 0.0), coef.get("tile", 0.0)]
-        except ValueError:
-            coef = [0.0, 0.0, 0.0, 0.0]
-        if coef[0] <= 0:
-            # too noisy to separate the terms: keep a plain rate (time proportional to FLOPs) and say so
-            coef = [sum(t / f for t, f in zip(y, flops)) / len(y), 0.0, 0.0, 0.0]
-            skipped.append(f"{label}: times did not grow with block size (noise?); only a mean rate was fitted, "
-                           "no per-call/tile/IO terms")
-        pred = [coef[0] * f + coef[1] + coef[2] * feats["io"](f, p) + coef[3] * feats["tile"](f, p) * causal
-                for f, p in zip(flops, pts)]
-        kernels.append(KernelFit(backend=kb, dtype=dt, causal=causal, direction=direction,
-                                 tflops=1.0 / coef[0] / 1e12, call_overhead_us=coef[1] * 1e6,
-                                 io_ns_per_elem=coef[2] * 1e9,
-                                 causal_tile_tokens=(coef[3] / coef[0]) if causal else 0.0,
-                                 samples=len(pts), rms_rel_error=_rms_rel(pred, y)))
+        kernels.append(_fit_kernel(kb, dt, causal, direction, pts, skipped))
 
     merge = None
     if by_kind.get("merge"):
@@ -505,10 +582,14 @@ def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str
         skipped.append("overlap: not measured; the model assumes a ring transfer hides fully behind compute")
 
     probes = [s["seconds"] for s in by_kind.get("probe", [])]
+    stage_seconds: dict[str, float] = {}
+    for s in by_kind.get("time", []):
+        stage_seconds[s["stage"]] = stage_seconds.get(s["stage"], 0.0) + s["seconds"]
     main_kernel = names.get(spec.backends[0], spec.backends[0])
     cal = Calibration(world=spec.world, backend=backend, device=device, kernel=main_kernel, dtype=spec.dtypes[0],
                       head_dim=spec.head_dim, kernels=kernels, merge=merge, a2a=a2a, p2p=p2p, p2p_alone=p2p_alone,
-                      overlap=overlap, seconds=seconds, load=list(load or []),
+                      overlap=overlap, seconds=seconds, load=list(load or []), stage_seconds=stage_seconds,
+                      startup_s=startup_s,
                       probe_s=sum(probes) / len(probes) if probes else None)
     step = call = 0.0
     copy = None
