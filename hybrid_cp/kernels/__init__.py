@@ -21,13 +21,17 @@ what makes a block's gradient exact in ring attention. dk/dv come back with H_kv
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import logging
+from typing import Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from .cudnn import CuDNNKernel
+from .fa4 import FA4Kernel
 from .flash import FlashAttnKernel
 from .math import MathKernel
 from .sdpa import SDPAKernel
+from .torch_flash import TorchFlashKernel
 from ..errors import ConfigError, InputTypeError
 
 
@@ -63,17 +67,22 @@ def available_kernels() -> list[str]:
 
 
 def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torch.dtype,
-               head_dim: int) -> AttentionKernel:
+               head_dim: int, *, needs: Iterable[str] = ()) -> AttentionKernel:
     """Resolve `backend` ("auto", a registered name, or a kernel object) for these inputs.
 
-    Raises instead of falling back when a named backend cannot run the inputs.
+    Raises instead of falling back when a named backend cannot run the inputs. `needs` names the
+    keywords the call will pass (e.g. "window", "cu_seqlens_q"): "auto" then skips kernels that
+    do not take them (named backends are checked by the caller, which says which keyword is missing).
     """
     if isinstance(backend, AttentionKernel) and not isinstance(backend, str):
         kernel = backend
     elif backend == "auto":
-        order = ["flash", "sdpa", "math"] if device.type == "cuda" else ["sdpa", "math"]
+        if device.type == "cuda":
+            return _auto_cuda(device, dtype, head_dim, tuple(sorted(needs)))
+        order = ["sdpa", "math"]
         for name in order:
-            if _REGISTRY[name].supports(device, dtype, head_dim) is None:
+            if _REGISTRY[name].supports(device, dtype, head_dim) is None and \
+                    all(takes_keyword(_REGISTRY[name], n) for n in needs):
                 if name != order[0] and dtype != torch.float64:  # fp64 has no fast kernel anywhere
                     _warn_fallback(order, name, device, dtype, head_dim)
                 return _REGISTRY[name]
@@ -89,6 +98,183 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
     return kernel
 
 
+# "auto" on CUDA, fastest first. Published bf16, D=128 forward rates on H100 (backward in brackets):
+# FlashAttention-4 on Hopper is FA3-class, 460-572 TFLOP/s for GQA (FA4 release notes,
+# github.com/Dao-AILab/flash-attention, flash_attn/cute); flash-attn 3 reaches 497-740 (FA3 paper,
+# arXiv 2407.08608; FA2 from the same package is 309-370 [214-322]); cuDNN 9 attention 497-617
+# non-causal, 315-539 causal [305-518] (FA3 paper, arXiv 2407.08608, Fig. 5-7, its cuDNN baseline);
+# PyTorch's own FlashAttention-2 is FA2: 309-370 non-causal, 191-335 causal [214-322] (FA2 paper,
+# arXiv 2307.08691, and the FA3 paper's FA2 baseline); the memory-efficient operator behind `sdpa`
+# measured 160-181 [125-140] on our H200 (docs/benchmarks.md); `math` materialises the score matrix.
+# flash-attn (`flash`) is 2 or 3 depending on what is installed: it sits after fa4, before cuDNN.
+CUDA_AUTO_ORDER: tuple[str, ...] = ("fa4", "flash", "cudnn", "torch-flash", "sdpa", "math")
+_FLASH_CLASS = {"fa4", "flash", "cudnn", "torch-flash"}
+
+# Largest accepted max |kernel - fp32 math| / max |fp32 math| in the self-test, per dtype: a few
+# times the rounding of the dtype; wrong masks, layouts or strides give errors of order 1.
+SELF_TEST_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-3, torch.float64: 1e-9}
+
+
+def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Check `kernel` against fp32 math on small blocks; raise AssertionError naming the case.
+
+    The blocks are what the ring asks of a kernel: a rectangular non-causal block and a causal square
+    block whose results merge (ring.merge_) into one out/lse, then each block's backward with that
+    merged out/lse (a non-contiguous lse view, as the ring passes it); a block with fewer queries than
+    keys; lengths that are not multiples of 128; GQA (H=4, H_kv=2); packed segments and windows when
+    the kernel takes them. Inputs are drawn in fp32 on the CPU and rounded to `dtype`, so the
+    reference sees exactly the kernel's inputs.
+    """
+    from ..ring import merge_  # ring imports kernels for typing only; import here to keep the order simple
+
+    ref = MathKernel()
+    gen = torch.Generator().manual_seed(1234)
+    tol = SELF_TEST_TOL.get(dtype, 3e-2)
+    b, h, hkv, d = 2, 4, 2, head_dim
+    scale = d ** -0.5
+
+    def rand(*shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    def f32(*xs):
+        return tuple(x.float() for x in xs)
+
+    def compare(case: str, got, want) -> None:
+        for name, a, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            if a.shape != w.shape:
+                raise AssertionError(f"{case}: {name} has shape {tuple(a.shape)}, expected {tuple(w.shape)}")
+            err = ((a.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
+            if not err <= tol:  # NaN fails too
+                raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} ({dtype}, D={d})")
+
+    def one_block(case: str, q, k, v, dout, **kw) -> None:
+        out, lse = kernel.forward(q, k, v, scale=scale, **kw)
+        grads = kernel.backward(dout, q, k, v, out, lse, scale=scale, **kw)
+        ro, rl = ref.forward(*f32(q, k, v), scale=scale, **kw)
+        rg = ref.backward(*f32(dout, q, k, v), ro, rl, scale=scale, **kw)
+        compare(case, (out, lse) + tuple(grads), (ro, rl) + tuple(rg))
+
+    # 1. the ring's split: 200 queries against 136 earlier keys (full) + their own 200 (causal)
+    sq, sp = 200, 136
+    q = rand(b, sq + 8, h, d)[:, 4:4 + sq]  # a non-contiguous row slice, as the ring takes it
+    dout = rand(b, sq, h, d)
+    k, v = rand(b, sp + sq, hkv, d), rand(b, sp + sq, hkv, d)
+    blocks = [(slice(0, sp), False), (slice(sp, sp + sq), True)]
+    out = torch.zeros(b, sq, h, d, dtype=torch.float32, device=device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=device)
+    for rows, causal in blocks:
+        o_b, l_b = kernel.forward(q, k[:, rows], v[:, rows], causal=causal, scale=scale)
+        merge_(out, lse, o_b, l_b.float())
+    out = out.to(dtype)
+    lse_view = torch.cat([lse, lse], 2)[:, :, :sq]  # non-contiguous, like the ring's row slices
+    dq = torch.zeros(b, sq, h, d, dtype=torch.float32, device=device)
+    dks, dvs = [], []
+    for rows, causal in blocks:
+        g_q, g_k, g_v = kernel.backward(dout, q, k[:, rows], v[:, rows], out, lse_view, causal=causal, scale=scale)
+        dq += g_q.float()
+        dks.append(g_k)
+        dvs.append(g_v)
+    ro, rl = ref.forward(*f32(q, k, v), causal=False, scale=scale, window=(-1, 0))  # bottom-right causal
+    rg = ref.backward(*f32(dout, q, k, v), ro, rl, causal=False, scale=scale, window=(-1, 0))
+    compare("merged split blocks (200x136 full + 200x200 causal)", (out, lse, dq, torch.cat(dks, 1), torch.cat(dvs, 1)),
+            (ro, rl) + tuple(rg))
+
+    # 2. fewer queries than keys (the other zigzag off-diagonal shape)
+    one_block("rectangular 72x264 non-causal", rand(b, 72, h, d), rand(b, 264, hkv, d), rand(b, 264, hkv, d),
+              rand(b, 72, h, d), causal=False)
+
+    # 3. packed documents and 4. windows, when the kernel takes them
+    if takes_keyword(kernel, "cu_seqlens_q"):
+        def cu(lens):
+            return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+        for causal, seg_q, seg_k in ((True, [37, 130, 61], [37, 130, 61]), (False, [37, 130, 61], [50, 20, 90])):
+            kw = dict(cu_seqlens_q=cu(seg_q), cu_seqlens_k=cu(seg_k), max_seqlen_q=max(seg_q),
+                      max_seqlen_k=max(seg_k))
+            one_block(f"packed segments {seg_q} x {seg_k} causal={causal}", rand(1, sum(seg_q), h, d),
+                      rand(1, sum(seg_k), hkv, d), rand(1, sum(seg_k), hkv, d), rand(1, sum(seg_q), h, d),
+                      causal=causal, **kw)
+    if takes_keyword(kernel, "window"):
+        one_block("window (40, 0) causal 200x200", rand(b, 200, h, d), rand(b, 200, hkv, d), rand(b, 200, hkv, d),
+                  rand(b, 200, h, d), causal=True, window=(40, 0))
+        one_block("window (30, 20) 150x200", rand(b, 150, h, d), rand(b, 200, hkv, d), rand(b, 200, hkv, d),
+                  rand(b, 150, h, d), causal=False, window=(30, 20))
+
+
+Probe = Callable[[AttentionKernel, torch.device, torch.dtype, int], None]
+
+
+def select_kernel(order: Iterable[str], kernels: Mapping[str, AttentionKernel], device: torch.device,
+                  dtype: torch.dtype, head_dim: int, *, probe: Probe | None = None,
+                  needs: Iterable[str] = ()) -> tuple[str, list[tuple[str, str]]]:
+    """The first kernel of `order` that supports the inputs, takes the `needs` keywords and passes
+    `probe` (which raises on failure); returns (its name, [(skipped name, reason), ...])."""
+    skipped: list[tuple[str, str]] = []
+    for name in order:
+        kernel = kernels.get(name)
+        reason = "not registered" if kernel is None else kernel.supports(device, dtype, head_dim)
+        if reason is None:
+            missing = [n for n in needs if not takes_keyword(kernel, n)]
+            if missing:
+                reason = f"does not take the keyword(s) {missing} this call needs"
+        if reason is None and probe is not None:
+            try:
+                probe(kernel, device, dtype, head_dim)
+            except Exception as exc:  # any failure of a kernel on this GPU disqualifies it, with the error
+                reason = f"self-test failed: {type(exc).__name__}: {exc}"
+        if reason is None:
+            return name, skipped
+        skipped.append((name, reason))
+    raise ConfigError(f"no attention backend supports device={device}, dtype={dtype}, head_dim={head_dim}: "
+                     + "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+_AUTO: dict = {}        # (device index, dtype, head_dim, needs) -> chosen kernel name
+_SELF_TESTS: dict = {}  # (kernel name, device index, dtype, head_dim) -> None (passed) or the exception
+
+
+def _device_index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    try:
+        return torch.cuda.current_device()
+    except Exception:  # a CPU-only build (tests use explicit indices)
+        return 0
+
+
+def _cached_self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """`self_test` once per (kernel, GPU, dtype, head_dim); the math kernel is the reference itself."""
+    if isinstance(kernel, MathKernel):
+        return
+    key = (getattr(kernel, "name", type(kernel).__name__), _device_index(device), dtype, head_dim)
+    if key not in _SELF_TESTS:
+        try:
+            self_test(kernel, torch.device("cuda", key[1]) if device.type == "cuda" else device, dtype, head_dim)
+            _SELF_TESTS[key] = None
+        except Exception as exc:
+            _SELF_TESTS[key] = exc
+    if _SELF_TESTS[key] is not None:
+        raise _SELF_TESTS[key]
+
+
+def _auto_cuda(device: torch.device, dtype: torch.dtype, head_dim: int, needs: tuple[str, ...]) -> AttentionKernel:
+    """The fastest kernel that runs these inputs on this GPU and passes its self-test; chosen once
+    per (GPU, dtype, head_dim, needed keywords) and said once in the "hybrid_cp" log."""
+    key = (_device_index(device), dtype, head_dim, needs)
+    if key not in _AUTO:
+        name, skipped = select_kernel(CUDA_AUTO_ORDER, _REGISTRY, device, dtype, head_dim,
+                                      probe=_cached_self_test, needs=needs)
+        _AUTO[key] = name
+        failed = any(r.startswith("self-test failed") for _, r in skipped)
+        slow = name not in _FLASH_CLASS and dtype in (torch.float16, torch.bfloat16)
+        logging.getLogger("hybrid_cp").log(
+            logging.WARNING if failed or slow else logging.INFO,
+            "backend='auto' picked %r for cuda:%d dtype=%s head_dim=%d%s; faster kernels skipped: %s",
+            name, key[0], dtype, head_dim, f" needs={list(needs)}" if needs else "",
+            "; ".join(f"{n}: {r}" for n, r in skipped) or "none")
+    return _REGISTRY[_AUTO[key]]
+
+
 _WARNED: set = set()
 
 
@@ -101,8 +287,6 @@ def _warn_fallback(order: list[str], chosen: str, device: torch.device, dtype: t
     reasons = []
     for name in order[:order.index(chosen)]:
         reasons.append(f"{name}: {_REGISTRY[name].supports(device, dtype, head_dim)}")
-    import logging
-
     logging.getLogger("hybrid_cp").warning(
         "backend='auto' falls back to %r for device=%s dtype=%s head_dim=%d (%s); expect it to be slower",
         chosen, device, dtype, head_dim, "; ".join(reasons))
@@ -121,6 +305,10 @@ def takes_keyword(kernel: AttentionKernel, name: str) -> bool:
 register_kernel("math", MathKernel())
 register_kernel("sdpa", SDPAKernel())
 register_kernel("flash", FlashAttnKernel())
+register_kernel("torch-flash", TorchFlashKernel())
+register_kernel("cudnn", CuDNNKernel())
+register_kernel("fa4", FA4Kernel())
 
-__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_keyword",
-           "MathKernel", "SDPAKernel", "FlashAttnKernel"]
+__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_keyword", "self_test",
+           "select_kernel", "CUDA_AUTO_ORDER", "MathKernel", "SDPAKernel", "FlashAttnKernel", "TorchFlashKernel",
+           "CuDNNKernel", "FA4Kernel"]

@@ -111,7 +111,8 @@ class FlashAttnKernel:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         left, right = window if window is not None else (-1, -1)
         common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
-                      softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+                      softcap=0.0, alibi_slopes=None, rng_state=None,
+                      deterministic=torch.are_deterministic_algorithms_enabled())
         if cu_seqlens_q is None:
             _call(mod._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),
                   dq=dq, dk=dk, dv=dv, **common)

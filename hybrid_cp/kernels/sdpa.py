@@ -1,9 +1,11 @@
 """PyTorch's fused scaled-dot-product attention operators that also return the log-sum-exp.
 
 CPU: the flash-attention CPU operator (fp32/bf16/fp16). CUDA: the memory-efficient operator
-(fp32/bf16/fp16); its backward takes out and lse directly, while the CUDA flash operator's
-backward needs opaque tensors from its own forward. For the fastest CUDA path install flash-attn. GQA is handled by
-repeating KV heads for the call and summing their gradients back (local to one block).
+(fp32/bf16/fp16), whose backward takes out and lse directly. It is the portable CUDA fallback (it
+also takes fp32), not the fast one: the CUDA flash operators' backward takes an external out/lse
+too and is wrapped as the `torch-flash` kernel (torch_flash.py); cuDNN attention is `cudnn` and
+FlashAttention-4 `fa4`. backend="auto" picks among them on CUDA. GQA is handled here by repeating
+KV heads for the call and summing their gradients back (local to one block).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def _window_bias(q: torch.Tensor, k: torch.Tensor, window) -> torch.Tensor | Non
     if window is None:
         return None
     if q.device.type != "cpu":
-        raise ValueError("the CUDA SDPA backend has no verified window path; use backend='flash' (flash-attn, "
-                         "native windows) or backend='math' for sliding-window attention on CUDA")
+        raise ValueError("the CUDA SDPA backend has no verified window path; use backend='torch-flash' (native "
+                         "windows, no install), backend='flash' (flash-attn) or backend='math' for "
+                         "sliding-window attention on CUDA")
     visible = window_mask(q.shape[1], k.shape[1], window, q.device)
     return torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
 

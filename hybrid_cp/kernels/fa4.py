@@ -1,0 +1,78 @@
+"""FlashAttention-4 (`flash-attn-4` on PyPI: a pure-Python CuTe DSL package; `pip install 'hybrid-cp[fa4]'`).
+
+Import-guarded: the package works without it. [B, S, H, D] layout, lse [B, H, Sq] fp32, GQA native,
+causal bottom-right for rectangular blocks, and a backward that takes an external out and lse (the
+ring's merged ones). The entry points are private and beta (`flash_attn.cute.interface`): they are
+called by keyword, and the forward's return value is read as (out, lse, ...) because recent betas
+return five values where older ones returned two. FA4 compiles each new configuration on first use
+(seconds); set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 to keep compiled kernels across runs.
+
+Choices (see docs/benchmarks.md, "GPU kernels"): the backward needs sm90 or newer, so the kernel
+requires sm90+. Packed documents run as one call per segment (varlen.py): FA4's varlen backward is
+not available on sm90 in the pinned beta. Sliding windows are not taken (no `window` keyword): the
+pinned beta's sm90 backward refuses them; use torch-flash for windows.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .varlen import segment_backward, segment_forward
+
+
+@lru_cache(maxsize=1)
+def _fa4_module():
+    """flash_attn.cute.interface if flash-attn-4 is installed (and importable here), else None."""
+    try:
+        from flash_attn.cute import interface
+    except Exception:  # ImportError, or the CuTe DSL failing to load its CUDA libraries
+        return None
+    return interface
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+class FA4Kernel:
+    name = "fa4"
+
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        if _fa4_module() is None:
+            return "flash-attn-4 is not installed (pip install 'hybrid-cp[fa4]')"
+        if device.type != "cuda":
+            return f"flash-attn-4 runs on CUDA only, not {device.type}"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn-4 takes fp16/bf16, not {dtype}"
+        if head_dim > 256 or head_dim % 8:
+            return f"flash-attn-4 needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+        major, minor = _capability(device)
+        if major < 9:
+            return f"flash-attn-4's backward needs sm90 or newer, this GPU is sm{major}{minor}"
+        return None
+
+    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=None, max_seqlen_k=None):
+        if cu_seqlens_q is not None:
+            return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k)
+        res = _fa4_module()._flash_attn_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+                                            softmax_scale=scale, causal=causal, return_lse=True)
+        out, lse = res[0], res[1]
+        if lse is None:
+            raise RuntimeError("flash-attn-4's _flash_attn_fwd returned no lse despite return_lse=True; this "
+                               "flash-attn-4 release is not supported (pin the version of the 'fa4' extra)")
+        return out, lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+        if cu_seqlens_q is not None:
+            return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        res = _fa4_module()._flash_attn_bwd(
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), dout=dout.contiguous(),
+            lse=lse.float().contiguous(), softmax_scale=scale, causal=causal,
+            deterministic=torch.are_deterministic_algorithms_enabled())
+        return res[0], res[1], res[2]
