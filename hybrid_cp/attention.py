@@ -22,6 +22,7 @@ from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
 from .mesh import CPMesh, agree_across_ranks
 from .ring import Plan, block_plan, ring_backward, ring_forward
 from .errors import ConfigError, CPError, InputTypeError, ShapeError
+from . import compiled as _compiled  # noqa: E402  (imports this module back; used at call time)
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -175,7 +176,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     `head_chunks` > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
     each chunk's all-to-all overlapping the previous chunk's compute: less attention memory, same
     result (`hybrid_cp/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
+    Under `torch.compile` the call is one opaque custom op (`hybrid_cp/compiled.py`).
     """
+    if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
+        return _compiled.compiled_attention(q, k, v, cp, causal=causal, softmax_scale=softmax_scale,
+                                            return_lse=return_lse, backend=backend, seq_len=seq_len,
+                                            cu_seqlens=cu_seqlens, window=window, head_chunks=head_chunks)
     error, lay, kernel = None, None, None
     try:
         if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:

@@ -1,0 +1,333 @@
+"""`hcp.attention` under `torch.compile`: the engine as two opaque custom ops.
+
+Why opaque: the engine's work is collectives (Ulysses all-to-all, ring send/recv) interleaved with
+host-side decisions (block plans, cross-rank validation) that dynamo cannot trace without
+breaking the graph. So while dynamo traces, `attention()` hands the call to
+`hybrid_cp::attention_fwd`: its real implementation runs the same checks and the same engine code
+as eager (`_local_checks`, the cross-rank agreement, `seq_to_head`, `ring_forward`,
+`head_to_seq`); its fake implementation only gives shapes, so tracing never communicates. The
+op's autograd formula calls `hybrid_cp::attention_bwd` (all-to-all of d(out), `ring_backward`,
+all-to-all of the gradients), the same code as eager backward, so results match eager exactly.
+
+What backward needs comes out of the forward op as extra outputs (the post-all-to-all q/k/v, out
+and lse in ring-block order): eager saves exactly these, so this costs no extra memory. In halo
+mode (short windows) eager also keeps the halo K/V rows received in forward; their number of rows
+depends on the plan (for packed rows, on the values in `cu_seqlens`), which a fake cannot know,
+so backward receives them again instead (halo rows are few by construction).
+
+Objects cannot be op arguments, so the mesh and kernel objects go through a per-process registry
+and the op gets a small integer key (first-use order: the same on every rank of an SPMD program,
+so every rank compiles the same graph). Calls the ops cannot express (a plain local-attention
+callable, `head_chunks` > 1, arguments of the wrong type) run eagerly outside the graph: a graph
+break, never a wrong result; invalid arguments then raise eager's documented error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import attention as _eager
+from .comm import RingExchange, acc_dtype, head_to_seq, seq_to_head
+from .errors import CPError, ConfigError, InputTypeError
+from .heads import HeadSplit, head_split
+from .kernels import AttentionKernel, get_kernel
+from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
+from .mesh import CPMesh, agree_across_ranks
+from .ring import Plan, _halo_fetch, block_plan, ring_backward, ring_forward
+
+log = logging.getLogger("hybrid_cp")
+
+__all__ = ["compiled_attention", "registered_mesh"]
+
+_MESHES: list[CPMesh] = []          # key -> mesh (kept alive: a key must never point at a new object)
+_MESH_KEYS: dict[int, int] = {}     # id(mesh) -> key
+_KERNELS: list[Any] = []            # key -> kernel object passed as backend=
+_KERNEL_KEYS: dict[int, int] = {}
+_KERNEL_PREFIX = "#kernel:"
+
+
+# dynamo runs these two for real while tracing (their registry writes must happen before the graph first
+# runs; traced writes would only be replayed after it) and bakes the key into the graph as a constant; it
+# still guards on the object, so a different mesh or kernel object recompiles with its own key.
+@torch.compiler.assume_constant_result
+def _mesh_key(cp: CPMesh) -> int:
+    key = _MESH_KEYS.get(id(cp))
+    if key is None:
+        key = len(_MESHES)
+        _MESHES.append(cp)
+        _MESH_KEYS[id(cp)] = key
+    return key
+
+
+def registered_mesh(key: int) -> CPMesh:
+    """The mesh behind an op's `mesh` argument."""
+    return _MESHES[key]
+
+
+@torch.compiler.assume_constant_result
+def _backend_arg(backend: Any) -> str:
+    """A registered kernel's name as is; a kernel object as a registry key."""
+    if isinstance(backend, str):
+        return backend
+    key = _KERNEL_KEYS.get(id(backend))
+    if key is None:
+        key = len(_KERNELS)
+        _KERNELS.append(backend)
+        _KERNEL_KEYS[id(backend)] = key
+    return f"{_KERNEL_PREFIX}{key}"
+
+
+def _backend(arg: str) -> Any:
+    return _KERNELS[int(arg[len(_KERNEL_PREFIX):])] if arg.startswith(_KERNEL_PREFIX) else arg
+
+
+def _window(arg: Optional[list[int]]) -> int | tuple[int, int] | None:
+    if arg is None:
+        return None
+    return arg[0] if len(arg) == 1 else (arg[0], arg[1])
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Everything one call needs besides tensors (eager attention() computes the same)."""
+
+    lay: Any
+    kernel: AttentionKernel
+    split: HeadSplit
+    kv_index: list[int]
+    plan: Plan
+    scale: float
+
+
+def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
+              needs_grad: bool) -> tuple[Any, AttentionKernel, Any]:
+    """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
+    head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
+    error, lay, kernel = None, None, None
+    try:
+        lay, kernel, window = _eager._local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens,
+                                                   window)
+    except (TypeError, ValueError) as exc:
+        if not isinstance(exc, CPError):
+            exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
+        if not (cp.validate and cp.size > 1):
+            raise exc from None
+        error = exc
+    if cp.validate and cp.size > 1:
+        import zlib
+
+        shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
+        name = getattr(kernel, "name", str(backend))
+        docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
+        win = (-1, -1) if error is not None or window is None else (window, 0) if isinstance(window, int) else window
+        signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _eager._DTYPE_CODES.get(q.dtype, 0),
+                     int(causal), lay.seq_len if lay is not None else 0, docs, win[0], win[1],
+                     zlib.crc32(name.encode()), int(needs_grad) if error is None else 0, 1 if error is None else 0]
+        names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
+                 "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks"]
+        agree_across_ranks(cp, signature, names, error, "hcp.attention inputs",
+                           tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
+    return lay, kernel, window
+
+
+def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: torch.device, dtype: torch.dtype,
+          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, checked=None) -> _Call:
+    """The call's layout, kernel, head split and block plan (from `checked` = _validate's result, or
+    recomputed without checks in backward: forward already validated the same arguments)."""
+    b, s, h, d = shape
+    if checked is None:
+        lay = row_layout(cp, local_len=s, seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
+        window = lay.effective_window(causal, window)
+        kernel = get_kernel(backend, device, dtype, d)
+    else:
+        lay, kernel, window = checked
+    split = head_split(h, kv_heads, cp.ulysses_size)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return _Call(lay, kernel, split, split.kv_index(cp.ulysses_rank),
+                 block_plan(lay, cp.ring_rank, causal, device, window), scale)
+
+
+def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
+    """Custom ops may not return views of their inputs or of each other (with ulysses = 1 and no row
+    permutation the engine passes tensors through): copy those."""
+    seen = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor) and x.numel()}
+    result = []
+    for x in outs:
+        ptr = x.untyped_storage().data_ptr() if x.numel() else None
+        if ptr is not None and ptr in seen:
+            x = x.clone()
+            ptr = x.untyped_storage().data_ptr()
+        if ptr is not None:
+            seen.add(ptr)
+        result.append(x)
+    return result
+
+
+@torch.library.custom_op("hybrid_cp::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int,
+                  backend: str, causal: bool, softmax_scale: Optional[float], seq_len: Optional[int],
+                  window: Optional[list[int]], needs_grad: bool, return_lse: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor]:
+    """Validated hybrid attention forward. Returns (out, lse or an empty tensor, and for backward: q, k, v,
+    out [B, u*S, own heads, D] and lse [B, own heads, u*S] in ring-block order)."""
+    cp = registered_mesh(mesh)
+    kernel_arg = _backend(backend)
+    checked = _validate(q, k, v, cp, causal, softmax_scale, kernel_arg, seq_len, cu_seqlens, _window(window),
+                        needs_grad)
+    c = _call(cp, tuple(q.shape), k.shape[2], q.device, q.dtype, causal, softmax_scale, kernel_arg, seq_len,
+              cu_seqlens, None, checked)
+    split, lay = c.split, c.lay
+    parts = seq_to_head(cp, [q, k, v], [split.q, split.kv, split.kv], "ulysses_fwd")
+    qh, kh, vh = (gathered_to_ring_block(x, lay) for x in parts)
+    out_h, lse_h, _halo = ring_forward(cp, c.kernel, qh, kh, vh, c.kv_index, c.plan, scale=c.scale)
+    out = head_to_seq(cp, [ring_block_to_gathered(out_h, lay)], [split.q], [split.heads], "ulysses_fwd")[0]
+    if return_lse:
+        tokens = ring_block_to_gathered(lse_h.transpose(1, 2).unsqueeze(-1), lay)
+        lse = head_to_seq(cp, [tokens.contiguous()], [split.q], [split.heads], "ulysses_lse")[0]
+        lse = lse.squeeze(-1).transpose(1, 2).contiguous()
+    else:
+        lse = lse_h.new_empty(0)
+    return tuple(_unaliased([out, lse, qh, kh, vh, out_h, lse_h], (q, k, v, cu_seqlens)))
+
+
+def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
+    """This rank's query and KV head counts; a plausible guess for inputs the real op will reject (the
+    fake must not raise on one rank alone: the others would wait for it in the agreement check)."""
+    try:
+        split = head_split(heads, kv_heads, cp.ulysses_size)
+        (qs, qe), (ks, ke) = split.q[cp.ulysses_rank], split.kv[cp.ulysses_rank]
+        return qe - qs, ke - ks
+    except (ValueError, ZeroDivisionError, IndexError):
+        return max(heads // cp.ulysses_size, 1), max(kv_heads // cp.ulysses_size, 1)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad,
+                        return_lse):
+    cp = registered_mesh(mesh)
+    b, s, h, d = q.shape
+    nq, nkv = _own_heads(cp, h, k.shape[2])
+    n = cp.ulysses_size * s
+    acc = acc_dtype(q.dtype)
+    lse = q.new_empty(b, h, s, dtype=acc) if return_lse else q.new_empty(0, dtype=acc)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), lse, q.new_empty(b, n, nq, d),
+            k.new_empty(b, n, nkv, d), v.new_empty(b, n, nkv, d), q.new_empty(b, n, nq, d),
+            q.new_empty(b, nq, n, dtype=acc))
+
+
+@torch.library.custom_op("hybrid_cp::attention_bwd", mutates_args=())
+def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
+                  lse_h: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int, backend: str, causal: bool,
+                  softmax_scale: Optional[float], seq_len: Optional[int], window: Optional[list[int]],
+                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `attention_fwd` w.r.t. q, k, v (eager backward's code, in its order)."""
+    cp = registered_mesh(mesh)
+    c = _call(cp, tuple(dout.shape), kv_heads, qh.device, qh.dtype, causal, softmax_scale, _backend(backend),
+              seq_len, cu_seqlens, _window(window))
+    split, lay = c.split, c.lay
+    (d,) = seq_to_head(cp, [dout.contiguous()], [split.q], "ulysses_bwd")
+    dout_h = gathered_to_ring_block(d, lay)
+    halo = None
+    if c.plan.halo:
+        works, halo = _halo_fetch(cp, c.plan, torch.stack([kh, vh]))
+        RingExchange.wait(works)
+    dq, dk, dv = ring_backward(cp, c.kernel, dout_h.contiguous(), qh, kh, vh, out_h, lse_h, c.kv_index, c.plan, halo,
+                               scale=c.scale)
+    parts = [ring_block_to_gathered(g, lay) for g in (dq, dk, dv)]
+    grads = head_to_seq(cp, parts, [split.q, split.kv, split.kv], [split.heads, split.kv_heads, split.kv_heads],
+                        "ulysses_bwd", accumulate=True)
+    return tuple(_unaliased(grads, (dout, qh, kh, vh, out_h, lse_h, cu_seqlens)))
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len,
+                        window, kv_heads):
+    b, s, _, d = dout.shape
+    return (dout.new_empty(dout.shape, dtype=qh.dtype), kh.new_empty(b, s, kv_heads, d),
+            vh.new_empty(b, s, kv_heads, d))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad, return_lse = inputs
+    out, lse, qh, kh, vh, out_h, lse_h = output
+    ctx.save_for_backward(qh, kh, vh, out_h, lse_h, cu_seqlens)
+    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2])
+    ctx.mark_non_differentiable(lse, qh, kh, vh, out_h, lse_h)
+
+
+def _backward(ctx, dout, *_unused):
+    qh, kh, vh, out_h, lse_h, cu_seqlens = ctx.saved_tensors
+    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads = ctx.args
+    dq, dk, dv = torch.ops.hybrid_cp.attention_bwd(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal,
+                                                   softmax_scale, seq_len, window, kv_heads)
+    return (dq, dk, dv) + (None,) * 9
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+_WARNED: set[str] = set()
+
+
+def _eager_attention(*args, **kwargs):
+    return _eager.attention(*args, **kwargs)
+
+
+_outside_graph = torch.compiler.disable(_eager_attention, recursive=True)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _window_arg(window: Any) -> tuple[bool, Optional[list[int]]]:
+    """(expressible, the op's encoding): an int W -> [W], a pair (left, right) -> [left, right]."""
+    if window is None:
+        return True, None
+    if _int(window):
+        return True, [window]
+    if isinstance(window, (tuple, list)) and len(window) == 2 and all(_int(x) for x in window):
+        return True, [window[0], window[1]]
+    return False, None
+
+
+def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
+                       softmax_scale: float | None = None, return_lse: bool = False, backend: Any = "auto",
+                       seq_len: int | None = None, cu_seqlens: Any = None, window: Any = None,
+                       head_chunks: int = 1):
+    """`hcp.attention` while dynamo traces (attention() calls this): one `hybrid_cp::attention_fwd` node in
+    the graph. Same arguments and results as `hcp.attention`.
+
+    `cu_seqlens` should be a tensor (as `shard_batch` gives): a Python list is a constant to dynamo,
+    so every new packing would recompile.
+    """
+    ok_window, window_arg = _window_arg(window)
+    plain_callable = callable(backend) and not isinstance(backend, (str, AttentionKernel))
+    if (plain_callable or head_chunks != 1) and _int(head_chunks) and head_chunks >= 1:
+        reason = "a plain local-attention callable" if plain_callable else f"head_chunks={head_chunks}"
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            log.warning("hcp.attention with %s runs outside the compiled graph (a graph break per call); "
+                        "under torch.compile use a kernel backend and head_chunks=1", reason)
+    if not (isinstance(cp, CPMesh) and all(isinstance(x, torch.Tensor) for x in (q, k, v)) and ok_window
+            and isinstance(causal, bool) and isinstance(return_lse, bool) and head_chunks == 1 and _int(head_chunks)
+            and not plain_callable and isinstance(backend, (str, AttentionKernel))
+            and (softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)))
+            and (seq_len is None or _int(seq_len))
+            and (cu_seqlens is None or isinstance(cu_seqlens, (torch.Tensor, list, tuple)))):
+        # eager runs it (and raises its documented error for invalid arguments)
+        return _outside_graph(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                              backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
+                              head_chunks=head_chunks)
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out, lse = torch.ops.hybrid_cp.attention_fwd(
+        q, k, v, cu_seqlens, _mesh_key(cp), _backend_arg(backend), causal,
+        None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse)[:2]
+    return (out, lse) if return_lse else out

@@ -1,0 +1,183 @@
+"""torch.compile cases, run on every rank of the worker pool (see conftest.py): a tiny model whose
+attention goes through `hcp.attention`, compiled against the same model run eagerly. They return
+numbers and messages; tests/test_compile.py asserts on them.
+
+Only the first cp group (dp rank 0) compiles: the other dp replicas would do the same work, and
+compiling is the expensive part on the suite's shared CPU cores.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import hybrid_cp as hcp
+from dist_cases import mesh
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
+
+
+class TinyModel(nn.Module):
+    """embedding -> q/k/v projections -> hcp.attention -> output projection -> MLP -> local loss sum."""
+
+    def __init__(self, cp: hcp.CPMesh, seq_len: int, window=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cp, self.seq_len, self.window = cp, seq_len, window
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.q = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
+        self.k = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
+        self.v = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
+        self.o = nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
+        x = self.emb(ids)
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, HEADS, HEAD_DIM)
+        k = self.k(x).view(b, s, KV_HEADS, HEAD_DIM)
+        v = self.v(x).view(b, s, KV_HEADS, HEAD_DIM)
+        a = hcp.attention(q, k, v, self.cp, causal=True, window=self.window, cu_seqlens=cu_seqlens,
+                          seq_len=None if cu_seqlens is not None else self.seq_len)
+        x = x + self.o(a.reshape(b, s, HEADS * HEAD_DIM))
+        x = x + self.down(F.gelu(self.up(x)))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _batch(cp: hcp.CPMesh, step: int, seq_len: int, packed: bool):
+    """This rank's shard of step `step`'s batch (the same full batch on every cp rank)."""
+    g = torch.Generator().manual_seed(100 + step)
+    b = 1 if packed else 2
+    ids = torch.randint(0, VOCAB, (b, seq_len), generator=g)
+    labels = torch.randint(0, VOCAB, (b, seq_len), generator=g)
+    cu = None
+    if packed:  # three documents, new boundaries every step (same count: same shapes)
+        cuts = sorted(torch.randperm(seq_len - 2, generator=g)[:2].add(1).tolist())
+        cu = torch.tensor([0, *cuts, seq_len], dtype=torch.int32)
+    ids_l, labels_l = (hcp.shard(x, cp, cu_seqlens=cu) for x in (ids, labels))
+    return ids_l, labels_l, cu
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: bool = False, window=None,
+           seq_len: int = 64) -> dict | None:
+    """Compile the tiny model (fullgraph) and run `steps` steps with new data against eager: loss and
+    gradient errors per step, compiles, graph breaks, whether the custom op is in the graph, and
+    timings (first compiled step = compile time; later steps: compiled vs eager)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    cp = mesh(u, r)
+    if cp.dp_rank != 0:
+        return None
+    torch._dynamo.reset()
+    counters.clear()
+    eager = TinyModel(cp, seq_len, window)
+    model = TinyModel(cp, seq_len, window)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    rows = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(steps):
+            ids, labels, cu = _batch(cp, step, seq_len, packed)
+            t0 = time.perf_counter()
+            ref = eager(ids, labels, cu)
+            ref.backward()
+            t1 = time.perf_counter()
+            loss = compiled(ids, labels, cu)
+            loss.backward()
+            t2 = time.perf_counter()
+            g_ref, g = _grads(eager), _grads(model)
+            rows.append({"loss": _rel(loss.detach(), ref.detach()),
+                         "grads": max(_rel(g[n], g_ref[n]) for n in g_ref),
+                         "eager_s": t1 - t0, "compiled_s": t2 - t1})
+            eager.zero_grad()
+            model.zero_grad()
+    ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    return {"steps": rows, "frames": counter.frame_count, "graph_breaks": dict(counters["graph_break"]),
+            "op_in_graph": any("hybrid_cp.attention_fwd" in o for o in ops)}
+
+
+def validation(u: int, r: int) -> str | None:
+    """One cp rank compiles a call with causal=False, the others causal=True: the op's real
+    implementation must run the cross-rank agreement and raise on every rank (no hang)."""
+    import torch._dynamo
+
+    cp = mesh(u, r, validate="always")
+    if cp.dp_rank != 0:
+        return None
+    torch._dynamo.reset()
+    causal = cp.rank != 1
+
+    def f(q, k, v):
+        return hcp.attention(q, k, v, cp, causal=causal, seq_len=16 * cp.size)
+
+    g = torch.Generator().manual_seed(cp.rank)
+    q = torch.randn(1, 16, HEADS, HEAD_DIM, generator=g)
+    k, v = (torch.randn(1, 16, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    try:
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    except hcp.InconsistentRanksError as exc:
+        return f"InconsistentRanksError: {exc}"
+    except Exception as exc:  # report what came instead
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3) -> dict | None:
+    """A tiny transformers Llama with `apply_context_parallel`, compiled (not fullgraph) against
+    eager: loss and gradient errors, compiled frames and graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from hybrid_cp.integrations.transformers import apply_context_parallel
+    from train_cases import tiny_model
+
+    cp = mesh(u, r)
+    if cp.dp_rank != 0:
+        return None
+    torch._dynamo.reset()
+    counters.clear()
+    eager = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp)
+    model = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+    rows = []
+    seq_len = 64
+    for step in range(steps):
+        g = torch.Generator().manual_seed(200 + step)
+        full = {"input_ids": torch.randint(0, 256, (2, seq_len), generator=g)}
+        local = hcp.shard_batch(full, cp)
+        losses = []
+        for m in (eager, compiled):
+            logits = m(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(), reduction="sum")
+            loss.backward()
+            losses.append(loss.detach())
+        g_ref, g_c = _grads(eager), _grads(model)
+        rows.append({"loss": _rel(losses[1], losses[0]), "grads": max(_rel(g_c[n], g_ref[n]) for n in g_ref)})
+        eager.zero_grad()
+        model.zero_grad()
+    ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    breaks = {str(k): v for k, v in counters["graph_break"].items()}
+    return {"steps": rows, "frames": counter.frame_count, "graph_breaks": breaks,
+            "op_in_graph": any("hybrid_cp.attention_fwd" in o for o in ops)}
+
+
+def barrier() -> None:
+    dist.barrier()
