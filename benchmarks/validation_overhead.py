@@ -3,10 +3,11 @@
     python benchmarks/validation_overhead.py [--world 4] [--calls 200]
 
 Times, on a (u, r) gloo mesh of local processes: the check alone, as it was before issue 11
-(an all-gather of the full signature over the cp group plus a host read), as it is now
-(validate=True: one all-reduce of 3 integers on the host group) and validate="debug"; and a whole
-small hcp.attention forward with validate=False / True / "debug". Median over `calls` calls, the
-slowest rank. On a shared machine the figures are noisy: compare the columns, not the runs.
+(an all-gather of the full signature over the cp group plus a host read), validate="always" (one
+all-reduce of 3 integers on the host group, every call), validate=True (the default: that
+all-reduce only for calls the ranks could not predict; a repeated call is predicted) and
+validate="debug"; and a whole small hcp.attention forward with each mode. Median over `calls`
+calls, the slowest rank. On a shared machine the figures are noisy: compare the columns, not the runs.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def _measure(u: int, r: int, calls: int) -> dict:
         return statistics.median(samples) * 1e6
 
     out = {"check: before (all-gather, every call)": timed(old_check)}
-    for mode in (True, "debug"):
+    for mode in ("always", True, "debug"):
         cp.validate = mode
         out[f"check: validate={mode!r}"] = timed(lambda: agree_across_ranks(cp, sig, names, None, "bench",
                                                                             (("q", q), ("k", k), ("v", v))))
-    for mode in (False, True, "debug"):
+    for mode in (False, "always", True, "debug"):
         cp.validate = mode
         with torch.no_grad():
             out[f"attention fwd: validate={mode!r}"] = timed(

@@ -1,8 +1,8 @@
 """hybrid attention = ulysses all-to-all, then the ring over the ulysses group's tokens, then back.
 
-Every input check runs before the first collective; with `cp.validate` the ranks also compare
-their call signatures in one small all-gather, so an inconsistent call raises on every rank
-instead of hanging in the all-to-all.
+Every input check runs before the first collective; with `cp.validate` the ranks also agree on
+the call signature (hybrid_cp/mesh.py:agree_across_ranks; by default only for calls they could
+not predict), so an inconsistent call raises instead of hanging in the all-to-all.
 """
 
 from __future__ import annotations

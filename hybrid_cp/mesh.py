@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from topology.layouts import check_layout
 from .comm import comm_guard
-from .errors import ConfigError, InconsistentRanksError, NonFiniteError, SetupError
+from .errors import CommTimeoutError, ConfigError, InconsistentRanksError, NonFiniteError, SetupError
 
 log = logging.getLogger("hybrid_cp")
 
@@ -29,10 +29,13 @@ log = logging.getLogger("hybrid_cp")
 class CPMesh:
     """Context-parallel mesh: who my ulysses and ring peers are, and how sequences are laid out.
 
-    `validate` (True, "debug" or False) makes every attention call check, before its first
-    collective, that all cp ranks were called with the same signature, so that inconsistent
-    ranks all raise instead of hanging (docs/errors.md, "Validation"). True: one all-reduce of
-    3 integers per call, on a host-side group (no device sync). "debug": a full all-gather of the
+    `validate` (True, "always", "debug" or False) makes attention calls check, before their first
+    collective, that all cp ranks were called with the same signature, so that inconsistent ranks
+    raise instead of hanging or computing wrong attention (docs/errors.md, "Validation"). True: a
+    call whose signature every rank can predict from the earlier calls (they repeat with a period:
+    layers, steps) is not checked again, so a training loop checks on its first steps only; any
+    other call all-reduces 3 integers on a
+    host-side group. "always": that all-reduce on every call. "debug": a full all-gather of the
     signature, a checksum of the inputs' metadata and NaN/inf flags per tensor. False: nothing.
 
     `timeout` is the timeout of every group the mesh created: a collective that a peer never
@@ -59,7 +62,8 @@ class CPMesh:
     validate: bool | str = True
     timeout: datetime.timedelta | None = None
     check_group: Any = None
-    agreed: set = field(default_factory=set, repr=False)
+    signatures: list[int] = field(default_factory=list, repr=False)  # recent call hashes (the same on every rank)
+    signature_period: int | None = field(default=None, repr=False)  # the period they repeat with, if any
     validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
     sharded_lengths: dict[int, set[int]] = field(default_factory=dict, repr=False)
     sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
@@ -122,9 +126,10 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
         check_layout(layout)
     except ValueError as exc:
         raise ConfigError(f"layout={layout!r}: {exc}") from None
-    if validate not in (True, False, "debug"):
-        raise ConfigError(f"validate={validate!r} must be True (cheap check on every call), \"debug\" (full "
-                          f"check, metadata checksum, NaN/inf) or False (no check)")
+    if not (isinstance(validate, bool) or validate in ("always", "debug")):
+        raise ConfigError(f"validate={validate!r} must be True (check each new call signature), \"always\" (a "
+                          f"cheap check on every call), \"debug\" (full check, metadata checksum, NaN/inf) or "
+                          f"False (no check)")
     if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
         raise ConfigError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None to inherit "
                           f"the default process group's timeout)")
@@ -158,8 +163,10 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     ring_bwd = _my_group([[grid[d][j][i] for j in range(ring)] for d in range(dp) for i in range(ulysses)], timeout)
     cp_lists = [[x for row in grid[d] for x in row] for d in range(dp)]
     cp_group = _my_group(cp_lists, timeout)
-    # The per-call validation all-reduce runs on a host (gloo) group, so it never syncs the device.
-    check_group = cp_group if dist.get_backend() == "gloo" else _my_group(cp_lists, timeout, backend="gloo")
+    # The validation all-reduce has a host (gloo) group of its own: it never syncs the device, and a
+    # rank that checks while the others skip (validate=True) can only time out, never pair its
+    # check with another collective.
+    check_group = _my_group(cp_lists, timeout, backend="gloo")
     out = CPMesh(
         ulysses_size=ulysses, ring_size=ring, dp_size=dp, layout=layout, device=device,
         device_mesh=mesh, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"),
@@ -274,14 +281,15 @@ def _metadata(tensors) -> list[int]:
 def agree_across_ranks(cp: CPMesh, values: list[int], names: list[str], error: Exception | None,
                        what: str, tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
     """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`,
-    so that no rank goes on into a collective alone.
+    so that no rank goes on into a collective alone or with different arguments.
 
-    Every rank runs the same collectives whatever its local state (a rank-local cache must not
-    decide whether a rank joins a collective): one all-reduce(MAX) of (hash, -hash, failed) on
-    the host group; only if that shows a failure or a disagreement (every rank sees the same
-    reduced values, so every rank takes this branch) the full all-gather that names the ranks
-    and fields. validate="debug" always takes the full all-gather, with the inputs' metadata
-    checksum and NaN/inf flags of `tensors` (name, tensor) added.
+    The check is one all-reduce(MAX) of (hash, -hash, failed) on the host group; only if that
+    shows a failure or a disagreement (every rank sees the same reduced values, so every rank
+    takes this branch) the full all-gather that names the ranks and fields. validate="debug"
+    always takes the full all-gather, with the inputs' metadata checksum and NaN/inf flags of
+    `tensors` (name, tensor) added. validate=True skips the check when this rank's signature is
+    the predicted one (`_predicted`): the prediction depends only on calls that agreed, so it is
+    the same on every rank, and a rank whose call differs from it always checks.
     """
     debug = cp.validate == "debug"
     failed = 0 if error is None else 1
@@ -295,16 +303,62 @@ def agree_across_ranks(cp: CPMesh, values: list[int], names: list[str], error: E
         _full_check(cp, values, names, error, what, extra[1:], [n for n, _ in tensors])
         return
     h = _digest(values) if error is None else 0
-    key = (h, failed)
+    if cp.validate is True and error is None and h == _predicted(cp):
+        cp.validation_calls["skipped"] += 1
+        _advance(cp, h)
+        return
     cp.validation_calls["hash"] += 1
     mine = torch.tensor([h, -h, failed], dtype=torch.int64)
-    with comm_guard(cp, f"the {what} agreement check"):
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=cp.check_group)
+    try:
+        with comm_guard(cp, f"the {what} agreement check"):
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=cp.check_group)
+    except CommTimeoutError as exc:
+        if cp.validate is not True:
+            raise
+        # Under validate=True the other ranks skip calls they predicted; a rank that checks alone
+        # times out here: its call differed from theirs (or from what they expected).
+        if error is not None:
+            raise error from exc
+        raise CommTimeoutError(f"{what}: with validate=True only a call that differs from the one every rank "
+                               f"predicted from earlier calls is checked, and no other rank joined this check: "
+                               f"this call most likely differs across ranks (rerun with validate=\"always\" to have "
+                               f"the differing fields named). {exc}") from exc
     top, neg_low, any_failed = mine.tolist()
     if not any_failed and top == h and -neg_low == h:
-        cp.agreed.add(key[0])
+        _agreed(cp, h)
         return
     _full_check(cp, values, names, error, what, [], [])
+
+
+_HISTORY = 512  # call signatures remembered: a period longer than half of this is not learned
+
+
+def _predicted(cp: CPMesh) -> int | None:
+    """The signature every rank expects next: the one a period ago when the recent calls repeat
+    with a period (a training step: one batch check, then layers, full and sliding-window layers
+    alternating, recomputation in backward), else the same as the last call."""
+    hist = cp.signatures
+    if not hist:
+        return None
+    return hist[-cp.signature_period] if cp.signature_period else hist[-1]
+
+
+def _advance(cp: CPMesh, h: int) -> None:
+    """A predicted call: the period still holds."""
+    cp.signatures.append(h)
+    if len(cp.signatures) > 2 * _HISTORY:
+        del cp.signatures[:-_HISTORY]
+
+
+def _agreed(cp: CPMesh, h: int) -> None:
+    """A checked call that agreed: remember it and find the shortest period the history is consistent
+    with (at least one call of overlap). Only agreed or predicted calls enter the history, so it is
+    the same on every rank."""
+    _advance(cp, h)
+    hist = cp.signatures[-_HISTORY:]
+    n = len(hist)
+    cp.signature_period = next((p for p in (n - 1 - i for i in range(n - 2, -1, -1) if hist[i] == h)
+                                if hist[n - min(p, n - p):] == hist[n - p - min(p, n - p):n - p]), None)
 
 
 def _full_check(cp: CPMesh, values: list[int], names: list[str], error: Exception | None, what: str,

@@ -18,8 +18,9 @@ from hybrid_cp.kernels import get_kernel, register_kernel
 _MESHES: dict = {}
 
 
-def mesh(u: int, r: int, layout: str = "zigzag", validate=True) -> hcp.CPMesh:
-    """Pool meshes are cached (building one creates process groups, which must happen once)."""
+def mesh(u: int, r: int, layout: str = "zigzag", validate="always") -> hcp.CPMesh:
+    """Pool meshes are cached (building one creates process groups, which must happen once). The
+    error and fuzz cases make single ranks call differently, so they check every call."""
     key = (u, r, layout, validate)
     if key not in _MESHES:
         _MESHES[key] = hcp.init_cp_mesh(u, r, layout=layout, validate=validate)
@@ -61,8 +62,10 @@ class _FaultyKernel:
 
 def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase: str, kind: str, victim: int,
                  timeout_s: float, results) -> None:
-    """One rank of a fault scenario: one call (forward, backward) with the victim's kernel armed;
-    survivors report (error type, message, seconds from the call to the error)."""
+    """One rank of a fault scenario: one call (forward, backward) with the victim's kernel armed, or
+    (kind "deviate") after one agreed call, the victim alone calling with another mask, which the
+    default validation (validate=True) does not check on the other ranks; every rank reports
+    (error type, message, seconds from the call to the error)."""
     try:
         torch.set_num_threads(1)
         # A patient store (processes start slowly on a loaded machine), a short collective timeout.
@@ -78,13 +81,17 @@ def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase:
         n_local, h, d = 8, 4, 16
         q, k, v = (torch.randn(1, n_local, h, d, generator=g, requires_grad=True) for _ in range(3))
         seq = n_local * cp.size
-        dist.barrier()  # on the default group (90 s): no warm-up call, so that a rank descheduled for
-        # longer than the short timeout on a loaded machine cannot fail before the fault is armed
-        if rank == victim:
+        causal = True
+        if kind == "deviate":  # the first call agrees (and is checked); the next is predicted the same
+            hcp.attention(q, k, v, cp, causal=True, backend="faulty", seq_len=seq).sum().backward()
+            causal = rank != victim
+        dist.barrier()  # on the default group (90 s): no other warm-up call, so that a rank descheduled
+        # for longer than the short timeout on a loaded machine cannot fail before the fault is armed
+        if rank == victim and kind != "deviate":
             kernel.fault = (phase, kind)
         t0 = time.monotonic()
         try:
-            out = hcp.attention(q, k, v, cp, causal=True, backend="faulty", seq_len=seq)
+            out = hcp.attention(q, k, v, cp, causal=causal, backend="faulty", seq_len=seq)
             out.sum().backward()
             results.put((rank, "no error", "", time.monotonic() - t0))
         except Exception as exc:  # noqa: BLE001 - the test asserts on the type
@@ -126,15 +133,40 @@ def group_timeouts(seconds: float | None) -> dict:
     return {"groups": got, "default": default}
 
 
-def validation_counts(u: int, r: int, steps: int, debug: bool) -> dict:
-    """Run `steps` identical calls and report how many cheap and full checks ran."""
-    cp = mesh(u, r, validate="debug" if debug else True)
+def validation_counts(u: int, r: int, steps: int, validate) -> dict:
+    """Run `steps` identical calls and report how many checks of each kind ran."""
+    cp = mesh(u, r, validate=validate)
     cp.validation_calls.clear()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 4, 16, generator=g) for _ in range(3))
     for _ in range(steps):
         hcp.attention(q, k, v, cp, causal=True, seq_len=8 * cp.size)
     return dict(cp.validation_calls)
+
+
+def learned_validation(u: int, r: int) -> dict:
+    """validate=True on real calls: checks per step of a loop whose steps start with a non-causal
+    call and then alternate full and sliding-window layers (forward and backward); then a first
+    call that differs on one rank, which is new to every rank, so every rank checks and raises."""
+    cp = hcp.init_cp_mesh(u, r)  # a fresh mesh: nothing learned yet
+    g = torch.Generator().manual_seed(0)
+    n = 8 * cp.size
+    q, k, v = (torch.randn(1, 8, 4, 16, generator=g, requires_grad=True) for _ in range(3))
+    per_step = []
+    for _ in range(4):
+        before = cp.validation_calls["hash"]
+        out = hcp.attention(q, k, v, cp, causal=False, seq_len=n)
+        for layer in range(4):
+            out = out + hcp.attention(q, k, v, cp, causal=True, seq_len=n, window=4 if layer % 2 else None)
+        out.sum().backward()
+        per_step.append(cp.validation_calls["hash"] - before)
+    fresh = hcp.init_cp_mesh(u, r)
+    try:
+        hcp.attention(q, k, v, fresh, causal=dist.get_rank() % cp.size != 1, seq_len=n)
+        first = "no error"
+    except hcp.InconsistentRanksError as exc:
+        first = str(exc)
+    return {"per_step": per_step, "skipped": cp.validation_calls["skipped"], "first_call": first}
 
 
 def nonfinite_debug(u: int, r: int, bad_rank: int, tensor: str) -> str:

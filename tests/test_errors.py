@@ -75,11 +75,50 @@ def test_timeouts_reach_every_group(pool):
         assert set(res["groups"].values()) == {res["default"]}, res
 
 
-def test_default_validation_is_one_cheap_check_per_call(pool):
-    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=5, debug=False, timeout=120):
+def test_validation_modes_count_their_checks(pool):
+    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=5, validate=True, timeout=120):
+        assert res == {"hash": 1, "skipped": 4}, res
+    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=5, validate="always", timeout=120):
         assert res == {"hash": 5}, res
-    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=3, debug=True, timeout=120):
+    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=3, validate="debug", timeout=120):
         assert res == {"full": 3}, res
+
+
+def _checks_per_step(steps: list[list[str]]) -> list[int]:
+    """How many calls of each step validate=True checks, for a sequence of call signatures."""
+    from types import SimpleNamespace
+
+    from hybrid_cp.mesh import _advance, _agreed, _predicted
+
+    cp = SimpleNamespace(signatures=[], signature_period=None)
+    out = []
+    for step in steps:
+        checks = 0
+        for h in step:
+            if h == _predicted(cp):
+                _advance(cp, h)
+            else:
+                checks += 1
+                _agreed(cp, h)
+        out.append(checks)
+    return out
+
+
+def test_default_validation_learns_repeating_call_patterns():
+    """A training loop is checked in its first step (and the first call of the second), whatever its
+    pattern; packed rows (new signatures every step) cost a check per new signature."""
+    assert _checks_per_step([["batch"] + ["layer"] * 8] * 5) == [2, 1, 0, 0, 0]
+    assert _checks_per_step([["batch"] + ["full", "sliding"] * 4] * 5) == [5, 1, 0, 0, 0]
+    recompute = ["full", "sliding"] * 4 + ["sliding", "full"] * 4  # checkpointing replays in reverse
+    assert _checks_per_step([["batch"] + recompute] * 5) == [9, 1, 0, 0, 0]
+    assert _checks_per_step([[f"batch{i}"] + [f"layer{i}"] * 8 for i in range(5)]) == [2] * 5
+    assert _checks_per_step([["a", "b", "c"] * 400]) == [4]  # the first round, and "a" again once
+
+
+def test_default_validation_on_real_calls(pool):
+    for res in pool.run("reliability_cases:learned_validation", u=2, r=2, timeout=300):
+        assert res["per_step"][0] == 5 and res["per_step"][2:] == [0, 0], res
+        assert "causal" in res["first_call"], res
 
 
 @pytest.mark.parametrize("tensor", ["q", "v"])

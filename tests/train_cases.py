@@ -208,7 +208,7 @@ def loss_parity(u: int, r: int, s: int = 37, b: int = 3, include_dp: bool = Fals
 
 def error_messages(u: int, r: int) -> dict:
     """Unsupported configurations raise ValueError on every rank (no hang); returns the messages."""
-    cp = mesh(u, r)
+    cp = mesh(u, r, validate="always")  # one case breaks rank 0's mask only
     out = {}
     batch = make_batch(7, 2, 40, pad=False)
     local = shard_batch(batch, cp)
