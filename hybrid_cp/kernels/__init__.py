@@ -17,6 +17,12 @@ Kernels without packed or window support need not take these keywords: the engin
 only when a call needs them, and says so if a kernel refuses them.
 `backward` receives the *final* out and lse of the whole attention (not of this block), which is
 what makes a block's gradient exact in ring attention. dk/dv come back with H_kv heads.
+
+Registered kernels: math (reference, any dtype), sdpa (PyTorch's CPU flash / CUDA memory-efficient
+operators), flash (flash-attn 2/3 if installed), torch-flash (PyTorch's own FlashAttention-2
+operators), cudnn (cuDNN attention), fa4 (FlashAttention-4 if installed). backend="auto" on CUDA
+takes the first of CUDA_AUTO_ORDER that supports the inputs and passes `self_test` on this GPU
+(once per GPU, dtype and head_dim; said once in the "hybrid_cp" log); on CPU it is sdpa, then math.
 """
 
 from __future__ import annotations
@@ -115,47 +121,59 @@ _FLASH_CLASS = {"fa4", "flash", "cudnn", "torch-flash"}
 SELF_TEST_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-3, torch.float64: 1e-9}
 
 
-def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
-    """Check `kernel` against fp32 math on small blocks; raise AssertionError naming the case.
+# Shapes of the checks: "small" for the one-time self-test of "auto" (milliseconds on a GPU),
+# "large" for benchmarks/gpu_check.py. Lengths deliberately not multiples of 128.
+CHECK_SIZES = {
+    "small": dict(batch=2, heads=4, kv_heads=2, split=(200, 136), rect=(72, 264), seg_q=[37, 130, 61],
+                  seg_k=[50, 20, 90], window_sq=200, window=(40, 0), window_rect=(150, 200, (30, 20))),
+    "large": dict(batch=1, heads=8, kv_heads=2, split=(1088, 1000), rect=(1000, 2048), seg_q=[300, 517, 271],
+                  seg_k=[200, 100, 600], window_sq=1088, window=(256, 0), window_rect=(1000, 1088, (128, 64))),
+}
 
-    The blocks are what the ring asks of a kernel: a rectangular non-causal block and a causal square
-    block whose results merge (ring.merge_) into one out/lse, then each block's backward with that
-    merged out/lse (a non-contiguous lse view, as the ring passes it); a block with fewer queries than
-    keys; lengths that are not multiples of 128; GQA (H=4, H_kv=2); packed segments and windows when
-    the kernel takes them. Inputs are drawn in fp32 on the CPU and rounded to `dtype`, so the
-    reference sees exactly the kernel's inputs.
+
+def kernel_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+                  size: str = "small", ref_dtype: torch.dtype = torch.float32):
+    """Yield (case, {"out"|"lse"|"dq"|"dk"|"dv": max |kernel - math| / max |math|}) for the blocks the
+    ring asks of a kernel, the reference being the math kernel in `ref_dtype` on the same inputs.
+
+    Cases: a rectangular non-causal block and a causal square block whose results merge
+    (ring.merge_) into one out/lse, then each block's backward with that merged out/lse (through a
+    non-contiguous lse view, as the ring passes it); a block with fewer queries than keys; GQA;
+    lengths that are not multiples of 128; packed segments and windows when the kernel takes them.
+    Inputs are drawn in fp32 on the CPU and rounded to `dtype`, so the reference sees exactly the
+    kernel's inputs. A shape mismatch raises AssertionError.
     """
-    from ..ring import merge_  # ring imports kernels for typing only; import here to keep the order simple
+    from ..ring import merge_  # ring imports kernels for typing only; imported here to keep the order simple
 
+    cfg = CHECK_SIZES[size]
     ref = MathKernel()
     gen = torch.Generator().manual_seed(1234)
-    tol = SELF_TEST_TOL.get(dtype, 3e-2)
-    b, h, hkv, d = 2, 4, 2, head_dim
+    b, h, hkv, d = cfg["batch"], cfg["heads"], cfg["kv_heads"], head_dim
     scale = d ** -0.5
 
     def rand(*shape) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    def f32(*xs):
-        return tuple(x.float() for x in xs)
+    def up(*xs):
+        return tuple(x.to(ref_dtype) for x in xs)
 
-    def compare(case: str, got, want) -> None:
+    def errors(case: str, got, want) -> dict:
+        errs = {}
         for name, a, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
             if a.shape != w.shape:
                 raise AssertionError(f"{case}: {name} has shape {tuple(a.shape)}, expected {tuple(w.shape)}")
-            err = ((a.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
-            if not err <= tol:  # NaN fails too
-                raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} ({dtype}, D={d})")
+            errs[name] = ((a.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
+        return errs
 
-    def one_block(case: str, q, k, v, dout, **kw) -> None:
+    def one_block(case: str, q, k, v, dout, **kw) -> dict:
         out, lse = kernel.forward(q, k, v, scale=scale, **kw)
         grads = kernel.backward(dout, q, k, v, out, lse, scale=scale, **kw)
-        ro, rl = ref.forward(*f32(q, k, v), scale=scale, **kw)
-        rg = ref.backward(*f32(dout, q, k, v), ro, rl, scale=scale, **kw)
-        compare(case, (out, lse) + tuple(grads), (ro, rl) + tuple(rg))
+        ro, rl = ref.forward(*up(q, k, v), scale=scale, **kw)
+        rg = ref.backward(*up(dout, q, k, v), ro, rl, scale=scale, **kw)
+        return errors(case, (out, lse) + tuple(grads), (ro, rl) + tuple(rg))
 
-    # 1. the ring's split: 200 queries against 136 earlier keys (full) + their own 200 (causal)
-    sq, sp = 200, 136
+    # 1. the ring's split: sq queries against sp earlier keys (full) and their own sq keys (causal)
+    sq, sp = cfg["split"]
     q = rand(b, sq + 8, h, d)[:, 4:4 + sq]  # a non-contiguous row slice, as the ring takes it
     dout = rand(b, sq, h, d)
     k, v = rand(b, sp + sq, hkv, d), rand(b, sp + sq, hkv, d)
@@ -174,31 +192,47 @@ def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype,
         dq += g_q.float()
         dks.append(g_k)
         dvs.append(g_v)
-    ro, rl = ref.forward(*f32(q, k, v), causal=False, scale=scale, window=(-1, 0))  # bottom-right causal
-    rg = ref.backward(*f32(dout, q, k, v), ro, rl, causal=False, scale=scale, window=(-1, 0))
-    compare("merged split blocks (200x136 full + 200x200 causal)", (out, lse, dq, torch.cat(dks, 1), torch.cat(dvs, 1)),
-            (ro, rl) + tuple(rg))
+    ro, rl = ref.forward(*up(q, k, v), causal=False, scale=scale, window=(-1, 0))  # bottom-right causal
+    rg = ref.backward(*up(dout, q, k, v), ro, rl, causal=False, scale=scale, window=(-1, 0))
+    case = f"merged split blocks ({sq}x{sp} full + {sq}x{sq} causal)"
+    yield case, errors(case, (out, lse, dq, torch.cat(dks, 1), torch.cat(dvs, 1)), (ro, rl) + tuple(rg))
 
     # 2. fewer queries than keys (the other zigzag off-diagonal shape)
-    one_block("rectangular 72x264 non-causal", rand(b, 72, h, d), rand(b, 264, hkv, d), rand(b, 264, hkv, d),
-              rand(b, 72, h, d), causal=False)
+    nq, nk = cfg["rect"]
+    case = f"rectangular {nq}x{nk} non-causal"
+    yield case, one_block(case, rand(b, nq, h, d), rand(b, nk, hkv, d), rand(b, nk, hkv, d), rand(b, nq, h, d),
+                          causal=False)
 
     # 3. packed documents and 4. windows, when the kernel takes them
     if takes_keyword(kernel, "cu_seqlens_q"):
         def cu(lens):
             return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
-        for causal, seg_q, seg_k in ((True, [37, 130, 61], [37, 130, 61]), (False, [37, 130, 61], [50, 20, 90])):
+        seg_q = cfg["seg_q"]
+        for causal, seg_k in ((True, seg_q), (False, cfg["seg_k"])):
             kw = dict(cu_seqlens_q=cu(seg_q), cu_seqlens_k=cu(seg_k), max_seqlen_q=max(seg_q),
                       max_seqlen_k=max(seg_k))
-            one_block(f"packed segments {seg_q} x {seg_k} causal={causal}", rand(1, sum(seg_q), h, d),
-                      rand(1, sum(seg_k), hkv, d), rand(1, sum(seg_k), hkv, d), rand(1, sum(seg_q), h, d),
-                      causal=causal, **kw)
+            case = f"packed segments {seg_q} x {seg_k} causal={causal}"
+            yield case, one_block(case, rand(1, sum(seg_q), h, d), rand(1, sum(seg_k), hkv, d),
+                                  rand(1, sum(seg_k), hkv, d), rand(1, sum(seg_q), h, d), causal=causal, **kw)
     if takes_keyword(kernel, "window"):
-        one_block("window (40, 0) causal 200x200", rand(b, 200, h, d), rand(b, 200, hkv, d), rand(b, 200, hkv, d),
-                  rand(b, 200, h, d), causal=True, window=(40, 0))
-        one_block("window (30, 20) 150x200", rand(b, 150, h, d), rand(b, 200, hkv, d), rand(b, 200, hkv, d),
-                  rand(b, 150, h, d), causal=False, window=(30, 20))
+        n, (wq, wk, wrect) = cfg["window_sq"], cfg["window_rect"]
+        case = f"window {cfg['window']} causal {n}x{n}"
+        yield case, one_block(case, rand(b, n, h, d), rand(b, n, hkv, d), rand(b, n, hkv, d), rand(b, n, h, d),
+                              causal=True, window=cfg["window"])
+        case = f"window {wrect} {wq}x{wk}"
+        yield case, one_block(case, rand(b, wq, h, d), rand(b, wk, hkv, d), rand(b, wk, hkv, d), rand(b, wq, h, d),
+                              causal=False, window=wrect)
+
+
+def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Check `kernel` against fp32 math on the small cases of `kernel_errors`; raise AssertionError
+    naming the first case and output whose relative error exceeds SELF_TEST_TOL[dtype] (or is NaN)."""
+    tol = SELF_TEST_TOL.get(dtype, 3e-2)
+    for case, errs in kernel_errors(kernel, device, dtype, head_dim):
+        for name, err in errs.items():
+            if not err <= tol:  # NaN fails too
+                raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} ({dtype}, D={head_dim})")
 
 
 Probe = Callable[[AttentionKernel, torch.device, torch.dtype, int], None]
@@ -310,5 +344,6 @@ register_kernel("cudnn", CuDNNKernel())
 register_kernel("fa4", FA4Kernel())
 
 __all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_keyword", "self_test",
+           "kernel_errors",
            "select_kernel", "CUDA_AUTO_ORDER", "MathKernel", "SDPAKernel", "FlashAttnKernel", "TorchFlashKernel",
            "CuDNNKernel", "FA4Kernel"]
