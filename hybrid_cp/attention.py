@@ -219,7 +219,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         return chunked_attention(q, k, v, cp, kernel, lay, split, plan, scale, head_chunks, return_lse=return_lse)
     qh, kh, vh = _SeqToHead.apply(cp, split, lay, q, k, v)
     if kernel is None:  # plain local-attention callable (ring = 1)
-        ragged = HeadMap(kv_index, kh.shape[2], q.device)  # callables get plain GQA groups
+        ragged = HeadMap.of(kv_index, kh.shape[2], q.device)  # callables get plain GQA groups
         kh, vh = ragged.expand(kh), ragged.expand(vh)
         out_h = backend(qh, kh, vh)
         if not isinstance(out_h, torch.Tensor) or out_h.shape != qh.shape:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from functools import lru_cache
+
 import torch
 
 from topology.layouts import head_split as _split
@@ -64,6 +66,11 @@ class HeadMap:
         self.index = None if uniform else torch.tensor(kv_index, device=device)
         self.kv_heads = kv_heads
 
+    @staticmethod
+    def of(kv_index: list[int], kv_heads: int, device: torch.device) -> "HeadMap":
+        """The cached map for these heads (its index tensor is copied to the device once, not per call)."""
+        return _head_map(tuple(kv_index), kv_heads, torch.device(device))
+
     def expand(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.index is None else x.index_select(2, self.index)
 
@@ -72,6 +79,11 @@ class HeadMap:
             return g
         out = g.new_zeros(*g.shape[:2], self.kv_heads, g.shape[3])
         return out.index_add_(2, self.index, g)
+
+
+@lru_cache(maxsize=64)
+def _head_map(kv_index: tuple[int, ...], kv_heads: int, device: torch.device) -> HeadMap:
+    return HeadMap(list(kv_index), kv_heads, device)
 
 
 __all__ = ["HeadSplit", "head_split", "expand_kv", "reduce_kv", "HeadMap"]

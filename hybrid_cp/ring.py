@@ -22,6 +22,7 @@ from topology.layouts import Layout, Step
 
 from .comm import RingExchange, acc_dtype, count
 from .heads import HeadMap
+from .kernels.varlen import remember_host
 
 if TYPE_CHECKING:
     from .kernels import AttentionKernel
@@ -87,7 +88,7 @@ def _task(step: Step, device: torch.device, key_runs: list[tuple[int, int]] | No
             out = [0]
             for _, n in ranges:
                 out.append(out[-1] + n)
-            return torch.tensor(out, dtype=torch.int32, device=device)
+            return remember_host(torch.tensor(out, dtype=torch.int32, device=device), out)
         varlen = dict(cu_seqlens_q=cu(q), cu_seqlens_k=cu(k), max_seqlen_q=max(n for _, n in q),
                       max_seqlen_k=max(n for _, n in k))
     return Task(_rows(q, device), _rows(k, device), step.causal, step.window, varlen)
@@ -179,7 +180,7 @@ def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: to
     the halo K/V received from each peer (halo mode; kept for backward) or None)."""
     r = cp.ring_size
     b, n, hq, d = q.shape
-    heads = HeadMap(kv_index, k.shape[2], q.device)
+    heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
     out = torch.zeros(b, n, hq, d, dtype=acc, device=q.device)
     lse = torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
@@ -214,7 +215,7 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
                   halo: list | None, *, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes)."""
     r = cp.ring_size
-    heads = HeadMap(kv_index, k.shape[2], q.device)
+    heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 

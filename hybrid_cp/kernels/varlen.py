@@ -4,17 +4,32 @@ Packed segments run as one dense call per segment.
 
 Segment i is queries cu_seqlens_q[i]:cu_seqlens_q[i+1] against keys cu_seqlens_k[i]:cu_seqlens_k[i+1];
 causal segments are square (the block plan only emits square causal segments), so top-left and
-bottom-right alignment agree. The boundaries are read on the host (a sync on CUDA: the native
-varlen kernels avoid it).
+bottom-right alignment agree. The loop needs the boundaries on the host: the block plan registers
+its device tensors' host values (`remember_host`), so no device sync happens in the ring loop;
+other device tensors are read back (a sync on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+_HOST = WeakIdKeyDictionary()  # device cu_seqlens tensor -> its values, while the tensor lives
+
+
+def remember_host(cu: torch.Tensor, values: list[int]) -> torch.Tensor:
+    """Record the host values of a boundary tensor made from them (so loops need not read it back)."""
+    _HOST[cu] = list(values)
+    return cu
+
+
+def _host(cu: torch.Tensor) -> list[int]:
+    values = _HOST.get(cu)
+    return values if values is not None else cu.tolist()
 
 
 def _bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    q, k = cu_q.tolist(), cu_k.tolist()
+    q, k = _host(cu_q), _host(cu_k)
     return [(q[i], q[i + 1], k[i], k[i + 1]) for i in range(len(q) - 1)]
 
 
