@@ -6,6 +6,16 @@ the call's block plan (`block_plan`), built once from the layout and reused by f
 backward: no layout names, no device syncs and no index searches inside the loop. Partial results
 merge with an online softmax in fp32. Backward recomputes every block with the final out/lse;
 dK/dV accumulate in fp32 buffers that travel the ring with K/V and arrive home after r hops.
+
+Streams (CUDA/NCCL): the exchanges are posted with `batch_isend_irecv` on the ring's own
+communicators, whose operations run on NCCL's internal stream; posting makes that stream wait for
+the compute stream's work so far (an event: the buffer being sent is complete), and `wait()` makes
+the compute stream wait for the transfer (an event, not a host block). So block i + 1's transfer
+runs while block i's kernels run, in forward and backward, and the host never waits: the loop
+holds no `.item()`, `.tolist()` or `nonzero` (index tensors and varlen boundaries come from the
+cached plan, with their host values). Forward and backward exchanges use separate communicators
+(`ring_group`, `ring_group_bwd`), so a recomputed forward cannot queue behind backward traffic.
+On gloo (CPU) the same calls return asynchronous handles served by gloo's threads.
 """
 
 from __future__ import annotations
