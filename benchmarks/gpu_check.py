@@ -1,171 +1,518 @@
-"""GPU checks in one short run: kernel parity on CUDA, the engine on CUDA, kernel throughput.
+"""GPU checks in one run (under 8 minutes on one H200; installs nothing).
 
-    python benchmarks/gpu_check.py --out results.json
+    python benchmarks/gpu_check.py --out DIR            # DIR/gpu_check.json and DIR/gpu_check.md
+    python benchmarks/gpu_check.py --dry-run --out DIR  # the same code on CPU at tiny shapes (no GPU)
 
-1. Every CUDA-capable backend (sdpa: flash op for bf16/fp16, efficient op for fp32; flash-attn
-   if installed) forward and backward against the fp64 math reference, MHA/GQA, causal or not.
-2. hcp.attention on a one-rank NCCL mesh on the GPU against the same reference (exercises the
-   CUDA path of the engine: mesh, validation collective, kernels, autograd).
-3. Throughput (TFLOP/s, causal counted as half) of the local kernel on the block shapes a
-   zigzag ring step uses, next to the full causal block, and the cost of the fp32 merge.
-Each section reports its own failure instead of stopping the run.
+--out defaults to $OUT, else benchmarks/results. Sections (each records its own failure, and a
+failing kernel is recorded per kernel, so the rest of the run goes on):
+
+1. env: GPU, versions, every kernel's supports() answer for bf16 D=128, the kernel backend="auto"
+   picks and each kernel's self-test result.
+2. parity: every available kernel (bf16 and fp16; sdpa also fp32), D=64 and 128, against fp64 math:
+   the "large" cases of hybrid_cp.kernels.kernel_errors (merged out/lse backward on split blocks,
+   lengths not multiples of 128, GQA 8/2, packed segments and windows where the kernel takes them).
+3. throughput: TFLOP/s forward and backward per kernel at the ring's block shapes, bf16, H=32,
+   H_kv=8, D=128, 8K and 32K tokens per ring block n: causal square (n x n), zigzag off-diagonal
+   (n x n/2: both query halves against a visiting half; n/2 x n: a query half against full keys),
+   full (n x n). FLOPs 4*B*H*Sq*Sk*D (half if causal), backward 2.5x; CUDA events after warm-up;
+   best and median.
+4. schedule: a ring rank's r blocks of 32K keys run back to back against 32K queries with the
+   engine's merge (hybrid_cp.ring.merge_; backward: merged out/lse, fp32 dq/dk/dv accumulation),
+   versus one call over the same r*32K keys. Efficiency = fused time / ring time (limit 1.0).
+5. engine: hcp.attention (backend="auto") on a one-rank NCCL mesh, forward + backward, against
+   fp64 math.
+6. sync: after warm-up, ring_forward + ring_backward and hcp.attention (dense and packed) run under
+   torch.cuda.set_sync_debug_mode("error"): does anything synchronise with the host?
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import statistics
+import sys
+import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
 
-import torch
+os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # FA4: keep compiled kernels
 
-from hybrid_cp.kernels import MathKernel, available_kernels, get_kernel
-from hybrid_cp.ring import merge_
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybrid_cp import kernels as K  # noqa: E402
+from hybrid_cp.ring import merge_  # noqa: E402
+
+KERNELS = [n for n in K.CUDA_AUTO_ORDER if n != "math"]
 
 
-def _rel(a, b):
+@dataclass
+class Ctx:
+    dev: torch.device
+    dry: bool
+    budget_s: float
+    t0: float = field(default_factory=time.time)
+
+    # shapes: the GPU run's, or tiny ones for --dry-run on CPU
+    @property
+    def parity_size(self) -> str:
+        return "small" if self.dry else "large"
+
+    @property
+    def parity_dims(self) -> tuple[int, ...]:
+        return (16,) if self.dry else (64, 128)
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        return (4, 2, 16) if self.dry else (32, 8, 128)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return (256,) if self.dry else (8192, 32768)
+
+    @property
+    def sched(self) -> tuple[int, tuple[int, ...]]:
+        return (256, (2,)) if self.dry else (32768, (2, 8))
+
+    def out_of_time(self) -> bool:
+        return time.time() - self.t0 > self.budget_s
+
+
+def _kernel(name: str, ctx: Ctx, dtype: torch.dtype, d: int):
+    """(kernel, None) or (None, why it cannot run here)."""
+    try:
+        return K.get_kernel(name, ctx.dev, dtype, d), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time(fn, dev: torch.device, reps: int, warmup: int = 2) -> tuple[float, float]:
+    """(best, median) seconds of fn() after warm-up: CUDA events on a GPU, the wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    ts = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize(dev)
+            ts.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return min(ts), statistics.median(ts)
+
+
+def _free(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- 1. environment -------------------------------------------------------------------------------------------------
+
+def env(res: dict, ctx: Ctx) -> None:
+    info = {"torch": torch.__version__, "device": str(ctx.dev), "dry_run": ctx.dry}
+    if ctx.dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(ctx.dev)
+        info["capability"] = "sm%d%d" % torch.cuda.get_device_capability(ctx.dev)
+        info["cuda"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version()
+    for mod, label in (("flash_attn", "flash_attn"), ("flash_attn_interface", "flash_attn_3"),
+                       ("flash_attn.cute", "flash_attn_4")):
+        try:
+            m = __import__(mod, fromlist=["_"])
+            info[label] = getattr(m, "__version__", "installed")
+        except Exception as exc:
+            info[label] = f"not importable ({_err(exc)})"
+    d = ctx.heads[2]
+    info["supports_bf16"] = {n: K._REGISTRY[n].supports(ctx.dev, torch.bfloat16, d) or "yes"
+                             for n in K.CUDA_AUTO_ORDER}
+    try:
+        info["auto_bf16"] = K.get_kernel("auto", ctx.dev, torch.bfloat16, d).name
+    except Exception as exc:
+        info["auto_bf16"] = _err(exc)
+    info["self_tests"] = {f"{k[0]} {k[2]} D={k[3]}": ("passed" if v is None else _err(v))
+                          for k, v in K._SELF_TESTS.items()}
+    res["env"] = info
+    print(json.dumps(info, indent=1, default=str), flush=True)
+
+
+# ---- 2. parity ------------------------------------------------------------------------------------------------------
+
+def parity(res: dict, ctx: Ctx) -> None:
+    rows = res.setdefault("parity", [])
+    for name in KERNELS:
+        dtypes = [torch.bfloat16, torch.float16] + ([torch.float32] if name == "sdpa" else [])
+        for dtype in dtypes:
+            for d in ctx.parity_dims:
+                base = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": d}
+                if ctx.out_of_time():
+                    rows.append({**base, "skipped": "time budget"})
+                    continue
+                kern, why = _kernel(name, ctx, dtype, d)
+                if kern is None:
+                    rows.append({**base, "skipped": why})
+                    continue
+                tol = K.SELF_TEST_TOL[dtype]
+                try:
+                    for case, errs in K.kernel_errors(kern, ctx.dev, dtype, d, size=ctx.parity_size,
+                                                      ref_dtype=torch.float64):
+                        rows.append({**base, "case": case, **errs, "pass": all(e <= tol for e in errs.values())})
+                        print(rows[-1], flush=True)
+                except Exception as exc:
+                    rows.append({**base, "error": _err(exc)})
+                    print(rows[-1], flush=True)
+                _free(ctx.dev)
+
+
+# ---- 3. throughput --------------------------------------------------------------------------------------------------
+
+def _blocks(n: int):
+    return [("causal square", n, n, True), ("zigzag off-diagonal (n x n/2)", n, n // 2, False),
+            ("zigzag off-diagonal (n/2 x n)", n // 2, n, False), ("full", n, n, False)]
+
+
+def throughput(res: dict, ctx: Ctx) -> None:
+    rows = res.setdefault("throughput", [])
+    h, hkv, d = ctx.heads
+    dtype = torch.bfloat16
+    for name in KERNELS:
+        kern, why = _kernel(name, ctx, dtype, d)
+        if kern is None:
+            rows.append({"kernel": name, "skipped": why})
+            continue
+        for n in ctx.tokens:
+            for label, sq, sk, causal in _blocks(n):
+                row = {"kernel": name, "tokens": n, "block": label, "Sq": sq, "Sk": sk}
+                if ctx.out_of_time():
+                    rows.append({**row, "skipped": "time budget"})
+                    continue
+                try:
+                    q = torch.randn(1, sq, h, d, device=ctx.dev, dtype=dtype)
+                    k, v = (torch.randn(1, sk, hkv, d, device=ctx.dev, dtype=dtype) for _ in range(2))
+                    flops = 4 * sq * sk * d * h * (0.5 if causal else 1.0)
+                    scale = d ** -0.5
+                    reps = 10 if n <= 8192 else 5
+                    fmin, fmed = _time(lambda: kern.forward(q, k, v, causal=causal, scale=scale), ctx.dev, reps)
+                    o, lse = kern.forward(q, k, v, causal=causal, scale=scale)
+                    bmin, bmed = _time(lambda: kern.backward(o, q, k, v, o, lse, causal=causal, scale=scale),
+                                       ctx.dev, reps)
+                    row.update(fwd_tflops_best=flops / fmin / 1e12, fwd_tflops_median=flops / fmed / 1e12,
+                               bwd_tflops_best=2.5 * flops / bmin / 1e12, bwd_tflops_median=2.5 * flops / bmed / 1e12)
+                except Exception as exc:
+                    row["error"] = _err(exc)
+                rows.append(row)
+                print(row, flush=True)
+                _free(ctx.dev)
+    # the fp32 online-softmax merge of one ring block, for scale
+    n = ctx.tokens[-1]
+    out = torch.zeros(1, n, h, d, device=ctx.dev)
+    lse = torch.zeros(1, h, n, device=ctx.dev)
+    bo = torch.randn(1, n, h, d, device=ctx.dev, dtype=dtype)
+    bl = torch.randn(1, h, n, device=ctx.dev)
+    mmin, mmed = _time(lambda: merge_(out, lse, bo, bl), ctx.dev, 10)
+    res["merge"] = {"tokens": n, "ms_best": mmin * 1e3, "ms_median": mmed * 1e3}
+    print(res["merge"], flush=True)
+
+
+# ---- 4. ring schedule efficiency ------------------------------------------------------------------------------------
+
+def schedule(res: dict, ctx: Ctx) -> None:
+    rows = res.setdefault("schedule", [])
+    h, hkv, d = ctx.heads
+    dtype = torch.bfloat16
+    n, rs = ctx.sched
+    scale = d ** -0.5
+    for name in KERNELS:
+        kern, why = _kernel(name, ctx, dtype, d)
+        if kern is None:
+            rows.append({"kernel": name, "skipped": why})
+            continue
+        for r in rs:
+            row = {"kernel": name, "tokens_per_block": n, "r": r}
+            if ctx.out_of_time():
+                rows.append({**row, "skipped": "time budget"})
+                continue
+            try:
+                q, dout = (torch.randn(1, n, h, d, device=ctx.dev, dtype=dtype) for _ in range(2))
+                k, v = (torch.randn(1, r * n, hkv, d, device=ctx.dev, dtype=dtype) for _ in range(2))
+                parts = [slice(i * n, (i + 1) * n) for i in range(r)]
+
+                def ring_fwd():
+                    out = torch.zeros(1, n, h, d, dtype=torch.float32, device=ctx.dev)
+                    lse = torch.full((1, h, n), float("-inf"), dtype=torch.float32, device=ctx.dev)
+                    for p in parts:
+                        o_b, l_b = kern.forward(q, k[:, p], v[:, p], causal=False, scale=scale)
+                        merge_(out, lse, o_b, l_b)
+                    return out.to(dtype), lse
+
+                out, lse = ring_fwd()
+
+                def ring_bwd():
+                    dq = torch.zeros(1, n, h, d, dtype=torch.float32, device=ctx.dev)
+                    dkv = torch.zeros(2, 1, r * n, hkv, d, dtype=torch.float32, device=ctx.dev)
+                    for p in parts:
+                        g = kern.backward(dout, q, k[:, p], v[:, p], out, lse, causal=False, scale=scale)
+                        dq.add_(g[0])
+                        dkv[0][:, p].add_(g[1])
+                        dkv[1][:, p].add_(g[2])
+                    return dq, dkv
+
+                reps = 3 if r * n > 65536 else 5
+                rf = _time(ring_fwd, ctx.dev, reps, warmup=1)
+                ff = _time(lambda: kern.forward(q, k, v, causal=False, scale=scale), ctx.dev, reps, warmup=1)
+                fo, fl = kern.forward(q, k, v, causal=False, scale=scale)
+                rb = _time(ring_bwd, ctx.dev, reps, warmup=1)
+                fb = _time(lambda: kern.backward(dout, q, k, v, fo, fl, causal=False, scale=scale), ctx.dev, reps,
+                           warmup=1)
+                row.update(fwd_ring_ms=rf[0] * 1e3, fwd_fused_ms=ff[0] * 1e3, fwd_efficiency=ff[0] / rf[0],
+                           bwd_ring_ms=rb[0] * 1e3, bwd_fused_ms=fb[0] * 1e3, bwd_efficiency=fb[0] / rb[0])
+            except Exception as exc:
+                row["error"] = _err(exc)
+            rows.append(row)
+            print(row, flush=True)
+            _free(ctx.dev)
+
+
+# ---- 5. the engine on a one-rank mesh, 6. host syncs --------------------------------------------------------------
+
+def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def parity(results):
-    dev = torch.device("cuda")
-    ref_kernel = MathKernel()
-    rows = []
-    for backend in ["sdpa", "flash"]:
-        for dtype in [torch.bfloat16, torch.float16, torch.float32]:
+def engine(res: dict, ctx: Ctx) -> None:
+    import hybrid_cp as hcp
+
+    cp = res["_mesh"]
+    rows = res.setdefault("engine", [])
+    m = K.MathKernel()
+    cases = [(torch.bfloat16, 4000, True), (torch.float32, 1000, False)] if not ctx.dry else \
+        [(torch.float32, 200, True), (torch.bfloat16, 120, False)]
+    for dtype, n, causal in cases:
+        row = {"dtype": str(dtype).replace("torch.", ""), "n": n, "causal": causal}
+        try:
+            g = torch.Generator().manual_seed(1)
+            q, do = (torch.randn(1, n, 16, 64, generator=g).to(ctx.dev) for _ in range(2))
+            k, v = (torch.randn(1, n, 4, 64, generator=g).to(ctx.dev) for _ in range(2))
+            ql, kl, vl = (hcp.shard(x.to(dtype), cp).requires_grad_() for x in (q, k, v))
+            out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, return_lse=True)
+            out.backward(hcp.shard(do.to(dtype), cp))
+            args = [x.to(dtype).double() for x in (q, k, v)]
+            o64, l64 = m.forward(*args, causal=causal, scale=0.125)
+            g64 = m.backward(do.to(dtype).double(), *args, o64, l64, causal=causal, scale=0.125)
+            row.update(kernel=K.get_kernel("auto", ctx.dev, dtype, 64).name, out=_rel(out, o64), lse=_rel(lse, l64),
+                       dq=_rel(ql.grad, g64[0]), dk=_rel(kl.grad, g64[1]), dv=_rel(vl.grad, g64[2]))
+        except Exception as exc:
+            row["error"] = _err(exc)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def sync_check(res: dict, ctx: Ctx) -> None:
+    import hybrid_cp as hcp
+    from hybrid_cp.heads import head_split
+    from hybrid_cp.layout import row_layout
+    from hybrid_cp.ring import block_plan, ring_backward, ring_forward
+
+    if ctx.dev.type != "cuda":
+        res["sync"] = [{"check": "all", "result": "not applicable on CPU"}]
+        return
+    cp = res["_mesh"]
+    rows = res.setdefault("sync", [])
+    n, h, hkv, d = 8192, 16, 4, 128
+    dtype = torch.bfloat16
+    q, dout = (torch.randn(1, n, h, d, device=ctx.dev, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(1, n, hkv, d, device=ctx.dev, dtype=dtype) for _ in range(2))
+    kern = K.get_kernel("auto", ctx.dev, dtype, d)
+    lay = row_layout(cp, local_len=n, seq_len=n, causal=True)
+    plan = block_plan(lay, cp.ring_rank, True, ctx.dev)
+    kv_index = head_split(h, hkv, 1).kv_index(0)
+
+    def ring():
+        out, lse, halo = ring_forward(cp, kern, q, k, v, kv_index, plan, scale=d ** -0.5)
+        ring_backward(cp, kern, dout, q, k, v, out, lse, kv_index, plan, halo, scale=d ** -0.5)
+
+    def call(**kw):
+        def run():
+            ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+            hcp.attention(ql, kl, vl, cp, causal=True, **kw).backward(dout)
+        return run
+
+    docs = [0, 3000, 3000 + 4100, n]
+    checks = [(f"ring_forward + ring_backward ({kern.name}, causal, {n} tokens)", ring),
+              ("hcp.attention forward + backward (dense causal)", call()),
+              (f"hcp.attention forward + backward (packed, cu_seqlens={docs})", call(cu_seqlens=docs))]
+    for label, fn in checks:
+        row = {"check": label}
+        try:
+            fn()  # warm-up: kernel choice, self-test, plans and caches
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
             try:
-                kern = get_kernel(backend, dev, dtype, 128)
-            except ValueError as exc:
-                rows.append({"backend": backend, "dtype": str(dtype), "skipped": str(exc)})
-                continue
-            for hkv in (32, 8):
-                for causal in (True, False):
-                    g = torch.Generator(device=dev).manual_seed(0)
-                    q, do = (torch.randn(2, 2048, 32, 128, device=dev, generator=g) for _ in range(2))
-                    k, v = (torch.randn(2, 2048, hkv, 128, device=dev, generator=g) for _ in range(2))
-                    s = 1 / math.sqrt(128)
-                    o64, l64 = ref_kernel.forward(q.double(), k.double(), v.double(), causal=causal, scale=s)
-                    g64 = ref_kernel.backward(do.double(), q.double(), k.double(), v.double(), o64, l64,
-                                              causal=causal, scale=s)
-                    qd, kd, vd, dod = (x.to(dtype) for x in (q, k, v, do))
-                    o, l = kern.forward(qd, kd, vd, causal=causal, scale=s)
-                    gr = kern.backward(dod, qd, kd, vd, o, l, causal=causal, scale=s)
-                    # the same computation on rounded inputs in fp64 is the error floor of the dtype
-                    row = {"backend": backend, "dtype": str(dtype), "hkv": hkv, "causal": causal}
-                    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], (o, l) + tuple(gr), (o64, l64) + tuple(g64)):
-                        row[name] = _rel(a, b)
-                    rows.append(row)
-                    print(row, flush=True)
-    results["parity"] = rows
+                fn()
+                row["result"] = "no host sync"
+            except RuntimeError as exc:
+                row["result"] = f"host sync: {_err(exc)}"
+                row["where"] = traceback.format_exc(limit=-4)[-1500:]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        except Exception as exc:
+            row["result"] = f"error: {_err(exc)}"
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "where"}, flush=True)
 
 
-def engine(results):
+def _with_mesh(res: dict, ctx: Ctx, sections) -> None:
+    """Run `sections` on a one-rank mesh (NCCL on a GPU, gloo on CPU), torn down afterwards."""
     import torch.distributed as dist
 
     import hybrid_cp as hcp
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    cp = hcp.init_cp_mesh(1, 1)
-    rows = []
-    for dtype, n, causal in [(torch.bfloat16, 4000, True), (torch.float32, 1000, False)]:
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q, do = (torch.randn(1, n, 16, 64, device="cuda", generator=g) for _ in range(2))
-        k, v = (torch.randn(1, n, 4, 64, device="cuda", generator=g) for _ in range(2))
-        ql, kl, vl = (hcp.shard(x.to(dtype), cp).requires_grad_() for x in (q, k, v))
-        out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, return_lse=True)
-        out.backward(hcp.shard(do.to(dtype), cp))
-        m = MathKernel()
-        o64, l64 = m.forward(q.double(), k.double(), v.double(), causal=causal, scale=0.125)
-        g64 = m.backward(do.double(), q.double(), k.double(), v.double(), o64, l64, causal=causal, scale=0.125)
-        row = {"dtype": str(dtype), "n": n, "causal": causal, "device": str(out.device),
-               "out": _rel(out, o64), "lse": _rel(lse, l64), "dq": _rel(ql.grad, g64[0]),
-               "dk": _rel(kl.grad, g64[1]), "dv": _rel(vl.grad, g64[2])}
-        rows.append(row)
-        print(row, flush=True)
-    dist.destroy_process_group()
-    results["engine_cuda"] = rows
-
-
-def _time(fn, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    ts.sort()
-    return ts[0], ts[len(ts) // 2]
-
-
-def throughput(results):
-    dev = torch.device("cuda")
-    rows = []
-    h, hkv, d = 32, 8, 128
-    for backend in ["sdpa", "flash"]:
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if ctx.dev.type == "cuda" else "gloo", init_method=f"file://{tmp}/store",
+                                rank=0, world_size=1)
         try:
-            kern = get_kernel(backend, dev, torch.bfloat16, d)
-        except ValueError as exc:
-            rows.append({"backend": backend, "skipped": str(exc)})
-            continue
-        for n in (8192, 32768):
-            for label, sq, sk, causal in [("full causal", n, n, True), ("zigzag step (2C x C)", n, n // 2, False),
-                                          ("zigzag step (C x 2C)", n // 2, n, False)]:
-                q = torch.randn(1, sq, h, d, device=dev, dtype=torch.bfloat16)
-                k = torch.randn(1, sk, hkv, d, device=dev, dtype=torch.bfloat16)
-                v = torch.randn_like(k)
-                flops = 4 * sq * sk * d * h * (0.5 if causal else 1.0)
-                fmin, fmed = _time(lambda: kern.forward(q, k, v, causal=causal, scale=0.088))
-                o, l = kern.forward(q, k, v, causal=causal, scale=0.088)
-                bmin, bmed = _time(lambda: kern.backward(o, q, k, v, o, l, causal=causal, scale=0.088))
-                row = {"backend": backend, "n": n, "block": label, "fwd_tflops_best": flops / fmin / 1e12,
-                       "fwd_tflops_median": flops / fmed / 1e12, "bwd_tflops_best": 2.5 * flops / bmin / 1e12,
-                       "bwd_tflops_median": 2.5 * flops / bmed / 1e12}
-                rows.append(row)
-                print(row, flush=True)
-        # cost of the fp32 online-softmax merge for a 32K-token ring block, relative to one step
-        n = 32768
-        out = torch.zeros(1, n, h, d, device=dev)
-        lse = torch.zeros(1, h, n, device=dev)
-        bo = torch.randn(1, n, h, d, device=dev, dtype=torch.bfloat16)
-        bl = torch.randn(1, h, n, device=dev)
-        mmin, mmed = _time(lambda: merge_(out, lse, bo, bl))
-        rows.append({"backend": backend, "merge_32k_ms_best": mmin * 1e3, "merge_32k_ms_median": mmed * 1e3})
-        print(rows[-1], flush=True)
-    results["throughput"] = rows
+            if ctx.dev.type == "cuda":
+                torch.cuda.set_device(ctx.dev)
+            res["_mesh"] = hcp.init_cp_mesh(1, 1, device=ctx.dev)
+            for section in sections:
+                _run(section, res, ctx)
+        finally:
+            res.pop("_mesh", None)
+            dist.destroy_process_group()
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="gpu_check.json")
-    a = p.parse_args()
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backends": available_kernels()}
+# ---- running and writing ------------------------------------------------------------------------------------------
+
+def _run(section, res: dict, ctx: Ctx) -> None:
+    t = time.time()
     try:
-        import flash_attn  # noqa: F401
-        results["flash_attn"] = flash_attn.__version__
-    except ImportError as exc:
-        results["flash_attn"] = f"not installed ({exc})"
-    print(results, flush=True)
-    for section in (parity, engine, throughput):
-        t0 = time.time()
+        section(res, ctx)
+    except Exception:
+        res.setdefault("errors", {})[section.__name__] = traceback.format_exc()
+        print(traceback.format_exc(), flush=True)
+    res.setdefault("seconds", {})[section.__name__] = round(time.time() - t, 1)
+    print(f"{section.__name__}: {time.time() - t:.1f}s", flush=True)
+
+
+def _fmt(x) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "**NO**"
+    if isinstance(x, float):
+        return f"{x:.1e}" if abs(x) < 0.01 else f"{x:.3g}" if abs(x) < 10 else f"{x:.0f}"
+    return str(x).replace("|", "/")
+
+
+def md_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """A Markdown table of `rows` ([(key, header)] columns); rows that were skipped or failed get
+    their reason in the first free column."""
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [_fmt(row[k]) if k in row else "" for k, _ in columns]
+        note = row.get("skipped") or row.get("error")
+        if note:
+            i = next((j for j, (k, _) in enumerate(columns) if k not in row), len(cells) - 1)
+            cells[i] = ("skipped: " if "skipped" in row else "error: ") + _fmt(note)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(res: dict) -> str:
+    env_ = res.get("env", {})
+    out = ["# GPU check (`benchmarks/gpu_check.py`)", ""]
+    out += [f"- {k}: {_fmt(v) if not isinstance(v, dict) else ', '.join(f'{a}: {b}' for a, b in v.items())}"
+            for k, v in env_.items()]
+    out += ["", "## Parity against fp64 math (max |err| / max |ref|)", "",
+            md_table(res.get("parity", []), [("kernel", "kernel"), ("dtype", "dtype"), ("D", "D"), ("case", "case"),
+                                             ("out", "out"), ("lse", "lse"), ("dq", "dq"), ("dk", "dk"),
+                                             ("dv", "dv"), ("pass", "within self-test tolerance")])]
+    out += ["", "## Throughput (TFLOP/s, best / median; bf16, H=32, H_kv=8, D=128)", ""]
+    rows = [{**r, "fwd": f"{r['fwd_tflops_best']:.0f} / {r['fwd_tflops_median']:.0f}",
+             "bwd": f"{r['bwd_tflops_best']:.0f} / {r['bwd_tflops_median']:.0f}"} if "fwd_tflops_best" in r else r
+            for r in res.get("throughput", [])]
+    out.append(md_table(rows, [("kernel", "kernel"), ("tokens", "tokens per ring block"), ("block", "block"),
+                               ("fwd", "forward"), ("bwd", "backward")]))
+    if "merge" in res:
+        m = res["merge"]
+        out += ["", f"fp32 merge of one {m['tokens']}-token block: {m['ms_best']:.2f} ms (median {m['ms_median']:.2f})"]
+    out += ["", "## Ring schedule efficiency on one GPU (one fused call / r blocks with merge; limit 1.0)", "",
+            md_table(res.get("schedule", []), [("kernel", "kernel"), ("tokens_per_block", "tokens per block"),
+                                               ("r", "r"), ("fwd_ring_ms", "fwd ring ms"),
+                                               ("fwd_fused_ms", "fwd fused ms"), ("fwd_efficiency", "fwd eff."),
+                                               ("bwd_ring_ms", "bwd ring ms"), ("bwd_fused_ms", "bwd fused ms"),
+                                               ("bwd_efficiency", "bwd eff.")])]
+    out += ["", "## hcp.attention on a one-rank mesh against fp64 math", "",
+            md_table(res.get("engine", []), [("dtype", "dtype"), ("n", "n"), ("causal", "causal"),
+                                             ("kernel", "auto picked"), ("out", "out"), ("lse", "lse"),
+                                             ("dq", "dq"), ("dk", "dk"), ("dv", "dv")])]
+    out += ["", "## Host syncs (torch.cuda.set_sync_debug_mode('error') after warm-up)", "",
+            md_table(res.get("sync", []), [("check", "check"), ("result", "result")])]
+    if res.get("errors"):
+        out += ["", "## Section errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()]
+    out += ["", "Seconds per section: " + ", ".join(f"{k} {v}" for k, v in res.get("seconds", {}).items())]
+    return "\n".join(out) + "\n"
+
+
+def write(res: dict, out_dir: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    jp, mp = os.path.join(out_dir, "gpu_check.json"), os.path.join(out_dir, "gpu_check.md")
+    with open(jp, "w") as f:
+        json.dump({k: v for k, v in res.items() if not k.startswith("_")}, f, indent=1, default=str)
+    with open(mp, "w") as f:
+        f.write(markdown(res))
+    return jp, mp
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join("benchmarks", "results"),
+                   help="directory for gpu_check.json and gpu_check.md (default: $OUT, else benchmarks/results)")
+    p.add_argument("--dry-run", action="store_true", help="run on CPU at tiny shapes (checks the script, no GPU)")
+    p.add_argument("--budget", type=float, default=420.0,
+                   help="seconds after which remaining measurements are skipped and recorded as such")
+    p.add_argument("--sections", default="env,parity,throughput,schedule,engine,sync",
+                   help="comma-separated subset of env,parity,throughput,schedule,engine,sync")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    if not a.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or pass --dry-run to check the script on CPU")
+    ctx = Ctx(torch.device("cpu") if a.dry_run else torch.device("cuda", torch.cuda.current_device()),
+              a.dry_run, a.budget)
+    wanted = set(a.sections.split(","))
+    res: dict = {}
+    for section in (env, parity, throughput, schedule):
+        if section.__name__ in wanted:
+            _run(section, res, ctx)
+    mesh_sections = [s for name, s in (("engine", engine), ("sync", sync_check)) if name in wanted]
+    if mesh_sections:
         try:
-            section(results)
+            _with_mesh(res, ctx, mesh_sections)
         except Exception:
-            results[section.__name__ + "_error"] = traceback.format_exc()
-            print(traceback.format_exc(), flush=True)
-        print(f"{section.__name__}: {time.time() - t0:.1f}s", flush=True)
-    with open(a.out, "w") as f:
-        json.dump(results, f, indent=1)
+            res.setdefault("errors", {})["mesh"] = traceback.format_exc()
+    res["total_seconds"] = round(time.time() - ctx.t0, 1)
+    jp, mp = write(res, a.out)
+    print(f"wrote {jp} and {mp} ({res['total_seconds']} s)", flush=True)
+    return res
 
 
 if __name__ == "__main__":

@@ -322,6 +322,15 @@ def test_window_keyword_support_is_declared():
         assert not kernels.takes_keyword(kern, "window") and kernels.takes_keyword(kern, "cu_seqlens_q")
 
 
+def test_sdpa_windows_are_cpu_only_for_auto_and_the_self_test():
+    sdpa = kernels.SDPAKernel()
+    assert kernels.takes_keyword_on(sdpa, "window", torch.device("cpu"))
+    assert not kernels.takes_keyword_on(sdpa, "window", CUDA) and kernels.takes_keyword_on(sdpa, "cu_seqlens_q", CUDA)
+    name, skipped = kernels.select_kernel(["sdpa", "math"], {"sdpa": sdpa, "math": MathKernel()}, CUDA,
+                                          torch.float32, 64, needs=("window",))
+    assert name == "math" and "window" in skipped[0][1]
+
+
 def test_adapters_run_the_real_operators_on_meta():
     """No fakes: the real aten operators' shape functions accept exactly what the adapters pass."""
     m = dict(device="meta", dtype=torch.bfloat16)
@@ -505,3 +514,38 @@ def test_auto_on_cpu_is_unchanged(caplog):
     assert kernels.get_kernel("auto", cpu, torch.bfloat16, 64).name == "sdpa"
     assert kernels.get_kernel("auto", cpu, torch.float64, 64).name == "math"
     assert kernels.get_kernel("auto", cpu, torch.float32, 64, needs=("window", "cu_seqlens_q")).name == "sdpa"
+
+
+# ---- benchmarks/gpu_check.py: its CPU-independent parts (the GPU run itself is not possible here) -------------------
+
+def test_gpu_check_writes_json_and_markdown(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gc = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gc)  # its dataclass looks itself up there
+    spec.loader.exec_module(gc)
+    monkeypatch.delenv("OUT", raising=False)
+    a = gc.parse_args([])
+    assert a.out == os.path.join("benchmarks", "results") and not a.dry_run
+    monkeypatch.setenv("OUT", str(tmp_path / "o"))
+    assert gc.parse_args([]).out == str(tmp_path / "o") and gc.parse_args(["--dry-run"]).dry_run
+    res = {"env": {"gpu": "X", "supports_bf16": {"fa4": "not installed", "cudnn": "yes"}},
+           "parity": [{"kernel": "cudnn", "dtype": "bfloat16", "D": 128, "case": "merged", "out": 4e-3, "lse": 1e-5,
+                       "dq": 8e-3, "dk": 7e-3, "dv": 5e-3, "pass": True},
+                      {"kernel": "fa4", "dtype": "bfloat16", "D": 128, "skipped": "flash-attn-4 | not installed"},
+                      {"kernel": "torch-flash", "dtype": "float16", "D": 64, "error": "RuntimeError: boom"}],
+           "throughput": [{"kernel": "cudnn", "tokens": 8192, "block": "full", "fwd_tflops_best": 512.3,
+                           "fwd_tflops_median": 500.1, "bwd_tflops_best": 401.0, "bwd_tflops_median": 399.0}],
+           "schedule": [{"kernel": "cudnn", "tokens_per_block": 32768, "r": 8, "fwd_efficiency": 0.97}],
+           "sync": [{"check": "ring", "result": "no host sync"}], "seconds": {"parity": 1.0}, "_mesh": object()}
+    jp, mp = gc.write(res, str(tmp_path / "w"))
+    assert "_mesh" not in json.load(open(jp))
+    md = open(mp).read()
+    assert "| cudnn | bfloat16 | 128 | merged | 4.0e-03 |" in md and "| 512 / 500 | 401 / 399 |" in md
+    assert "skipped: flash-attn-4 / not installed" in md and "error: RuntimeError: boom" in md
+    assert "| cudnn | 32768 | 8 |" in md and "0.97" in md and "no host sync" in md

@@ -88,7 +88,7 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
         order = ["sdpa", "math"]
         for name in order:
             if _REGISTRY[name].supports(device, dtype, head_dim) is None and \
-                    all(takes_keyword(_REGISTRY[name], n) for n in needs):
+                    all(takes_keyword_on(_REGISTRY[name], n, device) for n in needs):
                 if name != order[0] and dtype != torch.float64:  # fp64 has no fast kernel anywhere
                     _warn_fallback(order, name, device, dtype, head_dim)
                 return _REGISTRY[name]
@@ -204,7 +204,7 @@ def kernel_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dt
                           causal=False)
 
     # 3. packed documents and 4. windows, when the kernel takes them
-    if takes_keyword(kernel, "cu_seqlens_q"):
+    if takes_keyword_on(kernel, "cu_seqlens_q", device):
         def cu(lens):
             return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
@@ -215,7 +215,7 @@ def kernel_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dt
             case = f"packed segments {seg_q} x {seg_k} causal={causal}"
             yield case, one_block(case, rand(1, sum(seg_q), h, d), rand(1, sum(seg_k), hkv, d),
                                   rand(1, sum(seg_k), hkv, d), rand(1, sum(seg_q), h, d), causal=causal, **kw)
-    if takes_keyword(kernel, "window"):
+    if takes_keyword_on(kernel, "window", device):
         n, (wq, wk, wrect) = cfg["window_sq"], cfg["window_rect"]
         case = f"window {cfg['window']} causal {n}x{n}"
         yield case, one_block(case, rand(b, n, h, d), rand(b, n, hkv, d), rand(b, n, hkv, d), rand(b, n, h, d),
@@ -248,7 +248,7 @@ def select_kernel(order: Iterable[str], kernels: Mapping[str, AttentionKernel], 
         kernel = kernels.get(name)
         reason = "not registered" if kernel is None else kernel.supports(device, dtype, head_dim)
         if reason is None:
-            missing = [n for n in needs if not takes_keyword(kernel, n)]
+            missing = [n for n in needs if not takes_keyword_on(kernel, n, device)]
             if missing:
                 reason = f"does not take the keyword(s) {missing} this call needs"
         if reason is None and probe is not None:
@@ -326,6 +326,12 @@ def _warn_fallback(order: list[str], chosen: str, device: torch.device, dtype: t
         chosen, device, dtype, head_dim, "; ".join(reasons))
 
 
+def takes_keyword_on(kernel: AttentionKernel, name: str, device: torch.device) -> bool:
+    """`takes_keyword`, less the keywords the kernel refuses on this device type (an optional
+    `refuses = {device_type: (names...)}` attribute: sdpa takes windows on CPU only)."""
+    return takes_keyword(kernel, name) and name not in getattr(kernel, "refuses", {}).get(device.type, ())
+
+
 def takes_keyword(kernel: AttentionKernel, name: str) -> bool:
     """Whether the kernel's forward and backward accept keyword `name` (e.g. "cu_seqlens_q", "window")."""
     import inspect
@@ -343,7 +349,8 @@ register_kernel("torch-flash", TorchFlashKernel())
 register_kernel("cudnn", CuDNNKernel())
 register_kernel("fa4", FA4Kernel())
 
-__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_keyword", "self_test",
+__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "takes_keyword",
+           "takes_keyword_on", "self_test",
            "kernel_errors",
            "select_kernel", "CUDA_AUTO_ORDER", "MathKernel", "SDPAKernel", "FlashAttnKernel", "TorchFlashKernel",
            "CuDNNKernel", "FA4Kernel"]

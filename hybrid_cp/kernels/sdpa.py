@@ -37,6 +37,7 @@ def _window_bias(q: torch.Tensor, k: torch.Tensor, window) -> torch.Tensor | Non
 
 class SDPAKernel:
     name = "sdpa"
+    refuses = {"cuda": ("window",)}  # see _window_bias: "auto" and the self-test skip windows here on CUDA
 
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         if device.type == "cpu":
