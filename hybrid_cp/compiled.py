@@ -153,11 +153,13 @@ def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: t
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
-    """Custom ops may not return views of their inputs or of each other (with ulysses = 1 and no row
-    permutation the engine passes tensors through): copy those."""
+    """Custom ops may not return views of their inputs or of each other, and the fakes promise contiguous
+    outputs: copy what the engine passes through (ulysses = 1 and no row permutation) or returns as views
+    (q/k/v after the all-to-all are head slices of one receive buffer)."""
     seen = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor) and x.numel()}
     result = []
     for x in outs:
+        x = x.contiguous()
         ptr = x.untyped_storage().data_ptr() if x.numel() else None
         if ptr is not None and ptr in seen:
             x = x.clone()

@@ -170,14 +170,39 @@ def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3) -> dict
             loss.backward()
             losses.append(loss.detach())
         g_ref, g_c = _grads(eager), _grads(model)
-        rows.append({"loss": _rel(losses[1], losses[0]), "grads": max(_rel(g_c[n], g_ref[n]) for n in g_ref)})
+        rows.append({"loss": _rel(losses[1], losses[0]), "grads": max(_rel(g_c[n], g_ref[n]) for n in g_ref),
+                     "frames": counter.frame_count})
         eager.zero_grad()
         model.zero_grad()
-    ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
-    breaks = {str(k): v for k, v in counters["graph_break"].items()}
+    graphs = [[str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in counter.graphs]
+    breaks = {str(k).splitlines()[0]: v for k, v in counters["graph_break"].items()}
     return {"steps": rows, "frames": counter.frame_count, "graph_breaks": breaks,
-            "op_in_graph": any("hybrid_cp.attention_fwd" in o for o in ops)}
+            "graph_sizes": [len(g) for g in graphs],
+            "attention_ops": [sum("hybrid_cp.attention_fwd" in o for o in g) for g in graphs]}
 
 
 def barrier() -> None:
     dist.barrier()
+
+
+def opcheck(u: int, r: int, packed: bool = False) -> dict | None:
+    """torch.library.opcheck on both ops (schema, fake vs real shapes/strides, autograd registration,
+    AOT dispatch): every rank runs the same checks in the same order, so the collectives pair up."""
+    cp = mesh(u, r)
+    if cp.dp_rank != 0:
+        return None
+    seq_len = 16 * cp.size
+    g = torch.Generator().manual_seed(7 + cp.rank)
+    q = torch.randn(1, 16, HEADS, HEAD_DIM, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 16, KV_HEADS, HEAD_DIM, generator=g, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 11, 40, seq_len], dtype=torch.int32) if packed else None
+    from hybrid_cp.compiled import _mesh_key
+
+    args = (q, k, v, cu, _mesh_key(cp), "auto", True, None, None if packed else seq_len, None, True, True)
+    fwd = torch.library.opcheck(torch.ops.hybrid_cp.attention_fwd.default, args)
+    outs = torch.ops.hybrid_cp.attention_fwd(*args)
+    dout = torch.randn(q.shape, generator=g)
+    bwd_args = (dout, *(x.detach() for x in outs[2:]), cu, _mesh_key(cp), "auto", True, None,
+                None if packed else seq_len, None, KV_HEADS)
+    bwd = torch.library.opcheck(torch.ops.hybrid_cp.attention_bwd.default, bwd_args)
+    return {"fwd": fwd, "bwd": bwd}
