@@ -104,15 +104,19 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
     return kernel
 
 
-# "auto" on CUDA, fastest first. Published bf16, D=128 forward rates on H100 (backward in brackets):
-# FlashAttention-4 on Hopper is FA3-class, 460-572 TFLOP/s for GQA (FA4 release notes,
-# github.com/Dao-AILab/flash-attention, flash_attn/cute); flash-attn 3 reaches 497-740 (FA3 paper,
-# arXiv 2407.08608; FA2 from the same package is 309-370 [214-322]); cuDNN 9 attention 497-617
-# non-causal, 315-539 causal [305-518] (FA3 paper, arXiv 2407.08608, Fig. 5-7, its cuDNN baseline);
-# PyTorch's own FlashAttention-2 is FA2: 309-370 non-causal, 191-335 causal [214-322] (FA2 paper,
-# arXiv 2307.08691, and the FA3 paper's FA2 baseline); the memory-efficient operator behind `sdpa`
-# measured 160-181 [125-140] on our H200 (docs/benchmarks.md); `math` materialises the score matrix.
-# flash-attn (`flash`) is 2 or 3 depending on what is installed: it sits after fa4, before cuDNN.
+# "auto" on CUDA, fastest first, by published bf16/fp16 D=128 rates on H100 (TFLOP/s, forward; backward
+# in brackets):
+# - fa4: FlashAttention-4 (CuTe DSL) is written for Hopper and Blackwell; on Hopper it is FA3-class,
+#   460-572 forward with GQA against 225 for FA2 in the same runs (flash-attention repository,
+#   flash_attn/cute benchmarks).
+# - flash: flash-attn 3 reaches up to 740 forward in fp16 (FA3 paper, arXiv 2407.08608); flash-attn 2
+#   309-370 non-causal, 191-335 causal [214-322] (FA3 paper's FA2 baseline). It is an explicit install,
+#   so it outranks the built-in kernels; on Hopper, flash-attn 2 can lose to cudnn (gpu_check measures it).
+# - cudnn: cuDNN 9 attention 497-617 non-causal, 315-539 causal [305-518] (FA3 paper, arXiv
+#   2407.08608, its cuDNN baseline): FA3-class on Hopper, in every CUDA build of PyTorch.
+# - torch-flash: PyTorch's own FlashAttention-2, i.e. the FA2 rates above (FA2 paper, arXiv 2307.08691).
+# - sdpa: the memory-efficient operator, measured 160-181 [125-140] on our H200 (docs/benchmarks.md).
+# - math: materialises the score matrix; the reference, for any dtype.
 CUDA_AUTO_ORDER: tuple[str, ...] = ("fa4", "flash", "cudnn", "torch-flash", "sdpa", "math")
 _FLASH_CLASS = {"fa4", "flash", "cudnn", "torch-flash"}
 
