@@ -233,10 +233,13 @@ def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype,
     """Check `kernel` against fp32 math on the small cases of `kernel_errors`; raise AssertionError
     naming the first case and output whose relative error exceeds SELF_TEST_TOL[dtype] (or is NaN)."""
     tol = SELF_TEST_TOL.get(dtype, 3e-2)
-    for case, errs in kernel_errors(kernel, device, dtype, head_dim):
-        for name, err in errs.items():
-            if not err <= tol:  # NaN fails too
-                raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} ({dtype}, D={head_dim})")
+    # the caller may be inside autocast (which would run the fp32 reference in bf16) or autograd
+    with torch.autocast(device.type, enabled=False), torch.no_grad():
+        for case, errs in kernel_errors(kernel, device, dtype, head_dim):
+            for name, err in errs.items():
+                if not err <= tol:  # NaN fails too
+                    raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} "
+                                         f"({dtype}, D={head_dim})")
 
 
 Probe = Callable[[AttentionKernel, torch.device, torch.dtype, int], None]

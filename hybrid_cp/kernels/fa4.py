@@ -8,9 +8,9 @@ return five values where older ones returned two. FA4 compiles each new configur
 (seconds); set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 to keep compiled kernels across runs.
 
 Choices (see docs/benchmarks.md, "GPU kernels"): the backward needs sm90 or newer, so the kernel
-requires sm90+. Packed documents run as one call per segment (varlen.py): FA4's varlen backward is
-not available on sm90 in the pinned beta. Sliding windows are not taken (no `window` keyword): the
-pinned beta's sm90 backward refuses them; use torch-flash for windows.
+requires sm90+. Packed documents run as one call per segment (varlen.py), and sliding windows are
+not taken (no `window` keyword; use torch-flash): in the FA4 source this adapter was written against
+(flash_attn/cute/interface.py, 2026), the sm90 backward asserts on both.
 """
 
 from __future__ import annotations
