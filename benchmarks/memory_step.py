@@ -313,7 +313,8 @@ def main(argv=None) -> int:
             first = None
             for kc in (1, 2, 4, 8):
                 kw = dict(checkpoint=True, tiled_loss=True, tiled_mlp=512, head_chunks=kc)
-                rows = pool.run("memory_step:measure", u=4, r=2, seq_len=HEADS_TOKENS, loss_chunk=512, shape=HEADS_SHAPE, **kw)
+                rows = pool.run("memory_step:measure", u=4, r=2, seq_len=HEADS_TOKENS, loss_chunk=512, shape=HEADS_SHAPE,
+                                timeout=3600, **kw)  # slow: the tracker sees every op
                 worst = max(rows, key=lambda x: x["peak"])
                 st = worst["stages"]
                 est = _estimate(4, 2, HEADS_TOKENS, kw, HEADS_SHAPE)

@@ -71,16 +71,21 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
         shard_model(model, cp)
+    widths = set()  # query heads x head_dim each q projection produced (forward and recomputation)
+    hooks = [m.register_forward_hook(lambda mod, a, out: widths.add(out.shape[-1]))
+             for name, m in model.named_modules() if name.endswith("q_proj")]
     local = shard_batch(batch, cp)
     loss = lm_loss(model, local, cp, tiled=tiled_loss, chunk_tokens=9)
     loss.backward()
+    for h in hooks:
+        h.remove()
     if not fsdp:
         average_gradients(model)
     grads = {n: _full_grad(p) for n, p in model.named_parameters()}
     errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
     worst = max(errs, key=errs.get)
     return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": errs[worst],
-            "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads))}
+            "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads)), "q_widths": sorted(widths)}
 
 
 def tiled_loss_bad_label(u: int, r: int) -> str | None:

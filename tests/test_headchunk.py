@@ -45,12 +45,31 @@ def test_head_chunks_lse_padding_and_no_overlap(pool):
         assert rows[2]["bytes"]["ulysses_fwd"] == rows["ref_bytes"]["ulysses_fwd"]
 
 
-def test_transformers_llama_with_head_chunks_trains_like_single_process(pool):
-    # 8 heads over ulysses 2 = 4 per rank in 2 chunks; tiled loss and MLP too; FSDP2 + checkpointing
-    for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=2, heads=8, head_chunks=2,
-                                        fsdp=True, checkpoint=True)):
+def test_module_chunks_split_whole_gqa_groups():
+    from topology.layouts import module_chunks
+
+    assert module_chunks(32, 8, 8, 8) == ([(0, 2), (2, 4), (4, 6), (6, 8)], 2)  # Llama-3-8B on u=8: 4 x 2 groups
+    assert module_chunks(32, 8, 1, 8) == ([(i, i + 1) for i in range(8)], 1)
+    assert module_chunks(8, 2, 2, 2) == ([(0, 1), (1, 2)], 1)
+    assert module_chunks(8, 8, 2, 3) == ([(0, 3), (3, 6), (6, 8)], 1)          # uneven: 3, 3, 2 heads
+    assert module_chunks(8, 1, 4, 4) == ([(0, 1)], 4)                           # MQA: engine-level chunks only
+    assert module_chunks(4, 4, 4, 2) == ([(0, 4)], 2)                           # one head per ulysses rank
+
+
+@pytest.mark.parametrize("heads,hkv,head_chunks,fsdp,checkpoint,widths", [
+    (8, 2, 2, True, True, [4 * 4]),         # 2 module chunks of 4 query heads (head_dim 4); FSDP2 + checkpointing
+    (8, 4, 4, False, False, [2 * 4]),       # 4 module chunks of one GQA group each
+    (8, 8, 3, False, True, [2 * 4, 3 * 4]),  # MHA, uneven chunks 3/3/2
+])
+def test_transformers_llama_with_head_chunks_trains_like_single_process(pool, heads, hkv, head_chunks, fsdp,
+                                                                       checkpoint, widths):
+    """Module-level chunks: the q projection only ever produces one chunk's heads (forward and the
+    recomputation in backward), and loss and every gradient equal the single-process run."""
+    for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=hkv, heads=heads,
+                                        head_chunks=head_chunks, fsdp=fsdp, checkpoint=checkpoint)):
         assert not row["missing"], row
         assert row["loss"] <= TOL and row["grad"] <= TOL, (rank, row)
+        assert row["q_widths"] == widths, row
 
 
 def test_head_chunks_with_packed_documents_and_windows(pool):

@@ -38,6 +38,24 @@ def head_split(heads: int, kv_heads: int, ulysses: int) -> list[tuple[int, int, 
     return out
 
 
+def module_chunks(heads: int, kv_heads: int, ulysses: int, head_chunks: int) -> tuple[list[tuple[int, int]], int]:
+    """How an attention module runs `head_chunks` chunks from its projections on: the KV-head ranges
+    of its module-level chunks (whole GQA groups, so a KV head is projected and exchanged in one chunk
+    only; sizes differ by at most one group; every chunk keeps >= `ulysses` query heads), and the
+    engine-level chunks (hcp.attention(head_chunks=...)) each of them runs, to reach about
+    `head_chunks` in all."""
+    group = heads // kv_heads
+    most = max(1, kv_heads // -(-ulysses // group))  # chunks of >= ceil(u / group) KV heads
+    n = max(1, min(head_chunks, most))
+    size, extra = divmod(kv_heads, n)
+    ranges, at = [], 0
+    for i in range(n):
+        width = size + (1 if i < extra else 0)
+        ranges.append((at, at + width))
+        at += width
+    return ranges, -(-head_chunks // n)
+
+
 def check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not a known sequence layout; use one of {LAYOUTS}")
@@ -584,4 +602,5 @@ def doc_lengths(cu_seqlens) -> tuple[int, ...]:
 
 
 __all__ = ["LAYOUTS", "PAD", "Layout", "DenseZigzag", "DenseContiguous", "Packed", "Span", "Step", "band", "head_split",
+           "module_chunks",
            "granularity", "padded_length", "make_layout", "doc_lengths", "check_layout"]

@@ -16,7 +16,8 @@ live tensor storage (`benchmarks/memory_step.py`, `hybrid_cp.memory.StorageTrack
   each layer's input is kept (``offload_checkpoints`` moves those to host memory), plus one layer
   recomputed in backward.
 * **Stage working sets** (on top of the above): the attention stage (local q/k/v, all-to-all buffers,
-  the ring's buffers and fp32 gradients; divided by ``head_chunks`` for the per-head parts), the MLP
+  the ring's buffers and fp32 gradients; with ``head_chunks`` one module-level chunk's projections
+  and engine tensors, nothing saved but the input, one chunk recomputed in backward), the MLP
   (whole or one chunk at a time) and the loss (full ``[tokens, vocab]`` fp32 logits three times,
   or three chunks of them plus an fp32 weight gradient).
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import ModelShape, _local_tokens, dtype_bytes, head_split
+from .layouts import module_chunks
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq"]
 
@@ -109,6 +111,45 @@ def _norm(e: int, fused: bool = False) -> int:
     return 2 * e if fused else 4 + 2 * e
 
 
+def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ring: int, rank: int | None, T: int,
+                      hc: int) -> tuple[int, int, int, int, int]:
+    """One attention module call with H/Hkv heads on T local tokens, all heads projected at once and
+    `hc` engine-level chunks: (bytes saved per local token, forward and backward working sets of the
+    module, and of the engine inside it)."""
+    split = head_split(H, Hkv, ulysses)
+    i = max(range(ulysses), key=lambda j: (split[j][0], split[j][3])) if rank is None else rank
+    c, k = split[i][0], split[i][3]
+    G = ulysses * T          # tokens of the ulysses group (the heads' sequence after the all-to-all)
+    hc = min(hc, c)
+    c_chunk = -(-c // hc)    # query heads of the largest engine chunk
+    # KV heads of the largest chunk: a GQA group straddling a chunk boundary is shared, not duplicated
+    group = H // Hkv
+    k_chunk = min(k, -(-c_chunk // group) + (1 if group > 1 and c_chunk % group else 0)) if hc > 1 else k
+    if hc == 1:
+        saved = (ulysses * (c + 2 * k) * D * e           # gathered q, k, v (the ring saves them)
+                 + ulysses * c * D * e + ulysses * c * 4  # output in head layout, fp32 lse
+                 + (H * D * e if ulysses > 1 else 0))    # output back in sequence layout (o_proj input)
+    else:  # hybrid_cp.headchunk keeps the local q and output, the exchanged K/V and the lse only
+        saved = 2 * H * D * e + ulysses * 2 * k * D * e + ulysses * c * 4
+    local_qkv = T * (H + 2 * Hkv) * D * e
+    chunk_g = G * (c + 2 * k) * D
+    ring_buf = (2 * G * 2 * k_chunk * D * e + 2 * G * 2 * k_chunk * D * GRAD) if ring > 1 else 0
+    # the Q/K/V projections (+ their contiguous copies) and the output projection
+    module_fwd = 2 * local_qkv + T * E * e
+    module_bwd = local_qkv + T * E * e
+    if hc == 1:
+        engine_fwd = 2 * chunk_g * e + T * H * D * e + ring_buf // 2
+        engine_bwd = T * H * D * e + 2 * G * c * D * e + chunk_g * GRAD + 2 * chunk_g * e + ring_buf
+    else:
+        # per chunk (q-sized pieces of G * c_chunk * D): the current chunk's received copies, the ring's
+        # accumulators, and (overlap) the next chunk's send + receive buffers and the previous chunk's return
+        piece = G * c_chunk * D * e
+        engine_fwd = T * H * D * e + G * 2 * k * D * e + 8 * piece + ring_buf // 2
+        engine_bwd = (T * H * D * e + G * 2 * k * D * GRAD + T * 2 * Hkv * D * GRAD   # dq, fp32 dK/dV
+                      + 13 * piece + ring_buf)
+    return saved, module_fwd + engine_fwd, module_bwd + engine_bwd, engine_fwd, engine_bwd
+
+
 def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
                 options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag",
                 ulysses_rank: int | None = None) -> MemoryEstimate:
@@ -131,15 +172,8 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     V, L = model.vocab, model.layers
     split = head_split(H, Hkv, ulysses)
     i = max(range(ulysses), key=lambda j: (split[j][0], split[j][3])) if ulysses_rank is None else ulysses_rank
-    c, k = split[i][0], split[i][3]
     _, s = _local_tokens(seq_len, ulysses, ring, layout)
     T = batch * s            # local tokens
-    G = ulysses * T          # tokens of the ulysses group (the heads' sequence after the all-to-all)
-    hc = min(o.head_chunks, c)
-    c_chunk = -(-c // hc)    # query heads of the largest chunk
-    # KV heads of the largest chunk: a GQA group straddling a chunk boundary is shared, not duplicated
-    group = H // Hkv
-    k_chunk = min(k, -(-c_chunk // group) + (1 if group > 1 and c_chunk % group else 0)) if hc > 1 else k
     notes: list[str] = []
 
     # --- persistent: model states ------------------------------------------------------------
@@ -163,13 +197,22 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     # backward (the LM head's first)
     grads_unsharded = 0 if o.fsdp else GRAD * P
 
-    # --- activations kept for backward (per local token) ---------------------------------------
-    if hc == 1:
-        attn_saved = (ulysses * (c + 2 * k) * D * e      # gathered q, k, v (the ring saves them)
-                      + ulysses * c * D * e + ulysses * c * 4  # output in head layout, fp32 lse
-                      + (H * D * e if ulysses > 1 else 0))    # output back in sequence layout (o_proj input)
-    else:  # hybrid_cp.headchunk keeps the local q and output, the exchanged K/V and the lse only
-        attn_saved = 2 * H * D * e + ulysses * 2 * k * D * e + ulysses * c * 4
+    # --- the attention module (per local token saved, forward and backward working sets) ---------
+    ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks)
+    if len(ranges) == 1:
+        attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_module(H, Hkv, D, E, e, ulysses, ring, i, T,
+                                                                                   inner)
+    else:
+        # module-level chunks (hybrid_cp.integrations.transformers): each chunk (the largest: kv_m whole GQA
+        # groups) runs the module's forward under checkpointing, so nothing but the shared input is saved;
+        # backward recomputes one chunk (its saved tensors) and runs its backward. The partial outputs of
+        # the output projection add into one [T, E] accumulator.
+        kv_m = max(b - a for a, b in ranges)
+        saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(kv_m * (H // Hkv), kv_m, D, E, e, ulysses,
+                                                                          ring, None, T, inner)
+        attn_saved = 0
+        attn_fwd = fwd_m + T * E * e
+        attn_bwd = T * saved_m + bwd_m + T * E * e
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
     layer_saved = T * (2 * _norm(e, o.fused_norm) * E + attn_saved + mlp_saved)
     final = T * _norm(e, o.fused_norm) * E                               # final norm
@@ -181,26 +224,6 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     else:
         acts = L * layer_saved + final
 
-    # --- stage working sets ----------------------------------------------------------------------
-    local_qkv = T * (H + 2 * Hkv) * D * e
-    chunk_g = G * (c + 2 * k) * D
-    ring_buf = (2 * G * 2 * k_chunk * D * e + 2 * G * 2 * k_chunk * D * GRAD) if ring > 1 else 0
-    # the attention module: Q/K/V projections (+ their contiguous copies) and the output projection run for
-    # all heads at once; only the engine's part (all-to-alls, ring) is cut into head chunks
-    module_fwd = 2 * local_qkv + T * E * e
-    module_bwd = local_qkv + T * E * e
-    if hc == 1:
-        engine_fwd = 2 * chunk_g * e + T * H * D * e + ring_buf // 2
-        engine_bwd = T * H * D * e + 2 * G * c * D * e + chunk_g * GRAD + 2 * chunk_g * e + ring_buf
-    else:
-        # per chunk (q-sized pieces of G * c_chunk * D): the current chunk's received copies, the ring's
-        # accumulators, and (overlap) the next chunk's send + receive buffers and the previous chunk's return
-        piece = G * c_chunk * D * e
-        engine_fwd = T * H * D * e + G * 2 * k * D * e + 8 * piece + ring_buf // 2
-        engine_bwd = (T * H * D * e + G * 2 * k * D * GRAD + T * 2 * Hkv * D * GRAD   # dq, fp32 dK/dV
-                      + 13 * piece + ring_buf)
-    attn_fwd = module_fwd + engine_fwd
-    attn_bwd = module_bwd + engine_bwd
     if o.tiled_mlp:
         C = min(o.tiled_mlp, T)
         mlp_fwd = max(T * E * e + 3 * C * inter * e - C * E * e, 2 * T * E * e)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from topology.layouts import module_chunks
+
 from ..attention import attention as _cp_attention
 from ..layout import positions as _positions
 from ..layout import row_layout
@@ -95,7 +97,8 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
     out = _cp_attention(q, k, v, cp, causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len,
-                        cu_seqlens=cu, window=window, head_chunks=ref.head_chunks)
+                        cu_seqlens=cu, window=window,
+                        head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks))
     return out, None
 
 
@@ -196,6 +199,85 @@ def _check_global_right_padding(cp: CPMesh, mask: torch.Tensor, pos: torch.Tenso
                          f"for right padding; right-pad the batch or drop the mask")
 
 
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class _Swapped:
+    """Temporarily replace parameters of submodules by tensors (slices of themselves), without hooks."""
+
+    def __init__(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor | None]):
+        self.module, self.tensors, self.saved = module, tensors, []
+
+    def __enter__(self):
+        for path, t in self.tensors.items():
+            owner_name, name = path.split(".")
+            owner = getattr(self.module, owner_name)
+            self.saved.append((owner, name, owner._parameters[name]))
+            owner._parameters[name] = t
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, p in reversed(self.saved):
+            owner._parameters[name] = p
+        self.saved = []
+
+
+def _chunk_tensors(module: torch.nn.Module, kv: tuple[int, int], group: int, head_dim: int,
+                   first: bool) -> dict[str, torch.Tensor | None]:
+    """The projection weights (and biases) of the heads of KV range `kv`: views of the parameters, so
+    gradients flow into them (and through FSDP2's unsharded parameters)."""
+    qa, qb = kv[0] * group * head_dim, kv[1] * group * head_dim
+    ka, kb = kv[0] * head_dim, kv[1] * head_dim
+    out = {}
+    for name, (a, b) in (("q_proj", (qa, qb)), ("k_proj", (ka, kb)), ("v_proj", (ka, kb))):
+        lin = getattr(module, name)
+        out[f"{name}.weight"] = lin.weight[a:b]
+        if lin.bias is not None:
+            out[f"{name}.bias"] = lin.bias[a:b]
+    out["o_proj.weight"] = module.o_proj.weight[:, qa:qb]
+    if module.o_proj.bias is not None and not first:  # the output bias is added once, by the first chunk
+        out["o_proj.bias"] = None
+    return out
+
+
+def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
+    """Make an attention module run its heads in chunks from the projections on (UPipe at the module
+    level); returns False for modules without separate q/k/v/o projections (they keep engine-level
+    chunks). Each chunk runs the module's own forward with the projections cut to its heads under
+    non-reentrant checkpointing: Q/K/V (and the chunk's attention tensors) of one chunk exist at a
+    time, in forward and when backward recomputes the chunk."""
+    import torch.utils.checkpoint as ckpt
+
+    if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in _PROJECTIONS):
+        return False
+    d = getattr(module, "head_dim", None)
+    if not isinstance(d, int) or module.q_proj.out_features % d or module.k_proj.out_features % d:
+        return False
+    heads, kv_heads = module.q_proj.out_features // d, module.k_proj.out_features // d
+    if heads % kv_heads:
+        return False
+    ranges, engine = module_chunks(heads, kv_heads, cp.ulysses_size, head_chunks)
+    module.__dict__["_hybrid_cp_engine_chunks"] = engine
+    original = type(module).forward
+    module.__dict__.pop("forward", None)
+    if len(ranges) == 1:
+        return True
+    group = heads // kv_heads
+
+    def chunked_forward(*args, **kwargs):
+        def run(first, kv, *a, **kw):
+            with _Swapped(module, _chunk_tensors(module, kv, group, d, first)):
+                return original(module, *a, **kw)[0]
+        total = None
+        for i, kv in enumerate(ranges):
+            part = ckpt.checkpoint(run, i == 0, kv, *args, use_reentrant=False, **kwargs)
+            total = part if total is None else total + part
+        return total, None
+
+    module.__dict__["forward"] = chunked_forward
+    return True
+
+
 def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
 
@@ -206,9 +288,12 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     layers (``sliding_window``, or ``layer_types`` that mix window and full layers) get their
     window in every layer. Raises ValueError for configurations it would get wrong: attention
     dropout > 0, logit soft-capping, attention sinks, non-causal attention, masks other than
-    right padding. `head_chunks` > 1 runs every attention call's heads in that many chunks with
-    overlapped all-to-alls (`hcp.attention(head_chunks=...)`; the Q/K/V projections still run for all
-    heads at once). Returns the model.
+    right padding. `head_chunks` > 1 runs each attention module's heads in about that many chunks
+    starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
+    chunk recomputed in backward, so Q/K/V of all heads never exist at once; `module_chunks` says
+    how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
+    Modules without separate q/k/v/o projections keep engine-level chunks only (logged). Returns
+    the model.
     """
     if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
         raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
@@ -236,6 +321,15 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
+    attention_modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    chunked = [_chunk_module(m, cp, head_chunks) for m in attention_modules]
+    if head_chunks > 1 and not all(chunked):
+        import logging
+
+        logging.getLogger("hybrid_cp").warning(
+            "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections and chunk their heads "
+            "inside hcp.attention only (Q/K/V of all heads exist at once there)", head_chunks,
+            chunked.count(False), len(chunked))
     old = model.__dict__.get(_HOOK_ATTR)
     if old is not None:
         old.remove()
