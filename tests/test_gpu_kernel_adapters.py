@@ -223,6 +223,15 @@ def fa4_module(returns: int):
     return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd, _flash_attn_bwd=_flash_attn_bwd)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tensors here are tiny: intra-op threads only add spinning on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def fake_ops(monkeypatch):
     CALLS.clear()
