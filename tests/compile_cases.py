@@ -17,6 +17,8 @@ from torch import nn
 
 import hybrid_cp as hcp
 from dist_cases import mesh
+from hybrid_cp.layout import row_layout
+from hybrid_cp.ring import block_plan
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
 
@@ -102,7 +104,10 @@ def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: b
             loss.backward()
             t2 = time.perf_counter()
             g_ref, g = _grads(eager), _grads(model)
-            rows.append({"loss": _rel(loss.detach(), ref.detach()),
+            lay = row_layout(cp, local_len=ids.shape[1], seq_len=None if packed else seq_len, cu_seqlens=cu,
+                             causal=True)
+            halo = block_plan(lay, cp.ring_rank, True, ids.device, lay.effective_window(True, window)).halo
+            rows.append({"loss": _rel(loss.detach(), ref.detach()), "halo": halo,
                          "grads": max(_rel(g[n], g_ref[n]) for n in g_ref),
                          "eager_s": t1 - t0, "compiled_s": t2 - t1})
             eager.zero_grad()
@@ -206,3 +211,25 @@ def opcheck(u: int, r: int, packed: bool = False) -> dict | None:
                 None if packed else seq_len, None, KV_HEADS)
     bwd = torch.library.opcheck(torch.ops.hybrid_cp.attention_bwd.default, bwd_args)
     return {"fwd": fwd, "bwd": bwd}
+
+
+def outside_graph(u: int, r: int) -> dict | None:
+    """head_chunks > 1 is not expressible as the op: under torch.compile (not fullgraph) the call runs
+    eagerly outside the graph and still matches eager."""
+    import torch._dynamo
+
+    cp = mesh(u, r)
+    if cp.dp_rank != 0:
+        return None
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return (hcp.attention(q * 2, k, v, cp, causal=True, seq_len=16 * cp.size, head_chunks=2) * 3).sum()
+
+    g = torch.Generator().manual_seed(11 + cp.rank)
+    inputs = [torch.randn(1, 16, h, HEAD_DIM, generator=g, requires_grad=True) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    ref = f(*inputs)
+    ref_grads = torch.autograd.grad(ref, inputs)
+    out = torch.compile(f, backend="aot_eager")(*inputs)
+    grads = torch.autograd.grad(out, inputs)
+    return {"loss": _rel(out.detach(), ref.detach()), "grads": max(_rel(a, b) for a, b in zip(grads, ref_grads))}
