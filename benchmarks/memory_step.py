@@ -237,6 +237,38 @@ def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, he
     return res
 
 
+def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8)) -> dict:
+    """Exact memory of one attention module (Q/K/V projections, rotary, hcp.attention, output projection) of
+    the HEADS_SHAPE model, forward then backward, per head_chunks as `apply_context_parallel` runs them
+    (module-level chunks): what forward leaves alive for backward, and the peak over forward and
+    backward, both above the module's inputs; with the sizes of its output, d(input) and the weight
+    gradients, which every k allocates alike. Runs in a WorkerPool worker."""
+    from hybrid_cp.integrations.transformers import apply_context_parallel
+
+    cp = _mesh(u, r)
+    res = {}
+    for kc in chunks:
+        model = build_model("cpu", torch.float32, num_hidden_layers=1, **HEADS_SHAPE)
+        apply_context_parallel(model, cp, head_chunks=kc)
+        attn = model.model.layers[0].self_attn
+        n_local = seq_len // cp.size
+        g = torch.Generator().manual_seed(cp.rank)
+        hidden = torch.randn(1, n_local, model.config.hidden_size, generator=g, requires_grad=True)
+        dout = torch.randn(hidden.shape, generator=g)
+        pe = model.model.rotary_emb(hidden, hcp.positions(seq_len, cp)[None])
+        weights = [p for p in attn.parameters()]
+        t = StorageTracker()
+        with t:
+            t.track(hidden, dout, list(pe), weights)
+            start = t.live
+            out = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0]
+            kept = t.live - start
+            out.backward(dout)
+        res[kc] = {"kept": kept, "peak": t.peak - start, "output": out.numel() * 4, "input_grad": hidden.numel() * 4,
+                   "weight_grads": sum(p.numel() * 4 for p in weights)}
+    return res
+
+
 OPTION_ROWS = [
     ("plain", dict()),
     ("tiled loss", dict(tiled_loss=True)),
@@ -244,6 +276,7 @@ OPTION_ROWS = [
     ("checkpointing + tiled loss + MLP", dict(checkpoint=True, tiled_loss=True, tiled_mlp=512)),
 ]
 HEADS_TOKENS = 8192
+MODULE_TOKENS = 32768  # long enough that activations, not the fixed weight-sized gradients, dominate
 HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
 
 
@@ -263,7 +296,7 @@ def _estimate(u, r, seq_len, kw, shape=None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", choices=("options", "heads", "engine", "overlap", "all"), default="all")
+    p.add_argument("--table", choices=("options", "heads", "module", "engine", "overlap", "all"), default="all")
     p.add_argument("--out", help="also write the markdown tables here")
     p.add_argument("--json", help="write the raw measurements here")
     args = p.parse_args(argv)
@@ -324,6 +357,23 @@ def main(argv=None) -> int:
                 lines.append(f"| {kc} | {mib(worst['peak'])} | {mib(est.peak)} | {est.peak / worst['peak'] - 1:+.1%} | "
                              f"{mib(st['engine']['transient'])} | {mib(eng)} | {mib(st['attention']['transient'])} | "
                              f"{mib(st['attention.bwd']['transient'])} | {eng / first - 1:+.0%} |")
+            lines.append("")
+        if args.table in ("module", "all"):
+            res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, timeout=3600)
+            raw["module"] = res
+            lines += [f"### The attention module alone (projections, rotary, hcp.attention, output projection; chunks from "
+                      f"the projections on), u=4 x r=2, {MODULE_TOKENS} tokens, 32/8 heads, head_dim 16, hidden 512, fp32 (exact MiB "
+                      "above the module's inputs, worst rank; 'intermediate' = the peak less the output, d(input) and the "
+                      "weight gradients)", "",
+                      "| head_chunks | kept after forward | peak over forward + backward | intermediate | vs k=1 | "
+                      "target 0.8 x (1 - 1/k) |", "|---|---|---|---|---|---|"]
+            worst = {kc: max((r_[kc] for r_ in res), key=lambda x: x["peak"]) for kc in res[0]}
+            base = None
+            for kc, w in worst.items():
+                inter = w["peak"] - w["output"] - w["input_grad"] - w["weight_grads"]
+                base = base or inter
+                lines.append(f"| {kc} | {mib(w['kept'])} | {mib(w['peak'])} | {mib(inter)} | {inter / base - 1:+.0%} | "
+                             f"{-0.8 * (1 - 1 / kc):+.0%} |")
             lines.append("")
         if args.table in ("engine", "all"):
             res = pool.run("memory_step:engine_memory")

@@ -58,13 +58,14 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
 
 def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_loss: bool = True,
                        mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2,
-                       head_chunks: int = 1, heads: int = 4) -> dict:
+                       head_chunks: int = 1, heads: int = 4, chunk_projections: bool = True) -> dict:
     """A tiny Llama under CP with lm_loss(tiled), tile_mlp and head_chunks vs the plain single-process run."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad=True)
     _, ref_loss, ref_grads = reference(tiny_model("llama", hkv, num_attention_heads=heads), batch)
     model = apply_context_parallel(tiny_model("llama", hkv, num_attention_heads=heads), cp,
-                                   **({"head_chunks": head_chunks} if head_chunks != 1 else {}))
+                                   **({"head_chunks": head_chunks, "chunk_projections": chunk_projections}
+                                      if head_chunks != 1 else {}))
     if mlp_chunk:
         tile_mlp(model, mlp_chunk)
     if checkpoint:

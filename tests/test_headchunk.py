@@ -56,17 +56,19 @@ def test_module_chunks_split_whole_gqa_groups():
     assert module_chunks(4, 4, 4, 2) == ([(0, 4)], 2)                           # one head per ulysses rank
 
 
-@pytest.mark.parametrize("heads,hkv,head_chunks,fsdp,checkpoint,widths", [
-    (8, 2, 2, True, True, [4 * 4]),         # 2 module chunks of 4 query heads (head_dim 4); FSDP2 + checkpointing
-    (8, 4, 4, False, False, [2 * 4]),       # 4 module chunks of one GQA group each
-    (8, 8, 3, False, True, [2 * 4, 3 * 4]),  # MHA, uneven chunks 3/3/2
+@pytest.mark.parametrize("heads,hkv,head_chunks,fsdp,checkpoint,widths,projections", [
+    (8, 2, 2, True, True, [4 * 4], True),          # 2 module chunks of 4 query heads (head_dim 4); FSDP2 + ckpt
+    (8, 4, 4, False, False, [2 * 4], True),        # 4 module chunks of one GQA group each
+    (8, 8, 3, False, True, [2 * 4, 3 * 4], True),  # MHA, uneven chunks 3/3/2
+    (8, 2, 2, False, False, [8 * 4], False),       # chunk_projections=False: engine-level chunks only
 ])
 def test_transformers_llama_with_head_chunks_trains_like_single_process(pool, heads, hkv, head_chunks, fsdp,
-                                                                       checkpoint, widths):
+                                                                       checkpoint, widths, projections):
     """Module-level chunks: the q projection only ever produces one chunk's heads (forward and the
     recomputation in backward), and loss and every gradient equal the single-process run."""
     for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=hkv, heads=heads,
-                                        head_chunks=head_chunks, fsdp=fsdp, checkpoint=checkpoint)):
+                                        head_chunks=head_chunks, fsdp=fsdp, checkpoint=checkpoint,
+                                        chunk_projections=projections)):
         assert not row["missing"], row
         assert row["loss"] <= TOL and row["grad"] <= TOL, (rank, row)
         assert row["q_widths"] == widths, row

@@ -50,6 +50,8 @@ class MemoryOptions:
     checkpoint: bool = True           # activation checkpointing of every decoder layer
     offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (ALST, FPDT)
     head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
+    chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
+                                      # default); False: inside hcp.attention only (overlapped)
     tiled_loss: bool = False          # hcp.tiled_cross_entropy / hcp.lm_loss
     loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
     tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
@@ -73,7 +75,7 @@ class MemoryOptions:
     def describe(self) -> str:
         parts = ["ckpt" + ("+offload" if self.offload_checkpoints else "") if self.checkpoint else "no ckpt"]
         if self.head_chunks > 1:
-            parts.append(f"head_chunks={self.head_chunks}")
+            parts.append(f"head_chunks={self.head_chunks}" + ("" if self.chunk_projections else " (engine only)"))
         parts.append(f"tiled loss ({self.loss_chunk or 'default'})" if self.tiled_loss else "full logits")
         parts.append(f"tiled MLP ({self.tiled_mlp})" if self.tiled_mlp else "whole MLP")
         if not self.fsdp:
@@ -198,7 +200,7 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     grads_unsharded = 0 if o.fsdp else GRAD * P
 
     # --- the attention module (per local token saved, forward and backward working sets) ---------
-    ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks)
+    ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
     if len(ranges) == 1:
         attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_module(H, Hkv, D, E, e, ulysses, ring, i, T,
                                                                                    inner)

@@ -278,7 +278,8 @@ def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool
     return True
 
 
-def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1) -> torch.nn.Module:
+def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1,
+                           chunk_projections: bool = True) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
@@ -292,8 +293,10 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
     chunk recomputed in backward, so Q/K/V of all heads never exist at once; `module_chunks` says
     how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
-    Modules without separate q/k/v/o projections keep engine-level chunks only (logged). Returns
-    the model.
+    Modules without separate q/k/v/o projections keep engine-level chunks only (logged).
+    `chunk_projections=False` keeps the projections whole and chunks inside `hcp.attention` only,
+    where chunk i + 1's all-to-all overlaps chunk i's ring (faster where communication is exposed,
+    more memory; module chunks run one after another). Returns the model.
     """
     if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
         raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
@@ -322,8 +325,11 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
     attention_modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
-    chunked = [_chunk_module(m, cp, head_chunks) for m in attention_modules]
-    if head_chunks > 1 and not all(chunked):
+    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1) for m in attention_modules]
+    if not chunk_projections:
+        for m in attention_modules:
+            m.__dict__["_hybrid_cp_engine_chunks"] = head_chunks
+    elif head_chunks > 1 and not all(chunked):
         import logging
 
         logging.getLogger("hybrid_cp").warning(
