@@ -17,7 +17,7 @@ from topology.layouts import Layout, granularity
 
 from .comm import head_to_seq, seq_to_head
 from .heads import HeadMap, HeadSplit, head_split
-from .kernels import AttentionKernel, get_kernel, takes_keyword
+from .kernels import AttentionKernel, get_kernel, takes_keyword_on
 from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
 from .mesh import CPMesh, agree_across_ranks
 from .ring import Plan, block_plan, ring_backward, ring_forward
@@ -147,9 +147,10 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
                              "padding; use a kernel backend, or for dense rows a length divisible by "
                              f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
         return lay, None, None
-    kernel = get_kernel(backend, q.device, q.dtype, d)
-    for needed, keyword in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")):
-        if needed and not takes_keyword(kernel, keyword):
+    needs = [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")) if needed]
+    kernel = get_kernel(backend, q.device, q.dtype, d, needs=needs)
+    for keyword in needs:
+        if not takes_keyword_on(kernel, keyword, q.device):
             raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword that "
                              f"{'cu_seqlens' if keyword == 'cu_seqlens_q' else 'window'} needs; see "
                              f"hybrid_cp/kernels/__init__.py")
