@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from .comm import acc_dtype, count, pack_head_to_seq, unpack_head_to_seq_
+from .comm import acc_dtype, comm_guard, count, pack_head_to_seq, unpack_head_to_seq_
 from .heads import HeadSplit
 from .layout import gathered_to_ring_block, ring_block_to_gathered
 from .ring import ring_backward, ring_forward
@@ -93,14 +93,16 @@ def chunk_heads(split: HeadSplit, head_chunks: int, rank: int) -> HeadChunks:
 
 
 class _InFlight:
-    """An all-to-all posted with async_op=True; `wait()` returns what `finish` makes of the receive buffer."""
+    """An all-to-all posted with async_op=True; `wait()` returns what `finish` makes of the receive buffer
+    (a lost peer raises hcp.CommTimeoutError, as everywhere in the engine)."""
 
-    def __init__(self, work, keep: tuple, finish: Callable[[], object]):
-        self.work, self.keep, self.finish = work, keep, finish
+    def __init__(self, work, keep: tuple, finish: Callable[[], object], cp: "CPMesh | None" = None):
+        self.work, self.keep, self.finish, self.cp = work, keep, finish, cp
 
     def wait(self):
         if self.work is not None:
-            self.work.wait()
+            with comm_guard(self.cp, "the head-chunk all-to-all"):
+                self.work.wait()
         self.keep = ()
         result, self.finish, self.work = self.finish(), None, None   # drop the receive buffer with the closure
         return result
@@ -122,14 +124,15 @@ def _post_seq_to_head(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ra
     mine = [r[me][1] - r[me][0] for r in ranges]
     recv = send.new_empty(u * b * s * sum(mine) * d)
     count(cp, stage, (send.numel() - send_sizes[me]) * send.element_size())
-    work = dist.all_to_all_single(recv, send, [b * s * sum(mine) * d] * u, send_sizes, group=cp.ulysses_group,
-                                  async_op=True)
+    with comm_guard(cp, "the head-chunk all-to-all"):
+        work = dist.all_to_all_single(recv, send, [b * s * sum(mine) * d] * u, send_sizes, group=cp.ulysses_group,
+                                      async_op=True)
 
     def finish():
         full = recv.view(u, b, s, sum(mine), d).transpose(0, 1).reshape(b, u * s, sum(mine), d)
         return [gathered_to_ring_block(x, lay) for x in full.split(mine, dim=2)]
 
-    return _InFlight(work, (send,), finish)
+    return _InFlight(work, (send,), finish, cp)
 
 
 def _post_head_to_seq(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges],
@@ -149,13 +152,14 @@ def _post_head_to_seq(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ra
     del gathered
     recv = send.new_empty(sum(sizes_in))
     count(cp, stage, (u - 1) * sizes_out[0] * send.element_size())
-    work = dist.all_to_all_single(recv, send, sizes_in, sizes_out, group=cp.ulysses_group, async_op=True)
+    with comm_guard(cp, "the head-chunk all-to-all"):
+        work = dist.all_to_all_single(recv, send, sizes_in, sizes_out, group=cp.ulysses_group, async_op=True)
 
     def finish():
         unpack_head_to_seq_(recv, targets, ranges, sizes_in, accumulate)
         return targets
 
-    return _InFlight(work, (send,), finish)
+    return _InFlight(work, (send,), finish, cp)
 
 
 class _ChunkedAttention(torch.autograd.Function):

@@ -61,7 +61,7 @@ class _FaultyKernel:
 
 
 def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase: str, kind: str, victim: int,
-                 timeout_s: float, results) -> None:
+                 timeout_s: float, results, head_chunks: int = 1) -> None:
     """One rank of a fault scenario: one call (forward, backward) with the victim's kernel armed, or
     (kind "deviate") after one agreed call, the victim alone calling with another mask, which the
     default validation (validate=True) does not check on the other ranks; every rank reports
@@ -91,7 +91,7 @@ def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase:
             kernel.fault = (phase, kind)
         t0 = time.monotonic()
         try:
-            out = hcp.attention(q, k, v, cp, causal=causal, backend="faulty", seq_len=seq)
+            out = hcp.attention(q, k, v, cp, causal=causal, backend="faulty", seq_len=seq, head_chunks=head_chunks)
             out.sum().backward()
             results.put((rank, "no error", "", time.monotonic() - t0))
         except Exception as exc:  # noqa: BLE001 - the test asserts on the type
