@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -42,7 +43,9 @@ def main() -> None:
     runs: dict[tuple[int, int, int], list[list[float]]] = {}
     summaries: dict[tuple[int, int, int], dict] = {}
     probes: dict[tuple[int, int, int], list[float]] = {}
+    loads: dict[tuple[int, int, int], list[float]] = {}  # 1-minute load average after each run
     t0 = time.perf_counter()
+    load0 = os.getloadavg()
     with WorkerPool(a.world) as pool:
         for rnd in range(a.rounds):
             for n in a.seq_lens:
@@ -52,10 +55,11 @@ def main() -> None:
                                    repeats=a.repeats, warmup=1)
                     runs.setdefault((u, r, n), []).append(res[0]["times"])
                     probes.setdefault((u, r, n), []).append(res[0].get("probe_s") or 0.0)
+                    loads.setdefault((u, r, n), []).append(os.getloadavg()[0])
                     summaries[(u, r, n)] = summarize(res, u, r, n, a.heads, a.kv_heads, a.head_dim, True, "float32",
                                                      1, cluster)
-                    print(f"round {rnd + 1} n={n} u={u} r={r}: " + ", ".join(f"{t:.3f}" for t in res[0]["times"]),
-                          flush=True)
+                    print(f"round {rnd + 1} n={n} u={u} r={r}: " + ", ".join(f"{t:.3f}" for t in res[0]["times"])
+                          + f" (load {loads[(u, r, n)][-1]:.1f})", flush=True)
     wall = time.perf_counter() - t0
     rows = []
     for (u, r, n), rounds in runs.items():
@@ -69,18 +73,20 @@ def main() -> None:
                      "round_medians_s": meds, "noise": (max(meds) - min(meds)) / med, "predicted_s": pred,
                      "error": pred / med - 1, "parts": summaries[(u, r, n)]["predicted_parts"],
                      "load_factor": factor, "predicted_load_adjusted_s": pred * factor if factor else None,
-                     "error_load_adjusted": pred * factor / med - 1 if factor else None})
+                     "error_load_adjusted": pred * factor / med - 1 if factor else None,
+                     "load_1min": loads[(u, r, n)]})
     lines = [f"causal GQA attention fwd+bwd per rank, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, fp32, "
              f"{a.world} gloo ranks; {a.rounds} rounds x {a.repeats} repeats; prediction from {a.cluster}",
              "", "| seq_len | u | r | measured median s | min s | round medians s | noise | predicted s | error | "
-             "probe vs calibration | load-adjusted predicted s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "probe vs calibration | load-adjusted predicted s | error | load (1 min) per round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         adj = (f"{row['load_factor']:.2f}x | {row['predicted_load_adjusted_s']:.3f} | {row['error_load_adjusted']:+.0%}"
                if row["load_factor"] else "- | - | -")
         lines.append(f"| {row['seq_len']} | {row['ulysses']} | {row['ring']} | {row['measured_s']:.3f} | "
                      f"{row['measured_min_s']:.3f} | {' / '.join(f'{m:.3f}' for m in row['round_medians_s'])} | "
-                     f"{row['noise']:.0%} | {row['predicted_s']:.3f} | {row['error']:+.0%} | {adj} |")
+                     f"{row['noise']:.0%} | {row['predicted_s']:.3f} | {row['error']:+.0%} | {adj} | "
+                     f"{' / '.join(f'{x:.1f}' for x in row['load_1min'])} |")
     lines.append("")
     verdicts = []
     for n in a.seq_lens:
@@ -103,7 +109,8 @@ def main() -> None:
                         + (f" (load-adjusted {max(adj):.0%})" if adj else "") + "; pairs ordered wrongly beyond noise: "
                         f"{', '.join(bad) or 'none'}")
     lines += verdicts
-    lines.append(f"\nwall time {wall:.0f} s")
+    lines.append(f"\nwall time {wall:.0f} s; load average (1 min) {load0[0]:.1f} at the start, "
+                 f"{os.getloadavg()[0]:.1f} at the end")
     text = "\n".join(lines)
     print(text)
     if a.out:

@@ -11,6 +11,7 @@ because a collective-bound step finishes when its slowest rank does.
 from __future__ import annotations
 
 import math
+import socket
 import time
 from typing import Any
 
@@ -145,15 +146,33 @@ class TorchRateSource:
     """Times the engine's pieces on this rank; every rank must make the same calls in the same order
     (each timing ends in a collective). Implements ``topology.calibration.RateSource``."""
 
-    def __init__(self, repeats: int = 3):
+    def __init__(self, repeats: int = 3, min_kernel_flops: float = 2.5e8):
         self.repeats = repeats
+        self.min_kernel_flops = min_kernel_flops
         self.device = _device()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.kernel_names: dict[str, str] = {}
         self._seen: set[tuple] = set()
+        hosts: list[Any] = [None] * self.world
+        dist.all_gather_object(hosts, socket.gethostname())
+        self.one_host = len(set(hosts)) == 1
 
-    def _timeit(self, fn, repeats: int | None = None, warm: bool = True) -> float:
-        """Fastest over repeats of the slowest rank's time of `fn()` started together on all ranks.
+    def _span(self, t0: float, t1: float) -> float:
+        """Seconds from the first rank's start to the last rank's end when all ranks share a clock (one
+        host: ``perf_counter`` is the system-wide monotonic clock), else the slowest rank's own time.
+
+        Ranks sharing cores may run one after another: each rank's own time is then short although the
+        group needed the whole span; inside the engine a ring step ends with a collective, so the span
+        is what a step costs."""
+        if not self.one_host:
+            return _slowest(t1 - t0)
+        t = torch.tensor([t1, -t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0] + t[1])
+
+    def _timeit(self, fn, repeats: int | None = None, warm: bool = True, span: bool = False) -> float:
+        """Fastest over repeats of the slowest rank's time of `fn()` started together on all ranks; with
+        ``span``, of the group's time (:meth:`_span`: for compute, which no collective synchronizes).
 
         The minimum, not the median: on a machine shared with other jobs a load spike during one
         repeat would bend the fitted curve; the minimum is this job's rate at its fair share, and
@@ -167,11 +186,17 @@ class TorchRateSource:
             t0 = time.perf_counter()
             fn()
             _sync(self.device)
-            times.append(_slowest(time.perf_counter() - t0))
+            t1 = time.perf_counter()
+            times.append(self._span(t0, t1) if span else _slowest(t1 - t0))
         return min(times)
 
     def kernel(self, backend, dtype, causal, tq, tk, heads, kv_heads, head_dim):
-        """One timed run per call (the caller makes passes); warmed up the first time a shape is seen."""
+        """One timed run per call (the caller makes passes); warmed up the first time a shape is seen.
+        A run is as many back-to-back calls as make ``min_kernel_flops`` (at least one): a lone call of
+        a small block lasts less than a scheduler slice on shared cores. Returns seconds per call."""
+        from topology.calibration import kernel_flops
+
+        calls = max(1, math.ceil(self.min_kernel_flops / kernel_flops(tq, tk, heads, head_dim, causal, "fwd")))
         key = (backend, dtype, causal, tq, tk, heads, kv_heads, head_dim)
         first = key not in self._seen
         self._seen.add(key)
@@ -184,14 +209,17 @@ class TorchRateSource:
         res: dict = {}
 
         def fwd():
-            res["o"] = kernel.forward(q, k, v, causal=causal, scale=scale)
+            for _ in range(calls):
+                res["o"] = kernel.forward(q, k, v, causal=causal, scale=scale)
 
-        tf = self._timeit(fwd, 1, first)
-        if not first and "o" not in res:
-            fwd()
+        def bwd():
+            for _ in range(calls):
+                kernel.backward(dout, q, k, v, o, lse, causal=causal, scale=scale)
+
+        tf = self._timeit(fwd, 1, first, span=True)
         o, lse = res["o"]
-        tb = self._timeit(lambda: kernel.backward(dout, q, k, v, o, lse, causal=causal, scale=scale), 1, first)
-        return tf, tb
+        tb = self._timeit(bwd, 1, first, span=True)
+        return tf / calls, tb / calls
 
     def merge(self, tokens, heads, head_dim, dtype):
         from hybrid_cp.ring import merge_
@@ -200,7 +228,7 @@ class TorchRateSource:
         lse = torch.zeros(1, heads, tokens, device=self.device)
         blk = torch.randn(1, tokens, heads, head_dim, device=self.device).to(DTYPES[dtype])
         blk_lse = torch.randn(1, heads, tokens, device=self.device)
-        return self._timeit(lambda: merge_(acc, lse, blk, blk_lse))
+        return self._timeit(lambda: merge_(acc, lse, blk, blk_lse), span=True)
 
     def a2a(self, ulysses, nbytes, alone):
         cp = _mesh(ulysses, 1, self.world // ulysses)
@@ -254,7 +282,7 @@ class TorchRateSource:
             for work in works:
                 work.wait()
 
-        return self._timeit(comm), self._timeit(compute), self._timeit(both)
+        return self._timeit(comm, span=True), self._timeit(compute, span=True), self._timeit(both, span=True)
 
     def engine(self, ulysses, ring, seq_len, heads, kv_heads, head_dim, dtype):
         cp = _mesh(ulysses, ring, 1)

@@ -130,8 +130,10 @@ def test_kernel_efficiency_grows_with_block_size():
 def test_kernel_grid_separates_heads_from_shape_terms():
     shapes = default_spec(8).kernel_shapes
     assert {h for _, _, h, _ in shapes} == set(heads_per_call(8, 8)) == {1, 2, 4, 8}
-    # every head count at two lengths, causal and full: 4 rates + call + tile/io from 8 points each
-    assert len(shapes) == 16 and all(tq % 64 == 0 or not c for tq, _, _, c in shapes)
+    # one head count at 4 lengths pins call + tile/io; every other at 2 lengths on lines of equal T x heads
+    causal = [(tq, h) for tq, _, h, c in shapes if c]
+    assert len(shapes) == 20 and sorted(t for t, h in causal if h == 1) == [512, 1024, 2048, 4096]
+    assert all(len({t * h for t, hh in causal if hh == h}) == 2 for h in (2, 4, 8))
 
 
 def test_head_efficiency_interpolates_and_its_ideal_limit_is_the_block_size_model():

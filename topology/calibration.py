@@ -232,21 +232,25 @@ class RateSource(Protocol):
         """`hcp.attention` fwd+bwd (causal, zigzag) with a kernel that does no arithmetic."""
 
 
-def kernel_grid(heads_per_call: Iterable[int], diagonals: Iterable[int] = (1024, 2048),
-                min_tokens: int = 64) -> list[tuple[int, int, int, bool]]:
-    """Kernel shapes for every head count h: per size c, a causal T x T block and a full T/2 x T one
-    (the zigzag ring's two block kinds) with ``T = c / sqrt(h)`` (rounded to 64 tokens).
+def kernel_grid(heads_per_call: Iterable[int], lengths: Iterable[int] = (512, 1024, 2048, 4096),
+                diagonals: Iterable[int] = (2048, 4096), min_tokens: int = 64) -> list[tuple[int, int, int, bool]]:
+    """Kernel shapes: a causal T x T and a full T/2 x T block (the zigzag ring's two block kinds) for
+    the fewest heads per call at every T in ``lengths``, and for every other head count h at
+    ``T = c / h`` for each c in ``diagonals``.
 
     The candidate splits of one model trade heads for block length (u ulysses ranks: H/u heads per call,
-    blocks N/r long), so every head count is timed at two lengths: enough to separate its rate from the
-    per-call and per-tile (or IO) terms it shares with the others. ``T = c / sqrt(h)`` gives every shape
-    of one c the same FLOPs, and keeps those shared terms distinguishable: on lines of equal ``T h``
-    the tile/IO term would take the same value for every h, and the fit would be singular.
+    blocks N/r long, so ``T h`` is the same for all of them), so the other head counts are timed on
+    such lines. The lengths of the reference head count pin the per-call and per-tile (or IO) terms
+    that all head counts share; with two points per head count alone those terms could trade off
+    against the rates, and the fit would be singular.
     """
+    heads = sorted(set(heads_per_call))
     shapes: list[tuple[int, int, int, bool]] = []
-    for h in sorted(set(heads_per_call)):
+    for t in lengths:
+        shapes += [(t, t, heads[0], True), (t // 2, t, heads[0], False)]
+    for h in heads[1:]:
         for c in diagonals:
-            t = max(min_tokens, 64 * round(c / math.sqrt(h) / 64))
+            t = max(min_tokens, c // h)
             shapes += [(t, t, h, True), (t // 2, t, h, False)]
     return shapes
 
@@ -291,7 +295,7 @@ def default_spec(world: int, device: str = "cpu", **overrides: Any) -> Calibrati
     if device.startswith("cuda"):
         heads = heads_per_call(world, 32)
         base.update(dtypes=["bfloat16", "float16"], heads=8, kv_heads=2, head_dim=128,
-                    kernel_shapes=kernel_grid(heads, (12288, 49152), min_tokens=1024),
+                    kernel_shapes=kernel_grid(heads, (2048, 4096, 8192, 16384), (32768, 131072), min_tokens=1024),
                     merge_tokens=[4096, 16384, 65536], a2a_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26],
                     p2p_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26], overlap_tokens=8192, overlap_bytes=1 << 25,
                     engine_heads=16, engine_kv_heads=4, engine_lengths=[4096 * world, 16384 * world])
@@ -604,7 +608,7 @@ def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str
             y.append(max(1e-9, s["seconds"] - known))
         coef = _nonneg_fit(rows, y, keep=0)
         step, call = coef[0] * 1e6, coef[1] * 1e6
-        copy = 1.0 / coef[2] / 1e9 if coef[2] > 0 else None
+        copy = 1.0 / coef[2] / 1e9 if coef[2] > 1e-15 else None  # faster than 1e6 GB/s: not measurable
     else:
         skipped.append("engine fixed costs: not measured; per-step and per-call overheads taken as 0")
     if not kernels:
