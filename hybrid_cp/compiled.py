@@ -70,10 +70,11 @@ def registered_mesh(key: int) -> CPMesh:
 
 
 @torch.compiler.assume_constant_result
-def _backend_arg(backend: Any) -> str:
-    """A registered kernel's name as is; a kernel object as a registry key."""
-    if isinstance(backend, str):
-        return backend
+def _kernel_key(backend: Any) -> str:
+    """A kernel object as a registry key; "" for anything else (a plain callable, or no backend at all).
+    Runs for real: dynamo cannot evaluate isinstance against the runtime-checkable kernel protocol."""
+    if not isinstance(backend, AttentionKernel):
+        return ""
     key = _KERNEL_KEYS.get(id(backend))
     if key is None:
         key = len(_KERNELS)
@@ -309,7 +310,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
     so every new packing would recompile.
     """
     ok_window, window_arg = _window_arg(window)
-    plain_callable = callable(backend) and not isinstance(backend, (str, AttentionKernel))
+    backend_arg = backend if isinstance(backend, str) else _kernel_key(backend)
+    plain_callable = backend_arg == "" and callable(backend)
     if (plain_callable or head_chunks != 1) and _int(head_chunks) and head_chunks >= 1:
         reason = "a plain local-attention callable" if plain_callable else f"head_chunks={head_chunks}"
         if reason not in _WARNED:
@@ -318,10 +320,11 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
                         "under torch.compile use a kernel backend and head_chunks=1", reason)
     if not (isinstance(cp, CPMesh) and all(isinstance(x, torch.Tensor) for x in (q, k, v)) and ok_window
             and isinstance(causal, bool) and isinstance(return_lse, bool) and head_chunks == 1 and _int(head_chunks)
-            and not plain_callable and isinstance(backend, (str, AttentionKernel))
+            and backend_arg != ""
             and (softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)))
             and (seq_len is None or _int(seq_len))
-            and (cu_seqlens is None or isinstance(cu_seqlens, (torch.Tensor, list, tuple)))):
+            and (cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)
+                 or (isinstance(cu_seqlens, (list, tuple)) and all(_int(x) for x in cu_seqlens)))):
         # eager runs it (and raises its documented error for invalid arguments)
         return _outside_graph(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                               backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
@@ -330,6 +333,6 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse = torch.ops.hybrid_cp.attention_fwd(
-        q, k, v, cu_seqlens, _mesh_key(cp), _backend_arg(backend), causal,
+        q, k, v, cu_seqlens, _mesh_key(cp), backend_arg, causal,
         None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse)[:2]
     return (out, lse) if return_lse else out

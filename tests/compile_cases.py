@@ -233,3 +233,28 @@ def outside_graph(u: int, r: int) -> dict | None:
     out = torch.compile(f, backend="aot_eager")(*inputs)
     grads = torch.autograd.grad(out, inputs)
     return {"loss": _rel(out.detach(), ref.detach()), "grads": max(_rel(a, b) for a, b in zip(grads, ref_grads))}
+
+
+def argument_kinds(u: int, r: int) -> dict | None:
+    """fullgraph compiles with a kernel object as backend (through the op's registry) and with
+    cu_seqlens as a Python list (a constant); both match eager."""
+    import torch._dynamo
+
+    from hybrid_cp.kernels import get_kernel
+
+    cp = mesh(u, r)
+    if cp.dp_rank != 0:
+        return None
+    g = torch.Generator().manual_seed(3 + cp.rank)
+    q = torch.randn(1, 16, HEADS, HEAD_DIM, generator=g)
+    k, v = (torch.randn(1, 16, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    kernel = get_kernel("math", q.device, q.dtype, HEAD_DIM)
+    calls = {"kernel object": lambda q, k, v: hcp.attention(q, k, v, cp, causal=True, seq_len=16 * cp.size,
+                                                            backend=kernel),
+             "cu_seqlens list": lambda q, k, v: hcp.attention(q, k, v, cp, causal=True,
+                                                              cu_seqlens=[0, 10, 16 * cp.size])}
+    errors = {}
+    for name, f in calls.items():
+        torch._dynamo.reset()
+        errors[name] = _rel(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), f(q, k, v))
+    return errors

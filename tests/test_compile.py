@@ -56,6 +56,11 @@ def test_inductor_matches_eager(pool):
     _check_parity(pool.run("compile_cases:parity", u=2, r=2, backend="inductor"), INDUCTOR)
 
 
+def test_kernel_objects_and_listed_boundaries_compile(pool):
+    for row in _mine(pool.run("compile_cases:argument_kinds", u=2, r=2)):
+        assert all(err <= EXACT for err in row.values()), row
+
+
 def test_validation_runs_inside_the_compiled_op(pool):
     """One rank compiles causal=False, the others causal=True: every rank raises, naming the field."""
     for row in _mine(pool.run("compile_cases:validation", u=2, r=2)):
