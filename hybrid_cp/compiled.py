@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -107,8 +108,9 @@ class _Call:
 
 def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
               needs_grad: bool) -> tuple[Any, AttentionKernel, Any]:
-    """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
-    head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
+    """attention()'s checks and cross-rank agreement, with the same signature (kept in step with the
+    inline block in attention(); the compiled path always runs head_chunks=1, and `needs_grad` comes
+    from trace time: inside the op no input requires grad)."""
     error, lay, kernel = None, None, None
     try:
         lay, kernel, window = _eager._local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens,
@@ -120,8 +122,6 @@ def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len
             raise exc from None
         error = exc
     if cp.validate and cp.size > 1:
-        import zlib
-
         shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
         name = getattr(kernel, "name", str(backend))
         docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
