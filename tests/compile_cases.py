@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -184,10 +183,6 @@ def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3) -> dict
     return {"steps": rows, "frames": counter.frame_count, "graph_breaks": breaks,
             "graph_sizes": [len(g) for g in graphs],
             "attention_ops": [sum("hybrid_cp.attention_fwd" in o for o in g) for g in graphs]}
-
-
-def barrier() -> None:
-    dist.barrier()
 
 
 def opcheck(u: int, r: int, packed: bool = False) -> dict | None:
