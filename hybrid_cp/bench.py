@@ -191,13 +191,14 @@ class TorchRateSource:
         return min(times)
 
     def kernel(self, backend, dtype, causal, tq, tk, heads, kv_heads, head_dim):
-        """One timed run per call (the caller makes passes); warmed up the first time a shape is seen.
+        """One timed run per call (the caller makes passes, keeping the fastest, so a shape's first, cold
+        run needs no separate warm-up); the kernel itself is warmed up once, on its first call.
         A run is as many back-to-back calls as make ``min_kernel_flops`` (at least one): a lone call of
         a small block lasts less than a scheduler slice on shared cores. Returns seconds per call."""
         from topology.calibration import kernel_flops
 
         calls = max(1, math.ceil(self.min_kernel_flops / kernel_flops(tq, tk, heads, head_dim, causal, "fwd")))
-        key = (backend, dtype, causal, tq, tk, heads, kv_heads, head_dim)
+        key = (backend, dtype)
         first = key not in self._seen
         self._seen.add(key)
         dt = DTYPES[dtype]

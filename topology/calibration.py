@@ -182,7 +182,8 @@ class Calibration(_Strict):
         if self.merge:
             lines.append(f"  merge: {self.merge.bandwidth_gb_s:.2f} GB/s, {self.merge.latency_us:.0f} us")
         lines.append(f"  per ring step {self.step_overhead_us:.0f} us, per call {self.call_overhead_us:.0f} us, "
-                     f"packing copies {self.copy_gb_s or float('inf'):.2f} GB/s, overlap {self.overlap:.2f}")
+                     "packing copies " + (f"{self.copy_gb_s:.2f} GB/s" if self.copy_gb_s else "too fast to separate (0 s)")
+                     + f", overlap {self.overlap:.2f}")
         for a in self.a2a:
             lines.append(f"  all-to-all u={a.ulysses} ({a.groups} groups at once): {a.link.bandwidth_gb_s:.2f} GB/s, "
                          f"{a.link.latency_us:.0f} us; contention x{a.contention:.2f}")
@@ -233,7 +234,7 @@ class RateSource(Protocol):
 
 
 def kernel_grid(heads_per_call: Iterable[int], lengths: Iterable[int] = (512, 1024, 2048, 4096),
-                diagonals: Iterable[int] = (2048, 4096), min_tokens: int = 64) -> list[tuple[int, int, int, bool]]:
+                diagonals: Iterable[int] = (4096, 8192), min_tokens: int = 64) -> list[tuple[int, int, int, bool]]:
     """Kernel shapes: a causal T x T and a full T/2 x T block (the zigzag ring's two block kinds) for
     the fewest heads per call at every T in ``lengths``, and for every other head count h at
     ``T = c / h`` for each c in ``diagonals``.
@@ -274,7 +275,7 @@ class CalibrationSpec(_Strict):
         default_factory=lambda: kernel_grid([1, 2, 4, 8]),
         description="(query tokens, key tokens, query heads, causal) per timed kernel call; KV heads = heads / gqa")
     gqa: int = Field(default=4, ge=1, description="query heads per KV head in the kernel shapes")
-    kernel_passes: int = Field(default=2, ge=1, description="passes over all kernel shapes (fastest kept)")
+    kernel_passes: int = Field(default=3, ge=1, description="passes over all kernel shapes (fastest kept)")
     probe_passes: int = Field(default=2, ge=1)
     merge_tokens: list[int] = Field(default_factory=lambda: [1024, 4096, 16384])
     a2a_bytes: list[int] = Field(default_factory=lambda: [1 << 14, 1 << 20, 1 << 23])
