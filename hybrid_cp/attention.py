@@ -157,6 +157,41 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
     return lay, kernel, window
 
 
+def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, head_chunks: int,
+                 needs_grad: int) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+    """Every check of an attention call, before any collective: this rank's own (`_local_checks`), then,
+    with `cp.validate`, the cross-rank agreement on the call's signature, so that a rank that failed
+    or differs makes every rank raise. Returns (layout, kernel, the window in effect). `needs_grad`
+    is passed in because the compiled path decides it at trace time (hybrid_cp/compiled.py)."""
+    error, lay, kernel = None, None, None
+    try:
+        if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
+            raise ConfigError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
+        lay, kernel, window = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window)
+        if head_chunks > 1 and kernel is None:
+            raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
+                             f"local-attention callable runs all heads at once: use head_chunks=1")
+    except (TypeError, ValueError) as exc:
+        if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
+            exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
+        if not (cp.__class__ is CPMesh and cp.validate and cp.size > 1):
+            raise exc from None
+        error = exc
+    if cp.validate and cp.size > 1:
+        shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
+        name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
+        docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
+        win = (-1, -1) if error is not None or window is None else (window, 0) if isinstance(window, int) else window
+        signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(getattr(q, "dtype", None), 0),
+                     int(causal) if isinstance(causal, bool) else -1, lay.seq_len if lay is not None else 0, docs, win[0], win[1],
+                     zlib.crc32(name.encode()), int(needs_grad) if error is None else 0, head_chunks if error is None else 0]
+        names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
+                 "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks"]
+        agree_across_ranks(cp, signature, names, error, "hcp.attention inputs",
+                           tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
+    return lay, kernel, window
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
@@ -183,32 +218,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         return _compiled.compiled_attention(q, k, v, cp, causal=causal, softmax_scale=softmax_scale,
                                             return_lse=return_lse, backend=backend, seq_len=seq_len,
                                             cu_seqlens=cu_seqlens, window=window, head_chunks=head_chunks)
-    error, lay, kernel = None, None, None
-    try:
-        if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
-            raise ConfigError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
-        lay, kernel, window = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window)
-        if head_chunks > 1 and kernel is None:
-            raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
-                             f"local-attention callable runs all heads at once: use head_chunks=1")
-    except (TypeError, ValueError) as exc:
-        if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
-            exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
-        if not (cp.__class__ is CPMesh and cp.validate and cp.size > 1):
-            raise exc from None
-        error = exc
-    if cp.validate and cp.size > 1:
-        shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
-        name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
-        docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
-        win = (-1, -1) if error is not None or window is None else (window, 0) if isinstance(window, int) else window
-        signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _DTYPE_CODES.get(getattr(q, "dtype", None), 0),
-                     int(causal) if isinstance(causal, bool) else -1, lay.seq_len if lay is not None else 0, docs, win[0], win[1],
-                     zlib.crc32(name.encode()), _needs_grad(q, k, v) if error is None else 0, head_chunks if error is None else 0]
-        names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-                 "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks"]
-        agree_across_ranks(cp, signature, names, error, "hcp.attention inputs",
-                           tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
+    lay, kernel, window = checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
+                                       head_chunks, _needs_grad(q, k, v))
     b, s, h, d = q.shape
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     split = head_split(h, k.shape[2], cp.ulysses_size)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,11 +33,10 @@ import torch
 
 from . import attention as _eager
 from .comm import RingExchange, acc_dtype, head_to_seq, seq_to_head
-from .errors import CPError, ConfigError, InputTypeError
 from .heads import HeadSplit, head_split
 from .kernels import AttentionKernel, get_kernel
 from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
-from .mesh import CPMesh, agree_across_ranks
+from .mesh import CPMesh
 from .ring import Plan, _halo_fetch, block_plan, ring_backward, ring_forward
 
 log = logging.getLogger("hybrid_cp")
@@ -108,32 +106,10 @@ class _Call:
 
 def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
               needs_grad: bool) -> tuple[Any, AttentionKernel, Any]:
-    """attention()'s checks and cross-rank agreement, with the same signature (kept in step with the
-    inline block in attention(); the compiled path always runs head_chunks=1, and `needs_grad` comes
-    from trace time: inside the op no input requires grad)."""
-    error, lay, kernel = None, None, None
-    try:
-        lay, kernel, window = _eager._local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens,
-                                                   window)
-    except (TypeError, ValueError) as exc:
-        if not isinstance(exc, CPError):
-            exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
-        if not (cp.validate and cp.size > 1):
-            raise exc from None
-        error = exc
-    if cp.validate and cp.size > 1:
-        shape = list(q.shape) + [k.shape[2]] if error is None else [0] * 5
-        name = getattr(kernel, "name", str(backend))
-        docs = zlib.crc32(repr(lay.doc_lens).encode()) if lay is not None else 0
-        win = (-1, -1) if error is not None or window is None else (window, 0) if isinstance(window, int) else window
-        signature = [shape[0], shape[1], shape[2], shape[4], shape[3], _eager._DTYPE_CODES.get(q.dtype, 0),
-                     int(causal), lay.seq_len if lay is not None else 0, docs, win[0], win[1],
-                     zlib.crc32(name.encode()), int(needs_grad) if error is None else 0, 1 if error is None else 0]
-        names = ["batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-                 "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks"]
-        agree_across_ranks(cp, signature, names, error, "hcp.attention inputs",
-                           tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
-    return lay, kernel, window
+    """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
+    head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
+    return _eager.checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1,
+                               int(needs_grad))
 
 
 def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: torch.device, dtype: torch.dtype,
@@ -144,7 +120,8 @@ def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: t
     if checked is None:
         lay = row_layout(cp, local_len=s, seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
         window = lay.effective_window(causal, window)
-        kernel = get_kernel(backend, device, dtype, d)
+        needs = [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")) if needed]
+        kernel = get_kernel(backend, device, dtype, d, needs=needs)  # what forward's checks resolved
     else:
         lay, kernel, window = checked
     split = head_split(h, kv_heads, cp.ulysses_size)

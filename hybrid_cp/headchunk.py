@@ -142,7 +142,7 @@ def _post_head_to_seq(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ra
     u = cp.ulysses_size
     gathered = [ring_block_to_gathered(x, lay) for x in parts]
     if u == 1:
-        def local():
+        def local(gathered=gathered):
             for x, r, t in zip(gathered, ranges, targets):
                 view = t[:, :, r[0][0]:r[0][1]]
                 view.add_(x) if accumulate else view.copy_(x)

@@ -278,6 +278,7 @@ def _metadata(tensors) -> list[int]:
     return [zlib.crc32("/".join(meta).encode())] + flags
 
 
+@torch.compiler.disable  # a host collective and a history of signatures: never traced
 def agree_across_ranks(cp: CPMesh, values: list[int], names: list[str], error: Exception | None,
                        what: str, tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
     """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`,

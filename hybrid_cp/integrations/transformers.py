@@ -108,6 +108,7 @@ def _register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, hybrid_cp_attention_forward)
 
 
+@torch.compiler.disable  # host-side checks and a collective: runs eagerly under torch.compile (no recompiles)
 def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if args:
         kwargs = dict(kwargs)
