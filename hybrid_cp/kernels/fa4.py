@@ -19,6 +19,7 @@ from functools import lru_cache
 
 import torch
 
+from ._cuda import fa_class_reason
 from .varlen import segment_backward, segment_forward
 
 
@@ -42,12 +43,9 @@ class FA4Kernel:
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         if _fa4_module() is None:
             return "flash-attn-4 is not installed (pip install 'hybrid-cp[fa4]')"
-        if device.type != "cuda":
-            return f"flash-attn-4 runs on CUDA only, not {device.type}"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"flash-attn-4 takes fp16/bf16, not {dtype}"
-        if head_dim > 256 or head_dim % 8:
-            return f"flash-attn-4 needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+        reason = fa_class_reason("flash-attn-4", device, dtype, head_dim)
+        if reason:
+            return reason
         major, minor = _capability(device)
         if major < 9:
             return f"flash-attn-4's backward needs sm90 or newer, this GPU is sm{major}{minor}"

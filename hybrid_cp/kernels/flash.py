@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 
+from ._cuda import fa_class_reason
 
 @lru_cache(maxsize=1)
 def _flash_module():
@@ -77,13 +78,7 @@ class FlashAttnKernel:
         mod, _ = _flash_module()
         if mod is None:
             return "flash-attn is not installed (pip install 'hybrid-cp[flash]')"
-        if device.type != "cuda":
-            return f"flash-attn runs on CUDA only, not {device.type}"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"flash-attn takes fp16/bf16, not {dtype}"
-        if head_dim > 256 or head_dim % 8:
-            return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}"
-        return None
+        return fa_class_reason("flash-attn", device, dtype, head_dim)
 
     def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                 max_seqlen_q=None, max_seqlen_k=None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ._cuda import fa_class_reason
 
 def _op(name: str):
     """Resolved at call time so the tests can stand in CPU fakes for the CUDA-only operators."""
@@ -44,12 +45,9 @@ class TorchFlashKernel:
     name = "torch-flash"
 
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-        if device.type != "cuda":
-            return f"PyTorch's flash operators run on CUDA only, not {device.type}"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"PyTorch's flash operators take fp16/bf16, not {dtype}"
-        if head_dim > 256 or head_dim % 8:
-            return f"PyTorch's flash operators need head_dim <= 256 and a multiple of 8, got {head_dim}"
+        reason = fa_class_reason("PyTorch's flash operator", device, dtype, head_dim)
+        if reason:
+            return reason
         if not hasattr(torch.ops.aten, "_flash_attention_forward"):
             return f"this torch ({torch.__version__}) has no aten::_flash_attention_forward"
         major, minor = _capability(device)
