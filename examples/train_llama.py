@@ -54,7 +54,8 @@ def parse_args(argv=None):
                    help="loss from the final hidden states in chunks of TOKENS tokens (default chunk: 256 MiB of fp32 "
                         "logits), never the full [tokens, vocab] logits (hcp.lm_loss)")
     p.add_argument("--head-chunks", type=int, default=1, metavar="K",
-                   help="run the attention heads in K chunks with overlapped all-to-alls (less attention memory)")
+                   help="run each attention module's heads in K chunks from the Q/K/V projections on (less attention "
+                        "memory; each chunk is recomputed in backward)")
     p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
                    help="run each MLP over chunks of TOKENS tokens with recomputation (hcp.tile_mlp; 0: off)")
     p.add_argument("--no-fsdp", action="store_true", help="replicate the weights and average gradients instead of FSDP2")
