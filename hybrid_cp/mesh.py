@@ -34,9 +34,9 @@ class CPMesh:
     raise instead of hanging or computing wrong attention (docs/errors.md, "Validation"). True: a
     call whose signature every rank can predict from the earlier calls (they repeat with a period:
     layers, steps) is not checked again, so a training loop checks on its first steps only; any
-    other call all-reduces 3 integers on a
-    host-side group. "always": that all-reduce on every call. "debug": a full all-gather of the
-    signature, a checksum of the inputs' metadata and NaN/inf flags per tensor. False: nothing.
+    other call all-reduces 3 integers on a host-side group. "always": that all-reduce on every
+    call. "debug": a full all-gather of the signature, a checksum of the inputs' metadata and
+    NaN/inf flags per tensor. False: nothing.
 
     `timeout` is the timeout of every group the mesh created: a collective that a peer never
     joins (dead, hung, or raised alone) raises `hcp.CommTimeoutError` after it.
