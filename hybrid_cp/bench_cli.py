@@ -142,7 +142,7 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
         if a.dtypes:
             over["dtypes"] = a.dtypes.split(",")
         if a.quick:
-            over.update(kernel_shapes=kernel_grid(heads_per_call(runner.world, 8), (128, 256)),
+            over.update(kernel_shapes=kernel_grid(heads_per_call(runner.world, 8), (128, 256, 512), (512, 1024)),
                         merge_tokens=[512, 2048], a2a_bytes=[1 << 12, 1 << 18], p2p_bytes=[1 << 12, 1 << 18],
                         overlap_tokens=512, overlap_bytes=1 << 18, engine_lengths=[256, 1024])
         spec = default_spec(runner.world, device, **over)
