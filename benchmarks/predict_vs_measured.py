@@ -7,7 +7,8 @@
 Runs what `hybrid-cp bench` runs (hybrid_cp.bench.bench_rank, causal GQA fwd+bwd, slowest rank per
 repeat) in one pool of 8 processes, in `--rounds` interleaved rounds so that the spread between
 rounds shows the machine's noise. Prints and writes a markdown table (measured median/min, noise,
-predicted, error) with the rankings, a JSON file, and a plot (matplotlib, if installed; `--plot`,
+predicted, error, the 1-minute load average after each case: on a shared machine a figure means
+little without it) with the rankings, a JSON file, and a plot (matplotlib, if installed; `--plot`,
 default docs/predict_vs_measured_cpu8.png, since the repository keeps images under docs/ only).
 """
 
