@@ -5,7 +5,8 @@ Everything here times the engine through its public entry points (`init_cp_mesh`
 calibrated on is what a user runs. Each task function runs on every rank (a `WorkerPool` task
 "hybrid_cp.bench:NAME", or directly under torchrun) and returns plain Python data; the parent
 combines ranks. Timings are taken between barriers and reported per repeat as the slowest rank,
-because a collective-bound step finishes when its slowest rank does.
+because a collective-bound step finishes when its slowest rank does; compute that no collective
+ends (a calibration's kernel calls and merges) is timed as the group's span instead.
 """
 
 from __future__ import annotations
