@@ -22,12 +22,7 @@ TRUE_KERNELS = {  # (causal, direction) -> (TFLOP/s, call overhead us, causal ti
     (False, "fwd"): (0.03, 200.0, 0.0, 2.0),
     (False, "bwd"): (0.015, 450.0, 0.0, 0.0),
 }
-TRUE_HEAD_EFF = {  # (causal, direction) -> rate with h query heads per call / rate with 1 head
-    (True, "fwd"): {1: 1.0, 2: 0.9, 4: 0.8, 8: 0.6},
-    (True, "bwd"): {1: 1.0, 2: 1.1, 4: 0.95, 8: 0.7},
-    (False, "fwd"): {1: 1.0, 2: 0.85, 4: 0.75, 8: 0.5},
-    (False, "bwd"): {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0},
-}
+TRUE_HEAD_US = {(True, "fwd"): 40.0, (True, "bwd"): 90.0, (False, "fwd"): 25.0, (False, "bwd"): 0.0}  # per head per call
 TRUE_MERGE = LinkFit(bandwidth_gb_s=3.0, latency_us=120.0)
 TRUE_A2A = {2: (0.8, 900.0, 1.6, 500.0), 4: (0.5, 1500.0, 0.9, 800.0), 8: (0.3, 2500.0, None, None)}
 TRUE_P2P, TRUE_P2P_ALONE = LinkFit(bandwidth_gb_s=0.4, latency_us=1000.0), LinkFit(bandwidth_gb_s=1.2, latency_us=300.0)
@@ -50,9 +45,8 @@ class FakeSource:
         for direction in ("fwd", "bwd"):
             rate, ovh, tile, io = TRUE_KERNELS[(causal, direction)]
             f = kernel_flops(tq, tk, heads, head_dim, causal, direction)
-            eff = TRUE_HEAD_EFF[(causal, direction)].get(heads, 1.0)
-            out.append(ovh * 1e-6 + io * 1e-9 * (tq + tk) * heads * head_dim
-                       + f / (rate * 1e12 * eff) + f * (tile / tq if causal else 0) / (rate * 1e12))
+            out.append((ovh + TRUE_HEAD_US[(causal, direction)] * heads) * 1e-6 + io * 1e-9 * (tq + tk) * heads * head_dim
+                       + f * (1 + (tile / tq if causal else 0)) / (rate * 1e12))
         return tuple(out)
 
     def merge(self, tokens, heads, head_dim, dtype):
@@ -86,9 +80,7 @@ def test_fit_returns_exactly_the_rates_fed():
     for (causal, direction), (rate, ovh, tile, io) in TRUE_KERNELS.items():
         k = cal.kernel_fit(causal, direction)
         assert _close(k.tflops, rate) and _close(k.call_overhead_us, ovh) and _close(k.causal_tile_tokens, tile)
-        assert _close(k.io_ns_per_elem, io) and k.reference_heads == 1
-        assert set(k.head_efficiency) == {1, 2, 4, 8}
-        assert all(_close(k.head_efficiency[h], e) for h, e in TRUE_HEAD_EFF[(causal, direction)].items())
+        assert _close(k.io_ns_per_elem, io) and _close(k.head_call_overhead_us, TRUE_HEAD_US[(causal, direction)])
         assert k.rms_rel_error < 1e-9
     assert _close(cal.merge.bandwidth_gb_s, 3.0) and _close(cal.merge.latency_us, 120.0)
     for u, (bw, lat, abw, alat) in TRUE_A2A.items():
@@ -130,34 +122,35 @@ def test_kernel_efficiency_grows_with_block_size():
 def test_kernel_grid_separates_heads_from_shape_terms():
     shapes = default_spec(8).kernel_shapes
     assert {h for _, _, h, _ in shapes} == set(heads_per_call(8, 8)) == {1, 2, 4, 8}
-    # one head count at 4 lengths pins call + tile/io; every other at 2 lengths on lines of equal T x heads
+    # one head count at 4 lengths pins rate, call and tile/io; every other at 2 lengths on lines of equal T x heads
     causal = [(tq, h) for tq, _, h, c in shapes if c]
     assert len(shapes) == 20 and sorted(t for t, h in causal if h == 1) == [512, 1024, 2048, 4096]
     assert all(len({t * h for t, hh in causal if hh == h}) == 2 for h in (2, 4, 8))
 
 
-def test_head_efficiency_interpolates_and_its_ideal_limit_is_the_block_size_model():
+def test_head_term_vanishes_in_the_ideal_limit_and_weighs_on_many_head_short_blocks():
     args = dict(backend="x", dtype="float32", causal=True, direction="fwd", tflops=0.02, call_overhead_us=300,
                 causal_tile_tokens=200, io_ns_per_elem=0.5)
-    plain, heads = KernelFit(**args), KernelFit(**args, head_efficiency={1: 1.0, 8: 0.5})
-    assert [heads.head_factor(h) for h in (1, 2, 8, 32)] == [1.0, 1 - 0.5 / 3, 0.5, 0.5]
+    plain, heads = KernelFit(**args), KernelFit(**args, head_call_overhead_us=100.0)
     for tq, tk, h in ((128, 128, 8), (768, 384, 8), (6144, 6144, 1), (1000, 3000, 3)):
         f = kernel_flops(tq, tk, h, 64, True, "fwd")
         old = 300e-6 + 0.5e-9 * (tq + tk) * h * 64 + f * (1 + 200 / tq) / 0.02e12  # the block-size-only form
         assert math.isclose(plain.seconds(tq, tk, h, 64), old, rel_tol=1e-12)
-    assert heads.seconds(6144, 6144, 1, 64) == plain.seconds(6144, 6144, 1, 64)
-    assert heads.seconds(768, 768, 8, 64) > plain.seconds(768, 768, 8, 64)
-    # priced per call with the heads a ulysses rank holds: only u=1 (8 heads per call) slows down
+        assert math.isclose(heads.seconds(tq, tk, h, 64) - plain.seconds(tq, tk, h, 64), 100e-6 * h, rel_tol=1e-9)
+    # priced per call with the heads a ulysses rank holds: u=1 (8 heads, 8 short blocks) pays the most
     cal = _true_calibration()
-    fits = lambda eff: [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,  # noqa: E731
-                                  causal_tile_tokens=t, io_ns_per_elem=i, head_efficiency=eff)
-                        for (c, d), (r, o, t, i) in TRUE_KERNELS.items()]
+    fits = lambda us: [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,  # noqa: E731
+                                 causal_tile_tokens=t, io_ns_per_elem=i, head_call_overhead_us=us)
+                       for (c, d), (r, o, t, i) in TRUE_KERNELS.items()]
     shape = ModelShape(heads=8, kv_heads=2, head_dim=64, layers=1)
-    for u, slower in ((8, False), (1, True)):
+    extra = {}
+    for u in (8, 1):
         e0, e1 = (estimate(Cluster.preset("cpu", gpus_per_node=8).model_copy(update={
-            "calibration": cal.model_copy(update={"kernels": fits(eff)})}), shape, 6144, u, 8 // u, dtype="float32")
-            for eff in ({}, {1: 1.0, 8: 0.5}))
-        assert (e1.attention_s > e0.attention_s) == slower and e1.a2a_s == e0.a2a_s
+            "calibration": cal.model_copy(update={"kernels": fits(us)})}), shape, 6144, u, 8 // u, dtype="float32")
+            for us in (0.0, 1000.0))
+        assert e1.a2a_s == e0.a2a_s
+        extra[u] = e1.attention_s - e0.attention_s
+    assert math.isclose(extra[8], 2 * 1e-3, rel_tol=1e-9) and math.isclose(extra[1], 2 * 8 * 8 * 1e-3, rel_tol=1e-9)
 
 
 # ------------------------------------------------------------------------------------------------ ideal limit

@@ -35,59 +35,42 @@ class _Strict(BaseModel):
 
 class KernelFit(_Strict):
     """One attention kernel's time per call:
-    ``call_overhead + io (Tq + Tk) H D + F / (rate e(H)) + F tile / (Tq rate)``.
+    ``call_overhead + head_call_overhead H + io (Tq + Tk) H D + F (1 + tile / Tq) / rate``.
 
     ``F`` counts useful FLOPs (``4 Tq Tk D H``, half for a causal square block, 2.5x for backward).
     ``causal_tile_tokens`` is the extra work a causal block does on its diagonal tiles (a tiled kernel
     computes whole tiles, so a T x T causal block costs ``T (T + tile) / 2`` entries, not ``T^2 / 2``);
     together with the per-call overhead it is the kernel's efficiency as a function of block size.
-    ``e(H)`` (``head_efficiency``) is its efficiency as a function of the query heads per call: a
-    ulysses degree u hands the kernel H/u heads (and expands H_kv/u KV heads to them), and on a CPU
-    8 heads per call run measurably slower per FLOP than 1 or 2 (cache footprint, GQA expansion), which
-    no block-size term can express because the candidate splits trade heads for block length.
+    ``head_call_overhead_us`` makes it a function of the query heads per call too: a ulysses degree u
+    hands the kernel H/u heads (and H_kv/u KV heads it expands to them), and the candidate splits of one
+    model trade heads for block length, so a cost paid per head and call weighs on u=1's many-head short
+    blocks and vanishes on u=H's one long block. A per-head factor on the rate was tried first; it
+    over-penalized many-head calls of longer blocks (docs/planner.md, section 4.1).
     """
 
     backend: str
     dtype: str
     causal: bool
     direction: Literal["fwd", "bwd"]
-    tflops: float = Field(gt=0, description="asymptotic rate at reference_heads heads per call, TFLOP/s, "
-                          "with every rank computing at once")
+    tflops: float = Field(gt=0, description="asymptotic rate, TFLOP/s, with every rank computing at once")
     call_overhead_us: float = Field(ge=0)
+    head_call_overhead_us: float = Field(default=0.0, ge=0, description="per query head per call")
     causal_tile_tokens: float = Field(default=0.0, ge=0)
     io_ns_per_elem: float = Field(default=0.0, ge=0, description="per element of q and k/v rows x heads x D "
                                   "(loads, GQA expansion): what makes short blocks memory-bound")
-    reference_heads: int = Field(default=1, ge=1, description="query heads per call that ``tflops`` is the rate of")
-    head_efficiency: dict[int, float] = Field(
-        default_factory=dict, description="query heads per call -> rate at that head count / tflops, measured at "
-        "H/u for each candidate ulysses degree u; other counts interpolate in log2(heads), clamped at the ends; "
-        "empty: 1 for every count (the block-size-only model)")
     samples: int = 0
     rms_rel_error: float = 0.0
-
-    def head_factor(self, heads: int) -> float:
-        """Rate with ``heads`` query heads per call relative to ``tflops`` (1 when not measured)."""
-        if not self.head_efficiency:
-            return 1.0
-        pts = sorted(self.head_efficiency.items())
-        if heads <= pts[0][0]:
-            return pts[0][1]
-        for (h0, e0), (h1, e1) in zip(pts, pts[1:]):
-            if heads <= h1:
-                w = (math.log2(heads) - math.log2(h0)) / (math.log2(h1) - math.log2(h0))
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
 
     def seconds(self, tq: int, tk: int, heads: int, head_dim: int) -> float:
         """Predicted time of one call on a (tq x tk) block with ``heads`` query heads."""
         f = kernel_flops(tq, tk, heads, head_dim, self.causal, self.direction)
-        tile = f * self.causal_tile_tokens / tq if self.causal else 0.0
+        tile = self.causal_tile_tokens / tq if self.causal else 0.0
         io = (tq + tk) * heads * head_dim * self.io_ns_per_elem * 1e-9
-        rate = self.tflops * 1e12
-        return self.call_overhead_us * 1e-6 + io + f / (rate * self.head_factor(heads)) + tile / rate
+        fixed = (self.call_overhead_us + self.head_call_overhead_us * heads) * 1e-6
+        return fixed + io + f * (1.0 + tile) / (self.tflops * 1e12)
 
     def efficiency(self, tq: int, tk: int, heads: int, head_dim: int) -> float:
-        """Fraction of the asymptotic rate (at ``reference_heads``) this block shape reaches."""
+        """Fraction of the asymptotic rate this block shape and head count reach."""
         f = kernel_flops(tq, tk, heads, head_dim, self.causal, self.direction)
         return f / (self.tflops * 1e12) / self.seconds(tq, tk, heads, head_dim)
 
@@ -173,12 +156,10 @@ class Calibration(_Strict):
                  f"{self.dtype}, {self.seconds:.0f} s ({self.startup_s:.0f} s starting the ranks"
                  + (f"; measuring: {stages} s" if stages else "") + ")"]
         for k in self.kernels:
-            heads = ", ".join(f"{h}: {e:.2f}" for h, e in sorted(k.head_efficiency.items()))
             lines.append(f"  kernel {k.backend} {k.dtype} {'causal' if k.causal else 'full  '} {k.direction}: "
-                         f"{k.tflops * 1e3:8.2f} GFLOP/s per rank at {k.reference_heads} head(s), "
-                         f"{k.call_overhead_us:7.0f} us per call, causal tile {k.causal_tile_tokens:5.0f} tokens, "
-                         f"io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)"
-                         + (f"; rate by heads per call {{{heads}}}" if heads else ""))
+                         f"{k.tflops * 1e3:8.2f} GFLOP/s per rank, {k.call_overhead_us:7.0f} us per call + "
+                         f"{k.head_call_overhead_us:5.0f} us per head, causal tile {k.causal_tile_tokens:5.0f} tokens, "
+                         f"io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)")
         if self.merge:
             lines.append(f"  merge: {self.merge.bandwidth_gb_s:.2f} GB/s, {self.merge.latency_us:.0f} us")
         lines.append(f"  per ring step {self.step_overhead_us:.0f} us, per call {self.call_overhead_us:.0f} us, "
@@ -241,9 +222,8 @@ def kernel_grid(heads_per_call: Iterable[int], lengths: Iterable[int] = (512, 10
 
     The candidate splits of one model trade heads for block length (u ulysses ranks: H/u heads per call,
     blocks N/r long, so ``T h`` is the same for all of them), so the other head counts are timed on
-    such lines. The lengths of the reference head count pin the per-call and per-tile (or IO) terms
-    that all head counts share; with two points per head count alone those terms could trade off
-    against the rates, and the fit would be singular.
+    such lines: that is where a per-head cost shows. The lengths of the fewest head count pin the rate
+    and the per-call and per-tile (or IO) terms.
     """
     heads = sorted(set(heads_per_call))
     shapes: list[tuple[int, int, int, bool]] = []
@@ -492,40 +472,32 @@ def _fit_kernel(backend: str, dtype: str, causal: bool, direction: Literal["fwd"
                 skipped: list[str]) -> KernelFit:
     """One kernel's terms by non-negative least squares on relative error.
 
-    Features: one FLOP coefficient per measured head count (its rate), then the per-call overhead, then
-    the causal tile or (full blocks) the per-element IO; on a square causal block F / Tq is
-    proportional to the IO, so one term carries both there. As many shape terms as the distinct
-    shapes beyond one per head count can determine.
+    Features by priority: the rate, the per-call overhead, the causal tile or (full blocks) the
+    per-element IO (on a square causal block F / Tq is proportional to the IO, so one term carries both
+    there), then the per-head-per-call overhead when more than one head count was timed (with one, it
+    is the per-call overhead again). As many features as the distinct shapes can determine.
     """
     flops = [kernel_flops(p["tq"], p["tk"], p["heads"], p["head_dim"], causal, direction) for p in pts]
     y = [p["seconds"] for p in pts]
-    heads = sorted({p["heads"] for p in pts})
-    extra = ["call", "tile" if causal else "io"]
-    extra = extra[:max(0, len({(p["tq"], p["tk"], p["heads"]) for p in pts}) - len(heads))]
-    shape_feats = {"call": lambda f, p: 1.0, "tile": lambda f, p: f / p["tq"],
-                   "io": lambda f, p: float((p["tq"] + p["tk"]) * p["heads"] * p["head_dim"])}
-    rows = [[f if p["heads"] == h else 0.0 for h in heads] + [shape_feats[n](f, p) for n in extra]
-            for f, p in zip(flops, pts)]
+    names = ["rate", "call", "tile" if causal else "io"] + (["head"] if len({p["heads"] for p in pts}) > 1 else [])
+    names = names[:max(1, len({(p["tq"], p["tk"], p["heads"]) for p in pts}))]
+    feats = {"rate": lambda f, p: f, "call": lambda f, p: 1.0, "head": lambda f, p: float(p["heads"]),
+             "tile": lambda f, p: f / p["tq"], "io": lambda f, p: float((p["tq"] + p["tk"]) * p["heads"] * p["head_dim"])}
+    rows = [[feats[n](f, p) for n in names] for f, p in zip(flops, pts)]
     label = f"kernel {backend} {dtype} {'causal' if causal else 'full'} {direction}"
     try:
-        coef = _nonneg_fit(rows, y, keep=len(heads))
+        coef = dict(zip(names, _nonneg_fit(rows, y)))
     except ValueError:
-        coef = [0.0] * len(rows[0])
-    inv_rate = dict(zip(heads, coef))
-    shape = dict(zip(extra, coef[len(heads):]))
-    if min(inv_rate.values()) <= 0:
+        coef = {}
+    if coef.get("rate", 0.0) <= 0:
         # too noisy to separate the terms: keep a plain rate (time proportional to FLOPs) and say so
-        inv_rate = dict.fromkeys(heads, sum(t / f for t, f in zip(y, flops)) / len(y))
-        shape = {}
+        coef = {"rate": sum(t / f for t, f in zip(y, flops)) / len(y)}
         skipped.append(f"{label}: times did not grow with block size (noise?); only a mean rate was fitted, "
-                       "no per-call/tile/IO/head-count terms")
-    ref = heads[0]
-    rate = 1.0 / inv_rate[ref] / 1e12
-    k = KernelFit(backend=backend, dtype=dtype, causal=causal, direction=direction, tflops=rate,
-                  call_overhead_us=shape.get("call", 0.0) * 1e6, io_ns_per_elem=shape.get("io", 0.0) * 1e9,
-                  causal_tile_tokens=shape.get("tile", 0.0) * rate * 1e12, reference_heads=ref,
-                  head_efficiency={h: inv_rate[ref] / c for h, c in inv_rate.items()} if len(heads) > 1 else {},
-                  samples=len(pts))
+                       "no per-call/per-head/tile/IO terms")
+    k = KernelFit(backend=backend, dtype=dtype, causal=causal, direction=direction, tflops=1.0 / coef["rate"] / 1e12,
+                  call_overhead_us=coef.get("call", 0.0) * 1e6, head_call_overhead_us=coef.get("head", 0.0) * 1e6,
+                  io_ns_per_elem=coef.get("io", 0.0) * 1e9,
+                  causal_tile_tokens=coef.get("tile", 0.0) / coef["rate"] if causal else 0.0, samples=len(pts))
     pred = [k.seconds(p["tq"], p["tk"], p["heads"], p["head_dim"]) for p in pts]
     return k.model_copy(update={"rms_rel_error": _rms_rel(pred, y)})
 
