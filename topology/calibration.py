@@ -214,7 +214,7 @@ class RateSource(Protocol):
         """`hcp.attention` fwd+bwd (causal, zigzag) with a kernel that does no arithmetic."""
 
 
-def kernel_grid(heads_per_call: Iterable[int], lengths: Iterable[int] = (512, 1024, 2048, 4096),
+def kernel_grid(head_counts: Iterable[int], lengths: Iterable[int] = (512, 1024, 2048, 4096),
                 diagonals: Iterable[int] = (4096, 8192), min_tokens: int = 64) -> list[tuple[int, int, int, bool]]:
     """Kernel shapes: a causal T x T and a full T/2 x T block (the zigzag ring's two block kinds) for
     the fewest heads per call at every T in ``lengths``, and for every other head count h at
@@ -225,7 +225,7 @@ def kernel_grid(heads_per_call: Iterable[int], lengths: Iterable[int] = (512, 10
     such lines: that is where a per-head cost shows. The lengths of the fewest head count pin the rate
     and the per-call and per-tile (or IO) terms.
     """
-    heads = sorted(set(heads_per_call))
+    heads = sorted(set(head_counts))
     shapes: list[tuple[int, int, int, bool]] = []
     for t in lengths:
         shapes += [(t, t, heads[0], True), (t // 2, t, heads[0], False)]
