@@ -38,6 +38,14 @@ from hybrid_cp.kernels.math import MathKernel
 _M = MathKernel()
 
 
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The adapter's result is the fake's math-kernel result up to the order of fp32 sums: the same
+    arithmetic, but the first GEMM of a process can split its sums differently from later ones (measured:
+    5.7e-5 between two identical math-kernel calls, first vs second, on this 2-core machine). A wrong
+    argument mapping (transposed layout, lost mask or scale) is off by O(1)."""
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---- what every fake computes: the math kernel, dense [B, S, H, D] or varlen [total, H, D] --------------------------
 
 def _segments(cu_q, cu_k, max_q, max_k) -> list[tuple[int, int, int, int]]:
@@ -349,10 +357,11 @@ def test_adapter_matches_math_kernel(monkeypatch, make, version, causal):
     kern = flash.FlashAttnKernel()
     out, lse = kern.forward(q, k, v, causal=causal, scale=0.25)
     ref_out, ref_lse = _M.forward(q, k, v, causal=causal, scale=0.25)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _same(out, ref_out)
+    _same(lse, ref_lse)
     grads = kern.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25)
     for got, want in zip(grads, _M.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25)):
-        assert torch.equal(got, want)
+        _same(got, want)
 
 
 def _varlen(seg_q: list[int], seg_k: list[int], heads: int, kv_heads: int, seed: int = 1):
@@ -382,11 +391,13 @@ def test_varlen_adapter_matches_math_kernel(monkeypatch, make, version, causal, 
     out, lse = kern.forward(q, k, v, causal=causal, scale=0.25, **kw)
     ref_out, ref_lse = _M.forward(q, k, v, causal=causal, scale=0.25, **kw)
     assert out.shape == ref_out.shape == q.shape and lse.shape == ref_lse.shape == (1, heads, q.shape[1])
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _same(out, ref_out)
+    _same(lse, ref_lse)
     grads = kern.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25, **kw)
     want = _M.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25, **kw)
     for got, ref, like in zip(grads, want, (q, k, v)):
-        assert got.shape == like.shape and torch.equal(got, ref)
+        assert got.shape == like.shape
+        _same(got, ref)
     # and the packed answer is not the dense one: the segments really are separate
     dense_out, _ = _M.forward(q, k, v, causal=causal, scale=0.25)
     assert not torch.allclose(out, dense_out)
