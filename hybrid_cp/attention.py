@@ -88,6 +88,11 @@ def _needs_grad(q, k, v) -> int:
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
+def kernel_needs(cu_seqlens, window) -> list[str]:
+    """The kernel keywords a call passes beyond the dense ones (what "auto" must find a kernel for)."""
+    return [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")) if needed]
+
+
 def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens,
                   window) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
     """Raise ValueError/TypeError for inputs this rank can judge alone; return (layout, kernel,
@@ -147,7 +152,7 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
                              "padding; use a kernel backend, or for dense rows a length divisible by "
                              f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
         return lay, None, None
-    needs = [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")) if needed]
+    needs = kernel_needs(cu_seqlens, window)
     kernel = get_kernel(backend, q.device, q.dtype, d, needs=needs)
     for keyword in needs:
         if not takes_keyword_on(kernel, keyword, q.device):

@@ -120,8 +120,7 @@ def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: t
     if checked is None:
         lay = row_layout(cp, local_len=s, seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
         window = lay.effective_window(causal, window)
-        needs = [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")) if needed]
-        kernel = get_kernel(backend, device, dtype, d, needs=needs)  # what forward's checks resolved
+        kernel = get_kernel(backend, device, dtype, d, needs=_eager.kernel_needs(cu_seqlens, window))  # as forward
     else:
         lay, kernel, window = checked
     split = head_split(h, kv_heads, cp.ulysses_size)

@@ -85,14 +85,10 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
     elif backend == "auto":
         if device.type == "cuda":
             return _auto_cuda(device, dtype, head_dim, tuple(sorted(needs)))
-        order = ["sdpa", "math"]
-        for name in order:
-            if _REGISTRY[name].supports(device, dtype, head_dim) is None and \
-                    all(takes_keyword_on(_REGISTRY[name], n, device) for n in needs):
-                if name != order[0] and dtype != torch.float64:  # fp64 has no fast kernel anywhere
-                    _warn_fallback(order, name, device, dtype, head_dim)
-                return _REGISTRY[name]
-        raise ConfigError(f"no attention backend supports device={device}, dtype={dtype}, head_dim={head_dim}")
+        name, skipped = select_kernel(("sdpa", "math"), _REGISTRY, device, dtype, head_dim, needs=needs)
+        if skipped and dtype != torch.float64:  # fp64 has no fast kernel anywhere
+            _warn_fallback(name, skipped, device, dtype, head_dim)
+        return _REGISTRY[name]
     elif isinstance(backend, str) and backend in _REGISTRY:
         kernel = _REGISTRY[backend]
     else:
@@ -319,18 +315,16 @@ def _auto_cuda(device: torch.device, dtype: torch.dtype, head_dim: int, needs: t
 _WARNED: set = set()
 
 
-def _warn_fallback(order: list[str], chosen: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+def _warn_fallback(chosen: str, skipped: list[tuple[str, str]], device: torch.device, dtype: torch.dtype,
+                   head_dim: int) -> None:
     """Warn once per input kind when "auto" had to skip a faster kernel (silently slower otherwise)."""
     key = (chosen, device.type, dtype, head_dim)
     if key in _WARNED:
         return
     _WARNED.add(key)
-    reasons = []
-    for name in order[:order.index(chosen)]:
-        reasons.append(f"{name}: {_REGISTRY[name].supports(device, dtype, head_dim)}")
     logging.getLogger("hybrid_cp").warning(
         "backend='auto' falls back to %r for device=%s dtype=%s head_dim=%d (%s); expect it to be slower",
-        chosen, device, dtype, head_dim, "; ".join(reasons))
+        chosen, device, dtype, head_dim, "; ".join(f"{n}: {r}" for n, r in skipped))
 
 
 def takes_keyword_on(kernel: AttentionKernel, name: str, device: torch.device) -> bool:

@@ -17,3 +17,12 @@ def fa_class_reason(what: str, device: torch.device, dtype: torch.dtype, head_di
     if head_dim > max_head_dim or head_dim % 8:
         return f"{what} needs head_dim <= {max_head_dim} and a multiple of 8, got {head_dim}"
     return None
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def aten_op(name: str):
+    """Resolved at call time so the tests can stand in CPU fakes for the CUDA-only operators."""
+    return getattr(torch.ops.aten, name)

@@ -20,17 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from ._cuda import capability as _capability, aten_op as _op
 from ..heads import expand_kv, reduce_kv
 from .varlen import segment_backward, segment_forward
-
-
-def _op(name: str):
-    """Resolved at call time so the tests can stand in CPU fakes for the CUDA-only operators."""
-    return getattr(torch.ops.aten, name)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def _cudnn_version() -> int:

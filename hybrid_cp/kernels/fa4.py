@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from ._cuda import fa_class_reason
+from ._cuda import capability as _capability, fa_class_reason
 from .varlen import segment_backward, segment_forward
 
 
@@ -31,10 +31,6 @@ def _fa4_module():
     except Exception:  # ImportError, or the CuTe DSL failing to load its CUDA libraries
         return None
     return interface
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 class FA4Kernel:

@@ -18,16 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ._cuda import fa_class_reason
-
-def _op(name: str):
-    """Resolved at call time so the tests can stand in CPU fakes for the CUDA-only operators."""
-    return getattr(torch.ops.aten, name)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
+from ._cuda import capability as _capability, aten_op as _op, fa_class_reason
 
 def _no_rng(device: torch.device) -> torch.Tensor:
     """What the backward's rng_state/unused arguments get without dropout (never read)."""
