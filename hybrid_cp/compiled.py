@@ -43,10 +43,24 @@ log = logging.getLogger("hybrid_cp")
 
 __all__ = ["compiled_attention", "registered_mesh"]
 
-_MESHES: list[CPMesh] = []          # key -> mesh (kept alive: a key must never point at a new object)
-_MESH_KEYS: dict[int, int] = {}     # id(mesh) -> key
-_KERNELS: list[Any] = []            # key -> kernel object passed as backend=
-_KERNEL_KEYS: dict[int, int] = {}
+class _Registry:
+    """Objects that cannot be op arguments, by small integer key in first-use order (the same on every
+    rank of an SPMD program, so every rank compiles the same graph). Entries stay alive: a key must
+    never point at a new object."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.keys: dict[int, int] = {}  # id(object) -> key
+
+    def key(self, obj: Any) -> int:
+        if id(obj) not in self.keys:
+            self.keys[id(obj)] = len(self.items)
+            self.items.append(obj)
+        return self.keys[id(obj)]
+
+
+_MESHES = _Registry()
+_KERNELS = _Registry()   # kernel objects passed as backend=
 _KERNEL_PREFIX = "#kernel:"
 
 
@@ -55,17 +69,12 @@ _KERNEL_PREFIX = "#kernel:"
 # still guards on the object, so a different mesh or kernel object recompiles with its own key.
 @torch.compiler.assume_constant_result
 def _mesh_key(cp: CPMesh) -> int:
-    key = _MESH_KEYS.get(id(cp))
-    if key is None:
-        key = len(_MESHES)
-        _MESHES.append(cp)
-        _MESH_KEYS[id(cp)] = key
-    return key
+    return _MESHES.key(cp)
 
 
 def registered_mesh(key: int) -> CPMesh:
     """The mesh behind an op's `mesh` argument."""
-    return _MESHES[key]
+    return _MESHES.items[key]
 
 
 @torch.compiler.assume_constant_result
@@ -74,16 +83,11 @@ def _kernel_key(backend: Any) -> str:
     Runs for real: dynamo cannot evaluate isinstance against the runtime-checkable kernel protocol."""
     if not isinstance(backend, AttentionKernel):
         return ""
-    key = _KERNEL_KEYS.get(id(backend))
-    if key is None:
-        key = len(_KERNELS)
-        _KERNELS.append(backend)
-        _KERNEL_KEYS[id(backend)] = key
-    return f"{_KERNEL_PREFIX}{key}"
+    return f"{_KERNEL_PREFIX}{_KERNELS.key(backend)}"
 
 
 def _backend(arg: str) -> Any:
-    return _KERNELS[int(arg[len(_KERNEL_PREFIX):])] if arg.startswith(_KERNEL_PREFIX) else arg
+    return _KERNELS.items[int(arg[len(_KERNEL_PREFIX):])] if arg.startswith(_KERNEL_PREFIX) else arg
 
 
 def _window(arg: Optional[list[int]]) -> int | tuple[int, int] | None:

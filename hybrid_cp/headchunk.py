@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
+from topology.layouts import pieces as _pieces
+
 from .comm import acc_dtype, comm_guard, count, pack_head_to_seq, unpack_head_to_seq_
 from .heads import HeadSplit
 from .layout import gathered_to_ring_block, ring_block_to_gathered
@@ -63,17 +65,6 @@ class HeadChunks:
     @property
     def count(self) -> int:
         return len(self.q)
-
-
-def _pieces(start: int, end: int, n: int) -> list[tuple[int, int]]:
-    """[start, end) in n consecutive pieces whose sizes differ by at most one (the first ones larger)."""
-    size, extra = divmod(end - start, n)
-    out, at = [], start
-    for i in range(n):
-        width = size + (1 if i < extra else 0)
-        out.append((at, at + width))
-        at += width
-    return out
 
 
 def chunk_heads(split: HeadSplit, head_chunks: int, rank: int) -> HeadChunks:

@@ -15,16 +15,13 @@ import torch.distributed as dist
 import hybrid_cp as hcp
 from hybrid_cp.kernels import get_kernel, register_kernel
 
-_MESHES: dict = {}
-
 
 def mesh(u: int, r: int, layout: str = "zigzag", validate="always") -> hcp.CPMesh:
-    """Pool meshes are cached (building one creates process groups, which must happen once). The
-    error and fuzz cases make single ranks call differently, so they check every call."""
-    key = (u, r, layout, validate)
-    if key not in _MESHES:
-        _MESHES[key] = hcp.init_cp_mesh(u, r, layout=layout, validate=validate)
-    return _MESHES[key]
+    """The pool's cached meshes (dist_cases.mesh); the error and fuzz cases make single ranks call
+    differently, so by default they check every call."""
+    from dist_cases import mesh as cached
+
+    return cached(u, r, layout, validate)
 
 
 # ----------------------------------------------------------------------------- fault injection
@@ -137,6 +134,8 @@ def validation_counts(u: int, r: int, steps: int, validate) -> dict:
     """Run `steps` identical calls and report how many checks of each kind ran."""
     cp = mesh(u, r, validate=validate)
     cp.validation_calls.clear()
+    cp.signatures.clear()  # a shared mesh: start from nothing learned
+    cp.signature_period = None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 4, 16, generator=g) for _ in range(3))
     for _ in range(steps):

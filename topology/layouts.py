@@ -47,13 +47,18 @@ def module_chunks(heads: int, kv_heads: int, ulysses: int, head_chunks: int) -> 
     group = heads // kv_heads
     most = max(1, kv_heads // -(-ulysses // group))  # chunks of >= ceil(u / group) KV heads
     n = max(1, min(head_chunks, most))
-    size, extra = divmod(kv_heads, n)
-    ranges, at = [], 0
+    return pieces(0, kv_heads, n), -(-head_chunks // n)
+
+
+def pieces(start: int, end: int, n: int) -> list[tuple[int, int]]:
+    """[start, end) in n consecutive pieces whose sizes differ by at most one (the first ones larger)."""
+    size, extra = divmod(end - start, n)
+    out, at = [], start
     for i in range(n):
         width = size + (1 if i < extra else 0)
-        ranges.append((at, at + width))
+        out.append((at, at + width))
         at += width
-    return ranges, -(-head_chunks // n)
+    return out
 
 
 def check_layout(layout: str) -> str:
@@ -602,5 +607,5 @@ def doc_lengths(cu_seqlens) -> tuple[int, ...]:
 
 
 __all__ = ["LAYOUTS", "PAD", "Layout", "DenseZigzag", "DenseContiguous", "Packed", "Span", "Step", "band", "head_split",
-           "module_chunks",
+           "module_chunks", "pieces",
            "granularity", "padded_length", "make_layout", "doc_lengths", "check_layout"]
