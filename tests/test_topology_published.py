@@ -58,7 +58,62 @@ def test_calibrated_terms_explain_the_prime_rl_gap():
 
 def test_explanation_table_renders():
     rows = published.explanations()
-    assert len(rows) == 5 and all(r.value and "nan" not in r.value for r in rows)
+    assert len(rows) == 5 + len(published.modelscope_explanations())
+    assert all(r.value and "nan" not in r.value for r in rows)
     fwd, both = published.ring_flash_attn_step_overhead_us()
     assert 0 < fwd < both < 200
     assert published.explanation_table().count("\n") == len(rows) + 1
+
+
+def _close(a: float, b: float, tol: float = 0.01) -> bool:
+    return abs(a / b - 1) < tol
+
+
+def test_modelscope_orders_the_splits_but_misses_the_size():
+    """ms-swift on 8x A100 (Qwen2.5-3B LoRA, packed 9K-token documents): SP=1 < u2 < u2r2 < u2r4 in training
+    time, 1.23x / 1.92x / 3.42x; the model keeps the order and predicts only a few percent (docs/planner.md)."""
+    pub = published.MODELSCOPE_PUBLISHED
+    assert [round(pub[sp], 2) for sp in (2, 4, 8)] == [1.23, 1.92, 3.42]
+    pred = published.modelscope_relative()
+    assert published.modelscope_ordered(pred) and published.modelscope_ordered(pub)
+    assert pred[8] < 1.1  # the documented disagreement ("no" row)
+    one_row = published.modelscope_with(doc_tokens=65536, docs=1)
+    assert published.modelscope_ordered(one_row) and one_row[8] < 1.03  # the issue's "at most 1.02x"
+
+
+def test_modelscope_single_terms_reproduce_their_target_and_keep_the_order():
+    """Each single term, solved for its row, reproduces it within 1% and keeps the ordering; the ring-only
+    terms leave u2 (no ring) near 1.0x, the all-to-all latency leaves the ring rows short."""
+    pub, w = published.MODELSCOPE_PUBLISHED, published.modelscope_with
+    step = published.modelscope_step_overhead_us()
+    call, eff = published.modelscope_kernel_efficiency()
+    head = published.modelscope_head_call_us()
+    ring_eff = published.modelscope_ring_efficiency()
+    fixed = published.modelscope_fixed_layer_us(8)
+    for rel in (w(ring_step_overhead_us=step), w(kernel_call_overhead_us=call), w(head_call_us=head),
+                w(ring_efficiency=ring_eff), w(fixed_layer_us=fixed)):
+        assert _close(rel[8], pub[8]) and published.modelscope_ordered(rel)
+    assert 0 < eff < 1 and 0 < ring_eff < 1
+    for rel in (w(ring_step_overhead_us=step), w(head_call_us=head), w(ring_efficiency=ring_eff)):
+        assert rel[2] < 1.05  # no ring step at u2
+    assert w(ring_efficiency=ring_eff)[4] > 0.95 * pub[8]  # a ring-path factor makes u2r2 as slow as u2r4
+    assert w(ring_step_overhead_us=step)[4] < 0.9 * pub[4]  # a per-step cost alone leaves u2r2 short
+    best = w(fixed_layer_us=fixed)  # the best single term: the other rows within 10%
+    assert _close(best[2], pub[2], 0.10) and _close(best[4], pub[4], 0.10)
+    lat = published.modelscope_a2a_latency_us()
+    rel = w(a2a_latency_us=lat)
+    assert _close(rel[2], pub[2]) and published.modelscope_ordered(rel) and rel[8] < 0.6 * pub[8]
+
+
+def test_modelscope_pair_explains_all_three_rows():
+    """A fixed cost per layer and micro-step (solved for u2) plus a per-ring-step cost (solved for u2r4)
+    reproduces both within 1% and u2r2, which neither was solved for, within 2%."""
+    pub, w = published.MODELSCOPE_PUBLISHED, published.modelscope_with
+    fixed, step = published.modelscope_fixed_and_step()
+    assert fixed > 0 and step > 0
+    rel = w(fixed_layer_us=fixed, ring_step_overhead_us=step)
+    assert _close(rel[2], pub[2]) and _close(rel[8], pub[8]) and _close(rel[4], pub[4], 0.02)
+    assert published.modelscope_ordered(rel)
+    lat, step2 = published.modelscope_a2a_and_step()
+    rel = w(a2a_latency_us=lat, ring_step_overhead_us=step2)
+    assert _close(rel[2], pub[2]) and _close(rel[8], pub[8]) and published.modelscope_ordered(rel)
