@@ -58,12 +58,16 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
 
 def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_loss: bool = True,
                        mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2,
-                       head_chunks: int = 1, heads: int = 4, chunk_projections: bool = True) -> dict:
-    """A tiny Llama under CP with lm_loss(tiled), tile_mlp and head_chunks vs the plain single-process run."""
+                       head_chunks: int = 1, heads: int = 4, chunk_projections: bool = True, kind: str = "llama",
+                       overlap: bool = True) -> dict:
+    """A tiny model under CP with lm_loss(tiled), tile_mlp and head_chunks (`overlap`: the head-chunk
+    pipeline's schedule) vs the plain single-process run."""
+    from hybrid_cp import headchunk
+
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad=True)
-    _, ref_loss, ref_grads = reference(tiny_model("llama", hkv, num_attention_heads=heads), batch)
-    model = apply_context_parallel(tiny_model("llama", hkv, num_attention_heads=heads), cp,
+    _, ref_loss, ref_grads = reference(tiny_model(kind, hkv, num_attention_heads=heads), batch)
+    model = apply_context_parallel(tiny_model(kind, hkv, num_attention_heads=heads), cp,
                                    **({"head_chunks": head_chunks, "chunk_projections": chunk_projections}
                                       if head_chunks != 1 else {}))
     if mlp_chunk:
@@ -76,8 +80,12 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
     hooks = [m.register_forward_hook(lambda mod, a, out: widths.add(out.shape[-1]))
              for name, m in model.named_modules() if name.endswith("q_proj")]
     local = shard_batch(batch, cp)
-    loss = lm_loss(model, local, cp, tiled=tiled_loss, chunk_tokens=9)
-    loss.backward()
+    old, headchunk.OVERLAP = headchunk.OVERLAP, overlap
+    try:
+        loss = lm_loss(model, local, cp, tiled=tiled_loss, chunk_tokens=9)
+        loss.backward()
+    finally:
+        headchunk.OVERLAP = old
     for h in hooks:
         h.remove()
     if not fsdp:
@@ -87,6 +95,29 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
     worst = max(errs, key=errs.get)
     return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": errs[worst],
             "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads)), "q_widths": sorted(widths)}
+
+
+def module_chunks_refuse_other_structure(u: int, r: int) -> str | None:
+    """An attention module that does more than o_proj(attention output) after attention (here: doubles
+    the result) cannot run module-level chunks: the first forward raises, on every rank."""
+    cp = mesh(u, r)
+    model = tiny_model("llama", 2, num_attention_heads=8)
+    for layer in model.model.layers:
+        base = type(layer.self_attn)
+
+        class Doubled(base):
+            def forward(self, *args, **kwargs):
+                out, weights = base.forward(self, *args, **kwargs)
+                return out * 2, weights
+
+        layer.self_attn.__class__ = Doubled
+    apply_context_parallel(model, cp, head_chunks=2)
+    local = shard_batch(make_batch(7, 1, 40, pad=False), cp)
+    try:
+        model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def tiled_loss_bad_label(u: int, r: int) -> str | None:

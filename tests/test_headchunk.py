@@ -56,19 +56,23 @@ def test_module_chunks_split_whole_gqa_groups():
     assert module_chunks(4, 4, 4, 2) == ([(0, 4)], 2)                           # one head per ulysses rank
 
 
-@pytest.mark.parametrize("heads,hkv,head_chunks,fsdp,checkpoint,widths,projections", [
-    (8, 2, 2, True, True, [4 * 4], True),          # 2 module chunks of 4 query heads (head_dim 4); FSDP2 + ckpt
-    (8, 4, 4, False, False, [2 * 4], True),        # 4 module chunks of one GQA group each
-    (8, 8, 3, False, True, [2 * 4, 3 * 4], True),  # MHA, uneven chunks 3/3/2
-    (8, 2, 2, False, False, [8 * 4], False),       # chunk_projections=False: engine-level chunks only
+@pytest.mark.parametrize("kind,heads,hkv,head_chunks,fsdp,checkpoint,widths,projections,overlap", [
+    ("llama", 8, 2, 2, True, True, [4 * 4], True, True),      # 2 module chunks of 4 query heads (head_dim 4); FSDP2 + ckpt
+    ("llama", 8, 4, 4, False, False, [2 * 4], True, True),    # 4 module chunks of one GQA group each
+    ("llama", 8, 4, 4, False, False, [2 * 4], True, False),   # the same, chunks one after another (no overlap)
+    ("llama", 8, 8, 3, False, True, [2 * 4, 3 * 4], True, True),  # MHA, uneven chunks 3/3/2
+    ("llama", 8, 2, 2, False, False, [8 * 4], False, True),   # chunk_projections=False: engine-level chunks only
+    ("qwen2", 8, 8, 4, False, False, [2 * 4], True, True),    # q/k/v biases cut per chunk
+    ("qwen3", 8, 2, 4, False, False, [4 * 8], True, True),    # q/k norms; 2 module chunks x 2 engine chunks
+    ("gemma3", 8, 4, 2, True, False, [4 * 8], True, False),   # sliding-window and full layers, FSDP2, serial
 ])
-def test_transformers_llama_with_head_chunks_trains_like_single_process(pool, heads, hkv, head_chunks, fsdp,
-                                                                       checkpoint, widths, projections):
+def test_transformers_with_head_chunks_trains_like_single_process(pool, kind, heads, hkv, head_chunks, fsdp,
+                                                                  checkpoint, widths, projections, overlap):
     """Module-level chunks: the q projection only ever produces one chunk's heads (forward and the
     recomputation in backward), and loss and every gradient equal the single-process run."""
     for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=hkv, heads=heads,
                                         head_chunks=head_chunks, fsdp=fsdp, checkpoint=checkpoint,
-                                        chunk_projections=projections)):
+                                        chunk_projections=projections, kind=kind, overlap=overlap)):
         assert not row["missing"], row
         assert row["loss"] <= TOL and row["grad"] <= TOL, (rank, row)
         assert row["q_widths"] == widths, row
@@ -81,3 +85,14 @@ def test_head_chunks_with_packed_documents_and_windows(pool):
         assert all(rows[2][key] <= TOL for key in ("out", "dq", "dk", "dv")), rows
     for rows in pool.run("memory_cases:headchunk_parity", u=2, r=4, h=4, hkv=1, chunks=(2,), s=128, window=9):
         assert all(rows[2][key] <= TOL for key in ("out", "dq", "dk", "dv")), rows
+
+
+def test_module_chunks_with_packed_documents(pool):
+    for rank, row in enumerate(pool.run("train_cases:packed_model_parity", u=2, r=2, head_chunks=2)):
+        assert not row["missing"], row
+        assert row["loss"] <= TOL and row["grad"] <= TOL, (rank, row)
+
+
+def test_module_chunks_refuse_a_module_that_does_more_than_o_proj(pool):
+    for msg in pool.run("memory_cases:module_chunks_refuse_other_structure", u=2, r=2):
+        assert msg is not None and "chunk_projections=False" in msg and "o_proj" in msg, msg

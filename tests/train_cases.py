@@ -287,7 +287,7 @@ def packed_reference(model, batch: dict, doc_lens=PACKED_DOC_LENS):
 
 def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False,
                         explicit_cu: bool = False, tiled_loss: bool = False, checkpoint: bool = False,
-                        doc_lens: tuple = PACKED_DOC_LENS) -> dict:
+                        doc_lens: tuple = PACKED_DOC_LENS, head_chunks: int = 1) -> dict:
     """Loss and every parameter gradient of one packed-row step under CP vs the per-document reference
     (`tiled_loss`: through `hcp.lm_loss` on the shard_batch dict instead of logits + cross_entropy)."""
     cp = mesh(u, r)
@@ -297,7 +297,7 @@ def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp:
         cu = torch.tensor([0] + list(torch.tensor(doc_lens).cumsum(0)), dtype=torch.int32)
         batch = {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu}
 
-    model = apply_context_parallel(tiny_model(kind, hkv), cp)
+    model = apply_context_parallel(tiny_model(kind, hkv), cp, head_chunks=head_chunks)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:

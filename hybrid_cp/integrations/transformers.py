@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from topology.layouts import module_chunks
 
@@ -32,6 +33,7 @@ from ..attention import attention as _cp_attention
 from ..layout import positions as _positions
 from ..layout import row_layout
 from ..mesh import CPMesh, agree_across_ranks
+from ..modulechunk import Projected, pipelined_module_chunks
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -96,8 +98,15 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     q = query.transpose(1, 2).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
-    out = _cp_attention(q, k, v, cp, causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len,
-                        cu_seqlens=cu, window=window,
+    call = dict(causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len, cu_seqlens=cu,
+                window=window)
+    mode = module.__dict__.get(_CAPTURE)
+    if mode == "project":   # a module chunk's projections are done: hand them to the chunk pipeline
+        raise _Captured(Projected(q, k, v, call))
+    if mode == "probe":     # the structure check of module chunks: return q itself as the attention output
+        module.__dict__[_PROBE_OUT] = q
+        return q, None
+    out = _cp_attention(q, k, v, cp, **call,
                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks))
     return out, None
 
@@ -201,18 +210,28 @@ def _check_global_right_padding(cp: CPMesh, mask: torch.Tensor, pos: torch.Tenso
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_CAPTURE = "_hybrid_cp_capture"
+_PROBE_OUT = "_hybrid_cp_probe_out"
+
+
+class _Captured(BaseException):
+    """Stops a module's forward at its attention call and carries the chunk's Q/K/V out (a BaseException,
+    so that no `except Exception` in model code swallows it)."""
+
+    def __init__(self, projected: Projected):
+        self.projected = projected
 
 
 class _Swapped:
-    """Temporarily replace parameters of submodules by tensors (slices of themselves), without hooks."""
+    """Temporarily replace parameters of a module (by dotted name) by tensors, without hooks."""
 
     def __init__(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor | None]):
         self.module, self.tensors, self.saved = module, tensors, []
 
     def __enter__(self):
         for path, t in self.tensors.items():
-            owner_name, name = path.split(".")
-            owner = getattr(self.module, owner_name)
+            owner_name, _, name = path.rpartition(".")
+            owner = self.module.get_submodule(owner_name)
             self.saved.append((owner, name, owner._parameters[name]))
             owner._parameters[name] = t
         return self
@@ -223,59 +242,100 @@ class _Swapped:
         self.saved = []
 
 
-def _chunk_tensors(module: torch.nn.Module, kv: tuple[int, int], group: int, head_dim: int,
-                   first: bool) -> dict[str, torch.Tensor | None]:
-    """The projection weights (and biases) of the heads of KV range `kv`: views of the parameters, so
-    gradients flow into them (and through FSDP2's unsharded parameters)."""
-    qa, qb = kv[0] * group * head_dim, kv[1] * group * head_dim
-    ka, kb = kv[0] * head_dim, kv[1] * head_dim
-    out = {}
-    for name, (a, b) in (("q_proj", (qa, qb)), ("k_proj", (ka, kb)), ("v_proj", (ka, kb))):
-        lin = getattr(module, name)
-        out[f"{name}.weight"] = lin.weight[a:b]
-        if lin.bias is not None:
-            out[f"{name}.bias"] = lin.bias[a:b]
-    out["o_proj.weight"] = module.o_proj.weight[:, qa:qb]
-    if module.o_proj.bias is not None and not first:  # the output bias is added once, by the first chunk
-        out["o_proj.bias"] = None
-    return out
+class _ModuleChunks:
+    """The forward of an attention module whose heads run in module-level chunks (UPipe from the
+    projections on), pipelined by `hybrid_cp.modulechunk`: chunk j's Q/K/V come from the module's own
+    forward with its q/k/v projections cut to the chunk's heads (views of the parameters), stopped at
+    the attention call; the output projection runs once on all heads."""
+
+    def __init__(self, module: torch.nn.Module, original, cp: CPMesh, kv_ranges: list[tuple[int, int]],
+                 engine_chunks: int, group: int, head_dim: int):
+        self.module, self.original, self.cp, self.engine_chunks = module, original, cp, engine_chunks
+        self.kv_ranges, self.group, self.d = kv_ranges, group, head_dim
+        self.q_ranges = [(a * group, b * group) for a, b in kv_ranges]
+        self.checked = False
+
+    def _cut(self, name: str, p: torch.Tensor, j: int) -> torch.Tensor:
+        a, b = self.kv_ranges[j]
+        if name.startswith("q_proj."):
+            return p[a * self.group * self.d:b * self.group * self.d]
+        if name.startswith(("k_proj.", "v_proj.")):
+            return p[a * self.d:b * self.d]
+        return p
+
+    def _run(self, mode: str, j: int, leaves: list, spec, names: list[str], params: list[torch.Tensor],
+             extra: dict | None = None):
+        from torch.utils._pytree import tree_unflatten
+
+        args, kwargs = tree_unflatten(leaves, spec)
+        swap = {n: self._cut(n, p, j) for n, p in zip(names, params)}
+        self.module.__dict__[_CAPTURE] = mode
+        try:
+            with _Swapped(self.module, {**swap, **(extra or {})}):
+                return self.original(self.module, *args, **kwargs)
+        finally:
+            self.module.__dict__.pop(_CAPTURE, None)
+
+    def _check_structure(self, leaves: list, spec, names: list[str], params: list[torch.Tensor]) -> None:
+        """Once per module: its output must be o_proj(attention output): what the pipeline computes. Runs the
+        module's forward for the first chunk with the attention output replaced by q (local, no collective)."""
+        qa, qb = self.q_ranges[0]
+        w = self.module.o_proj.weight[:, qa * self.d:qb * self.d]
+        with torch.no_grad():
+            y = self._run("probe", 0, leaves, spec, names, params, {"o_proj.weight": w})[0]
+            q = self.module.__dict__.pop(_PROBE_OUT, None)
+            expected = None if q is None else F.linear(q.reshape(*q.shape[:2], -1), w, self.module.o_proj.bias)
+        if expected is None or y.shape != expected.shape or not torch.allclose(y, expected, rtol=1e-4, atol=1e-5):
+            raise ConfigError(f"{type(self.module).__name__} does more than o_proj(attention output) after its "
+                              f"attention call, so its heads cannot run in module-level chunks; pass "
+                              f"apply_context_parallel(..., chunk_projections=False) (chunks inside hcp.attention)")
+        self.checked = True
+
+    def __call__(self, *args, **kwargs):
+        from torch.utils._pytree import tree_flatten
+
+        leaves, spec = tree_flatten((args, kwargs))
+        diff = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        names = [n for n, _ in self.module.named_parameters() if not n.startswith("o_proj.")]
+        params = [self.module.get_parameter(n) for n in names]   # as registered now (FSDP2: unsharded)
+        if not self.checked:
+            self._check_structure(leaves, spec, names, params)
+
+        def project(j: int, tensors):
+            vals = list(leaves)
+            for i, t in zip(diff, tensors):
+                vals[i] = t
+            try:
+                self._run("project", j, vals, spec, names, list(tensors[len(diff):]))
+            except _Captured as done:
+                return done.projected
+            raise SetupError(f"{type(self.module).__name__}.forward returned without calling the attention function; "
+                             f"module-level head chunks need attn_implementation={ATTN_IMPLEMENTATION!r}")
+
+        out = pipelined_module_chunks(project, self.q_ranges, self.cp, self.engine_chunks,
+                                      [leaves[i] for i in diff], params)
+        return self.module.o_proj(out.reshape(*out.shape[:2], -1)), None
 
 
 def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
     """Make an attention module run its heads in chunks from the projections on (UPipe at the module
-    level); returns False for modules without separate q/k/v/o projections (they keep engine-level
-    chunks). Each chunk runs the module's own forward with the projections cut to its heads under
-    non-reentrant checkpointing: Q/K/V (and the chunk's attention tensors) of one chunk exist at a
-    time, in forward and when backward recomputes the chunk."""
-    import torch.utils.checkpoint as ckpt
-
+    level, `_ModuleChunks`); returns False for modules without separate q/k/v/o projections of
+    `num_attention_heads` x `head_dim` (they keep engine-level chunks)."""
     if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in _PROJECTIONS):
         return False
     d = getattr(module, "head_dim", None)
     if not isinstance(d, int) or module.q_proj.out_features % d or module.k_proj.out_features % d:
         return False
     heads, kv_heads = module.q_proj.out_features // d, module.k_proj.out_features // d
-    if heads % kv_heads:
-        return False
+    config_heads = getattr(getattr(module, "config", None), "num_attention_heads", heads)
+    if heads % kv_heads or heads != config_heads or module.o_proj.in_features != heads * d:
+        return False   # e.g. a q projection that also produces gates: not a plain [heads, head_dim] layout
     ranges, engine = module_chunks(heads, kv_heads, cp.ulysses_size, head_chunks)
     module.__dict__["_hybrid_cp_engine_chunks"] = engine
-    original = type(module).forward
     module.__dict__.pop("forward", None)
-    if len(ranges) == 1:
-        return True
-    group = heads // kv_heads
-
-    def chunked_forward(*args, **kwargs):
-        def run(first, kv, *a, **kw):
-            with _Swapped(module, _chunk_tensors(module, kv, group, d, first)):
-                return original(module, *a, **kw)[0]
-        total = None
-        for i, kv in enumerate(ranges):
-            part = ckpt.checkpoint(run, i == 0, kv, *args, use_reentrant=False, **kwargs)
-            total = part if total is None else total + part
-        return total, None
-
-    module.__dict__["forward"] = chunked_forward
+    if len(ranges) > 1:
+        module.__dict__["forward"] = _ModuleChunks(module, type(module).forward, cp, ranges, engine,
+                                                   heads // kv_heads, d)
     return True
 
 
