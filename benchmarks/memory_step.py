@@ -165,27 +165,53 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
     return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report()}
 
 
-def time_attention(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 64,
-                   seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8), repeats: int = 2) -> dict:
-    """Forward + backward time of one hcp.attention call per head_chunks, with and without the overlap of
-    the next chunk's all-to-all (fastest of `repeats`); runs in a WorkerPool worker."""
+def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16, kv_heads: int = 4,
+                 head_dim: int = 64, hidden: int = 1024, seq_len: int = 4096, chunks: tuple = (2, 4),
+                 repeats: int = 5) -> dict:
+    """Forward + backward of one head-chunked call, overlapped and serial schedules interleaved in every
+    repeat (so load changes hit both alike): per schedule, this rank's wall times and the time it sat in
+    head-chunk all-to-all waits (the communication the schedule left exposed). `level="engine"`: one
+    hcp.attention call; `"module"`: one attention module of a Llama layer with module-level chunks (the
+    projections inside the pipeline). Runs in a WorkerPool worker."""
     import time
 
     import torch.distributed as dist
 
-    cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
-    out = {}
-    for kc, overlap, name in _schedules(chunks):
-        best = float("inf")
-        with _overlap(overlap):
-            for _ in range(repeats):
-                xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    cp = _mesh(u, r)
+    g = torch.Generator().manual_seed(cp.rank)
+    if level == "engine":
+        cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
+
+        def run(kc):
+            xs = [x.clone().requires_grad_() for x in (q, k, v)]
+            hcp.attention(*xs, cp, causal=True, head_chunks=kc).backward(dout)
+    else:
+        from hybrid_cp.integrations.transformers import apply_context_parallel
+
+        shape = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, hidden_size=hidden)
+        modules = {}
+        for kc in (1,) + tuple(chunks):
+            model = build_model("cpu", torch.float32, num_hidden_layers=1, **shape)
+            modules[kc] = apply_context_parallel(model, cp, head_chunks=kc).model.layers[0].self_attn
+        hidden_x = torch.randn(1, seq_len // cp.size, hidden, generator=g)
+        dout = torch.randn(hidden_x.shape, generator=g)
+        pe = model.model.rotary_emb(hidden_x, hcp.positions(seq_len, cp)[None])
+
+        def run(kc):
+            x = hidden_x.clone().requires_grad_()
+            modules[kc](hidden_states=x, position_embeddings=pe, attention_mask=None)[0].backward(dout)
+    out: dict[str, list] = {}
+    for rep in range(repeats + 1):   # the first round warms up (kernels, buffers) and is dropped
+        for kc, overlap, name in _schedules((1,) + tuple(chunks)):
+            with _overlap(overlap):
                 dist.barrier()
+                cp.chunk_wait_s = 0.0
                 t0 = time.perf_counter()
-                hcp.attention(*xs, cp, causal=True, head_chunks=kc).backward(dout)
+                run(kc)
+                wall = time.perf_counter() - t0
                 dist.barrier()
-                best = min(best, time.perf_counter() - t0)
-        out[name] = best
+            if rep:
+                out.setdefault(name, []).append((wall, cp.chunk_wait_s))
     return out
 
 
@@ -299,6 +325,8 @@ def main(argv=None) -> int:
     p.add_argument("--table", choices=("options", "heads", "module", "engine", "overlap", "all"), default="all")
     p.add_argument("--out", help="also write the markdown tables here")
     p.add_argument("--json", help="write the raw measurements here")
+    p.add_argument("--overlap-mesh", default="2,1", help="u,r of the overlap timing (its own u*r processes)")
+    p.add_argument("--repeats", type=int, default=5, help="timing repeats of the overlap table")
     args = p.parse_args(argv)
     from hybrid_cp.testing import WorkerPool
 
@@ -318,7 +346,7 @@ def main(argv=None) -> int:
     def mib(x):
         return f"{x / MiB:.1f}"
 
-    with WorkerPool(8, extra_paths=[here]) as pool:
+    with WorkerPool(8, extra_paths=[here]) if args.table != "overlap" else contextlib.nullcontext() as pool:
         if args.table in ("options", "all"):
             lines += ["### One training step, u=2 x r=2 (dp=2), 4096 and 8192 tokens, fp32, AdamW (exact live storage, MiB "
                       "per rank, worst rank)", "",
@@ -394,18 +422,29 @@ def main(argv=None) -> int:
                              f"{mib(bi)} | {fi / f1 - 1:+.0%} / {bi / b1 - 1:+.0%} | "
                              f"{-0.8 * (1 - 1 / kc):+.0%} |")
             lines.append("")
-        if args.table in ("overlap", "all"):
-            res = pool.run("memory_step:time_attention", u=4, r=2)
-            raw["overlap"] = res
-            lines += ["### Overlap: one hcp.attention forward + backward, u=4 x r=2, 8192 tokens, 32/8 heads, head_dim 64, "
-                      "fp32, 8 gloo CPU processes (seconds, fastest of 2, slowest rank)", "",
-                      "| head_chunks | overlapped | serial (no overlap) | gain |", "|---|---|---|---|"]
-            slow = {key: max(r[key] for r in res) for key in res[0]}
-            lines.append(f"| 1 | {slow['1']:.3f} | - | - |")
-            for kc in (2, 4, 8):
-                a, b = slow[f"{kc}"], slow[f"{kc}-serial"]
-                lines.append(f"| {kc} | {a:.3f} | {b:.3f} | {1 - a / b:+.1%} |")
-            lines.append("")
+    if args.table in ("overlap", "all"):
+        u, r = (int(x) for x in args.overlap_mesh.split(","))
+        with WorkerPool(u * r, extra_paths=[here]) as pool:
+            for level, what in (("engine", "one hcp.attention call (q, k, v given)"),
+                                ("module", "one Llama attention module, chunks from the projections on")):
+                res = pool.run("memory_step:time_overlap", level=level, u=u, r=r, repeats=args.repeats, timeout=3600)
+                raw[f"overlap/{level}"] = res
+                lines += [f"### Overlap, {what}: forward + backward, u={u} x r={r}, 4096 tokens, 16/4 heads x 64, hidden "
+                          f"1024, fp32, {u * r} gloo CPU processes ({args.repeats} interleaved repeats; seconds, slowest "
+                          f"rank per repeat; exposed = time blocked in head-chunk all-to-all waits, median)", "",
+                          "| head_chunks | schedule | wall min | wall median | exposed all-to-all | wall vs serial (median) |",
+                          "|---|---|---|---|---|---|"]
+                walls = {key: [max(rank[key][i][0] for rank in res) for i in range(args.repeats)] for key in res[0]}
+                waits = {key: [max(rank[key][i][1] for rank in res) for i in range(args.repeats)] for key in res[0]}
+                med = {key: sorted(w)[len(w) // 2] for key, w in walls.items()}
+                for key in walls:
+                    kc, serial = key.split("-")[0], key.endswith("serial")
+                    vs = "-" if kc == "1" or serial else f"{med[key] / med[kc + '-serial'] - 1:+.1%}"
+                    lines.append(f"| {kc} | {'serial' if serial else 'overlapped' if kc != '1' else '-'} | "
+                                 f"{min(walls[key]):.3f} | {med[key]:.3f} | "
+                                 f"{'-' if kc == '1' else f'{sorted(waits[key])[len(waits[key]) // 2]:.3f}'} | "
+                                 f"{vs} |")
+                lines.append("")
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as f:

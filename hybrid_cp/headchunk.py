@@ -27,6 +27,7 @@ results equal `head_chunks=1` to fp32 round-off (heads are independent).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -92,8 +93,10 @@ class _InFlight:
 
     def wait(self):
         if self.work is not None:
+            start = time.perf_counter()
             with comm_guard(self.cp, "the head-chunk all-to-all"):
                 self.work.wait()
+            self.cp.chunk_wait_s += time.perf_counter() - start   # what the schedule left exposed
         self.keep = ()
         result, self.finish, self.work = self.finish(), None, None   # drop the receive buffer with the closure
         return result

@@ -67,6 +67,7 @@ class CPMesh:
     validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
     sharded_lengths: dict[int, set[int]] = field(default_factory=dict, repr=False)
     sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
+    chunk_wait_s: float = field(default=0.0, repr=False)  # time blocked on head-chunk all-to-alls (exposed comm)
 
     @property
     def size(self) -> int:
