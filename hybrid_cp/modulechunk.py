@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .attention import checked_call
 from .comm import acc_dtype
@@ -56,7 +57,7 @@ class _Chunk:
     """A module chunk while it is in flight: its tensors, head split, stages and engine plan."""
 
     j: int
-    x: Projected
+    x: Projected | None   # None once the chunk's last stage is posted
     split: HeadSplit
     stages: HeadChunks
     lay: Any
@@ -65,11 +66,18 @@ class _Chunk:
     scale: float
     kh: torch.Tensor | None = None
     vh: torch.Tensor | None = None
+    out: torch.Tensor | None = None       # the chunk's attention output, back in sequence layout
+    dout: torch.Tensor | None = None      # backward: d(out) of the chunk's heads
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.q_like = torch.empty(0, dtype=self.x.q.dtype, device=self.x.q.device)   # for late allocations
+        self.q_shape, self.kv_shape = self.x.q.shape, self.x.k.shape
 
 
 class _Engine:
-    """What forward learns per module chunk and backward reuses (layout, kernel, plan, scale, split)."""
+    """Per module chunk: the layout, kernel, plan and head split of its attention (forward checks the
+    call once per chunk, across ranks with `cp.validate`; backward reuses them)."""
 
     def __init__(self, cp: "CPMesh", engine_chunks: int, needs_grad: int):
         self.cp, self.engine_chunks, self.needs_grad = cp, engine_chunks, needs_grad
@@ -83,182 +91,219 @@ class _Engine:
                                                c.get("seq_len"), c.get("cu_seqlens"), c.get("window"), 1,
                                                self.needs_grad)
             split = head_split(x.q.shape[2], x.k.shape[2], cp.ulysses_size)
-            stages = chunk_heads(split, self.engine_chunks, cp.ulysses_rank)
             plan = block_plan(lay, cp.ring_rank, c["causal"], x.q.device, window)
             scale = c.get("softmax_scale")
             scale = float(scale) if scale is not None else x.q.shape[-1] ** -0.5
-            self.per_chunk[j] = (split, stages, lay, kernel, plan, scale)
+            self.per_chunk[j] = (split, self.stages(x.q.shape[2], x.k.shape[2]), lay, kernel, plan, scale)
         return _Chunk(j, x, *self.per_chunk[j])
+
+    def stages(self, heads: int, kv_heads: int) -> HeadChunks:
+        split = head_split(heads, kv_heads, self.cp.ulysses_size)
+        return chunk_heads(split, self.engine_chunks, self.cp.ulysses_rank)
+
+
+def _post_inputs(cp: "CPMesh", c: _Chunk, e: int, parts: list[torch.Tensor], stage: str):
+    """Post stage e of module chunk c: `parts` (query-sized, sequence layout) for the stage's query heads,
+    and with its first stage the chunk's K/V (they travel once per module chunk). After the chunk's last
+    stage is posted its local Q/K/V are dropped (the send buffer holds what is still travelling)."""
+    r = c.stages.q[e]
+    ranges = [r] * len(parts)
+    if e == 0:
+        parts, ranges = parts + [c.x.k, c.x.v], ranges + [c.split.kv, c.split.kv]
+    flight = _post_seq_to_head(cp, c.lay, parts, ranges, stage)
+    if e + 1 == c.stages.count:
+        c.x = None
+    return flight
+
+
+def _drive(order: list[tuple[int, int]], post: Callable, compute: Callable, finish: Callable, overlap: bool) -> None:
+    """Run the stages in order: `post(stage)` sends a stage's inputs, `compute(stage, received)` runs it and
+    returns (the flights taking its results home, its module chunk if this was the chunk's last stage),
+    `finish(chunk)` uses a chunk's landed results. Overlapped: the next stage is posted before this one
+    computes, and this stage's results travel while the next one computes (one stage's in flight)."""
+    flight, back, done = post(order[0]), [], None
+    for at, stage in enumerate(order):
+        got = flight.wait()
+        nxt = order[at + 1] if at + 1 < len(order) else None
+        if overlap and nxt is not None:
+            flight = post(nxt)
+        landed, last = compute(stage, got)
+        del got
+        if overlap:
+            for f in back:
+                f.wait()
+            if done is not None:
+                finish(done)
+            back, done = landed, last
+        else:
+            for f in landed:
+                f.wait()
+            if last is not None:
+                finish(last)
+            if nxt is not None:
+                flight = post(nxt)
+    for f in back:
+        f.wait()
+    if done is not None:
+        finish(done)
+
+
+class _Pipelined(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, project, q_ranges, kv_counts, engine, overlap, n_in, *tensors):
+        cp = engine.cp
+        w_o, b_o = tensors[-2], tensors[-1]
+        counts = [engine.stages(qb - qa, n).count for (qa, qb), n in zip(q_ranges, kv_counts)]
+        chunks: dict[int, _Chunk] = {}
+        y = []
+
+        def post(stage):
+            j, e = stage
+            if j not in chunks:
+                chunks[j] = engine.chunk(j, project(j, tensors))
+            c = chunks[j]
+            return _post_inputs(cp, c, e, [c.x.q], "ulysses_fwd")
+
+        def compute(stage, got):
+            j, e = stage
+            c = chunks[j]
+            if e == 0:
+                c.kh, c.vh = got[1], got[2]
+            lo, hi = c.stages.kv_local[e]
+            out_h, _, _ = ring_forward(cp, c.kernel, got[0], c.kh[:, :, lo:hi], c.vh[:, :, lo:hi],
+                                       list(c.stages.kv_index[e]), c.plan, scale=c.scale)
+            if c.out is None:
+                c.out = c.q_like.new_empty(c.q_shape)
+            landed = [_post_head_to_seq(cp, c.lay, [out_h], [c.stages.q[e]], [c.out], "ulysses_fwd")]
+            if e + 1 < c.stages.count:
+                return landed, None
+            del chunks[j]   # its Q/K/V and exchanged K/V go with its last stage; the output follows when landed
+            c.kh = c.vh = None
+            return landed, c
+
+        def finish(c):   # the output projection of the chunk's heads (the bias once)
+            qa, qb = q_ranges[c.j]
+            d = c.out.shape[-1]
+            part = F.linear(c.out.flatten(2), w_o[:, qa * d:qb * d], b_o if not y else None)
+            c.out = None
+            y.append(part if not y else y.pop().add_(part))
+
+        _drive(_stages(counts), post, compute, finish, overlap)
+        ctx.save_for_backward(*tensors[:n_in])
+        ctx.params = tensors[n_in:]   # parameters: by reference (FSDP2 re-fills their storage for backward)
+        ctx.args = (project, q_ranges, counts, engine, overlap)
+        return y[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        project, q_ranges, counts, engine, overlap = ctx.args
+        cp = engine.cp
+        # leaves of the recomputed projections: every chunk's gradients accumulate into their .grad in place
+        tensors = [x.detach().requires_grad_(x.requires_grad) if x is not None else None
+                   for x in (*ctx.saved_tensors, *ctx.params)]
+        w_o, b_o = tensors[-2], tensors[-1]
+        wanted = [t for t in tensors[:-2] if t.requires_grad]
+        dw_o = torch.empty_like(w_o) if w_o.requires_grad else None
+        chunks: dict[int, _Chunk] = {}
+        dy2 = dy.reshape(-1, dy.shape[-1])
+
+        def post(stage):
+            j, e = stage
+            if j not in chunks:   # the values only: the projections' graph is built again in finish()
+                with torch.no_grad():
+                    x = project(j, tensors)
+                c = chunks[j] = engine.chunk(j, x)
+                qa, qb = q_ranges[j]
+                d = x.q.shape[-1]
+                c.dout = F.linear(dy, w_o[:, qa * d:qb * d].t()).view(x.q.shape)
+            c = chunks[j]
+            flight = _post_inputs(cp, c, e, [c.x.q, c.dout], "ulysses_bwd")
+            if c.x is None:   # the chunk's last stage is posted: its d(out) travels in the send buffer
+                c.dout = None
+            return flight
+
+        def compute(stage, got):
+            j, e = stage
+            c = chunks[j]
+            qh, doh = got[0], got[1]
+            if e == 0:
+                c.kh, c.vh = got[2], got[3]
+            lo, hi = c.stages.kv_local[e]
+            kh, vh, kv_index = c.kh[:, :, lo:hi], c.vh[:, :, lo:hi], list(c.stages.kv_index[e])
+            oh, lse, halo = ring_forward(cp, c.kernel, qh, kh, vh, kv_index, c.plan, scale=c.scale)  # recomputed
+            dqh, dkh, dvh = ring_backward(cp, c.kernel, doh, qh, kh, vh, oh, lse, kv_index, c.plan, halo,
+                                          scale=c.scale)
+            del qh, doh, lse
+            acc = acc_dtype(dkh.dtype)
+            if c.stages.count > 1:   # engine stages of one module chunk share its K/V: sum their gradients in fp32
+                if "kv_h" not in c.grads:
+                    c.grads["kv_h"] = torch.zeros(2, *c.kh.shape, dtype=acc, device=dkh.device)
+                dkv = c.grads["kv_h"]
+                dkv[0][:, :, lo:hi] += dkh
+                dkv[1][:, :, lo:hi] += dvh
+                dkh, dvh = dkv[0], dkv[1]
+            if c.out is None:
+                c.out, c.grads["q"] = c.q_like.new_empty(c.q_shape), c.q_like.new_empty(c.q_shape)
+            landed = [_post_head_to_seq(cp, c.lay, [dqh, oh], [c.stages.q[e]] * 2, [c.grads["q"], c.out],
+                                        "ulysses_bwd")]
+            del dqh, oh
+            if e + 1 < c.stages.count:
+                return landed, None
+            # dK/dV go home once per module chunk; replicated KV heads (H_kv < u) sum their replicas in fp32
+            c.grads["k"], c.grads["v"] = (torch.zeros(c.kv_shape, dtype=acc, device=dkh.device) for _ in range(2))
+            landed.append(_post_head_to_seq(cp, c.lay, [dkh, dvh], [c.split.kv, c.split.kv],
+                                            [c.grads["k"], c.grads["v"]], "ulysses_bwd", accumulate=True))
+            del chunks[j], dkh, dvh
+            c.grads.pop("kv_h", None)
+            c.kh = c.vh = None
+            return landed, c
+
+        def finish(c):
+            """A chunk's results have landed: the output projection's weight gradient for its heads, and
+            dq/dk/dv back through its projections (recomputed with their graph just for this: one chunk's
+            graph at a time)."""
+            qa, qb = q_ranges[c.j]
+            d = c.out.shape[-1]
+            if dw_o is not None:
+                dw_o[:, qa * d:qb * d] = dy2.t() @ c.out.reshape(-1, (qb - qa) * d)
+            c.out = None
+            g = c.grads
+            with torch.enable_grad():
+                x = project(c.j, tensors)
+                # one output at a time: the input's gradient from each projection adds into .grad in place,
+                # instead of autograd summing three [tokens, hidden] gradients out of place
+                for i, (out, grad) in enumerate(((x.q, g["q"]), (x.k, g["k"]), (x.v, g["v"]))):
+                    torch.autograd.backward(out, grad.to(out.dtype), inputs=wanted, retain_graph=i < 2)
+            del x, g, c.grads
+
+        _drive(_stages(counts), post, compute, finish, overlap)
+        grads = [t.grad if t is not None and t.requires_grad else None for t in tensors[:-2]]
+        db_o = dy2.sum(0) if b_o is not None and b_o.requires_grad else None
+        return (None, None, None, None, None, None, *grads, dw_o, db_o)
 
 
 def _stages(counts: Sequence[int]) -> list[tuple[int, int]]:
     return [(j, e) for j, n in enumerate(counts) for e in range(n)]
 
 
-class _Pipelined(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, project, q_ranges, engine, overlap, n_in, *tensors):
-        cp = engine.cp
-        out = None
-        chunks: dict[int, _Chunk] = {}
-        lses, halos, counts = {}, {}, []
-
-        def post(stage):
-            j, e = stage
-            if j not in chunks:
-                chunks[j] = engine.chunk(j, project(j, tensors))
-                counts.append(chunks[j].stages.count)
-            c = chunks[j]
-            parts, ranges = [c.x.q], [c.stages.q[e]]
-            if e == 0:   # K/V of a module chunk travel once, with its first stage's queries
-                parts, ranges = parts + [c.x.k, c.x.v], ranges + [c.split.kv, c.split.kv]
-            return _post_seq_to_head(cp, c.lay, parts, ranges, "ulysses_fwd")
-
-        stage, flight, back = (0, 0), None, []
-        flight = post(stage)
-        while stage is not None:
-            j, e = stage
-            c = chunks[j]
-            got = flight.wait()
-            if e == 0:
-                c.kh, c.vh = got[1], got[2]
-            qh = got[0]
-            if out is None:
-                b, s, _, d = c.x.q.shape
-                out = c.x.q.new_empty(b, s, q_ranges[-1][1], d)
-            nxt = (j, e + 1) if e + 1 < c.stages.count else (j + 1, 0) if j + 1 < len(q_ranges) else None
-            if overlap and nxt is not None:   # the next stage's projection and exchange run while this one computes
-                flight = post(nxt)
-            lo, hi = c.stages.kv_local[e]
-            out_h, lses[stage], halos[stage] = ring_forward(cp, c.kernel, qh, c.kh[:, :, lo:hi], c.vh[:, :, lo:hi],
-                                                            list(c.stages.kv_index[e]), c.plan, scale=c.scale)
-            del qh, got
-            qa, qb = q_ranges[j]
-            landed = _post_head_to_seq(cp, c.lay, [out_h], [c.stages.q[e]], [out[:, :, qa:qb]], "ulysses_fwd")
-            del out_h
-            if nxt is None or nxt[0] != j:
-                del chunks[j]   # this module chunk's Q/K/V and exchanged K/V go with its last stage
-                c = None
-            if overlap:   # at most one stage's output in flight
-                for f in back:
-                    f.wait()
-                back = [landed]
-            else:
-                landed.wait()
-                if nxt is not None:
-                    flight = post(nxt)
-            stage = nxt
-        for f in back:
-            f.wait()
-        ctx.save_for_backward(out, *tensors[:n_in])
-        ctx.params = tensors[n_in:]   # parameters: by reference (FSDP2 re-fills their storage for backward)
-        ctx.args = (project, q_ranges, engine, overlap, lses, halos, counts)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        out, *inputs = ctx.saved_tensors
-        project, q_ranges, engine, overlap, lses, halos, counts = ctx.args
-        cp = engine.cp
-        dout = dout.contiguous()
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
-        tensors = [*inputs, *ctx.params]
-        wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
-        total: list[torch.Tensor | None] = [None] * len(tensors)
-        chunks: dict[int, _Chunk] = {}
-        order = _stages(counts)
-
-        def post(stage):
-            j, e = stage
-            if j not in chunks:
-                with torch.enable_grad():
-                    x = project(j, tensors)
-                c = chunks[j] = engine.chunk(j, x)
-                acc = acc_dtype(x.q.dtype)
-                c.grads = {"q": torch.empty_like(x.q), "k": torch.zeros(x.k.shape, dtype=acc, device=x.k.device),
-                           "v": torch.zeros(x.v.shape, dtype=acc, device=x.v.device)}
-            c = chunks[j]
-            qa, qb = q_ranges[j]
-            r = c.stages.q[e]
-            parts, ranges = [c.x.q.detach(), out[:, :, qa:qb], dout[:, :, qa:qb]], [r, r, r]
-            if e == 0:
-                parts, ranges = parts + [c.x.k.detach(), c.x.v.detach()], ranges + [c.split.kv, c.split.kv]
-            return _post_seq_to_head(cp, c.lay, parts, ranges, "ulysses_bwd")
-
-        def finish(c: _Chunk):
-            """Back-propagate a module chunk's dq/dk/dv through its projections (all its gradients have landed)."""
-            x, g = c.x, c.grads
-            grads = torch.autograd.grad([x.q, x.k, x.v], [tensors[i] for i in wanted],
-                                        [g["q"], g["k"].to(x.k.dtype), g["v"].to(x.v.dtype)], allow_unused=True)
-            for i, gi in zip(wanted, grads):
-                if gi is not None:
-                    total[i] = gi if total[i] is None else total[i] + gi
-
-        flight, back, done = post(order[0]), [], None
-        for at, stage in enumerate(order):
-            j, e = stage
-            c = chunks[j]
-            got = flight.wait()
-            qh, oh, doh = got[:3]
-            if e == 0:
-                c.kh, c.vh = got[3], got[4]
-                c.grads["kv_h"] = torch.zeros(2, *c.kh.shape, dtype=acc_dtype(c.kh.dtype), device=c.kh.device)
-            nxt = order[at + 1] if at + 1 < len(order) else None
-            if overlap and nxt is not None:
-                flight = post(nxt)
-            lo, hi = c.stages.kv_local[e]
-            dqh, dkh, dvh = ring_backward(cp, c.kernel, doh, qh, c.kh[:, :, lo:hi], c.vh[:, :, lo:hi], oh, lses[stage],
-                                          list(c.stages.kv_index[e]), c.plan, halos[stage], scale=c.scale)
-            del qh, oh, doh, got
-            dkv = c.grads["kv_h"]
-            dkv[0][:, :, lo:hi] += dkh
-            dkv[1][:, :, lo:hi] += dvh
-            del dkh, dvh
-            landed = [_post_head_to_seq(cp, c.lay, [dqh], [c.stages.q[e]], [c.grads["q"]], "ulysses_bwd")]
-            del dqh
-            last = nxt is None or nxt[0] != j
-            if last:   # dK/dV go home once per module chunk; replicated KV heads sum their replicas in fp32
-                landed.append(_post_head_to_seq(cp, c.lay, [dkv[0], dkv[1]], [c.split.kv, c.split.kv],
-                                                [c.grads["k"], c.grads["v"]], "ulysses_bwd", accumulate=True))
-                c.kh = c.vh = None
-                del chunks[j], dkv, c.grads["kv_h"]
-            if overlap:   # the previous stage's gradients land; a finished chunk back-propagates meanwhile
-                for f in back:
-                    f.wait()
-                if done is not None:
-                    finish(done)
-                back, done = landed, (c if last else None)
-            else:
-                for f in landed:
-                    f.wait()
-                if last:
-                    finish(c)
-                if nxt is not None:
-                    flight = post(nxt)
-            c = None
-        for f in back:
-            f.wait()
-        if done is not None:
-            finish(done)
-        return (None, None, None, None, None, *total)
-
-
 def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Projected],
-                            q_ranges: Sequence[tuple[int, int]], cp: "CPMesh", engine_chunks: int,
-                            inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], *,
+                            q_ranges: Sequence[tuple[int, int]], kv_counts: Sequence[int], cp: "CPMesh",
+                            engine_chunks: int, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                            o_weight: torch.Tensor, o_bias: torch.Tensor | None, *,
                             overlap: bool | None = None) -> torch.Tensor:
-    """Attention output [B, S_local, H, D] of an attention module whose heads run in module chunks.
+    """The output of an attention module whose heads run in module chunks: its output projection
+    (`o_weight`, `o_bias`) applied to the attention output [B, S_local, H, D] of all chunks.
 
-    `project(j, tensors)` returns chunk j's `Projected` computed from `tensors` (= `inputs` then
-    `params`, in that order: in backward they are detached inputs and the same parameters, recomputed
-    with gradients enabled); `q_ranges[j]` are chunk j's query heads among the module's H. Gradients
-    reach every tensor of `inputs` and `params` that requires them. `overlap=None` uses
-    `hybrid_cp.headchunk.OVERLAP`.
+    `project(j, tensors)` returns chunk j's `Projected` computed from `tensors` (= `inputs`, `params`,
+    `o_weight`, `o_bias`, in that order: in backward the inputs are detached copies and the parameters
+    the same, recomputed with gradients enabled); `q_ranges[j]` are chunk j's query heads among the
+    module's H and `kv_counts[j]` its KV heads. Gradients reach every tensor that requires them.
+    `overlap=None` uses `hybrid_cp.headchunk.OVERLAP`.
     """
     from . import headchunk
 
     overlap = headchunk.OVERLAP if overlap is None else bool(overlap)
-    tensors = [*inputs, *params]
-    needs_grad = int(torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    tensors = [*inputs, *params, o_weight, o_bias]
+    needs_grad = int(torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     engine = _Engine(cp, engine_chunks, needs_grad)
-    return _Pipelined.apply(project, tuple(q_ranges), engine, overlap, len(inputs), *tensors)
+    return _Pipelined.apply(project, tuple(q_ranges), tuple(kv_counts), engine, overlap, len(inputs), *tensors)

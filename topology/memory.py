@@ -51,7 +51,9 @@ class MemoryOptions:
     offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (ALST, FPDT)
     head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
     chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
-                                      # default); False: inside hcp.attention only (overlapped)
+                                      # default); False: inside hcp.attention only
+    overlap: bool = True              # head-chunk schedule (hybrid_cp.headchunk.OVERLAP): the next chunk's
+                                      # exchange in flight while one computes; False: one after another
     tiled_loss: bool = False          # hcp.tiled_cross_entropy / hcp.lm_loss
     loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
     tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
@@ -75,7 +77,8 @@ class MemoryOptions:
     def describe(self) -> str:
         parts = ["ckpt" + ("+offload" if self.offload_checkpoints else "") if self.checkpoint else "no ckpt"]
         if self.head_chunks > 1:
-            parts.append(f"head_chunks={self.head_chunks}" + ("" if self.chunk_projections else " (engine only)"))
+            parts.append(f"head_chunks={self.head_chunks}" + ("" if self.chunk_projections else " (engine only)")
+                         + ("" if self.overlap else " serial"))
         parts.append(f"tiled loss ({self.loss_chunk or 'default'})" if self.tiled_loss else "full logits")
         parts.append(f"tiled MLP ({self.tiled_mlp})" if self.tiled_mlp else "whole MLP")
         if not self.fsdp:
@@ -205,16 +208,18 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
         attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_module(H, Hkv, D, E, e, ulysses, ring, i, T,
                                                                                    inner)
     else:
-        # module-level chunks (hybrid_cp.integrations.transformers): each chunk (the largest: kv_m whole GQA
-        # groups) runs the module's forward under checkpointing, so nothing but the shared input is saved;
-        # backward recomputes one chunk (its saved tensors) and runs its backward. The partial outputs of
-        # the output projection add into one [T, E] accumulator.
+        # module-level chunks (hybrid_cp.modulechunk): forward saves nothing but the module's input; the
+        # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
+        # chunk (its projections and attention) at a time. Overlapped, more is alive: the next stage's
+        # exchange and the previous chunk's returning results; measured on the attention module alone
+        # (docs/memory.md) that costs 0.3-0.65 of one chunk's working set: we charge 0.65.
         kv_m = max(b - a for a, b in ranges)
         saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(kv_m * (H // Hkv), kv_m, D, E, e, ulysses,
                                                                           ring, None, T, inner)
+        in_flight = 1.65 if o.overlap else 1.0
         attn_saved = 0
-        attn_fwd = fwd_m + T * E * e
-        attn_bwd = T * saved_m + bwd_m + T * E * e
+        attn_fwd = int(in_flight * fwd_m) + T * E * e
+        attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
     layer_saved = T * (2 * _norm(e, o.fused_norm) * E + attn_saved + mlp_saved)
     final = T * _norm(e, o.fused_norm) * E                               # final norm
@@ -344,15 +349,17 @@ def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype:
                   layout: str = "zigzag", dp: int = 1, head_chunks: int = 8, tiled_mlp: int = 8192,
                   loss_chunk: int | None = None, granularity: int = 1024) -> list[tuple[str, MaxSeq | None]]:
     """The longest sequence for a ladder of option sets, each adding one memory saving to the last:
-    checkpointing only, + tiled loss, + tiled MLP, + head chunks, + checkpoint offload."""
+    checkpointing only, + tiled loss, + tiled MLP, + head chunks (the serial schedule: the least memory),
+    + checkpoint offload."""
     ladder = [
         ("activation checkpointing", MemoryOptions(loss_chunk=loss_chunk)),
         ("+ tiled loss", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk)),
         ("+ tiled MLP", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk, tiled_mlp=tiled_mlp)),
-        (f"+ head_chunks <= {head_chunks}", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk, tiled_mlp=tiled_mlp,
-                                                          head_chunks=head_chunks)),
+        (f"+ head_chunks <= {head_chunks}, serial", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk,
+                                                                  tiled_mlp=tiled_mlp, head_chunks=head_chunks,
+                                                                  overlap=False)),
         ("+ checkpoint offload", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk, tiled_mlp=tiled_mlp,
-                                               head_chunks=head_chunks, offload_checkpoints=True)),
+                                               head_chunks=head_chunks, overlap=False, offload_checkpoints=True)),
     ]
     return [(name, max_seq_len(model, world, memory_budget, o, dtype=dtype, layout=layout, dp=dp,
                                granularity=granularity)) for name, o in ladder]

@@ -246,7 +246,7 @@ class _ModuleChunks:
     """The forward of an attention module whose heads run in module-level chunks (UPipe from the
     projections on), pipelined by `hybrid_cp.modulechunk`: chunk j's Q/K/V come from the module's own
     forward with its q/k/v projections cut to the chunk's heads (views of the parameters), stopped at
-    the attention call; the output projection runs once on all heads."""
+    the attention call; the output projection's columns of the chunk's heads are applied inside."""
 
     def __init__(self, module: torch.nn.Module, original, cp: CPMesh, kv_ranges: list[tuple[int, int]],
                  engine_chunks: int, group: int, head_dim: int):
@@ -306,15 +306,15 @@ class _ModuleChunks:
             for i, t in zip(diff, tensors):
                 vals[i] = t
             try:
-                self._run("project", j, vals, spec, names, list(tensors[len(diff):]))
+                self._run("project", j, vals, spec, names, list(tensors[len(diff):len(diff) + len(names)]))
             except _Captured as done:
                 return done.projected
             raise SetupError(f"{type(self.module).__name__}.forward returned without calling the attention function; "
                              f"module-level head chunks need attn_implementation={ATTN_IMPLEMENTATION!r}")
 
-        out = pipelined_module_chunks(project, self.q_ranges, self.cp, self.engine_chunks,
-                                      [leaves[i] for i in diff], params)
-        return self.module.o_proj(out.reshape(*out.shape[:2], -1)), None
+        o = self.module.o_proj
+        return pipelined_module_chunks(project, self.q_ranges, [b - a for a, b in self.kv_ranges], self.cp,
+                                       self.engine_chunks, [leaves[i] for i in diff], params, o.weight, o.bias), None
 
 
 def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
@@ -352,12 +352,13 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     dropout > 0, logit soft-capping, attention sinks, non-causal attention, masks other than
     right padding. `head_chunks` > 1 runs each attention module's heads in about that many chunks
     starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
-    chunk recomputed in backward, so Q/K/V of all heads never exist at once; `module_chunks` says
+    chunk's projections recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
+    projection and all-to-all overlap chunk i's ring: `hybrid_cp/modulechunk.py`; `module_chunks` says
     how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
-    Modules without separate q/k/v/o projections keep engine-level chunks only (logged).
-    `chunk_projections=False` keeps the projections whole and chunks inside `hcp.attention` only,
-    where chunk i + 1's all-to-all overlaps chunk i's ring (faster where communication is exposed,
-    more memory; module chunks run one after another). Returns the model.
+    Modules without separate q/k/v/o projections of `num_attention_heads` heads keep engine-level
+    chunks only (logged); a module that does more than o_proj(attention output) after its attention
+    call raises on its first forward. `chunk_projections=False` keeps the projections whole and
+    chunks inside `hcp.attention` only. Returns the model.
     """
     if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
         raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
