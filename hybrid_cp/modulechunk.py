@@ -7,18 +7,17 @@ checkpointing) the chunks can only run one after another, because the module cal
 the middle of its forward. Here the loop asks `project(j, tensors)` for chunk j's Q/K/V (the
 integration runs the module's own code up to its attention call, so projections, norms and rotary
 embeddings stay the model's), and owns everything after it, so it can post chunk j + 1's exchange
-before chunk j's ring. The output projection runs once on all heads, outside (it is linear in them).
+before chunk j's ring. The output projection is linear in the heads: each chunk applies its columns.
 
-Memory, as with checkpointed chunks: forward keeps the module's inputs, the attention output of all
-local heads (which the output projection keeps anyway) and each stage's lse; Q/K/V exist for one
-chunk at a time, two while the next one's exchange is in flight. Backward recomputes one chunk's
-projections at a time, exchanges q, out and d(out) per stage (`hybrid_cp/headchunk.py`'s schedule)
-and K/V once per module chunk, and back-propagates through the projections when that chunk's
-gradients have landed, while the next chunk's ring runs.
+Memory, as with checkpointed chunks: forward keeps the module's inputs only. Backward takes one chunk
+at a time: it recomputes the chunk's projections (values only, for the exchange) and its attention
+forward (for the output and lse), runs the ring backward, and back-propagates through the projections
+recomputed once more with their graph, so one chunk's graph exists at a time. Overlapped, one more
+stage is in flight (its exchange buffers) and the previous chunk's results are still landing.
 
 Stages: a module chunk may itself be cut into engine-level chunks (`topology.layouts.module_chunks`
 says how many: when whole GQA groups leave too few chunks); stage (j, e) is engine chunk e of module
-chunk j, and the pipeline runs over the stages in order.
+chunk j, and the pipeline runs over the stages in order (K/V travel once per module chunk).
 """
 
 from __future__ import annotations
