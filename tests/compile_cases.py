@@ -142,9 +142,9 @@ def validation(u: int, r: int) -> str | None:
     return "no error"
 
 
-def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3) -> dict | None:
-    """A tiny transformers Llama with `apply_context_parallel`, compiled (not fullgraph) against
-    eager: loss and gradient errors, compiled frames and graph breaks."""
+def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3, head_chunks: int = 1) -> dict | None:
+    """A tiny transformers Llama with `apply_context_parallel` (module-level `head_chunks`), compiled (not
+    fullgraph) against eager: loss and gradient errors, compiled frames and graph breaks."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
@@ -157,8 +157,8 @@ def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3) -> dict
         return None
     torch._dynamo.reset()
     counters.clear()
-    eager = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp)
-    model = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp)
+    eager = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp, head_chunks=head_chunks)
+    model = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp, head_chunks=head_chunks)
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter)
     rows = []

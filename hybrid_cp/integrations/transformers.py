@@ -291,6 +291,7 @@ class _ModuleChunks:
                               f"apply_context_parallel(..., chunk_projections=False) (chunks inside hcp.attention)")
         self.checked = True
 
+    @torch.compiler.disable  # the chunk loop (collectives, swapped parameters) runs eagerly: a graph break per call
     def __call__(self, *args, **kwargs):
         from torch.utils._pytree import tree_flatten
 
