@@ -96,11 +96,11 @@ class _engine_stage:
                 out = original(q, k, v, cp, **kw)
             return mark(out, tracker, "engine.bwd", "enter")
 
-        def wrapped_chunks(project, q_ranges, cp, engine_chunks, inputs, params, **kw):
+        def wrapped_chunks(project, q_ranges, kv_counts, cp, engine_chunks, inputs, *rest, **kw):
             # module-level head chunks: the pipeline holds the engine and each chunk's projections
             inputs = [mark(x, tracker, "engine.bwd", "exit") for x in inputs]
             with tracker.stage("engine"):
-                out = original_chunks(project, q_ranges, cp, engine_chunks, inputs, params, **kw)
+                out = original_chunks(project, q_ranges, kv_counts, cp, engine_chunks, inputs, *rest, **kw)
             return mark(out, tracker, "engine.bwd", "enter")
 
         original_chunks = self.original_chunks = tf.pipelined_module_chunks
