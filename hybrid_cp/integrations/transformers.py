@@ -353,7 +353,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     dropout > 0, logit soft-capping, attention sinks, non-causal attention, masks other than
     right padding. `head_chunks` > 1 runs each attention module's heads in about that many chunks
     starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
-    chunk's projections recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
+    chunk's projections and attention recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
     projection and all-to-all overlap chunk i's ring: `hybrid_cp/modulechunk.py`; `module_chunks` says
     how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
     Modules without separate q/k/v/o projections of `num_attention_heads` heads keep engine-level
@@ -396,7 +396,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
         import logging
 
         logging.getLogger("hybrid_cp").warning(
-            "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections and chunk their heads "
+            "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections of num_attention_heads x "
+            "head_dim and chunk their heads "
             "inside hcp.attention only (Q/K/V of all heads exist at once there)", head_chunks,
             chunked.count(False), len(chunked))
     old = model.__dict__.get(_HOOK_ATTR)
