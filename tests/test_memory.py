@@ -100,13 +100,15 @@ def test_max_seq_grows_with_memory_and_nodes(opts):
 MEASURED_SHAPE = ModelShape(heads=8, kv_heads=2, head_dim=32, hidden=256, layers=2, intermediate=1024, vocab=8192)
 
 
-@pytest.mark.parametrize("u,r,kw", [(4, 2, dict(tiled_loss=True, tiled_mlp=512, checkpoint=True))])
+@pytest.mark.parametrize("u,r,kw", [(4, 2, dict(tiled_loss=True, tiled_mlp=512, checkpoint=True)),
+                                    (4, 2, dict(tiled_loss=True, tiled_mlp=512, checkpoint=True, head_chunks=2))])
 def test_estimate_within_ten_percent_of_measured_peak(pool, u, r, kw):
     """benchmarks/memory_step.py measures one step exactly; topology.memory predicts it."""
     rows = pool.run("memory_cases:measure_step", u=u, r=r, seq_len=4096, loss_chunk=512, **kw)
     est = step_memory(MEASURED_SHAPE, 4096, u, r, 8 // (u * r), 1,
                       MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), foreach_optimizer=False,
-                                    loss_chunk=512, tiled_mlp=kw.get("tiled_mlp", 0), fsdp=False), dtype="fp32")
+                                    loss_chunk=512, tiled_mlp=kw.get("tiled_mlp", 0), fsdp=False,
+                                    head_chunks=kw.get("head_chunks", 1)), dtype="fp32")
     worst = max(row["peak"] for row in rows)
     assert abs(est.peak / worst - 1) <= 0.10, (est.peak, worst, est.phases)
 
