@@ -215,7 +215,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     `backend` is "auto", a registered kernel name, a kernel object, or (ring = 1, dense only) a
     plain callable attn(q, k, v) -> out run on the gathered sequence.
     `head_chunks` > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
-    each chunk's all-to-all overlapping the previous chunk's compute: less attention memory, same
+    one after another (or, with `hybrid_cp.headchunk.OVERLAP = True`, each chunk's all-to-all
+    overlapping the previous chunk's compute): less attention memory, same
     result (`hybrid_cp/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
     Under `torch.compile` the call is one opaque custom op (`hybrid_cp/compiled.py`).
     """

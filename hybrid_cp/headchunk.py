@@ -1,13 +1,13 @@
 """Head-chunked hybrid attention (UPipe-style): the heads go through all-to-all -> ring -> all-to-all a
-few at a time, and the all-to-all of chunk i + 1 runs while chunk i computes.
+few at a time; with `OVERLAP` the all-to-all of chunk i + 1 runs while chunk i computes.
 
 Why: with all heads at once the attention stage holds, per rank, the gathered query, output,
 d(output) and fp32 d(query) of every local head for the ulysses group's whole sequence. Processing
 `head_chunks` chunks one after another divides that working set by the number of chunks (the
 "Untied Ulysses" paper, UPipe, arXiv 2602.21196: 87.5% less attention-stage memory at 8 chunks).
-The paper's stages run one after another; here each chunk's all-to-all is posted asynchronously
-before the previous chunk's ring attention runs (forward and backward), so communication hides
-behind compute.
+The paper's stages run one after another, as the default here does; with `OVERLAP = True` each
+chunk's all-to-all is posted asynchronously before the previous chunk's ring attention runs (forward
+and backward), so communication hides behind compute at the price of a second chunk's buffers.
 
 Schedule, per rank (u = ulysses degree):
 * Every rank's query heads (its part of the usual uneven head split) are cut into `head_chunks`
@@ -249,10 +249,12 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq, dk.to(k_dtype), dv.to(k_dtype), None, None, None, None, None, None, None, None, None
 
 
-OVERLAP = True
-"""Default schedule: True posts the next chunk's all-to-all before this chunk computes (faster where the
-communication hides, two chunks' buffers alive); False runs the chunks one after another (less memory:
-see docs/memory.md). Set `hybrid_cp.headchunk.OVERLAP = False` on every rank alike."""
+OVERLAP = False
+"""Schedule of head chunks (engine-level here, module-level in hybrid_cp/modulechunk.py): False (default)
+runs the chunks one after another, the least memory, which is what head chunks are for; True posts the
+next chunk's all-to-all before this chunk computes, so communication hides behind compute where it can
+(on GPUs), at the price of another chunk's buffers alive (docs/memory.md measures both). Set
+`hybrid_cp.headchunk.OVERLAP = True` on every rank alike."""
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "CPMesh", kernel: "AttentionKernel",

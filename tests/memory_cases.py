@@ -170,11 +170,11 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
     ref = run(1)
     rows = {}
     for kc in chunks:
-        headchunk.OVERLAP = overlap
+        old, headchunk.OVERLAP = headchunk.OVERLAP, overlap
         try:
             got = run(kc)
         finally:
-            headchunk.OVERLAP = True
+            headchunk.OVERLAP = old
         errs = {"out": _rel(got[0], ref[0])}
         if return_lse:
             errs["lse"] = _rel(got[1], ref[1])

@@ -58,10 +58,10 @@ def test_step_memory_is_monotone_and_options_help():
     longer = step_memory(seq_len=1 << 21, options=MemoryOptions(), **base)
     assert longer.peak > plain.peak
     tiled = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True, tiled_mlp=8192), **base)
-    chunked = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=4,
-                                                                 overlap=False), **base)
-    overlapped = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=4),
-                             **base)
+    chunked = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=4),
+                          **base)
+    overlapped = step_memory(seq_len=1 << 20, options=MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=4,
+                                                                    overlap=True), **base)
     assert chunked.stages["attention_bwd"] < tiled.stages["attention_bwd"] < plain.stages["attention_bwd"] * 1.01
     # the overlapped schedule keeps more in flight: between the serial one and no chunks
     assert chunked.stages["attention_bwd"] < overlapped.stages["attention_bwd"] <= tiled.stages["attention_bwd"] * 1.01

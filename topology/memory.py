@@ -52,8 +52,8 @@ class MemoryOptions:
     head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
     chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
                                       # default); False: inside hcp.attention only
-    overlap: bool = True              # head-chunk schedule (hybrid_cp.headchunk.OVERLAP): the next chunk's
-                                      # exchange in flight while one computes; False: one after another
+    overlap: bool = False             # head-chunk schedule (hybrid_cp.headchunk.OVERLAP): True keeps the next
+                                      # chunk's exchange in flight while one computes; False: one after another
     tiled_loss: bool = False          # hcp.tiled_cross_entropy / hcp.lm_loss
     loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
     tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
