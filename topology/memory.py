@@ -358,7 +358,7 @@ def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype:
         (f"+ head_chunks <= {head_chunks}, serial", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk,
                                                                   tiled_mlp=tiled_mlp, head_chunks=head_chunks,
                                                                   overlap=False)),
-        ("+ checkpoint offload", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk, tiled_mlp=tiled_mlp,
+        ("+ checkpoint offload (planner only)", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk, tiled_mlp=tiled_mlp,
                                                head_chunks=head_chunks, overlap=False, offload_checkpoints=True)),
     ]
     return [(name, max_seq_len(model, world, memory_budget, o, dtype=dtype, layout=layout, dp=dp,
@@ -386,12 +386,12 @@ def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
     print(f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters, layers={model.layers} "
           f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
           f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU")
-    print(f"{'options':<28} {'max seq':>12} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9}  peak at")
+    print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9}  peak at")
     for name, b in rows:
         if b is None:
-            print(f"{name:<28} {'none fits':>12}")
+            print(f"{name:<36} {'none fits':>6}")
             continue
         e = b.estimate
-        print(f"{name:<28} {b.seq_len / 2**20:>11.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
+        print(f"{name:<36} {b.seq_len / 2**20:>5.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
               f"{e.peak / GiB:>9.1f}  {e.peak_phase}")
     return 0
