@@ -295,8 +295,10 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
 
     `project(j, tensors)` returns chunk j's `Projected` computed from `tensors` (= `inputs`, `params`,
     `o_weight`, `o_bias`, in that order: in backward the inputs are detached copies and the parameters
-    the same, recomputed with gradients enabled); `q_ranges[j]` are chunk j's query heads among the
-    module's H and `kv_counts[j]` its KV heads. Gradients reach every tensor that requires them.
+    the same, recomputed with gradients enabled); `inputs` are all the tensors `project` needs besides
+    parameters (saved through autograd, so that checkpointing manages them: `project` must hold no
+    tensor of its own); `q_ranges[j]` are chunk j's query heads among the module's H and `kv_counts[j]`
+    its KV heads. Gradients reach every tensor that requires them.
     `overlap=None` uses `hybrid_cp.headchunk.OVERLAP`.
     """
     from . import headchunk

@@ -296,18 +296,21 @@ class _ModuleChunks:
         from torch.utils._pytree import tree_flatten
 
         leaves, spec = tree_flatten((args, kwargs))
-        diff = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         names = [n for n, _ in self.module.named_parameters() if not n.startswith("o_proj.")]
         params = [self.module.get_parameter(n) for n in names]   # as registered now (FSDP2: unsharded)
         if not self.checked:
             self._check_structure(leaves, spec, names, params)
+        # every tensor argument goes through the Function (saved for backward there, so that layer
+        # checkpointing manages it); `project` keeps only the non-tensor arguments
+        skeleton = [None if isinstance(x, torch.Tensor) else x for x in leaves]
 
         def project(j: int, tensors):
-            vals = list(leaves)
-            for i, t in zip(diff, tensors):
+            vals = list(skeleton)
+            for i, t in zip(at, tensors):
                 vals[i] = t
             try:
-                self._run("project", j, vals, spec, names, list(tensors[len(diff):len(diff) + len(names)]))
+                self._run("project", j, vals, spec, names, list(tensors[len(at):len(at) + len(names)]))
             except _Captured as done:
                 return done.projected
             raise SetupError(f"{type(self.module).__name__}.forward returned without calling the attention function; "
@@ -315,7 +318,7 @@ class _ModuleChunks:
 
         o = self.module.o_proj
         return pipelined_module_chunks(project, self.q_ranges, [b - a for a, b in self.kv_ranges], self.cp,
-                                       self.engine_chunks, [leaves[i] for i in diff], params, o.weight, o.bias), None
+                                       self.engine_chunks, [leaves[i] for i in at], params, o.weight, o.bias), None
 
 
 def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
