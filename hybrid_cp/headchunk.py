@@ -156,44 +156,68 @@ def _post_head_to_seq(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ra
     return _InFlight(work, (send,), finish, cp)
 
 
+def drive(order: list, post: Callable, compute: Callable, overlap: bool,
+          finish: Callable | None = None) -> None:
+    """Run pipeline stages in order: `post(stage)` sends a stage's inputs (an _InFlight), `compute(stage,
+    received)` runs it and returns (the flights taking its results home, an item for `finish` or None),
+    `finish(item)` uses results once they have landed. Overlapped: the next stage is posted before this one
+    computes, and this stage's results travel while the next one computes (one stage's in flight);
+    serial: each stage's results land before the next stage is posted."""
+    flight, back, done = post(order[0]), [], None
+    for at, stage in enumerate(order):
+        got = [flight.wait()]
+        nxt = order[at + 1] if at + 1 < len(order) else None
+        if overlap and nxt is not None:
+            flight = post(nxt)
+        landed, item = compute(stage, got.pop())   # compute owns the received tensors and may free them early
+        if overlap:
+            for f in back:
+                f.wait()
+            if done is not None:
+                finish(done)
+            back, done = landed, item
+        else:
+            for f in landed:
+                f.wait()
+            if item is not None:
+                finish(item)
+            if nxt is not None:
+                flight = post(nxt)
+    for f in back:
+        f.wait()
+    if done is not None:
+        finish(done)
+
+
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp, kernel, lay, split, chunks, plan, scale, overlap, want_lse):
         n = chunks.count
         kv_flight = _post_seq_to_head(cp, lay, [k, v], [split.kv, split.kv], "ulysses_fwd")
-        q_flight = [None] * n
-        q_flight[0] = _post_seq_to_head(cp, lay, [q], [chunks.q[0]], "ulysses_fwd")
         out = q.new_empty(q.shape)
         lse_seq = torch.empty(q.shape[0], q.shape[1], q.shape[2], 1, dtype=torch.float32, device=q.device) \
             if want_lse else None
-        kh, vh = kv_flight.wait()
-        lses, halos, back = [], [], []
-        for j in range(n):
-            (qh,) = q_flight[j].wait()
-            if overlap and j + 1 < n:   # the next chunk's queries travel while this chunk computes
-                q_flight[j + 1] = _post_seq_to_head(cp, lay, [q], [chunks.q[j + 1]], "ulysses_fwd")
+        lses, halos, kv = [], [], []
+
+        def post(j):
+            return _post_seq_to_head(cp, lay, [q], [chunks.q[j]], "ulysses_fwd")
+
+        def compute(j, got):
+            if not kv:
+                kv.extend(kv_flight.wait())
             lo, hi = chunks.kv_local[j]
-            out_h, lse_h, halo = ring_forward(cp, kernel, qh, kh[:, :, lo:hi], vh[:, :, lo:hi],
+            out_h, lse_h, halo = ring_forward(cp, kernel, got.pop(), kv[0][:, :, lo:hi], kv[1][:, :, lo:hi],
                                               list(chunks.kv_index[j]), plan, scale=scale)
-            del qh
             lses.append(lse_h)
             halos.append(halo)
-            flights = [_post_head_to_seq(cp, lay, [out_h], [chunks.q[j]], [out], "ulysses_fwd")]
+            landed = [_post_head_to_seq(cp, lay, [out_h], [chunks.q[j]], [out], "ulysses_fwd")]
             if want_lse:
-                flights.append(_post_head_to_seq(cp, lay, [lse_h.transpose(1, 2).unsqueeze(-1).contiguous()],
-                                                 [chunks.q[j]], [lse_seq], "ulysses_lse"))
-            del out_h
-            if overlap:   # at most one chunk's output in flight: its buffers are freed as soon as it lands
-                for flight in back:
-                    flight.wait()
-                back = flights
-            else:
-                for flight in flights:
-                    flight.wait()
-                if j + 1 < n:
-                    q_flight[j + 1] = _post_seq_to_head(cp, lay, [q], [chunks.q[j + 1]], "ulysses_fwd")
-        for flight in back:
-            flight.wait()
+                landed.append(_post_head_to_seq(cp, lay, [lse_h.transpose(1, 2).unsqueeze(-1).contiguous()],
+                                                [chunks.q[j]], [lse_seq], "ulysses_lse"))
+            return landed, None
+
+        drive(list(range(n)), post, compute, overlap)
+        kh, vh = kv
         ctx.save_for_backward(q, kh, vh, out, *lses)
         ctx.args = (cp, kernel, lay, split, chunks, plan, scale, overlap, halos, k.shape, k.dtype)
         if want_lse:
@@ -215,37 +239,22 @@ class _ChunkedAttention(torch.autograd.Function):
             r = chunks.q[j]
             return _post_seq_to_head(cp, lay, [q, out, dout], [r, r, r], "ulysses_bwd")
 
-        flights = [None] * n
-        flights[0] = post(0)
-        back = []
-        for j in range(n):
-            qh, oh, doh = flights[j].wait()
-            if overlap and j + 1 < n:
-                flights[j + 1] = post(j + 1)
+        def compute(j, got):
+            qh, oh, doh = got
             lo, hi = chunks.kv_local[j]
             dqh, dkh, dvh = ring_backward(cp, kernel, doh, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], oh, lses[j],
                                           list(chunks.kv_index[j]), plan, halos[j], scale=scale)
-            del qh, oh, doh
+            del qh, oh, doh, got
             dkv_h[0][:, :, lo:hi] += dkh
             dkv_h[1][:, :, lo:hi] += dvh
-            del dkh, dvh
-            flight = _post_head_to_seq(cp, lay, [dqh], [chunks.q[j]], [dq], "ulysses_bwd")
-            del dqh
-            if overlap:   # at most one chunk's dq in flight
-                for pending in back:
-                    pending.wait()
-                back = [flight]
-            else:
-                flight.wait()
-                if j + 1 < n:
-                    flights[j + 1] = post(j + 1)
+            return [_post_head_to_seq(cp, lay, [dqh], [chunks.q[j]], [dq], "ulysses_bwd")], None
+
+        drive(list(range(n)), post, compute, overlap)
         # dK/dV go home once; replicated KV heads (H_kv < u) sum their replicas' gradients in fp32
         dk = torch.zeros(k_shape, dtype=acc, device=kh.device)
         dv = torch.zeros(k_shape, dtype=acc, device=kh.device)
-        back.append(_post_head_to_seq(cp, lay, [dkv_h[0], dkv_h[1]], [split.kv, split.kv], [dk, dv], "ulysses_bwd",
-                                      accumulate=True))
-        for flight in back:
-            flight.wait()
+        _post_head_to_seq(cp, lay, [dkv_h[0], dkv_h[1]], [split.kv, split.kv], [dk, dv], "ulysses_bwd",
+                          accumulate=True).wait()
         return dq, dk.to(k_dtype), dv.to(k_dtype), None, None, None, None, None, None, None, None, None
 
 

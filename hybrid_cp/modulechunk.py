@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .attention import checked_call
 from .comm import acc_dtype
-from .headchunk import HeadChunks, chunk_heads, _post_head_to_seq, _post_seq_to_head
+from .headchunk import HeadChunks, chunk_heads, drive, _post_head_to_seq, _post_seq_to_head
 from .heads import HeadSplit, head_split
 from .ring import block_plan, ring_backward, ring_forward
 
@@ -93,11 +93,10 @@ class _Engine:
             plan = block_plan(lay, cp.ring_rank, c["causal"], x.q.device, window)
             scale = c.get("softmax_scale")
             scale = float(scale) if scale is not None else x.q.shape[-1] ** -0.5
-            self.per_chunk[j] = (split, self.stages(x.q.shape[2], x.k.shape[2]), lay, kernel, plan, scale)
+            self.per_chunk[j] = (split, self.stages(split), lay, kernel, plan, scale)
         return _Chunk(j, x, *self.per_chunk[j])
 
-    def stages(self, heads: int, kv_heads: int) -> HeadChunks:
-        split = head_split(heads, kv_heads, self.cp.ulysses_size)
+    def stages(self, split: HeadSplit) -> HeadChunks:
         return chunk_heads(split, self.engine_chunks, self.cp.ulysses_rank)
 
 
@@ -115,44 +114,13 @@ def _post_inputs(cp: "CPMesh", c: _Chunk, e: int, parts: list[torch.Tensor], sta
     return flight
 
 
-def _drive(order: list[tuple[int, int]], post: Callable, compute: Callable, finish: Callable, overlap: bool) -> None:
-    """Run the stages in order: `post(stage)` sends a stage's inputs, `compute(stage, received)` runs it and
-    returns (the flights taking its results home, its module chunk if this was the chunk's last stage),
-    `finish(chunk)` uses a chunk's landed results. Overlapped: the next stage is posted before this one
-    computes, and this stage's results travel while the next one computes (one stage's in flight)."""
-    flight, back, done = post(order[0]), [], None
-    for at, stage in enumerate(order):
-        got = flight.wait()
-        nxt = order[at + 1] if at + 1 < len(order) else None
-        if overlap and nxt is not None:
-            flight = post(nxt)
-        landed, last = compute(stage, got)
-        del got
-        if overlap:
-            for f in back:
-                f.wait()
-            if done is not None:
-                finish(done)
-            back, done = landed, last
-        else:
-            for f in landed:
-                f.wait()
-            if last is not None:
-                finish(last)
-            if nxt is not None:
-                flight = post(nxt)
-    for f in back:
-        f.wait()
-    if done is not None:
-        finish(done)
-
-
 class _Pipelined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, project, q_ranges, kv_counts, engine, overlap, n_in, *tensors):
         cp = engine.cp
         w_o, b_o = tensors[-2], tensors[-1]
-        counts = [engine.stages(qb - qa, n).count for (qa, qb), n in zip(q_ranges, kv_counts)]
+        counts = [engine.stages(head_split(qb - qa, n, cp.ulysses_size)).count
+                  for (qa, qb), n in zip(q_ranges, kv_counts)]
         chunks: dict[int, _Chunk] = {}
         y = []
 
@@ -171,6 +139,7 @@ class _Pipelined(torch.autograd.Function):
             lo, hi = c.stages.kv_local[e]
             out_h, _, _ = ring_forward(cp, c.kernel, got[0], c.kh[:, :, lo:hi], c.vh[:, :, lo:hi],
                                        list(c.stages.kv_index[e]), c.plan, scale=c.scale)
+            del got
             if c.out is None:
                 c.out = c.q_like.new_empty(c.q_shape)
             landed = [_post_head_to_seq(cp, c.lay, [out_h], [c.stages.q[e]], [c.out], "ulysses_fwd")]
@@ -187,7 +156,7 @@ class _Pipelined(torch.autograd.Function):
             c.out = None
             y.append(part if not y else y.pop().add_(part))
 
-        _drive(_stages(counts), post, compute, finish, overlap)
+        drive(_stages(counts), post, compute, overlap, finish)
         ctx.save_for_backward(*tensors[:n_in])
         ctx.params = tensors[n_in:]   # parameters: by reference (FSDP2 re-fills their storage for backward)
         ctx.args = (project, q_ranges, counts, engine, overlap)
@@ -227,6 +196,7 @@ class _Pipelined(torch.autograd.Function):
             qh, doh = got[0], got[1]
             if e == 0:
                 c.kh, c.vh = got[2], got[3]
+            del got
             lo, hi = c.stages.kv_local[e]
             kh, vh, kv_index = c.kh[:, :, lo:hi], c.vh[:, :, lo:hi], list(c.stages.kv_index[e])
             oh, lse, halo = ring_forward(cp, c.kernel, qh, kh, vh, kv_index, c.plan, scale=c.scale)  # recomputed
@@ -275,7 +245,7 @@ class _Pipelined(torch.autograd.Function):
                     torch.autograd.backward(out, grad.to(out.dtype), inputs=wanted, retain_graph=i < 2)
             del x, g, c.grads
 
-        _drive(_stages(counts), post, compute, finish, overlap)
+        drive(_stages(counts), post, compute, overlap, finish)
         grads = [t.grad if t is not None and t.requires_grad else None for t in tensors[:-2]]
         db_o = dy2.sum(0) if b_o is not None and b_o.requires_grad else None
         return (None, None, None, None, None, None, *grads, dw_o, db_o)
