@@ -164,5 +164,7 @@ def test_unsupported_configurations_raise(pool):
         assert "position" in row["positions"]
         assert "attn_logit_softcapping" in row["softcap"], row["softcap"]
         assert "softcap" in row["softcap_runtime"], row["softcap_runtime"]
+        assert "s_aux" in row["sinks_runtime"] and "attention sinks" in row["sinks_runtime"], row["sinks_runtime"]
+        assert "attention_temperature=2.0" in row["unknown_runtime"], row["unknown_runtime"]
         assert "attention_dropout" in row["dropout"]
         assert "dropout" in row["dropout_runtime"]

@@ -17,8 +17,15 @@ from hybrid_cp.loss import cross_entropy
 VOCAB = 256
 
 
-def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, **overrides):
+def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, generic: bool = False, **overrides):
+    """A tiny model of `kind`: the hand-made configurations below, or (`generic`, or any other model type)
+    the family's default configuration made tiny by `hybrid_cp.testing.families`."""
     import transformers
+
+    from hybrid_cp.testing import families
+
+    if generic:
+        return families.tiny_model(kind, seed=seed, **{"num_key_value_heads": hkv, **overrides})
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=hkv, max_position_embeddings=1024,
@@ -45,7 +52,7 @@ def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, **overrides):
         config = transformers.Gemma2Config(**{"head_dim": 8, **common})
         cls = transformers.Gemma2ForCausalLM
     else:
-        raise ValueError(kind)
+        return tiny_model(kind, hkv, seed, generic=True, **overrides)
     torch.manual_seed(seed)
     model = cls(config).float()
     model.train()
@@ -92,15 +99,16 @@ def _full_grad(p):
 
 
 def model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False, b: int = 2, s: int = 100,
-                 pad: bool = True, checkpoint: bool = False, config: dict | None = None) -> dict:
+                 pad: bool = True, checkpoint: bool = False, config: dict | None = None, generic: bool = False) -> dict:
     """logits / loss / every parameter gradient under CP vs one process (fp32); `config`
-    overrides the tiny model's configuration (e.g. a sliding window)."""
+    overrides the tiny model's configuration (e.g. a sliding window); `generic` builds any family's
+    default configuration made tiny."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad)
     config = config or {}
-    ref_logits, ref_loss, ref_grads = reference(tiny_model(kind, hkv, **config), batch)
+    ref_logits, ref_loss, ref_grads = reference(tiny_model(kind, hkv, generic=generic, **config), batch)
 
-    model = apply_context_parallel(tiny_model(kind, hkv, **config), cp)
+    model = apply_context_parallel(tiny_model(kind, hkv, generic=generic, **config), cp)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
@@ -231,12 +239,10 @@ def error_messages(u: int, r: int) -> dict:
     attempt("positions", lambda: model(input_ids=local["input_ids"],
                                        position_ids=torch.arange(local["input_ids"].shape[1])[None]))
     attempt("softcap", lambda: apply_context_parallel(tiny_model("gemma2"), cp))
-    gemma = apply_context_parallel(tiny_model("gemma2", attn_logit_softcapping=None), cp)
-    for m in gemma.modules():  # soft-capping switched on after apply: the attention call refuses it
-        if hasattr(m, "attn_logit_softcapping"):
-            m.attn_logit_softcapping = 50.0
-    gemma.config.attn_logit_softcapping = 50.0
-    attempt("softcap_runtime", lambda: gemma(input_ids=local["input_ids"]))
+    # options reaching the attention call that it does not implement: refused there, whatever their name
+    attempt("softcap_runtime", lambda: model(input_ids=local["input_ids"], softcap=50.0))
+    attempt("sinks_runtime", lambda: model(input_ids=local["input_ids"], s_aux=torch.zeros(4)))
+    attempt("unknown_runtime", lambda: model(input_ids=local["input_ids"], attention_temperature=2.0))
     attempt("dropout", lambda: apply_context_parallel(tiny_model("llama", attention_dropout=0.1), cp))
     drop = apply_context_parallel(tiny_model("llama"), cp)
     drop.config.attention_dropout = 0.1
@@ -247,6 +253,44 @@ def error_messages(u: int, r: int) -> dict:
     # and a correct call still works afterwards (nothing left half-done in the process groups)
     logits = model(input_ids=local["input_ids"]).logits
     out["ok_after"] = tuple(logits.shape)
+    return out
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "all_to_all", "broadcast",
+                "barrier", "reduce_scatter_tensor", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def guard_on_every_rank(model_types: list[str]) -> dict:
+    """apply_context_parallel on refused families with every collective of torch.distributed replaced by a
+    counter: each family must raise the guard's error here, having started none. Then the guard on a
+    Llama already wrapped by FSDP2 (its classes are FSDP subclasses of the model's own)."""
+    from hybrid_cp.errors import ConfigError
+    from hybrid_cp.integrations.model_support import check_model
+
+    cp = mesh(2, 2)
+    out = {"collectives": 0}
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counted(*args, **kwargs):
+        out["collectives"] += 1
+        raise RuntimeError("a collective was started")
+
+    try:
+        for name in _COLLECTIVES:
+            setattr(dist, name, counted)
+        for model_type in model_types:
+            try:
+                apply_context_parallel(tiny_model(model_type, generic=True), cp)
+                out[model_type] = "accepted"
+            except ConfigError as exc:
+                out[model_type] = str(exc)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    model = tiny_model("llama", generic=True)
+    shard_model(model, cp)
+    check_model(model)
+    out["after_fsdp"] = "accepted"
     return out
 
 

@@ -5,6 +5,8 @@ attention-function registry (`AttentionInterface`) under the name "hybrid_cp" an
 model to it; each attention layer then calls `hcp.attention` on this rank's shard. Nothing of the
 model's code is copied or patched: projections, rotary embeddings, norms and MLPs run unchanged on
 the local tokens, which is exact because they act token by token (given the right position ids).
+That premise is checked, not assumed: `model_support.check_model` accepts only the families verified
+exact and refuses every model with a module that mixes tokens outside the attention function.
 
 A forward pre-hook on the model makes the call contract hard to get wrong:
 - missing `position_ids` are filled in with the global positions of this rank's tokens;
@@ -35,6 +37,7 @@ from ..layout import row_layout
 from ..mesh import CPMesh, agree_across_ranks
 from ..modulechunk import Projected, pipelined_module_chunks
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from .model_support import check_attention_kwargs, check_model
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
 _HOOK_ATTR = "_hybrid_cp_hook"
@@ -53,8 +56,8 @@ class _MeshRef:
         return self
 
 
-def _unsupported(msg: str) -> ValueError:
-    return ValueError(msg + " (hybrid_cp.integrations.transformers supports causal attention, with sliding "
+def _unsupported(msg: str) -> ConfigError:
+    return ConfigError(msg + " (hybrid_cp.integrations.transformers supports causal attention, with sliding "
                             "windows, right padding or packed documents; no dropout, attention sinks or "
                             "logit soft-capping)")
 
@@ -80,11 +83,7 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         raise _unsupported(f"{type(module).__name__} received a prepared attention mask "
                            f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
                            f"attention with right padding is supported (pass a 2-D padding mask or none)")
-    for name, option in (("softcap", "config.attn_logit_softcapping"), ("s_aux", "attention sinks"),
-                         ("sinks", "attention sinks")):
-        if kwargs.get(name) is not None:
-            raise _unsupported(f"{type(module).__name__} uses {name}={kwargs[name]!r} ({option}), which the attention "
-                               f"kernels cannot compute exactly under context parallelism")
+    check_attention_kwargs(module, kwargs)
     cu = kwargs.get("cu_seq_lens_q")
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and (cu is None or not torch.equal(torch.as_tensor(cu_k).cpu(), torch.as_tensor(cu).cpu())):
@@ -349,12 +348,13 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
     `hcp.shard_batch`) returns this rank's logits [B, S_local, V]; compute the loss with
-    `hcp.cross_entropy`. Works for models whose attention goes through transformers' attention
-    registry (Llama, Mistral, Qwen2, Qwen3, Gemma 3, ... including GQA/MQA). Sliding-window
-    layers (``sliding_window``, or ``layer_types`` that mix window and full layers) get their
-    window in every layer. Raises ValueError for configurations it would get wrong: attention
-    dropout > 0, logit soft-capping, attention sinks, non-causal attention, masks other than
-    right padding. `head_chunks` > 1 runs each attention module's heads in about that many chunks
+    `hcp.cross_entropy`. Accepts the families verified exact (`model_support.VERIFIED_FAMILIES`:
+    Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, OLMo 2, GLM-4, ... with GQA/MQA and their MoE blocks)
+    and raises ConfigError, on every rank before any collective, for every other model and for
+    settings it would get wrong (`model_support.check_model`: sequence mixers such as linear
+    attention or Mamba layers, attention dropout, soft-capping, sinks, chunked attention, MLA).
+    Sliding-window layers (``sliding_window``, or ``layer_types`` that mix window and full layers)
+    get their window in every layer; non-causal attention and masks other than right padding raise. `head_chunks` > 1 runs each attention module's heads in about that many chunks
     starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
     chunk's projections and attention recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
     projection and all-to-all overlap chunk i's ring: `hybrid_cp/modulechunk.py`; `module_chunks` says
@@ -372,15 +372,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise InputTypeError(f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
                         f"pip install 'hybrid-cp[hf]'), got {type(model).__name__}")
-    for cfg in [config] + [getattr(config, k) for k in getattr(config, "sub_configs", {}) if getattr(config, k, None)]:
-        drop = getattr(cfg, "attention_dropout", 0.0) or 0.0
-        if drop > 0:
-            raise _unsupported(f"config.attention_dropout={drop}; set it to 0.0 for context-parallel training")
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            raise _unsupported(f"config.attn_logit_softcapping={cfg.attn_logit_softcapping} (attention logit "
-                               f"soft-capping); set it to None for context-parallel training")
-        if getattr(cfg, "is_encoder_decoder", False):
-            raise _unsupported(f"{type(model).__name__} is an encoder-decoder model")
+    check_model(model)
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None and heads < cp.ulysses_size:
         raise ShapeError(f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "

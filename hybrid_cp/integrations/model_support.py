@@ -1,0 +1,308 @@
+"""Which transformers models train exactly under context parallelism, and the guard that refuses the rest.
+
+Context parallelism replaces one thing, the attention function, and runs everything else of the model
+on this rank's shard of the sequence. That is exact only if everything else acts token by token
+(projections, norms, MLPs, MoE routing, rotary embeddings at the right positions). A module that mixes
+information along the sequence outside the attention function (linear attention, a state-space layer,
+a token-mixing convolution, a recurrence) would run over the shard as if it were the whole sequence:
+silently wrong gradients, while the loss can differ by as little as 1e-6.
+
+So the rule is an allow-list, not a deny-list of known bad modules: a model is accepted only when its
+`model_type` is a family in `VERIFIED_FAMILIES` (each one trained one step on a ulysses=2 x ring=2
+mesh and compared with the single-process model by `tests/test_model_families.py`) and every module
+in it is a class that family was verified with, or a token-wise torch/transformers class. Everything
+else is refused with a `ConfigError` naming the module, the config field and what to do; the check
+is local (no collective) and runs on every rank inside `apply_context_parallel`. The attention
+function itself applies the same rule to its keyword arguments (`check_attention_kwargs`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+# model_type -> (class-name stem, the classes after the stem) of every transformers module the
+# family's verified tiny model contains. Some families reuse another's classes (exaone: Llama's).
+VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
+    "apertus": ("Apertus", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "apertus1p5_text": ("Apertus1p5Text", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "arcee": ("Arcee", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "aria_text": ("Aria", "Experts SharedExpertsMLP TextAttention TextDecoderLayer TextForCausalLM TextMoELayer "
+                          "TextModel TextRMSNorm TextRotaryEmbedding TextTopKRouter"),
+    "beam": ("Beam", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "bitnet": ("BitNet", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "cohere": ("Cohere", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
+    "cohere2": ("Cohere2", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
+    "cohere2_moe": ("Cohere2Moe", "Attention DecoderLayer Experts ForCausalLM LayerNorm Model RotaryEmbedding "
+                                  "SparseMoeBlock TopKRouter"),
+    "cwm": ("Cwm", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "diffllama": ("DiffLlama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "ernie4_5": ("Ernie4_5", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "exaone": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "exaone4": ("Exaone4", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "exaone_moe": ("ExaoneMoe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
+                                "SparseMoEBlock TopkRouter"),
+    "flex_olmo": ("FlexOlmo", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding "
+                              "SparseMoeBlock TopKRouter"),
+    "gemma": ("Gemma", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding TextScaledWordEmbedding"),
+    "gemma3_text": ("Gemma3", "Attention DecoderLayer ForCausalLM MLP RMSNorm RotaryEmbedding TextModel "
+                              "TextScaledWordEmbedding"),
+    "glm": ("Glm", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "glm4": ("Glm4", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "glm4_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding "
+                            "TopkRouter"),
+    "gpt_neox": ("GPTNeoX", "Attention ForCausalLM Layer MLP Model RotaryEmbedding"),
+    "granite": ("Granite", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "granitemoe": ("GraniteMoe", "Attention DecoderLayer Experts ForCausalLM MoE Model RMSNorm RotaryEmbedding "
+                                 "TopKRouter"),
+    "granitemoeshared": ("GraniteMoeShared", "Attention DecoderLayer Experts ForCausalLM MoE Model RMSNorm "
+                                             "RotaryEmbedding TopKRouter"),
+    "helium": ("Helium", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "hunyuan_v1_dense": ("HunYuanDenseV1", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1", "Attention DecoderLayer Experts ForCausalLM Gate MLP Model Moe RMSNorm "
+                                       "RotaryEmbedding"),
+    "hy_v3": ("HYV3", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding TopKRouter"),
+    "hyperclovax": ("HyperCLOVAX", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "internlm3": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "iquestcoder": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "jais2": ("Jais2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+    "jetmoe": ("JetMoe", "Attention DecoderLayer ForCausalLM MoA MoE Model ParallelExperts RMSNorm RotaryEmbedding "
+                         "TopKGating"),
+    "kolibri1": ("Kolibri1", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
+                             "SparseMoeBlock TopKRouter"),
+    "llama": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "mellum": ("Mellum", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock "
+                         "TopKRouter"),
+    "minimax_m2": ("MiniMaxM2", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding "
+                                "SparseMoeBlock TopKRouter"),
+    "minimax_m3_vl_text": ("MiniMaxM3VL", "Attention DecoderLayer DenseMLP Experts ForCausalLM RMSNorm "
+                                          "RotaryEmbedding SparseMoeBlock TextModel TopKRouter"),
+    "ministral": ("Ministral", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "ministral3": ("Ministral3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "mistral": ("Mistral", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "mixtral": ("Mixtral", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock "
+                           "TopKRouter"),
+    "modernbert-decoder": ("ModernBertDecoder", "Attention Embeddings ForCausalLM Layer MLP Model PredictionHead "
+                                                "RotaryEmbedding"),
+    "nanochat": ("NanoChat", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "nemotron": ("Nemotron", "Attention DecoderLayer ForCausalLM LayerNorm1P MLP Model RotaryEmbedding"),
+    "olmo": ("Olmo", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
+    "olmo2": ("Olmo2", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "olmo3": ("Olmo3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "olmoe": ("Olmoe", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock "
+                       "TopKRouter"),
+    "persimmon": ("Persimmon", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+    "phi": ("Phi", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+    "phi3": ("Phi3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "qwen2": ("Qwen2", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "qwen2_moe": ("Qwen2Moe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
+                              "SparseMoeBlock TopKRouter"),
+    "qwen3": ("Qwen3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "qwen3_moe": ("Qwen3Moe", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding "
+                              "SparseMoeBlock TopKRouter"),
+    "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding "
+                              "TopkRouter"),
+    "smollm3": ("SmolLM3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "solar_open": ("SolarOpen", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding "
+                                "TopkRouter"),
+    "starcoder2": ("Starcoder2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+}
+
+# torch modules that act on each token on its own (containers hold modules that are checked themselves)
+TOKENWISE_TORCH = (torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList, torch.nn.ModuleDict,
+                   torch.nn.Sequential, torch.nn.Identity, torch.nn.Dropout, torch.nn.LayerNorm, torch.nn.RMSNorm,
+                   torch.nn.SiLU, torch.nn.GELU, torch.nn.ReLU, torch.nn.Sigmoid, torch.nn.Tanh)
+TOKENWISE_MODULES = ("transformers.activations",)   # elementwise activation functions
+TOKENWISE_CONV1D = ("Conv1D", "transformers.pytorch_utils")   # GPT-2's linear layer, despite its name
+
+# the layer kinds of `config.layer_types` that are attention the engine computes exactly
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# what a module that mixes tokens outside the attention function is, by its class name (for the message:
+# the allow-list refuses them whether or not a pattern matches)
+_MIXERS = ((re.compile(r"Mamba|Mixer|SSM|Ssm"), "a state-space (Mamba) layer"),
+           (re.compile(r"DeltaNet|LinearAttention|Lightning|DeltaAttention|LinearAttn"), "linear attention"),
+           (re.compile(r"ShortConv|CausalConv"), "a token-mixing convolution"),
+           (re.compile(r"Rglru|Recurrent|LSTM|Rwkv|RWKV"), "a recurrence"))
+
+# classes named like a mixer that hold one (a Mamba decoder layer) or act per token (a gated RMSNorm)
+_CONTAINER = re.compile(r"Norm|ForCausalLM$|Model$|Layer$|Block$|Embedding")
+
+# keyword arguments of the attention function: implemented by `hybrid_cp_attention_forward` ...
+IMPLEMENTED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "cu_seq_lens_q",
+                                "cu_seq_lens_k", "max_length_q", "max_length_k"})
+# ... or with no effect on the attention output (position_ids: the model applied them before the call;
+# the forward pre-hook checks them). The falsy-only ones change what the model returns when true.
+NEUTRAL_KWARGS = frozenset({"position_ids"})
+NEUTRAL_WHEN_FALSE_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits"})
+
+_WHAT_TO_DO = ("train it without context parallelism, or use a family in "
+               "hybrid_cp.integrations.model_support.VERIFIED_FAMILIES (README, 'Supported model families')")
+
+
+def _own_class(module: torch.nn.Module) -> type:
+    """The module's class as the model defined it (FSDP2's `fully_shard` swaps in a subclass FSDP<Name>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _tokenwise(cls: type) -> bool:
+    return (cls in TOKENWISE_TORCH or cls.__module__ in TOKENWISE_MODULES
+            or (cls.__name__, cls.__module__) == TOKENWISE_CONV1D)
+
+
+def _mixer_kind(cls: type) -> str | None:
+    if issubclass(cls, torch.nn.Conv1d):
+        return "a token-mixing convolution"
+    if issubclass(cls, torch.nn.modules.conv._ConvNd) or _CONTAINER.search(cls.__name__):
+        return None   # image convolutions (vision towers), containers, norms: refused as unverified
+    return next((kind for pattern, kind in _MIXERS if pattern.search(cls.__name__)), None)
+
+
+def _configs(config: Any) -> list[tuple[str, Any]]:
+    """(prefix, config) for the model's config and its sub-configs (e.g. a text config), for messages."""
+    out = [("config", config)]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            out.append((f"config.{key}", sub))
+    return out
+
+
+class _PerLayer(Exception):
+    """A config field that has no single value (transformers' heterogeneous per-layer configs)."""
+
+
+def _field(cfg: Any, name: str, default: Any = None) -> Any:
+    try:
+        return getattr(cfg, name, default)
+    except AttributeError:
+        return default
+    except Exception as exc:  # e.g. AmbiguousGlobalPerLayerAttributeError
+        raise _PerLayer(f"{name} ({type(exc).__name__})") from exc
+
+
+def _config_refusals(config: Any) -> list[str]:
+    """Settings that change what attention computes in ways the engine does not implement, or that make
+    the model's outputs depend on the whole sequence; each entry names the field and the fix."""
+    found = []
+    for where, cfg in _configs(config):
+        try:
+            found += _settings_refused(where, cfg)
+        except _PerLayer as exc:
+            found.append(f"{where}.{exc} varies per layer; per-layer configurations are not verified under context "
+                         f"parallelism: {_WHAT_TO_DO}")
+    return found
+
+
+def _settings_refused(where: str, cfg: Any) -> list[str]:
+    found = []
+    drop = _field(cfg, "attention_dropout", 0.0) or 0.0
+    if drop > 0:
+        found.append(f"{where}.attention_dropout={drop}: set it to 0.0 for context-parallel training")
+    cap = _field(cfg, "attn_logit_softcapping")
+    if cap is not None:
+        found.append(f"{where}.attn_logit_softcapping={cap} (attention logit soft-capping) is not implemented "
+                     f"under context parallelism; set it to None or {_WHAT_TO_DO}")
+    chunk = _field(cfg, "attention_chunk_size")
+    if chunk is not None:
+        found.append(f"{where}.attention_chunk_size={chunk} (chunked attention) is not implemented under "
+                     f"context parallelism; {_WHAT_TO_DO}")
+    lora = _field(cfg, "kv_lora_rank")
+    if lora is not None:
+        found.append(f"{where}.kv_lora_rank={lora} (multi-head latent attention, value head dim "
+                     f"v_head_dim={_field(cfg, 'v_head_dim')} unlike the query/key head dim) is not implemented "
+                     f"under context parallelism; {_WHAT_TO_DO}")
+    if _field(cfg, "output_router_logits", False):
+        found.append(f"{where}.output_router_logits=True: the MoE router's auxiliary loss would be computed "
+                     f"per rank on its shard, not over the sequence; set it to False")
+    if _field(cfg, "is_encoder_decoder", False):
+        found.append(f"{where}.is_encoder_decoder=True: only decoder-only causal LMs are supported")
+    kinds = _field(cfg, "layer_types") or []
+    other = [(i, t) for i, t in enumerate(kinds) if t not in ATTENTION_LAYER_TYPES]
+    if other:
+        i, t = other[0]
+        found.append(f"{where}.layer_types[{i}]={t!r} ({len(other)} of {len(kinds)} layers are not "
+                     f"{' or '.join(ATTENTION_LAYER_TYPES)}): such layers mix tokens outside the attention "
+                     f"function, and each rank would run them over its own shard only; {_WHAT_TO_DO}")
+    return found
+
+
+def _module_refusals(model: torch.nn.Module, verified: set[str]) -> tuple[list[str], list[str], list[str]]:
+    """(sequence mixers, modules with attention sinks, other modules outside the allow-list), as
+    'name (Class)'; a mixer is named at its outermost level (the Mamba mixer, not its convolution)."""
+    mixers, sinks, unverified = {}, [], []
+    for name, module in model.named_modules():
+        cls = _own_class(module)
+        where = f"{name or '<model>'} ({cls.__name__})"
+        if any(n in ("sinks", "s_aux") for n, _ in module.named_parameters(recurse=False)):
+            sinks.append(where)
+        if _tokenwise(cls) or cls.__name__ in verified:
+            continue
+        kind = _mixer_kind(cls)
+        if kind:
+            mixers[name] = f"{where} is {kind}"
+        else:
+            unverified.append(where)
+    outer = [text for name, text in mixers.items() if not any(name.startswith(f"{other}.") for other in mixers)]
+    return outer, sinks, unverified
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise ConfigError unless every module of `model` is verified exact under context parallelism.
+
+    Local (no collective), so every rank raises the same error in `apply_context_parallel`.
+    """
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    family = VERIFIED_FAMILIES.get(model_type)
+    verified = set() if family is None else {family[0] + rest for rest in family[1].split()}
+    mixers, sinks, unverified = _module_refusals(model, verified)
+    reasons = []
+    if mixers:
+        more = f" (and {len(mixers) - 1} more such modules)" if len(mixers) > 1 else ""
+        reasons.append(f"module {mixers[0]}{more}: it mixes tokens along the sequence outside the attention "
+                       f"function that hybrid-cp replaces, so under context parallelism each rank would run it over "
+                       f"its own shard as if it were the whole sequence (silently wrong gradients); {_WHAT_TO_DO}")
+    if sinks:
+        reasons.append(f"module {sinks[0]} has attention sinks (a learned logit per head in every softmax), which "
+                       f"are not implemented under context parallelism; {_WHAT_TO_DO}")
+    if not getattr(type(model), "_supports_attention_backend", True):
+        reasons.append(f"{type(model).__name__} does not dispatch attention through transformers' attention "
+                       f"registry (_supports_attention_backend=False), so hybrid-cp cannot replace its attention; "
+                       f"{_WHAT_TO_DO}")
+    reasons += _config_refusals(config)
+    if not reasons and family is None:
+        reasons.append(f"this model family has not been verified exact under context parallelism (every module "
+                       f"other than the attention function must act token by token, and each verified family "
+                       f"has a parity test against the single-process model): {_WHAT_TO_DO}")
+    if not reasons and unverified:
+        reasons.append(f"module {unverified[0]} is not among the modules model_type {model_type!r} was verified "
+                       f"with ({len(unverified)} such modules) and may mix tokens along the sequence: {_WHAT_TO_DO}")
+    if reasons:
+        raise ConfigError(f"apply_context_parallel refuses {type(model).__name__} (config.model_type={model_type!r}): "
+                          + "; also ".join(reasons))
+
+
+def check_attention_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise ConfigError for a keyword argument of the attention call that hybrid-cp does not implement
+    and that could change the result (anything not None, outside the known-neutral set)."""
+    for name, value in kwargs.items():
+        if value is None or name in IMPLEMENTED_KWARGS or name in NEUTRAL_KWARGS:
+            continue
+        if name in NEUTRAL_WHEN_FALSE_KWARGS and not value:
+            continue
+        shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        hint = {"softcap": " (attention logit soft-capping, config.attn_logit_softcapping)",
+                "s_aux": " (attention sinks)", "sinks": " (attention sinks)"}.get(name, "")
+        raise ConfigError(f"{type(module).__name__} passed {name}={shown}{hint} to the attention function; "
+                          f"hybrid-cp's attention does not implement it, and running without it would compute "
+                          f"something else. Remove the option, or {_WHAT_TO_DO}")
+
+
+__all__ = ["VERIFIED_FAMILIES", "check_model", "check_attention_kwargs"]

@@ -1,0 +1,115 @@
+"""Tiny random configurations of any transformers causal-LM family, and the walk over all of them.
+
+`walk()` builds every causal-LM model type the installed transformers ships (tiny, on the meta device:
+building is free) and asks `apply_context_parallel` about each; the test-suite asserts that it accepts
+exactly the verified families, whose parity tests train `tiny_model(...)` for real;
+`benchmarks/model_families.py` prints the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+VOCAB = 256
+# every size field a config may have, set to a tiny value when the config has it
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, moe_intermediate_size=32,
+            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            attention_dropout=0.0, tie_word_embeddings=False)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type the installed transformers maps to a causal-LM class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str, **overrides):
+    """The family's default configuration with every size field it has made tiny, token ids inside the
+    tiny vocabulary. Raises whatever transformers raises when the family rejects the tiny sizes."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(model_type)
+    kwargs = {k: v for k, v in TINY.items() if hasattr(base, k)}
+    for i, name in enumerate(_TOKEN_IDS):
+        value = getattr(base, name, None)
+        if isinstance(value, int) and value >= VOCAB:
+            kwargs[name] = VOCAB - 1 - i
+        elif isinstance(value, list):
+            kwargs[name] = [min(x, VOCAB - 8) for x in value]
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def walk_config(model_type: str):
+    """The tiniest configuration of the family that builds: tiny sizes, else tiny widths at the family's
+    own depth (some fix the layer pattern's length), else the defaults (the walk builds on meta)."""
+    from transformers import AutoConfig
+
+    for attempt in (lambda: tiny_config(model_type),
+                    lambda: tiny_config(model_type, num_hidden_layers=AutoConfig.for_model(model_type).num_hidden_layers),
+                    lambda: AutoConfig.for_model(model_type)):
+        try:
+            config = attempt()
+            build(config, "meta")
+            return config
+        except Exception as exc:  # the family rejects these sizes (or needs a package not installed)
+            error = exc
+    raise error
+
+
+def build(config, device: str | torch.device = "cpu", seed: int = 0):
+    """`AutoModelForCausalLM.from_config` in fp32, training mode; quiet about the family's warnings."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.device(device):
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    finally:
+        logger.setLevel(level)
+    return model.float().train()
+
+
+def tiny_model(model_type: str, device: str | torch.device = "cpu", seed: int = 0, **overrides):
+    return build(tiny_config(model_type, **overrides), device, seed)
+
+
+def parameter_count(config) -> int:
+    """Parameters of the model `config` builds, counted on the meta device (nothing allocated)."""
+    return sum(p.numel() for p in build(config, "meta").parameters())
+
+
+def walk() -> dict[str, tuple[str, str]]:
+    """model_type -> ("exact", ""), ("refused", the guard's message) or ("not built", why), for every
+    causal-LM family of the installed transformers, asked of `apply_context_parallel` on a
+    ulysses=2 x ring=2 mesh description (no process groups: the guard starts no collective)."""
+    from ..errors import ConfigError
+    from ..integrations.transformers import apply_context_parallel
+    from ..mesh import CPMesh
+
+    cp = CPMesh(ulysses_size=2, ring_size=2, dp_size=1, layout="zigzag", device=torch.device("cpu"),
+                device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
+                ulysses_rank=0, ring_rank=0, dp_rank=0)
+    rows = {}
+    for model_type in causal_lm_types():
+        try:
+            model = build(walk_config(model_type), "meta")
+        except Exception as exc:  # the family needs other sizes or a package not installed here
+            rows[model_type] = ("not built", f"{type(exc).__name__}: {exc}".splitlines()[0])
+            continue
+        try:
+            apply_context_parallel(model, cp)
+            rows[model_type] = ("exact", "")
+        except ConfigError as exc:
+            rows[model_type] = ("refused", str(exc))
+    return rows

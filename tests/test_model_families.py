@@ -1,0 +1,113 @@
+"""Every causal-LM family of the installed transformers either trains exactly under context parallelism
+(a parity test below for each verified family) or is refused by `apply_context_parallel` with the
+guard's error, on every rank and before any collective."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hybrid_cp.errors import ConfigError  # noqa: E402
+from hybrid_cp.testing import families  # noqa: E402
+from hybrid_cp.integrations.model_support import VERIFIED_FAMILIES, check_model  # noqa: E402
+from hybrid_cp.integrations.transformers import apply_context_parallel  # noqa: E402
+from test_training import _fake_mesh  # noqa: E402
+
+GUARD = "apply_context_parallel refuses"
+TOL = 1e-5
+
+
+@functools.lru_cache(maxsize=1)
+def walk() -> dict[str, tuple[str, str]]:
+    return families.walk()
+
+
+def test_walk_accepts_exactly_the_verified_families():
+    rows = walk()
+    accepted = {t for t, (status, _) in rows.items() if status == "exact"}
+    verified = set(VERIFIED_FAMILIES) & set(rows)   # an older transformers may not have every verified family
+    assert accepted == verified, accepted ^ verified
+    refused = {t: msg for t, (status, msg) in rows.items() if status == "refused"}
+    assert all(msg.startswith(GUARD) for msg in refused.values()), refused
+    # most of what transformers ships builds here; the rest need packages or sizes the walk does not guess
+    assert len(accepted) + len(refused) >= 0.9 * len(rows), [t for t, (s, _) in rows.items() if s == "not built"]
+
+
+# the families that trained silently wrong before the guard, and the gpt-oss / Gemma 2 / DeepSeek-V3 refusals,
+# with what the message must name (module or config field)
+REFUSED = [
+    ("llama4_text", {}, "attention_chunk_size"),
+    ("qwen3_next", {}, "Qwen3NextGatedDeltaNet"),
+    ("qwen3_5_text", {}, "Qwen3_5GatedDeltaNet"),
+    ("falcon_h1", {}, "FalconH1Mixer"),
+    ("nemotron_h", {}, "NemotronHMamba2Mixer"),
+    ("bamba", {}, "BambaMixer"),
+    ("jamba", {}, "JambaMambaMixer"),
+    ("lfm2", {"layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
+    ("minimax", {}, "MiniMaxLightningAttention"),
+    ("kimi_linear", {}, "KimiLinearDeltaAttention"),
+    ("mamba", {}, "MambaMixer"),
+    ("gpt_oss", {}, "attention sinks"),
+    ("gemma2", {}, "attn_logit_softcapping"),
+    ("deepseek_v3", {}, "kv_lora_rank"),
+    ("bloom", {}, "attention registry"),
+    ("mixtral", {"output_router_logits": True}, "output_router_logits"),
+    ("llama", {"attention_dropout": 0.1}, "attention_dropout"),
+]
+
+
+@pytest.mark.parametrize("model_type,overrides,named", REFUSED, ids=[r[0] for r in REFUSED])
+def test_refusal_names_the_module_or_field(model_type, overrides, named):
+    model = families.build(families.tiny_config(model_type, **overrides), "meta")
+    with pytest.raises(ConfigError, match=GUARD) as info:
+        apply_context_parallel(model, _fake_mesh(2, 2, 0))
+    assert named in str(info.value), str(info.value)
+    assert "without context parallelism" in str(info.value) or "set it to" in str(info.value)
+
+
+def test_a_verified_family_with_an_unverified_module_is_refused():
+    """The allow-list is per module: a convolution or an unknown module added to a Llama is refused."""
+    model = families.tiny_model("llama", device="meta")
+    check_model(model)
+    model.model.layers[0].add_module("conv", torch.nn.Conv1d(4, 4, 3))
+    with pytest.raises(ConfigError, match="model.layers.0.conv .Conv1d. is a token-mixing convolution"):
+        check_model(model)
+
+    class Shift(torch.nn.Module):
+        pass
+
+    model = families.tiny_model("llama", device="meta")
+    model.model.layers[1].mlp.add_module("shift", Shift())
+    with pytest.raises(ConfigError, match="model.layers.1.mlp.shift .Shift. is not among the modules"):
+        check_model(model)
+
+
+def _window(model_type: str) -> dict:
+    """A window much shorter than the test sequence for families that have sliding-window layers."""
+    return {"sliding_window": 16} if getattr(families.tiny_config(model_type), "sliding_window", None) else {}
+
+
+@pytest.mark.parametrize("model_type", sorted(VERIFIED_FAMILIES))
+def test_verified_family_matches_single_process(pool, model_type):
+    if model_type not in walk():
+        pytest.skip(f"model_type {model_type!r} is not in the installed transformers")
+    rows = pool.run("train_cases:model_parity", u=2, r=2, kind=model_type, hkv=2, s=100, pad=True,
+                    config=_window(model_type), generic=True)
+    for rank, row in enumerate(rows):
+        assert not row["missing"], row
+        for key in ("logits", "loss"):
+            assert row[key] <= TOL, (model_type, rank, key, row)
+        assert row["grad"] <= 10 * TOL, (model_type, rank, row)
+
+
+def test_refused_families_raise_on_every_rank_before_any_collective(pool):
+    types = ["qwen3_next", "llama4_text", "gpt_oss", "falcon_h1"]
+    for row in pool.run("train_cases:guard_on_every_rank", model_types=types):
+        assert row["collectives"] == 0, row
+        for model_type in types:
+            assert row[model_type].startswith(GUARD), (model_type, row[model_type])
+        assert row["after_fsdp"] == "accepted", row
