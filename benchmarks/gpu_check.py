@@ -17,7 +17,7 @@ failing kernel is recorded per kernel, so the rest of the run goes on):
    full (n x n). FLOPs 4*B*H*Sq*Sk*D (half if causal), backward 2.5x; CUDA events after warm-up;
    best and median.
 4. schedule: a ring rank's r blocks of 32K keys run back to back against 32K queries with the
-   engine's merge (hybrid_cp.ring.merge_; backward: merged out/lse, fp32 dq/dk/dv accumulation),
+   engine's merge (hybrid_cp.kernels.merge.merge_; backward: merged out/lse, fp32 dq/dk/dv accumulation),
    versus one call over the same r*32K keys. Efficiency = fused time / ring time (limit 1.0).
 5. engine: hcp.attention (backend="auto") on a one-rank NCCL mesh, forward + backward, against
    fp64 math.
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid_cp import kernels as K  # noqa: E402
-from hybrid_cp.ring import merge_  # noqa: E402
+from hybrid_cp.kernels.merge import merge_  # noqa: E402
 
 KERNELS = [n for n in K.CUDA_AUTO_ORDER if n != "math"]
 
@@ -148,14 +148,14 @@ def env(res: dict, ctx: Ctx) -> None:
         except Exception as exc:
             info[label] = f"not importable ({_err(exc)})"
     d = ctx.heads[2]
-    info["supports_bf16"] = {n: K._REGISTRY[n].supports(ctx.dev, torch.bfloat16, d) or "yes"
+    info["supports_bf16"] = {n: K.registered_kernels()[n].supports(ctx.dev, torch.bfloat16, d) or "yes"
                              for n in K.CUDA_AUTO_ORDER}
     try:
         info["auto_bf16"] = K.get_kernel("auto", ctx.dev, torch.bfloat16, d).name
     except Exception as exc:
         info["auto_bf16"] = _err(exc)
     info["self_tests"] = {f"{k[0]} {k[2]} D={k[3]}": ("passed" if v is None else _err(v))
-                          for k, v in K._SELF_TESTS.items()}
+                          for k, v in K.self_test_results().items()}
     res["env"] = info
     print(json.dumps(info, indent=1, default=str), flush=True)
 

@@ -32,6 +32,7 @@ from topology.layouts import Layout, Step
 
 from .comm import RingExchange, acc_dtype, count
 from .heads import HeadMap
+from .kernels.merge import merge_, merge_rows_  # merge_: hybrid_cp.cli.measure imports it from here
 from .kernels.varlen import remember_host
 
 if TYPE_CHECKING:
@@ -128,31 +129,6 @@ def _take(x: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
     return x[(slice(None),) * dim + (rows,)] if isinstance(rows, slice) else x.index_select(dim, rows)
 
 
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Online-softmax merge of a block's (out, lse) into the running fp32 (out, lse), in place.
-
-    out [B, S, H, D], lse [B, H, S]. Rows that have seen no key (lse = -inf on both sides) stay
-    at out = 0, lse = -inf instead of becoming NaN.
-    """
-    new = torch.logaddexp(lse, block_lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(block_out.to(out.dtype) * w_new)
-    lse.copy_(new)
-
-
-def _merge_rows_(out: torch.Tensor, lse: torch.Tensor, rows: Rows, block_out: torch.Tensor,
-                 block_lse: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
-        return
-    o, l = out.index_select(1, rows), lse.index_select(2, rows)
-    merge_(o, l, block_out, block_lse)
-    out.index_copy_(1, rows, o)
-    lse.index_copy_(2, rows, l)
-
-
 def _add_rows_(target: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
     if isinstance(rows, slice):
         target[:, rows].add_(value)
@@ -200,7 +176,7 @@ def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: to
             kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
             o_b, lse_b = kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
                                         **task.kernel_kwargs())
-            _merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
+            merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
 
     if plan.halo:
         works, halo = _halo_fetch(cp, plan, torch.stack([k, v]))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hybrid_cp.kernels as kernels
-from hybrid_cp.kernels import cudnn, fa4, flash, torch_flash
+from hybrid_cp.kernels import cudnn, fa4, flash, registry, selftest, torch_flash
 from hybrid_cp.kernels.math import MathKernel
 from test_flash_adapter import _varlen
 
@@ -481,9 +481,9 @@ def test_auto_on_cuda_picks_tests_once_caches_and_logs_once(monkeypatch, caplog)
              "flash": _Fake("flash", "flash-attn is not installed"), "cudnn": _Fake("cudnn"),
              "torch-flash": _Fake("torch-flash"), "sdpa": _Fake("sdpa"), "math": MathKernel()}
     for name, kern in fakes.items():
-        monkeypatch.setitem(kernels._REGISTRY, name, kern)
-    monkeypatch.setattr(kernels, "_AUTO", {})
-    monkeypatch.setattr(kernels, "_SELF_TESTS", {})
+        monkeypatch.setitem(registry._REGISTRY, name, kern)
+    monkeypatch.setattr(registry, "_AUTO", {})
+    monkeypatch.setattr(selftest, "_SELF_TESTS", {})
     probed = []
 
     def fake_self_test(kernel, device, dtype, head_dim):
@@ -491,7 +491,7 @@ def test_auto_on_cuda_picks_tests_once_caches_and_logs_once(monkeypatch, caplog)
         if kernel.name == "cudnn":
             raise AssertionError("merged split blocks: dq relative error 4.1e-01 > 3e-02")
 
-    monkeypatch.setattr(kernels, "self_test", fake_self_test)
+    monkeypatch.setattr(selftest, "self_test", fake_self_test)
     caplog.set_level(logging.INFO, logger="hybrid_cp")
     for _ in range(3):
         assert kernels.get_kernel("auto", CUDA, torch.bfloat16, 128).name == "torch-flash"
@@ -503,7 +503,7 @@ def test_auto_on_cuda_picks_tests_once_caches_and_logs_once(monkeypatch, caplog)
     assert "cudnn: self-test failed: AssertionError: merged split blocks" in msg
     # a window call skips kernels without the keyword; self-tests are not rerun
     fakes["torch-flash"].forward = lambda q, k, v, *, causal, scale: None
-    monkeypatch.setattr(kernels, "_AUTO", {})
+    monkeypatch.setattr(registry, "_AUTO", {})
     assert kernels.get_kernel("auto", CUDA, torch.bfloat16, 128, needs=("window",)).name == "sdpa"
     assert [p[0] for p in probed] == ["cudnn", "torch-flash", "sdpa"]
     # another dtype is another choice; the math kernel (the reference) is not self-tested, and

@@ -8,7 +8,7 @@ import torch
 import hybrid_cp as hcp
 from dist_cases import reference
 from hybrid_cp.kernels import MathKernel, SDPAKernel, get_kernel
-from hybrid_cp.ring import merge_
+from hybrid_cp.kernels.merge import merge_
 
 
 def test_mesh_validation_and_plan(pool):

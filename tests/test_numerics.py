@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import hybrid_cp as hcp
 from hybrid_cp.kernels import get_kernel
 from hybrid_cp.mesh import CPMesh
-from hybrid_cp.ring import merge_
+from hybrid_cp.kernels.merge import merge_
 
 MATH = get_kernel("math", torch.device("cpu"), torch.float64, 8)
 

@@ -26,3 +26,13 @@ def capability(device: torch.device) -> tuple[int, int]:
 def aten_op(name: str):
     """Resolved at call time so the tests can stand in CPU fakes for the CUDA-only operators."""
     return getattr(torch.ops.aten, name)
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of `device` (the current device when it has none): a key of per-GPU choices."""
+    if device.index is not None:
+        return device.index
+    try:
+        return torch.cuda.current_device()
+    except Exception:  # a CPU-only build (tests use explicit indices)
+        return 0
