@@ -1,4 +1,4 @@
-"""Measured rates of one machine or cluster, and how they are fitted from timings.
+"""How a machine's rates are measured and fitted (the fitted data lives in :mod:`topology.rates`).
 
 `hybrid-cp calibrate` times the engine's own pieces on every rank (see ``hybrid_cp.bench``): the
 attention kernel at the block shapes ring steps use, the online-softmax merge, the all-to-all inside
@@ -6,9 +6,11 @@ every candidate ulysses group (all groups at once, and one alone), the ring-neig
 rank at once, and one pair alone), a transfer posted around a kernel call (overlap), and the whole
 engine with a kernel that does no arithmetic (fixed costs per call and per ring step, and the
 engine's own packing copies). :func:`collect` asks a :class:`RateSource` for those timings in a fixed
-order and :func:`fit` turns them into a :class:`Calibration`, which a :class:`~topology.Cluster`
-carries in its ``calibration`` field and :func:`topology.estimate` prices with (docs/planner.md,
-section 4, "calibrated terms").
+order and :func:`fit` turns them into a :class:`~topology.rates.Calibration`, which a
+:class:`~topology.Cluster` carries in its ``calibration`` field and :func:`topology.estimate` prices
+with (docs/planner.md, section 4, "calibrated terms"). The fit uses the cost model's own pricing of
+the parts it measured separately (:func:`topology.cost.engine_known_s`), so this module sits above
+the cost model; the data classes sit below the cluster, which stores them.
 
 This module is torch-free: the real rate source lives in ``hybrid_cp.bench``; tests feed a fake,
 deterministic one and check that the fit returns exactly the rates it was fed.
@@ -20,169 +22,16 @@ import math
 import time
 from typing import Any, Callable, Iterable, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import Field
+
+from .cost import engine_known_s
+from .placement import divisors
+from .rates import PROBE, A2AFit, Calibration, KernelFit, LinkFit, StrictModel, kernel_flops, merge_fwd_bytes
+from .units import dtype_bytes
 
 __all__ = ["KernelFit", "LinkFit", "A2AFit", "Calibration", "RateSource", "CalibrationSpec", "collect", "fit",
            "kernel_flops", "default_spec", "kernel_grid", "heads_per_call", "PROBE"]
-
-ATTN_BWD_FACTOR = 2.5  # same convention as topology.cost: backward = 2.5x forward FLOPs
-_E = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class KernelFit(_Strict):
-    """One attention kernel's time per call:
-    ``call_overhead + head_call_overhead H + io (Tq + Tk) H D + F (1 + tile / Tq) / rate``.
-
-    ``F`` counts useful FLOPs (``4 Tq Tk D H``, half for a causal square block, 2.5x for backward).
-    ``causal_tile_tokens`` is the extra work a causal block does on its diagonal tiles (a tiled kernel
-    computes whole tiles, so a T x T causal block costs ``T (T + tile) / 2`` entries, not ``T^2 / 2``);
-    together with the per-call overhead it is the kernel's efficiency as a function of block size.
-    ``head_call_overhead_us`` makes it a function of the query heads per call too: a ulysses degree u
-    hands the kernel H/u heads (and H_kv/u KV heads it expands to them), and the candidate splits of one
-    model trade heads for block length, so a cost paid per head and call weighs on u=1's many-head short
-    blocks and vanishes on u=H's one long block. A per-head factor on the rate was tried first; it
-    over-penalized many-head calls of longer blocks (docs/planner.md, section 4.1).
-    """
-
-    backend: str
-    dtype: str
-    causal: bool
-    direction: Literal["fwd", "bwd"]
-    tflops: float = Field(gt=0, description="asymptotic rate, TFLOP/s, with every rank computing at once")
-    call_overhead_us: float = Field(ge=0)
-    head_call_overhead_us: float = Field(default=0.0, ge=0, description="per query head per call")
-    causal_tile_tokens: float = Field(default=0.0, ge=0)
-    io_ns_per_elem: float = Field(default=0.0, ge=0, description="per element of q and k/v rows x heads x D "
-                                  "(loads, GQA expansion): what makes short blocks memory-bound")
-    samples: int = 0
-    rms_rel_error: float = 0.0
-
-    def seconds(self, tq: int, tk: int, heads: int, head_dim: int) -> float:
-        """Predicted time of one call on a (tq x tk) block with ``heads`` query heads."""
-        f = kernel_flops(tq, tk, heads, head_dim, self.causal, self.direction)
-        tile = self.causal_tile_tokens / tq if self.causal else 0.0
-        io = (tq + tk) * heads * head_dim * self.io_ns_per_elem * 1e-9
-        fixed = (self.call_overhead_us + self.head_call_overhead_us * heads) * 1e-6
-        return fixed + io + f * (1.0 + tile) / (self.tflops * 1e12)
-
-    def efficiency(self, tq: int, tk: int, heads: int, head_dim: int) -> float:
-        """Fraction of the asymptotic rate this block shape and head count reach."""
-        f = kernel_flops(tq, tk, heads, head_dim, self.causal, self.direction)
-        return f / (self.tflops * 1e12) / self.seconds(tq, tk, heads, head_dim)
-
-
-class LinkFit(_Strict):
-    """``latency + bytes / bandwidth``, fitted from timed transfers of several sizes."""
-
-    bandwidth_gb_s: float = Field(gt=0)
-    latency_us: float = Field(ge=0)
-
-    def seconds(self, nbytes: float) -> float:
-        return 0.0 if nbytes <= 0 else self.latency_us * 1e-6 + nbytes / (self.bandwidth_gb_s * 1e9)
-
-
-class A2AFit(_Strict):
-    """One all-to-all of a ulysses group of ``ulysses`` ranks while ``groups`` groups exchange at once;
-    ``bytes`` are what one rank sends to the others. ``alone`` is the same with one group only."""
-
-    ulysses: int = Field(ge=2)
-    groups: int = Field(ge=1)
-    link: LinkFit
-    alone: LinkFit | None = None
-
-    @property
-    def contention(self) -> float:
-        """Bandwidth of one group alone over bandwidth with every group exchanging (1 = none)."""
-        return 1.0 if self.alone is None else self.alone.bandwidth_gb_s / self.link.bandwidth_gb_s
-
-
-class Calibration(_Strict):
-    """What `hybrid-cp calibrate` measured, in the units the cost model prices with."""
-
-    world: int = Field(ge=1, description="ranks that were measured together")
-    backend: str = Field(description="torch.distributed backend (gloo or nccl)")
-    device: str = "cpu"
-    kernel: str = Field(description="the kernel `auto` resolves to; priced when the user does not say")
-    dtype: str = Field(description="dtype the merge/engine figures were measured in")
-    head_dim: int = 64
-    kernels: list[KernelFit] = Field(default_factory=list)
-    merge: LinkFit | None = Field(default=None, description="ring.merge_ by bytes moved (block out + fp32 running out)")
-    step_overhead_us: float = Field(default=0.0, ge=0, description="fixed cost per ring step unit (fwd 1, bwd 2)")
-    call_overhead_us: float = Field(default=0.0, ge=0, description="fixed cost per attention fwd+bwd call")
-    copy_gb_s: float | None = Field(default=None, gt=0, description="engine packing copies, per byte sent")
-    a2a: list[A2AFit] = Field(default_factory=list)
-    p2p: LinkFit | None = Field(default=None, description="ring-neighbour exchange, every rank at once")
-    p2p_alone: LinkFit | None = None
-    overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a ring transfer a kernel call hides")
-    not_measured: list[str] = Field(default_factory=list)
-    seconds: float = Field(default=0.0, ge=0, description="how long the calibration took, starting the ranks included")
-    startup_s: float = Field(default=0.0, ge=0, description="of which starting and joining the ranks")
-    stage_seconds: dict[str, float] = Field(default_factory=dict, description="measurement time of each stage")
-    load: list[float] = Field(default_factory=list, description="1/5/15-min load average when it ran")
-    probe_s: float | None = Field(
-        default=None, gt=0, description="time of the reference kernel call (PROBE) with every rank computing, "
-        "mean of the start and the end of the calibration: the machine's share per rank when it was calibrated")
-
-    @property
-    def p2p_contention(self) -> float:
-        """Neighbour-exchange bandwidth of one pair alone over that with every rank sending."""
-        if self.p2p is None or self.p2p_alone is None:
-            return 1.0
-        return self.p2p_alone.bandwidth_gb_s / self.p2p.bandwidth_gb_s
-
-    def kernel_fit(self, causal: bool, direction: str, dtype: str | None = None,
-                   backend: str | None = None) -> KernelFit | None:
-        """The fit for this kernel call, falling back to the calibration's own kernel and dtype."""
-        for want_b, want_d in ((backend or self.kernel, dtype or self.dtype), (self.kernel, self.dtype)):
-            for k in self.kernels:
-                if (k.backend, k.dtype, k.causal, k.direction) == (want_b, want_d, causal, direction):
-                    return k
-        return None
-
-    def a2a_fit(self, ulysses: int) -> A2AFit | None:
-        for a in self.a2a:
-            if a.ulysses == ulysses:
-                return a
-        return None
-
-    def summary(self) -> str:
-        """A few lines for the CLI."""
-        stages = ", ".join(f"{k} {v:.1f}" for k, v in self.stage_seconds.items())
-        lines = [f"calibration: {self.world} {self.backend} ranks on {self.device}, kernel {self.kernel} "
-                 f"{self.dtype}, {self.seconds:.0f} s ({self.startup_s:.0f} s starting the ranks"
-                 + (f"; measuring: {stages} s" if stages else "") + ")"]
-        for k in self.kernels:
-            lines.append(f"  kernel {k.backend} {k.dtype} {'causal' if k.causal else 'full  '} {k.direction}: "
-                         f"{k.tflops * 1e3:8.2f} GFLOP/s per rank, {k.call_overhead_us:7.0f} us per call + "
-                         f"{k.head_call_overhead_us:5.0f} us per head, causal tile {k.causal_tile_tokens:5.0f} tokens, "
-                         f"io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)")
-        if self.merge:
-            lines.append(f"  merge: {self.merge.bandwidth_gb_s:.2f} GB/s, {self.merge.latency_us:.0f} us")
-        lines.append(f"  per ring step {self.step_overhead_us:.0f} us, per call {self.call_overhead_us:.0f} us, "
-                     "packing copies " + (f"{self.copy_gb_s:.2f} GB/s" if self.copy_gb_s else "too fast to separate (0 s)")
-                     + f", overlap {self.overlap:.2f}")
-        for a in self.a2a:
-            lines.append(f"  all-to-all u={a.ulysses} ({a.groups} groups at once): {a.link.bandwidth_gb_s:.2f} GB/s, "
-                         f"{a.link.latency_us:.0f} us; contention x{a.contention:.2f}")
-        if self.p2p:
-            lines.append(f"  ring p2p (all ranks at once): {self.p2p.bandwidth_gb_s:.2f} GB/s, {self.p2p.latency_us:.0f} us; "
-                         f"contention x{self.p2p_contention:.2f}")
-        for item in self.not_measured:
-            lines.append(f"  not measured: {item}")
-        return "\n".join(lines)
-
-
-PROBE = (1024, 1024, 2, 1, True)  # (Tq, Tk, heads, kv heads, causal): the reference kernel call, forward
-
-
-def kernel_flops(tq: int, tk: int, heads: int, head_dim: int, causal: bool, direction: str) -> float:
-    """Useful FLOPs of one kernel call (the cost model's convention)."""
-    f = 4.0 * tq * tk * head_dim * heads * (0.5 if causal else 1.0)
-    return f * (ATTN_BWD_FACTOR if direction == "bwd" else 1.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,10 +87,10 @@ def kernel_grid(head_counts: Iterable[int], lengths: Iterable[int] = (512, 1024,
 
 def heads_per_call(world: int, heads: int) -> list[int]:
     """Query heads one kernel call gets for every ulysses degree a world of ``world`` ranks allows."""
-    return sorted({-(-heads // u) for u in _divisors(world) if u <= heads})
+    return sorted({-(-heads // u) for u in divisors(world) if u <= heads})
 
 
-class CalibrationSpec(_Strict):
+class CalibrationSpec(StrictModel):
     """Which shapes and sizes a calibration times (defaults: 8 CPU ranks, about 40 s of measuring on
     2 quiet cores)."""
 
@@ -284,11 +133,136 @@ def default_spec(world: int, device: str = "cpu", **overrides: Any) -> Calibrati
     return CalibrationSpec(**base)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 Progress = Callable[[str], None]
+
+
+def _kv_heads(heads: int, gqa: int) -> int:
+    """KV heads of a timed kernel call: ``heads / gqa`` when that divides, else one per query head."""
+    kv = max(1, heads // gqa)
+    return kv if heads % kv == 0 else heads
+
+
+def _time_kernels(source: RateSource, spec: CalibrationSpec, backend: str, dtype: str,
+                  progress: Progress) -> list[dict]:
+    """Every kernel shape of ``spec`` for one (backend, dtype), forward and backward.
+
+    Passes over all shapes, fastest per shape: each shape's samples are spread over the whole stage,
+    so a burst of other jobs' load cannot spoil all of them."""
+    best: dict[tuple, list[float]] = {}
+    for p in range(spec.kernel_passes):
+        for tq, tk, h, causal in spec.kernel_shapes:
+            f, b = source.kernel(backend, dtype, causal, tq, tk, h, _kv_heads(h, spec.gqa), spec.head_dim)
+            old = best.get((tq, tk, h, causal), [math.inf, math.inf])
+            best[(tq, tk, h, causal)] = [min(old[0], f), min(old[1], b)]
+        progress(f"kernels {backend} {dtype}: pass {p + 1}/{spec.kernel_passes} over "
+                 f"{len(spec.kernel_shapes)} block shapes")
+    rows = []
+    for (tq, tk, h, causal), (f, b) in best.items():
+        for direction, t in (("fwd", f), ("bwd", b)):
+            rows.append({"kind": "kernel", "backend": backend, "dtype": dtype, "causal": causal,
+                         "direction": direction, "tq": tq, "tk": tk, "heads": h, "head_dim": spec.head_dim,
+                         "seconds": t})
+        progress(f"  {'causal' if causal else 'full'} {tq}x{tk} x{h} heads: "
+                 f"fwd {f * 1e3:.1f} ms, bwd {b * 1e3:.1f} ms")
+    return rows
+
+
+def _kernels_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    """Kernel timings of every requested backend and dtype; one that cannot run is a skip row."""
+    rows = []
+    for backend in spec.backends:
+        for dtype in spec.dtypes:
+            try:
+                rows += _time_kernels(source, spec, backend, dtype, progress)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                rows.append({"kind": "skip", "what": f"kernel {backend} {dtype}", "why": str(exc)})
+                progress(f"kernel {backend} {dtype}: could not measure ({exc})")
+    return rows
+
+
+def _merge_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    rows = [{"kind": "merge", "tokens": t, "heads": spec.heads, "head_dim": spec.head_dim, "dtype": spec.dtypes[0],
+             "seconds": source.merge(t, spec.heads, spec.head_dim, spec.dtypes[0])} for t in spec.merge_tokens]
+    progress(f"merge: {len(rows)} sizes")
+    return rows
+
+
+def _a2a_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    rows = []
+    for u in divisors(spec.world)[1:]:
+        groups = spec.world // u
+        for alone in ((False, True) if groups > 1 else (False,)):
+            for nbytes in spec.a2a_bytes:
+                rows.append({"kind": "a2a", "ulysses": u, "groups": groups, "alone": alone, "bytes": nbytes,
+                             "seconds": source.a2a(u, nbytes, alone)})
+        progress(f"all-to-all ulysses={u}: {groups} group(s) at once" + (" and one alone" if groups > 1 else ""))
+    return rows
+
+
+def _need_ring(spec: CalibrationSpec) -> None:
+    if spec.world < 2:
+        raise RuntimeError("a ring needs at least 2 ranks")
+
+
+def _p2p_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    _need_ring(spec)
+    rows = [{"kind": "p2p", "alone": alone, "bytes": n, "seconds": source.p2p(n, alone)}
+            for alone in (False, True) for n in spec.p2p_bytes]
+    progress("ring neighbour exchange: every rank at once and one pair alone")
+    return rows
+
+
+def _overlap_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    _need_ring(spec)
+    c, k, both = source.overlap(spec.overlap_tokens, spec.heads, spec.kv_heads, spec.head_dim, spec.dtypes[0],
+                                spec.backends[0], spec.overlap_bytes)
+    progress(f"overlap: transfer {c * 1e3:.1f} ms, kernel {k * 1e3:.1f} ms, together {both * 1e3:.1f} ms")
+    return [{"kind": "overlap", "comm": c, "compute": k, "both": both}]
+
+
+def _engine_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    rows = []
+    for u in divisors(spec.world):
+        if u > spec.engine_heads:
+            continue
+        r = spec.world // u
+        for n in spec.engine_lengths:
+            rows.append({"kind": "engine", "ulysses": u, "ring": r, "seq_len": n, "heads": spec.engine_heads,
+                         "kv_heads": spec.engine_kv_heads, "head_dim": spec.head_dim, "dtype": spec.dtypes[0],
+                         "seconds": source.engine(u, r, n, spec.engine_heads, spec.engine_kv_heads,
+                                                  spec.head_dim, spec.dtypes[0])})
+        progress(f"engine without arithmetic u={u} r={r}: {len(spec.engine_lengths)} lengths")
+    return rows
+
+
+def _probe_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    tq, tk, h, kv, causal = PROBE
+    t = min(source.kernel(spec.backends[0], spec.dtypes[0], causal, tq, tk, h, kv, spec.head_dim)[0]
+            for _ in range(spec.probe_passes))
+    return [{"kind": "probe", "seconds": t}]
+
+
+Stage = Callable[[RateSource, CalibrationSpec, Progress], list[dict]]
+# (name, stage, the --stages entry that gates it; None: its own name), in the order they run. The probe
+# runs first and last, so the machine's share per rank is taken at both ends of the calibration.
+_STAGES: tuple[tuple[str, Stage, str | None], ...] = (
+    ("probe", _probe_stage, "kernels"), ("kernels", _kernels_stage, None), ("merge", _merge_stage, None),
+    ("a2a", _a2a_stage, None), ("p2p", _p2p_stage, None), ("overlap", _overlap_stage, None),
+    ("engine", _engine_stage, None), ("probe", _probe_stage, "kernels"),
+)
+
+
+def _run_stage(name: str, fn: Stage, source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
+    """One stage's rows and its own run time; a stage that raises becomes a skip row, not an error."""
+    t0 = time.perf_counter()
+    try:
+        rows = list(fn(source, spec, progress))
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        rows = [{"kind": "skip", "what": name, "why": f"{type(exc).__name__}: {exc}"}]
+        progress(f"{name}: could not measure ({type(exc).__name__}: {exc})")
+    dt = time.perf_counter() - t0
+    progress(f"{name}: {dt:.1f} s")
+    return rows + [{"kind": "time", "stage": name, "seconds": dt}]
 
 
 def collect(source: RateSource, spec: CalibrationSpec, progress: Progress = lambda _msg: None) -> list[dict]:
@@ -299,108 +273,11 @@ def collect(source: RateSource, spec: CalibrationSpec, progress: Progress = lamb
     ``{"kind": "time", "stage": ..., "seconds": ...}``, so a slow calibration says where the time went.
     """
     out: list[dict] = []
-
-    def stage(name: str, fn: Callable[[], Iterable[dict]], gate: str | None = None) -> None:
-        if (gate or name) not in spec.stages:
-            if gate is None:
-                out.append({"kind": "skip", "what": name, "why": "not requested (--stages)"})
-            return
-        t0 = time.perf_counter()
-        try:
-            out.extend(fn())
-        except Exception as exc:  # noqa: BLE001 - reported, not fatal
-            out.append({"kind": "skip", "what": name, "why": f"{type(exc).__name__}: {exc}"})
-            progress(f"{name}: could not measure ({type(exc).__name__}: {exc})")
-        dt = time.perf_counter() - t0
-        out.append({"kind": "time", "stage": name, "seconds": dt})
-        progress(f"{name}: {dt:.1f} s")
-
-    def kernels() -> Iterable[dict]:
-        rows = []
-        for backend in spec.backends:
-            for dtype in spec.dtypes:
-                try:
-                    # Passes over all shapes, fastest per shape: each shape's samples are spread over
-                    # the whole stage, so a burst of other jobs' load cannot spoil all of them.
-                    best: dict[tuple, list[float]] = {}
-                    for p in range(spec.kernel_passes):
-                        for tq, tk, h, causal in spec.kernel_shapes:
-                            kv = max(1, h // spec.gqa) if h % max(1, h // spec.gqa) == 0 else h
-                            f, b = source.kernel(backend, dtype, causal, tq, tk, h, kv, spec.head_dim)
-                            old = best.get((tq, tk, h, causal), [math.inf, math.inf])
-                            best[(tq, tk, h, causal)] = [min(old[0], f), min(old[1], b)]
-                        progress(f"kernels {backend} {dtype}: pass {p + 1}/{spec.kernel_passes} over "
-                                 f"{len(spec.kernel_shapes)} block shapes")
-                    for (tq, tk, h, causal), (f, b) in best.items():
-                        for direction, t in (("fwd", f), ("bwd", b)):
-                            rows.append({"kind": "kernel", "backend": backend, "dtype": dtype, "causal": causal,
-                                         "direction": direction, "tq": tq, "tk": tk, "heads": h,
-                                         "head_dim": spec.head_dim, "seconds": t})
-                        progress(f"  {'causal' if causal else 'full'} {tq}x{tk} x{h} heads: "
-                                 f"fwd {f * 1e3:.1f} ms, bwd {b * 1e3:.1f} ms")
-                except (ValueError, TypeError, RuntimeError) as exc:
-                    rows.append({"kind": "skip", "what": f"kernel {backend} {dtype}", "why": str(exc)})
-                    progress(f"kernel {backend} {dtype}: could not measure ({exc})")
-        return rows
-
-    def merge() -> Iterable[dict]:
-        rows = [{"kind": "merge", "tokens": t, "heads": spec.heads, "head_dim": spec.head_dim, "dtype": spec.dtypes[0],
-                 "seconds": source.merge(t, spec.heads, spec.head_dim, spec.dtypes[0])} for t in spec.merge_tokens]
-        progress(f"merge: {len(rows)} sizes")
-        return rows
-
-    def a2a() -> Iterable[dict]:
-        rows = []
-        for u in _divisors(spec.world)[1:]:
-            groups = spec.world // u
-            for alone in ((False, True) if groups > 1 else (False,)):
-                for nbytes in spec.a2a_bytes:
-                    rows.append({"kind": "a2a", "ulysses": u, "groups": groups, "alone": alone, "bytes": nbytes,
-                                 "seconds": source.a2a(u, nbytes, alone)})
-            progress(f"all-to-all ulysses={u}: {groups} group(s) at once" + (" and one alone" if groups > 1 else ""))
-        return rows
-
-    def p2p() -> Iterable[dict]:
-        if spec.world < 2:
-            raise RuntimeError("a ring needs at least 2 ranks")
-        rows = [{"kind": "p2p", "alone": alone, "bytes": n, "seconds": source.p2p(n, alone)}
-                for alone in (False, True) for n in spec.p2p_bytes]
-        progress("ring neighbour exchange: every rank at once and one pair alone")
-        return rows
-
-    def overlap() -> Iterable[dict]:
-        if spec.world < 2:
-            raise RuntimeError("a ring needs at least 2 ranks")
-        c, k, both = source.overlap(spec.overlap_tokens, spec.heads, spec.kv_heads, spec.head_dim, spec.dtypes[0],
-                                    spec.backends[0], spec.overlap_bytes)
-        progress(f"overlap: transfer {c * 1e3:.1f} ms, kernel {k * 1e3:.1f} ms, together {both * 1e3:.1f} ms")
-        return [{"kind": "overlap", "comm": c, "compute": k, "both": both}]
-
-    def engine() -> Iterable[dict]:
-        rows = []
-        for u in _divisors(spec.world):
-            if u > spec.engine_heads:
-                continue
-            r = spec.world // u
-            for n in spec.engine_lengths:
-                rows.append({"kind": "engine", "ulysses": u, "ring": r, "seq_len": n, "heads": spec.engine_heads,
-                             "kv_heads": spec.engine_kv_heads, "head_dim": spec.head_dim, "dtype": spec.dtypes[0],
-                             "seconds": source.engine(u, r, n, spec.engine_heads, spec.engine_kv_heads,
-                                                      spec.head_dim, spec.dtypes[0])})
-            progress(f"engine without arithmetic u={u} r={r}: {len(spec.engine_lengths)} lengths")
-        return rows
-
-    def probe() -> Iterable[dict]:
-        tq, tk, h, kv, causal = PROBE
-        t = min(source.kernel(spec.backends[0], spec.dtypes[0], causal, tq, tk, h, kv, spec.head_dim)[0]
-                for _ in range(spec.probe_passes))
-        return [{"kind": "probe", "seconds": t}]
-
-    stage("probe", probe, gate="kernels")
-    for name, fn in (("kernels", kernels), ("merge", merge), ("a2a", a2a), ("p2p", p2p), ("overlap", overlap),
-                     ("engine", engine)):
-        stage(name, fn)
-    stage("probe", probe, gate="kernels")
+    for name, fn, gate in _STAGES:
+        if (gate or name) in spec.stages:
+            out += _run_stage(name, fn, source, spec, progress)
+        elif gate is None:
+            out.append({"kind": "skip", "what": name, "why": "not requested (--stages)"})
     return out
 
 
@@ -409,32 +286,22 @@ def collect(source: RateSource, spec: CalibrationSpec, progress: Progress = lamb
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares by the normal equations, each row and target scaled by 1/y (relative error)."""
-    n = len(rows[0])
-    a = [[0.0] * n for _ in range(n)]
-    b = [0.0] * n
-    for row, t in zip(rows, y):
-        w = 1.0 / (t * t) if t > 0 else 1.0
-        for i in range(n):
-            b[i] += w * row[i] * t
-            for j in range(n):
-                a[i][j] += w * row[i] * row[j]
-    # Gaussian elimination with partial pivoting (n <= 3)
-    m = [a[i] + [b[i]] for i in range(n)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-300:
-            raise ValueError("singular fit: too few distinct sizes measured")
-        m[c], m[p] = m[p], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                m[r] = [x - f * yv for x, yv in zip(m[r], m[c])]
-    return [m[i][n] / m[i][i] for i in range(n)]
+    """Least squares on relative error: each row and target scaled by 1/y (numpy's SVD solver, on
+    columns scaled to unit norm so that FLOP, byte and constant features weigh alike)."""
+    a, t = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    w = np.where(t > 0, 1.0 / np.where(t > 0, t, 1.0), 1.0)
+    a, t = a * w[:, None], t * w
+    norms = np.linalg.norm(a, axis=0)
+    if (norms == 0).any():
+        raise ValueError("singular fit: too few distinct sizes measured")
+    coef, _, rank, _ = np.linalg.lstsq(a / norms, t, rcond=None)
+    if rank < a.shape[1]:
+        raise ValueError("singular fit: too few distinct sizes measured")
+    return [float(c) for c in coef / norms]
 
 
 def _nonneg_fit(rows: list[list[float]], y: list[float], keep: int = 1) -> list[float]:
-    """Least squares with every coefficient >= 0: drop (set to 0) a negative one and refit. The
+    """Least squares with every coefficient >= 0: drop (set to 0) the most negative one and refit. The
     first ``keep`` coefficients (the rates) are never dropped."""
     active = list(range(len(rows[0])))
     while True:
@@ -460,12 +327,6 @@ def _fit_link(points: list[tuple[float, float]]) -> LinkFit:
     if inv_bw <= 0:
         raise ValueError("transfer time did not grow with size; measure larger messages")
     return LinkFit(bandwidth_gb_s=1.0 / inv_bw / 1e9, latency_us=lat * 1e6)
-
-
-def _merge_bytes(tokens: int, heads: int, head_dim: int, dtype: str) -> int:
-    """Bytes one merge moves: the block output in its dtype plus the fp32 running output (read+write).
-    The cost model prices ``merge_fwd`` with the same count."""
-    return tokens * heads * head_dim * (_E.get(dtype, 4) + 8)
 
 
 def _fit_kernel(backend: str, dtype: str, causal: bool, direction: Literal["fwd", "bwd"], pts: list[dict],
@@ -502,35 +363,34 @@ def _fit_kernel(backend: str, dtype: str, causal: bool, direction: Literal["fwd"
     return k.model_copy(update={"rms_rel_error": _rms_rel(pred, y)})
 
 
-def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str = "cpu",
-        kernel_names: dict[str, str] | None = None, seconds: float = 0.0, startup_s: float = 0.0,
-        load: list[float] | None = None) -> Calibration:
-    """Fit every term of :class:`Calibration` from :func:`collect`'s samples; say what is missing.
+Samples = dict[str, list[dict]]  # collect()'s rows by kind
 
-    ``kernel_names`` maps a requested backend ("auto") to the kernel it resolved to ("sdpa").
-    """
-    names = kernel_names or {}
-    skipped = [f"{s['what']}: {s['why']}" for s in samples if s["kind"] == "skip"]
-    by_kind: dict[str, list[dict]] = {}
-    for s in samples:
-        by_kind.setdefault(s["kind"], []).append(s)
 
-    kernels = []
+def _fit_kernels(by_kind: Samples, names: dict[str, str], skipped: list[str]) -> list[KernelFit]:
+    """One :class:`KernelFit` per (kernel, dtype, causal, direction) timed."""
     groups: dict[tuple, list[dict]] = {}
     for s in by_kind.get("kernel", []):
         groups.setdefault((names.get(s["backend"], s["backend"]), s["dtype"], s["causal"], s["direction"]), []).append(s)
-    for (kb, dt, causal, direction), pts in sorted(groups.items()):
-        kernels.append(_fit_kernel(kb, dt, causal, direction, pts, skipped))
+    return [_fit_kernel(kb, dt, causal, direction, pts, skipped)
+            for (kb, dt, causal, direction), pts in sorted(groups.items())]
 
-    merge = None
-    if by_kind.get("merge"):
-        pts = [(_merge_bytes(s["tokens"], s["heads"], s["head_dim"], s["dtype"]), s["seconds"]) for s in by_kind["merge"]]
-        try:
-            merge = _fit_link(pts)
-        except ValueError as exc:
-            skipped.append(f"merge: {exc}")
 
-    a2a = []
+def _fit_merge(by_kind: Samples, skipped: list[str]) -> LinkFit | None:
+    """The merge's rate by bytes moved (the count the cost model prices ``merge_fwd`` with)."""
+    if not by_kind.get("merge"):
+        return None
+    pts = [(merge_fwd_bytes(s["tokens"], s["heads"], s["head_dim"], dtype_bytes(s["dtype"])), s["seconds"])
+           for s in by_kind["merge"]]
+    try:
+        return _fit_link(pts)
+    except ValueError as exc:
+        skipped.append(f"merge: {exc}")
+        return None
+
+
+def _fit_a2a(by_kind: Samples, skipped: list[str]) -> list[A2AFit]:
+    """One all-to-all fit per ulysses degree: every group at once, and (when measured) one alone."""
+    out = []
     for u in sorted({s["ulysses"] for s in by_kind.get("a2a", [])}):
         rows_u = [s for s in by_kind["a2a"] if s["ulysses"] == u]
         try:
@@ -540,56 +400,87 @@ def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str
         except ValueError as exc:
             skipped.append(f"all-to-all u={u}: {exc}")
             continue
-        a2a.append(A2AFit(ulysses=u, groups=rows_u[0]["groups"], link=link, alone=alone))
+        out.append(A2AFit(ulysses=u, groups=rows_u[0]["groups"], link=link, alone=alone))
+    return out
 
-    p2p = p2p_alone = None
-    if by_kind.get("p2p"):
-        try:
-            p2p = _fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if not s["alone"]])
-            p2p_alone = _fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if s["alone"]])
-        except ValueError as exc:
-            skipped.append(f"ring p2p: {exc}")
 
-    overlap = 1.0
-    if by_kind.get("overlap"):
-        o = by_kind["overlap"][0]
-        hidden = o["comm"] + o["compute"] - o["both"]
-        overlap = min(1.0, max(0.0, hidden / max(1e-12, min(o["comm"], o["compute"]))))
-    else:
+def _fit_p2p(by_kind: Samples, skipped: list[str]) -> tuple[LinkFit | None, LinkFit | None]:
+    """The ring-neighbour exchange with every rank sending, and one pair alone."""
+    if not by_kind.get("p2p"):
+        return None, None
+    try:
+        return (_fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if not s["alone"]]),
+                _fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if s["alone"]]))
+    except ValueError as exc:
+        skipped.append(f"ring p2p: {exc}")
+        return None, None
+
+
+def _fit_overlap(by_kind: Samples, skipped: list[str]) -> float:
+    """Fraction of the shorter of (transfer, kernel) that posting them together hid."""
+    if not by_kind.get("overlap"):
         skipped.append("overlap: not measured; the model assumes a ring transfer hides fully behind compute")
+        return 1.0
+    o = by_kind["overlap"][0]
+    hidden = o["comm"] + o["compute"] - o["both"]
+    return min(1.0, max(0.0, hidden / max(1e-12, min(o["comm"], o["compute"]))))
 
+
+def _fit_engine_fixed(cal: Calibration, by_kind: Samples, skipped: list[str]) -> dict[str, Any]:
+    """Per-ring-step and per-call overheads and the packing-copy rate: what a no-arithmetic engine call
+    costs beyond the parts the model already prices from ``cal`` (:func:`topology.cost.engine_known_s`)."""
+    if not by_kind.get("engine"):
+        skipped.append("engine fixed costs: not measured; per-step and per-call overheads taken as 0")
+        return {"step_overhead_us": 0.0, "call_overhead_us": 0.0, "copy_gb_s": None}
+    rows, y = [], []
+    for s in by_kind["engine"]:
+        known, nbytes = engine_known_s(cal, s["ulysses"], s["ring"], s["seq_len"], s["heads"], s["kv_heads"],
+                                       s["head_dim"], dtype_bytes(s["dtype"]))
+        rows.append([3.0 * s["ring"], 1.0, float(nbytes)])
+        y.append(max(1e-9, s["seconds"] - known))
+    step, call, per_byte = _nonneg_fit(rows, y, keep=0)
+    copy = 1.0 / per_byte / 1e9 if per_byte > 1e-15 else None  # faster than 1e6 GB/s: not measurable
+    return {"step_overhead_us": step * 1e6, "call_overhead_us": call * 1e6, "copy_gb_s": copy}
+
+
+def _unmeasured_notes(spec: CalibrationSpec, kernels: list[KernelFit], a2a: list[A2AFit]) -> list[str]:
+    """What the model prices without a measurement, so the user knows which figures are presets."""
+    notes = []
+    if not kernels:
+        notes.append("kernel rates: none measured; the accelerator's peak x attention_efficiency is used")
+    if not a2a and spec.world > 1:
+        notes.append("all-to-all: none measured; the cluster's intra_node link is used")
+    notes.append("rest of the layer (GEMMs): not measured; the accelerator's dense_efficiency is used")
+    if spec.world > 1 and "a2a" in spec.stages and len(a2a) < len(divisors(spec.world)) - 1:
+        notes.append("all-to-all: some ulysses degrees failed to fit")
+    return notes
+
+
+def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str = "cpu",
+        kernel_names: dict[str, str] | None = None, seconds: float = 0.0, startup_s: float = 0.0,
+        load: list[float] | None = None) -> Calibration:
+    """Fit every term of :class:`Calibration` from :func:`collect`'s samples; say what is missing.
+
+    ``kernel_names`` maps a requested backend ("auto") to the kernel it resolved to ("sdpa").
+    """
+    names = kernel_names or {}
+    skipped = [f"{s['what']}: {s['why']}" for s in samples if s["kind"] == "skip"]
+    by_kind: Samples = {}
+    for s in samples:
+        by_kind.setdefault(s["kind"], []).append(s)
+    kernels = _fit_kernels(by_kind, names, skipped)
+    merge = _fit_merge(by_kind, skipped)
+    a2a = _fit_a2a(by_kind, skipped)
+    p2p, p2p_alone = _fit_p2p(by_kind, skipped)
+    overlap = _fit_overlap(by_kind, skipped)
     probes = [s["seconds"] for s in by_kind.get("probe", [])]
     stage_seconds: dict[str, float] = {}
     for s in by_kind.get("time", []):
         stage_seconds[s["stage"]] = stage_seconds.get(s["stage"], 0.0) + s["seconds"]
-    main_kernel = names.get(spec.backends[0], spec.backends[0])
-    cal = Calibration(world=spec.world, backend=backend, device=device, kernel=main_kernel, dtype=spec.dtypes[0],
-                      head_dim=spec.head_dim, kernels=kernels, merge=merge, a2a=a2a, p2p=p2p, p2p_alone=p2p_alone,
-                      overlap=overlap, seconds=seconds, load=list(load or []), stage_seconds=stage_seconds,
-                      startup_s=startup_s,
+    cal = Calibration(world=spec.world, backend=backend, device=device, kernel=names.get(spec.backends[0], spec.backends[0]),
+                      dtype=spec.dtypes[0], head_dim=spec.head_dim, kernels=kernels, merge=merge, a2a=a2a, p2p=p2p,
+                      p2p_alone=p2p_alone, overlap=overlap, seconds=seconds, load=list(load or []),
+                      stage_seconds=stage_seconds, startup_s=startup_s,
                       probe_s=sum(probes) / len(probes) if probes else None)
-    step = call = 0.0
-    copy = None
-    if by_kind.get("engine"):
-        from .cost import engine_known_s  # the model's own pricing of the measured parts
-
-        rows, y = [], []
-        for s in by_kind["engine"]:
-            known, nbytes = engine_known_s(cal, s["ulysses"], s["ring"], s["seq_len"], s["heads"], s["kv_heads"],
-                                           s["head_dim"], _E.get(s["dtype"], 4))
-            rows.append([3.0 * s["ring"], 1.0, float(nbytes)])
-            y.append(max(1e-9, s["seconds"] - known))
-        coef = _nonneg_fit(rows, y, keep=0)
-        step, call = coef[0] * 1e6, coef[1] * 1e6
-        copy = 1.0 / coef[2] / 1e9 if coef[2] > 1e-15 else None  # faster than 1e6 GB/s: not measurable
-    else:
-        skipped.append("engine fixed costs: not measured; per-step and per-call overheads taken as 0")
-    if not kernels:
-        skipped.append("kernel rates: none measured; the accelerator's peak x attention_efficiency is used")
-    if not a2a and spec.world > 1:
-        skipped.append("all-to-all: none measured; the cluster's intra_node link is used")
-    skipped.append("rest of the layer (GEMMs): not measured; the accelerator's dense_efficiency is used")
-    if spec.world > 1 and "a2a" in spec.stages and len(a2a) < len(_divisors(spec.world)) - 1:
-        skipped.append("all-to-all: some ulysses degrees failed to fit")
-    return cal.model_copy(update={"step_overhead_us": step, "call_overhead_us": call, "copy_gb_s": copy,
-                                  "not_measured": skipped})
+    fixed = _fit_engine_fixed(cal, by_kind, skipped)
+    return cal.model_copy(update={**fixed, "not_measured": skipped + _unmeasured_notes(spec, kernels, a2a)})

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .calibration import Calibration
+from .rates import Calibration
 
 __all__ = ["LinkSpec", "Accelerator", "Cluster", "ClusterError", "PRESETS"]
 

@@ -23,6 +23,7 @@ __all__ = [
     "ring_groups",
     "fitting_ulysses_degrees",
     "check_placement",
+    "divisors",
 ]
 
 
@@ -32,6 +33,11 @@ class PlacementError(ValueError):
 
 class PlacementWarning(UserWarning):
     """Emitted instead of :class:`PlacementError` when ``check_placement(..., warn=True)``."""
+
+
+def divisors(n: int) -> list[int]:
+    """The degrees ``n`` ranks split into evenly (ascending): candidate ulysses, ring and cp sizes."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _validate_degrees(world: int, ulysses: int, ring: int, dp: int | None) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 from .cluster import Cluster
 from .cost import Estimate, ModelShape, estimate
 from .layouts import granularity
-from .placement import PlacementWarning, check_placement
+from .placement import PlacementWarning, check_placement, divisors
 
 __all__ = ["Plan", "PlanList", "Rejected", "PlanError", "plan"]
 
@@ -127,10 +127,6 @@ class PlanList(list):
         }
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def plan(
     cluster: Cluster,
     model: ModelShape,
@@ -160,10 +156,10 @@ def plan(
         raise PlanError(f"memory_budget={memory_budget!r} must be > 0 bytes")
     feasible: list[tuple[float, int, Plan]] = []
     rejected: list[Rejected] = []
-    for cp in _divisors(world):
+    for cp in divisors(world):
         if dp is not None and world // cp != dp:
             continue
-        for u in _divisors(cp):
+        for u in divisors(cp):
             r, d = cp // u, world // cp
             if u > model.heads:
                 rejected.append(Rejected(u, r, d, f"ulysses={u} > heads={model.heads}"))
