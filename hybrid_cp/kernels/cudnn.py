@@ -22,7 +22,7 @@ import torch
 
 from ._cuda import capability as _capability, aten_op as _op
 from ..heads import expand_kv, reduce_kv
-from .varlen import segment_backward, segment_forward
+from .varlen import per_segment_backward, per_segment_forward
 
 
 def _cudnn_version() -> int:
@@ -60,11 +60,8 @@ class CuDNNKernel:
                     f"{_cudnn_version()}, got {head_dim}")
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k)
+    @per_segment_forward
+    def forward(self, q, k, v, *, causal: bool, scale: float):
         _check_causal(causal, q.shape[1], k.shape[1])
         h = q.shape[2]
         res = _op("_scaled_dot_product_cudnn_attention")(
@@ -72,11 +69,8 @@ class CuDNNKernel:
         out, lse = res[0], res[1]
         return out.transpose(1, 2), lse.reshape(q.shape[0], h, q.shape[1]).float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    @per_segment_backward
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
         sq, sk = q.shape[1], k.shape[1]
         _check_causal(causal, sq, sk)
         h, hkv = q.shape[2], k.shape[2]

@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 
 from ._cuda import capability as _capability, fa_class_reason
-from .varlen import segment_backward, segment_forward
+from .varlen import per_segment_backward, per_segment_forward
 
 
 @lru_cache(maxsize=1)
@@ -47,11 +47,8 @@ class FA4Kernel:
             return f"flash-attn-4's backward needs sm90 or newer, this GPU is sm{major}{minor}"
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k)
+    @per_segment_forward
+    def forward(self, q, k, v, *, causal: bool, scale: float):
         res = _fa4_module()._flash_attn_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
                                             softmax_scale=scale, causal=causal, return_lse=True)
         out, lse = res[0], res[1]
@@ -60,11 +57,8 @@ class FA4Kernel:
                                "flash-attn-4 release is not supported (pin the version of the 'fa4' extra)")
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    @per_segment_backward
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
         res = _fa4_module()._flash_attn_bwd(
             q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), dout=dout.contiguous(),
             lse=lse.float().contiguous(), softmax_scale=scale, causal=causal,

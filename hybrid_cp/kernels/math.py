@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import expand_kv, reduce_kv
-from .varlen import segment_backward, segment_forward, window_mask
+from .varlen import per_segment_backward, per_segment_forward, window_mask
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,11 +37,8 @@ class MathKernel:
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         return None if dtype.is_floating_point else f"dtype {dtype} is not a floating point type"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, window=window)
+    @per_segment_forward
+    def forward(self, q, k, v, *, causal: bool, scale: float, window=None):
         ct = _compute_dtype(q.dtype)
         h = q.shape[2]
         qc, kc, vc = q.to(ct), expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)
@@ -50,11 +47,8 @@ class MathKernel:
         out = torch.einsum("bhqk,bkhd->bqhd", _probs(s, lse), vc)
         return out.to(q.dtype), lse.to(torch.float64 if ct == torch.float64 else torch.float32)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window)
+    @per_segment_backward
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None):
         ct = _compute_dtype(q.dtype)
         h, hkv = q.shape[2], k.shape[2]
         qc, kc, vc = q.to(ct), expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import expand_kv, reduce_kv
-from .varlen import segment_backward, segment_forward, window_mask
+from .varlen import per_segment_backward, per_segment_forward, window_mask
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -51,11 +51,8 @@ class SDPAKernel:
             return None
         return f"device type {device.type!r} has no fused SDPA operator with log-sum-exp"
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_forward(self.forward, q, k, v, causal=causal, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, window=window)
+    @per_segment_forward
+    def forward(self, q, k, v, *, causal: bool, scale: float, window=None):
         mask = _window_bias(q, k, window)
         h = q.shape[2]
         qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))
@@ -67,11 +64,8 @@ class SDPAKernel:
                 qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
         return out.transpose(1, 2), lse[..., : q.shape[1]].float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-        if cu_seqlens_q is not None:
-            return segment_backward(self.backward, dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window)
+    @per_segment_backward
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None):
         mask = _window_bias(q, k, window)
         h, hkv = q.shape[2], k.shape[2]
         qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))
