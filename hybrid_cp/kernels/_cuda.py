@@ -1,4 +1,5 @@
-"""What every FlashAttention-class CUDA kernel requires of its inputs (one place for the checks)."""
+"""CUDA facts the kernels share: what every FlashAttention-class kernel requires of its inputs (one
+place for the checks), the GPU's capability and index, the aten operators."""
 
 from __future__ import annotations
 
