@@ -18,37 +18,22 @@ FLOPs per sequence (half of the dense ``4 N^2 D H``); backward costs 2.5x forwar
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cluster import Cluster
 from .layouts import doc_lengths, head_split, make_layout
 from .placement import PlacementError, ring_groups, ulysses_groups
+from .rates import ATTN_BWD_FACTOR, merge_bwd_bytes, merge_fwd_bytes
+from .units import FP32_BYTES, check_counts, dtype_bytes, dtype_name
 
 __all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS",
            "engine_known_s"]
 
 Layout = Literal["zigzag", "contiguous"]
-_DTYPE_BYTES = {
-    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
-    "fp32": 4, "float32": 4, "float": 4, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}  # fmt: skip
-GRAD_BYTES = 4  # dK/dV travel the ring in fp32 (the engine's default: gradients accumulate in fp32)
-ATTN_BWD_FACTOR = 2.5  # backward attention FLOPs / forward attention FLOPs
+GRAD_BYTES = FP32_BYTES  # dK/dV travel the ring in fp32 (the engine's default: gradients accumulate in fp32)
 MODEL_STATE_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + 2 fp32 Adam moments (ZeRO-3/FSDP)
-
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of ``dtype``: an int, a name like ``"bf16"`` or a ``torch.dtype``."""
-    if isinstance(dtype, int) and not isinstance(dtype, bool):
-        if dtype not in (1, 2, 4, 8):
-            raise ValueError(f"dtype bytes={dtype} must be 1, 2, 4 or 8")
-        return dtype
-    name = str(dtype).removeprefix("torch.").lower()
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPE_BYTES))} or a byte count")
-    return _DTYPE_BYTES[name]
 
 
 class ModelShape(BaseModel):
@@ -126,19 +111,6 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _local_tokens(seq_len: int, ulysses: int, ring: int, layout: str, cu_seqlens=None) -> tuple[int, int]:
-    """``(padded_len, local_tokens)`` of a dense row of `seq_len` tokens, or of packed documents."""
-    lay = make_layout(layout, ulysses, ring, seq_len=None if cu_seqlens is not None else seq_len,
-                      doc_lens=doc_lengths(cu_seqlens) if cu_seqlens is not None else None)
-    return lay.padded_len, lay.local_len
-
-
-def _check_ints(**kw: int) -> None:
-    for name, v in kw.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}={v!r} must be an integer >= 1")
-
-
 def _a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit: int) -> tuple[int, int]:
     """Bytes rank ``i`` sends to peer ``p`` in the forward and backward all-to-alls.
 
@@ -177,13 +149,13 @@ def comm_bytes(
     each ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring
     values then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks).
     """
-    _check_ints(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
+    check_counts(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
                 ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
     split = head_split(heads, kv_heads, ulysses)
-    if cu_seqlens is not None and doc_lengths(cu_seqlens) and sum(doc_lengths(cu_seqlens)) != seq_len:
-        raise ValueError(f"cu_seqlens ends at {sum(doc_lengths(cu_seqlens))} but seq_len={seq_len}; pass the packed row's total")
-    lay = make_layout(layout, ulysses, ring, seq_len=None if cu_seqlens is not None else seq_len,
-                      doc_lens=doc_lengths(cu_seqlens) if cu_seqlens is not None else None)
+    docs = doc_lengths(cu_seqlens) if cu_seqlens is not None else None
+    if docs and sum(docs) != seq_len:
+        raise ValueError(f"cu_seqlens ends at {sum(docs)} but seq_len={seq_len}; pass the packed row's total")
+    lay = make_layout(layout, ulysses, ring, seq_len=None if docs is not None else seq_len, doc_lens=docs)
     s = lay.local_len
     unit = batch * s * head_dim * dtype_bytes
     window = lay.effective_window(causal, window)
@@ -355,6 +327,81 @@ def _ring_tier(cluster: Cluster, groups: list[list[int]]) -> int:
 _MODEL_WINDOW: Any = "model"  # estimate's default window: the model's sliding_window / window_layers mix
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One attention call (one layer, ``batch`` rows) on a (dp, ring, ulysses) mesh: the shape that
+    every cost term prices. ``e`` is bytes per element of the compute dtype."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int
+    batch: int
+    ulysses: int
+    ring: int
+    e: int
+    layout: str = "zigzag"
+    causal: bool = True
+    backward: bool = True
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.ulysses * self.ring
+
+    @property
+    def lay(self):  # a topology.layouts.Layout (make_layout is cached)
+        return make_layout(self.layout, self.ulysses, self.ring, seq_len=self.seq_len)
+
+    @property
+    def split(self) -> list[tuple[int, int, int, int]]:
+        return head_split(self.heads, self.kv_heads, self.ulysses)
+
+    @property
+    def busiest_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) of the ulysses rank with the most of each."""
+        split = self.split
+        return max(x[0] for x in split), max(x[3] for x in split)
+
+    @property
+    def kv_block(self) -> int:
+        """Elements of one K/V block travelling the ring (the ulysses group's tokens, busiest KV heads)."""
+        return self.batch * self.ulysses * self.lay.local_len * 2 * self.busiest_heads[1] * self.head_dim
+
+    @property
+    def a2a_unit(self) -> int:
+        """Bytes of one head's local rows: what :func:`_a2a_peer_bytes` counts in."""
+        return self.batch * self.lay.local_len * self.head_dim * self.e
+
+    def sent_bytes(self, window: Any = None) -> dict[str, int]:
+        """:func:`comm_bytes` of this call (the backward's zero for a forward-only call)."""
+        nbytes = comm_bytes(self.heads, self.kv_heads, self.head_dim, self.seq_len, self.batch, self.ulysses,
+                            self.ring, self.e, self.layout, causal=self.causal, window=window)
+        if not self.backward:
+            nbytes.update(ulysses_bwd=0, ring_bwd=0)
+        return nbytes
+
+    def merge_bytes(self) -> tuple[int, int]:
+        """Bytes one ring step's online-softmax merge moves, forward and backward (0 forward-only)."""
+        tokens, (c_max, k_max) = self.batch * self.ulysses * self.lay.local_len, self.busiest_heads
+        bwd = merge_bwd_bytes(tokens, c_max, k_max, self.head_dim, self.e) if self.backward else 0
+        return merge_fwd_bytes(tokens, c_max, self.head_dim, self.e), bwd
+
+
+@dataclass(frozen=True)
+class _Times:
+    """The time terms of one layer, before they become an :class:`Estimate`."""
+
+    kernel_fwd_s: float
+    kernel_bwd_s: float
+    ring_overhead_s: float
+    a2a_s: float
+    a2a_link: str
+    ring_comm_s: float
+    ring_exposed_s: float
+    ring_link: str
+
+
 def estimate(
     cluster: Cluster,
     model: ModelShape,
@@ -379,152 +426,210 @@ def estimate(
     its ``layers`` with the window (skipped blocks, halo exchange), the rest full; memory is the
     larger of the two. ``window=W`` (or None) prices one layer with that window (or none) instead.
     """
-    if window is _MODEL_WINDOW:
-        kw = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
-        window = model.sliding_window if causal and (model.sliding_window or 0) < seq_len else None
-        n_win = model.layers if model.window_layers is None else model.window_layers
-        win = estimate(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
-        if window is None or n_win == model.layers:
-            return win
-        full = estimate(cluster, model, seq_len, ulysses, ring, dp, batch, window=None, **kw)
-        a = n_win / model.layers
+    kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
+    if window is not _MODEL_WINDOW:
+        return _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
+    window = model.sliding_window if causal and (model.sliding_window or 0) < seq_len else None
+    n_win = model.layers if model.window_layers is None else model.window_layers
+    win = _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
+    if window is None or n_win == model.layers:
+        return win
+    full = _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=None, **kw)
+    note = f"{n_win} of {model.layers} layers use the {window}-token window; the figures are the average layer"
+    return _average_layer(win, full, n_win / model.layers, note)
 
-        def mix(x, y):
-            return a * x + (1 - a) * y
 
-        times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops")
-        return replace(win, **{f: mix(getattr(win, f), getattr(full, f)) for f in times},
-                       bytes_per_rank={k: round(mix(win.bytes_per_rank[k], full.bytes_per_rank[k]))
-                                       for k in win.bytes_per_rank},
-                       memory_bytes=max(win.memory_bytes, full.memory_bytes),
-                       notes=win.notes + (f"{n_win} of {model.layers} layers use the {window}-token window; the "
-                                          f"figures are the average layer",))
+def _average_layer(win: Estimate, full: Estimate, share: float, note: str) -> Estimate:
+    """A model whose ``share`` of layers has the window: times, FLOPs and bytes averaged over its
+    layers, memory the larger of the two layer kinds."""
 
-    _check_ints(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
-    e = dtype_bytes(dtype)
-    world = dp * ulysses * ring
-    if world > cluster.world_size:
+    def mix(x, y):
+        return share * x + (1 - share) * y
+
+    times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops")
+    return replace(win, **{f: mix(getattr(win, f), getattr(full, f)) for f in times},
+                   bytes_per_rank={k: round(mix(win.bytes_per_rank[k], full.bytes_per_rank[k]))
+                                   for k in win.bytes_per_rank},
+                   memory_bytes=max(win.memory_bytes, full.memory_bytes), notes=win.notes + (note,))
+
+
+def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
+               dtype: Any, layout: str, causal: bool, backward: bool, window: Any) -> Estimate:
+    """:func:`estimate` of one layer with ``window`` (or none): the analytic terms, then the measured
+    ones where the cluster carries a calibration."""
+    check_counts(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
+    call = _Call(model.heads, model.n_kv, model.head_dim, seq_len, batch, ulysses, ring, dtype_bytes(dtype), layout,
+                 causal, backward, dp)
+    if call.world > cluster.world_size:
         raise PlacementError(
-            f"dp*ring*ulysses = {dp}*{ring}*{ulysses} = {world} ranks, but cluster {cluster.name!r} has "
+            f"dp*ring*ulysses = {dp}*{ring}*{ulysses} = {call.world} ranks, but cluster {cluster.name!r} has "
             f"{cluster.world_size} GPUs ({cluster.nodes} x {cluster.gpus_per_node})"
         )
-    H, Hkv, D = model.heads, model.n_kv, model.head_dim
-    split = head_split(H, Hkv, ulysses)
-    padded, s = _local_tokens(seq_len, ulysses, ring, layout)
-    c_max, k_max = max(x[0] for x in split), max(x[3] for x in split)
-    acc = cluster.accelerator
-    notes: list[str] = []
-
-    # --- compute -------------------------------------------------------------------------------
-    causal_factor = 0.5 if causal else 1.0
-    imbalance = (2.0 - 1.0 / ring) if (causal and layout == "contiguous" and ring > 1) else 1.0
-    attn_fwd_flops = causal_factor * 4.0 * batch * padded * (padded / ring) * D * c_max * imbalance
-    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
+    lay, acc = call.lay, cluster.accelerator
     window = lay.effective_window(causal, window)
     halo = lay.halo(causal, window)
-    window_share = busiest_share = 1.0  # of the useful work, and of the busiest rank's, that a window keeps
-    if window is not None:
-        with_w, without = lay.work(causal, window), lay.work(causal)
-        busiest_share = max(map(sum, with_w)) / max(map(sum, without))
-        attn_fwd_flops *= busiest_share
-        window_share = sum(map(sum, with_w)) / sum(map(sum, without))
-        notes.append(f"{window}-token window: blocks it does not reach are skipped"
-                     + ("; only the halo rows are exchanged" if halo else ""))
-    attn_fwd_s = attn_fwd_flops / acc.attention_flops
-    bwd_factor = ATTN_BWD_FACTOR if backward else 0.0
-    attn_bwd_s = bwd_factor * attn_fwd_s
-    overhead = acc.ring_step_overhead_us * 1e-6
-    ring_overhead_s = 0.0
-    if acc.kernel_call_overhead_us:
-        # Kernel efficiency vs block size: every kernel call (r forward, r backward) pays a fixed cost,
-        # so r smaller blocks cost more than one large block of the same FLOPs.
-        calls = ring * (2 if backward else 1)
-        attn_fwd_s += ring * acc.kernel_call_overhead_us * 1e-6
-        attn_bwd_s += (ring if backward else 0) * acc.kernel_call_overhead_us * 1e-6
-        notes.append(f"{calls} kernel calls at {acc.kernel_call_overhead_us:g} us each")
-    if ring > 1:
-        # r forward steps + r backward steps (at 2x the launches), plus the online-softmax merge, which
-        # a single flash-attention call does in registers: per step it reads the block's output and
-        # reads+writes the fp32 running output (fwd), and reads+writes fp32 dQ and dK/dV (bwd).
-        merge_fwd = batch * ulysses * s * c_max * D * (e + 8)
-        merge_bwd = batch * ulysses * s * D * (c_max * 8 + 2 * k_max * (8 + e)) if backward else 0
-        launches = 3 if backward else 1
-        ring_overhead_s = ring * (launches * overhead + (merge_fwd + merge_bwd) / (acc.hbm_gb_s * 1e9))
-    gemm_flops_per_token = (6.0 if backward else 2.0) * model.layer_params  # fwd 2/param, bwd 4/param
-    rest_s = gemm_flops_per_token * batch * s / acc.dense_flops
-    useful = causal_factor * 4.0 * batch * seq_len * seq_len * D * H * (1 + bwd_factor) * window_share
-    model_flops = useful + gemm_flops_per_token * batch * seq_len
-    if imbalance > 1:
-        notes.append(f"contiguous causal ring: slowest rank does {imbalance:.2f}x the mean attention work")
-    if padded > seq_len:
-        notes.append(f"padded {seq_len} -> {padded} tokens")
-
-    # --- communication -------------------------------------------------------------------------
-    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal, window=window)
-    if not backward:
-        nbytes.update(ulysses_bwd=0, ring_bwd=0)
-    unit = batch * s * D * e
-    a2a_s, a2a_link = _a2a_time(cluster, ulysses_groups(world, ulysses, ring, dp), split, unit, backward)
-    ring_comm_s = ring_exposed_s = 0.0
-    ring_link = "none"
-    if ring > 1:
-        tier = _ring_tier(cluster, ring_groups(world, ulysses, ring, dp))
-        link = cluster.tier_link(tier)
-        ring_link = cluster.tier_name(tier)
-        bw = _bandwidth(link, dp * ulysses > 1)
-        kv_elems = batch * ulysses * s * 2 * k_max * D
-        xfer = lambda n: link.latency_us * 1e-6 + n / bw  # noqa: E731
-        c_fwd = xfer(kv_elems * e)
-        c_bwd = xfer(kv_elems * (e + GRAD_BYTES))  # K/V and the travelling fp32 dK/dV
-        c_home = xfer(kv_elems * GRAD_BYTES)  # last dK/dV hop home: nothing left to hide it
-        step_fwd, step_bwd = attn_fwd_s / ring, attn_bwd_s / ring
-        if halo:  # one exchange of the halo rows, hidden behind the local block; gradients go back after
-            h_fwd, h_bwd = xfer(nbytes["ring_fwd"]), xfer(nbytes["ring_bwd"])
-            ring_comm_s = h_fwd + (h_bwd if backward else 0.0)
-            ring_exposed_s = _exposed(h_fwd, step_fwd, acc.ring_overlap) + (h_bwd if backward else 0.0)
-        else:
-            ring_comm_s = (ring - 1) * c_fwd
-            ring_exposed_s = (ring - 1) * _exposed(c_fwd, step_fwd, acc.ring_overlap)
-            if backward:
-                ring_comm_s += (ring - 1) * c_bwd + c_home
-                ring_exposed_s += (ring - 1) * _exposed(c_bwd, step_bwd, acc.ring_overlap) + c_home
-
-    # --- memory (per rank) ---------------------------------------------------------------------
-    us = ulysses * s
-    kv_blk = batch * us * 2 * k_max * D
-    mem = {
-        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.params // world,
-        "checkpointed_inputs": model.layers * batch * s * model.d_model * e,
-        "attention_local_io": batch * s * (H + 2 * Hkv + H) * D * e,  # q,k,v,out before/after all-to-all
-        "attention_heads": batch * us * D * (3 * c_max * e + 2 * k_max * e) + batch * c_max * us * 4,
-        "attention_grads_fp32": (batch * us * c_max * D * GRAD_BYTES + kv_blk * GRAD_BYTES) if backward else 0,
-        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * GRAD_BYTES * backward + batch * us * c_max * D * 4)
-        if ring > 1
-        else 0,
-        "mlp_recompute": batch * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
-    }
+    busiest_share, window_share = _window_shares(lay, causal, window)
+    nbytes = call.sent_bytes(window)
+    times = _analytic_times(cluster, call, busiest_share, nbytes, halo)
+    notes = _analytic_notes(call, acc, window, halo)
     if cluster.calibration is not None:
-        parts = _calibrated_parts(cluster.calibration, cluster, world, dp, H, Hkv, D, seq_len, batch, ulysses, ring,
-                                  e, layout, causal, backward, dtype)
-        attn_fwd_s, attn_bwd_s = parts["kernel_fwd_s"], parts["kernel_bwd_s"]
-        ring_overhead_s, a2a_s = parts["fixed_s"] + parts["merge_s"] + parts["copy_s"], parts["a2a_s"]
-        ring_comm_s, ring_exposed_s = parts["ring_comm_s"], parts["ring_exposed_s"]
-        if window is not None:  # the calibrated kernel and ring terms, for the work and bytes a window keeps
-            attn_fwd_s, attn_bwd_s = attn_fwd_s * busiest_share, attn_bwd_s * busiest_share
-            full = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal)
-            moved = (nbytes["ring_fwd"] + nbytes["ring_bwd"]) / max(1, full["ring_fwd"] + full["ring_bwd"])
-            ring_comm_s, ring_exposed_s = ring_comm_s * moved, ring_exposed_s * moved
-        a2a_link = "measured" if ulysses > 1 and a2a_link != "none" else a2a_link
-        ring_link = "measured" if ring > 1 else ring_link
-        notes += parts["notes"]
+        times, measured_notes = _calibrated_times(cluster, call, dtype, window, busiest_share, nbytes, times)
+        notes += measured_notes
+    mem = _memory_breakdown(call, model)
     return Estimate(
-        ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=padded, layers=model.layers,
-        attention_s=attn_fwd_s + attn_bwd_s, ring_overhead_s=ring_overhead_s, rest_s=rest_s, a2a_s=a2a_s,
-        ring_comm_s=ring_comm_s, ring_exposed_s=ring_exposed_s, bytes_per_rank=nbytes,
-        memory_bytes=int(sum(mem.values())), memory_breakdown=mem, a2a_link=a2a_link, ring_link=ring_link,
-        model_flops=model_flops, peak_flops=acc.peak_tflops * 1e12, notes=tuple(notes),
+        ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=lay.padded_len, layers=model.layers,
+        attention_s=times.kernel_fwd_s + times.kernel_bwd_s, ring_overhead_s=times.ring_overhead_s,
+        rest_s=_rest_s(call, model, acc), a2a_s=times.a2a_s, ring_comm_s=times.ring_comm_s,
+        ring_exposed_s=times.ring_exposed_s, bytes_per_rank=nbytes, memory_bytes=int(sum(mem.values())),
+        memory_breakdown=mem, a2a_link=times.a2a_link, ring_link=times.ring_link,
+        model_flops=_model_flops(call, model, window_share), peak_flops=acc.peak_tflops * 1e12, notes=tuple(notes),
     )  # fmt: skip
 
+
+# ---------------------------------------------------------------------------------------------------
+# analytic terms (docs/planner.md, sections 2-3): priced from the cluster's links and accelerator
+
+
+def _window_shares(lay: Any, causal: bool, window: Any) -> tuple[float, float]:
+    """Of the windowless attention work, the share a window keeps on the busiest ring rank (which
+    sets the time) and over all ranks (which sets the useful FLOPs); (1, 1) without a window."""
+    if window is None:
+        return 1.0, 1.0
+    with_w, without = lay.work(causal, window), lay.work(causal)
+    return max(map(sum, with_w)) / max(map(sum, without)), sum(map(sum, with_w)) / sum(map(sum, without))
+
+
+def _causal_factor(causal: bool) -> float:
+    """Share of the dense ``4 N^2 D H`` FLOPs a mask leaves: half for causal attention."""
+    return 0.5 if causal else 1.0
+
+
+def _bwd_factor(backward: bool) -> float:
+    return ATTN_BWD_FACTOR if backward else 0.0
+
+
+def _kernel_s(call: _Call, acc: Any, busiest_share: float) -> tuple[float, float]:
+    """Attention kernels of the busiest rank, forward and backward: its FLOPs (padding, the layout's
+    own imbalance and the window's share included) at the accelerator's attention rate, plus the
+    fixed cost of each kernel call (r forward, r backward), which makes r smaller blocks cost more
+    than one large block of the same FLOPs."""
+    lay, c_max = call.lay, call.busiest_heads[0]
+    padded, imbalance = lay.padded_len, lay.work_imbalance(call.causal)
+    flops = (_causal_factor(call.causal) * 4.0 * call.batch * padded * (padded / call.ring) * call.head_dim * c_max
+             * imbalance) * busiest_share
+    fwd = flops / acc.attention_flops
+    bwd = _bwd_factor(call.backward) * fwd
+    if acc.kernel_call_overhead_us:
+        fwd += call.ring * acc.kernel_call_overhead_us * 1e-6
+        bwd += (call.ring if call.backward else 0) * acc.kernel_call_overhead_us * 1e-6
+    return fwd, bwd
+
+
+def _ring_overhead_s(call: _Call, acc: Any) -> float:
+    """Per ring step: its launches (forward 1, backward 2 step units) and the online-softmax merge,
+    which a single flash-attention call does in registers, at the device's memory bandwidth."""
+    if call.ring == 1:
+        return 0.0
+    merge_fwd, merge_bwd = call.merge_bytes()
+    launches = 3 if call.backward else 1
+    return call.ring * (launches * (acc.ring_step_overhead_us * 1e-6) + (merge_fwd + merge_bwd) / (acc.hbm_gb_s * 1e9))
+
+
+def _gemm_flops_per_token(model: ModelShape, backward: bool) -> float:
+    """The rest of the layer: 2 FLOPs per parameter and token forward, 4 backward."""
+    return (6.0 if backward else 2.0) * model.layer_params
+
+
+def _rest_s(call: _Call, model: ModelShape, acc: Any) -> float:
+    """The layer's GEMMs on the rank's local tokens at the accelerator's dense rate."""
+    return _gemm_flops_per_token(model, call.backward) * call.batch * call.lay.local_len / acc.dense_flops
+
+
+def _model_flops(call: _Call, model: ModelShape, window_share: float) -> float:
+    """Useful FLOPs of one layer for the whole CP group: no padding, the window's share of attention."""
+    useful = (_causal_factor(call.causal) * 4.0 * call.batch * call.seq_len * call.seq_len * call.head_dim
+              * call.heads * (1 + _bwd_factor(call.backward)) * window_share)
+    return useful + _gemm_flops_per_token(model, call.backward) * call.batch * call.seq_len
+
+
+def _streamed_ring_s(xfer: Callable[[float], float], call: _Call, step_fwd_s: float, step_bwd_s: float,
+                     overlap: float) -> tuple[float, float]:
+    """(transfer, exposed) seconds of whole K/V blocks streamed around the ring: r - 1 forward hops,
+    r - 1 backward hops carrying K/V and the travelling fp32 dK/dV, each hidden behind its step's
+    kernels by ``overlap``, and the last dK/dV hop home, which nothing is left to hide."""
+    kv, e, ring = call.kv_block, call.e, call.ring
+    c_fwd, c_bwd, c_home = xfer(kv * e), xfer(kv * (e + GRAD_BYTES)), xfer(kv * GRAD_BYTES)
+    comm = (ring - 1) * c_fwd
+    exposed = (ring - 1) * _exposed(c_fwd, step_fwd_s, overlap)
+    if call.backward:
+        comm += (ring - 1) * c_bwd + c_home
+        exposed += (ring - 1) * _exposed(c_bwd, step_bwd_s, overlap) + c_home
+    return comm, exposed
+
+
+def _ring_comm_s(cluster: Cluster, call: _Call, nbytes: dict[str, int], halo: bool, step_fwd_s: float,
+                 step_bwd_s: float) -> tuple[float, float, str]:
+    """(transfer, exposed, link name) of the ring over its slowest neighbour hop. With a halo, one
+    exchange of the rows peers read, hidden behind the local block; the gradients go back after."""
+    if call.ring == 1:
+        return 0.0, 0.0, "none"
+    tier = _ring_tier(cluster, ring_groups(call.world, call.ulysses, call.ring, call.dp))
+    link = cluster.tier_link(tier)
+    bw = _bandwidth(link, call.dp * call.ulysses > 1)
+    xfer = lambda n: link.latency_us * 1e-6 + n / bw  # noqa: E731
+    overlap = cluster.accelerator.ring_overlap
+    if not halo:
+        return (*_streamed_ring_s(xfer, call, step_fwd_s, step_bwd_s, overlap), cluster.tier_name(tier))
+    h_fwd, h_bwd = xfer(nbytes["ring_fwd"]), xfer(nbytes["ring_bwd"])
+    back = h_bwd if call.backward else 0.0
+    return h_fwd + back, _exposed(h_fwd, step_fwd_s, overlap) + back, cluster.tier_name(tier)
+
+
+def _analytic_times(cluster: Cluster, call: _Call, busiest_share: float, nbytes: dict[str, int],
+                    halo: bool) -> _Times:
+    acc = cluster.accelerator
+    kernel_fwd, kernel_bwd = _kernel_s(call, acc, busiest_share)
+    groups = ulysses_groups(call.world, call.ulysses, call.ring, call.dp)
+    a2a_s, a2a_link = _a2a_time(cluster, groups, call.split, call.a2a_unit, call.backward)
+    ring_comm, ring_exposed, ring_link = _ring_comm_s(cluster, call, nbytes, halo, kernel_fwd / call.ring,
+                                                      kernel_bwd / call.ring)
+    return _Times(kernel_fwd, kernel_bwd, _ring_overhead_s(call, acc), a2a_s, a2a_link, ring_comm, ring_exposed,
+                  ring_link)
+
+
+def _analytic_notes(call: _Call, acc: Any, window: Any, halo: bool) -> list[str]:
+    """What the analytic terms assumed that a reader of the plan should know."""
+    lay, notes = call.lay, []
+    if window is not None:
+        notes.append(f"{window}-token window: blocks it does not reach are skipped"
+                     + ("; only the halo rows are exchanged" if halo else ""))
+    if acc.kernel_call_overhead_us:
+        notes.append(f"{call.ring * (2 if call.backward else 1)} kernel calls at {acc.kernel_call_overhead_us:g} us each")
+    if (imbalance := lay.work_imbalance(call.causal)) > 1:
+        notes.append(f"contiguous causal ring: slowest rank does {imbalance:.2f}x the mean attention work")
+    if lay.padded_len > call.seq_len:
+        notes.append(f"padded {call.seq_len} -> {lay.padded_len} tokens")
+    return notes
+
+
+def _memory_breakdown(call: _Call, model: ModelShape) -> dict[str, int]:
+    """Per-rank bytes: sharded model states, checkpointed layer inputs, and the attention stage's
+    working set (local and head-layout q/k/v/out, fp32 gradients, the ring's buffers)."""
+    b, s, e, D = call.batch, call.lay.local_len, call.e, call.head_dim
+    H, Hkv, (c_max, k_max) = call.heads, call.kv_heads, call.busiest_heads
+    us = call.ulysses * s
+    kv_blk = call.kv_block
+    return {
+        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.params // call.world,
+        "checkpointed_inputs": model.layers * b * s * model.d_model * e,
+        "attention_local_io": b * s * (H + 2 * Hkv + H) * D * e,  # q,k,v,out before/after all-to-all
+        "attention_heads": b * us * D * (3 * c_max * e + 2 * k_max * e) + b * c_max * us * 4,
+        "attention_grads_fp32": (b * us * c_max * D * GRAD_BYTES + kv_blk * GRAD_BYTES) if call.backward else 0,
+        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * GRAD_BYTES * call.backward + b * us * c_max * D * 4)
+        if call.ring > 1
+        else 0,
+        "mlp_recompute": b * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -537,102 +642,125 @@ def _exposed(comm: float, compute: float, overlap: float) -> float:
     return comm - overlap * min(comm, compute)
 
 
-def _calibrated_parts(cal: Any, cluster: Cluster | None, world: int, dp: int, H: int, Hkv: int, D: int,
-                      seq_len: int, batch: int, ulysses: int, ring: int, e: int, layout: str, causal: bool,
-                      backward: bool, dtype: Any, kernels: bool = True) -> dict[str, Any]:
+def _calibrated_times(cluster: Cluster, call: _Call, dtype: Any, window: Any, busiest_share: float,
+                      nbytes: dict[str, int], analytic: _Times) -> tuple[_Times, list[str]]:
+    """The analytic times replaced by the measured ones; a window scales the calibrated kernel and
+    ring terms by the work and the ring bytes it keeps."""
+    parts = _calibrated_parts(cluster.calibration, cluster, call, dtype)
+    kernel_fwd, kernel_bwd = parts["kernel_fwd_s"], parts["kernel_bwd_s"]
+    ring_comm, ring_exposed = parts["ring_comm_s"], parts["ring_exposed_s"]
+    if window is not None:
+        kernel_fwd, kernel_bwd = kernel_fwd * busiest_share, kernel_bwd * busiest_share
+        full = comm_bytes(call.heads, call.kv_heads, call.head_dim, call.seq_len, call.batch, call.ulysses, call.ring,
+                          call.e, call.layout, causal=call.causal)
+        moved = (nbytes["ring_fwd"] + nbytes["ring_bwd"]) / max(1, full["ring_fwd"] + full["ring_bwd"])
+        ring_comm, ring_exposed = ring_comm * moved, ring_exposed * moved
+    times = _Times(
+        kernel_fwd, kernel_bwd, parts["fixed_s"] + parts["merge_s"] + parts["copy_s"], parts["a2a_s"],
+        "measured" if call.ulysses > 1 and analytic.a2a_link != "none" else analytic.a2a_link,
+        ring_comm, ring_exposed, "measured" if call.ring > 1 else analytic.ring_link,
+    )
+    return times, parts["notes"]
+
+
+def _calibrated_kernel_s(cal: Any, call: _Call, dtype: Any, notes: list[str]) -> tuple[float, float]:
+    """Every kernel call of the slowest ring rank at its real block shape (from the layout's step
+    plan), through the fitted ``call overhead + F (1 + tile/Tq) / rate``: (forward, backward) s."""
+    name = dtype_name(dtype)
+    fits = {(c, d): cal.kernel_fit(c, d, dtype=name) for c in (True, False) for d in ("fwd", "bwd")}
+    if any(f is not None and f.dtype != name for f in fits.values()):
+        notes.append(f"kernel rates for {name} not calibrated; used {cal.dtype}")
+    heads = call.batch * call.busiest_heads[0]
+    worst = (0.0, 0.0)
+    for j in range(call.ring):
+        totals = {"fwd": 0.0, "bwd": 0.0}
+        for st in range(call.ring):
+            step = call.lay.step(j, st, call.causal)
+            if step is None:
+                continue
+            for _, nq, _, nk in step.pairs:
+                for direction in ("fwd", "bwd") if call.backward else ("fwd",):
+                    fit = fits[(step.causal, direction)]
+                    if fit is None:
+                        raise ValueError(
+                            f"the calibration has no {'causal' if step.causal else 'full'} {direction} kernel fit; "
+                            "re-run hybrid-cp calibrate with the kernels stage")
+                    totals[direction] += fit.seconds(nq, nk, heads, call.head_dim)
+        if totals["fwd"] + totals["bwd"] > sum(worst):
+            worst = (totals["fwd"], totals["bwd"])
+    return worst
+
+
+def _calibrated_merge_s(cal: Any, call: _Call) -> float:
+    """The online-softmax merges (and the backward's fp32 accumulations) at the measured merge rate."""
+    if cal.merge is None:
+        return 0.0
+    merge_fwd, merge_bwd = call.merge_bytes()
+    return call.ring * cal.merge.seconds(merge_fwd) + (call.ring * cal.merge.seconds(merge_bwd) if call.backward else 0.0)
+
+
+def _calibrated_a2a_s(cal: Any, cluster: Cluster | None, call: _Call, nbytes: dict[str, int], notes: list[str]) -> float:
+    """The measured all-to-all of this ulysses degree (all groups at once); the cluster's links when
+    that degree was not calibrated."""
+    if call.ulysses == 1:
+        return 0.0
+    fit_u = cal.a2a_fit(call.ulysses)
+    if fit_u is not None:
+        lat, bw = fit_u.link.latency_us * 1e-6, fit_u.link.bandwidth_gb_s * 1e9
+        a2a_s = 2 * lat + nbytes["ulysses_fwd"] / bw
+        if call.backward:
+            a2a_s += 2 * lat + nbytes["ulysses_bwd"] / bw
+        return a2a_s
+    if cluster is None:
+        return 0.0
+    notes.append(f"all-to-all of ulysses={call.ulysses} not calibrated; priced with the cluster's links")
+    groups = ulysses_groups(call.world, call.ulysses, call.ring, call.dp)
+    return _a2a_time(cluster, groups, call.split, call.a2a_unit, call.backward)[0]
+
+
+def _calibrated_ring_s(cal: Any, cluster: Cluster | None, call: _Call, kernel_fwd_s: float, kernel_bwd_s: float,
+                       notes: list[str]) -> tuple[float, float]:
+    """The measured neighbour exchange with every rank sending, hidden behind the step's kernels by
+    the measured overlap fraction; the last dK/dV hop is always exposed."""
+    if call.ring == 1:
+        return 0.0, 0.0
+    if cal.p2p is not None:
+        xfer = cal.p2p.seconds
+    elif cluster is not None:
+        xfer = cluster.intra_node.transfer_s
+        notes.append("ring exchange not calibrated; priced with the cluster's intra_node link")
+    else:
+        xfer = lambda n: 0.0  # noqa: E731
+    return _streamed_ring_s(xfer, call, kernel_fwd_s / call.ring, kernel_bwd_s / call.ring, cal.overlap)
+
+
+def _calibrated_parts(cal: Any, cluster: Cluster | None, call: _Call, dtype: Any,
+                      kernels: bool = True) -> dict[str, Any]:
     """One attention call priced with measured rates, term by term (seconds, slowest rank).
 
-    kernel: every kernel call of the slowest ring rank at its real block shape (from the layout's
-    step plan) through the fitted ``call overhead + F (1 + tile/Tq) / rate``; fixed: ``3 r`` step
-    units (forward 1, backward 2) plus one per-call cost; merge: the online-softmax merge (and the
-    backward's fp32 accumulations) at the measured merge rate; copy: the engine's packing copies per
-    byte sent; a2a: the measured all-to-all of this ulysses degree (all groups at once); ring: the
-    measured neighbour exchange with every rank sending, hidden behind the step's kernels by the
-    measured overlap fraction; the last dK/dV hop is always exposed.
+    kernel: :func:`_calibrated_kernel_s`; fixed: ``3 r`` step units (forward 1, backward 2) plus one
+    per-call cost; merge: :func:`_calibrated_merge_s`; copy: the engine's packing copies per byte
+    sent; a2a: :func:`_calibrated_a2a_s`; ring: :func:`_calibrated_ring_s`. Bytes are the full row's;
+    :func:`estimate` scales them for a window.
     """
-    split = head_split(H, Hkv, ulysses)
-    c_max, k_max = max(x[0] for x in split), max(x[3] for x in split)
-    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
-    s = lay.local_len
     notes: list[str] = []
-    name = str(dtype).removeprefix("torch.").lower()
-    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(name, name)
-    fits = {(c, d): cal.kernel_fit(c, d, dtype=name) for c in (True, False) for d in ("fwd", "bwd")}
-    if kernels and any(f is not None and f.dtype != name for f in fits.values()):
-        notes.append(f"kernel rates for {name} not calibrated; used {cal.dtype}")
-    kf = kb = 0.0
-    if kernels:
-        worst = (0.0, 0.0)
-        for j in range(ring):
-            tf = tb = 0.0
-            for st in range(ring):
-                step = lay.step(j, st, causal)
-                if step is None:
-                    continue
-                for _, nq, _, nk in step.pairs:
-                    for direction in ("fwd", "bwd") if backward else ("fwd",):
-                        fit = fits[(step.causal, direction)]
-                        if fit is None:
-                            raise ValueError(
-                                f"the calibration has no {'causal' if step.causal else 'full'} {direction} kernel fit; "
-                                "re-run hybrid-cp calibrate with the kernels stage")
-                        t = fit.seconds(nq, nk, batch * c_max, D)
-                        if direction == "fwd":
-                            tf += t
-                        else:
-                            tb += t
-            if tf + tb > sum(worst):
-                worst = (tf, tb)
-        kf, kb = worst
-    units = ring * (3 if backward else 1)
-    fixed = units * cal.step_overhead_us * 1e-6 + cal.call_overhead_us * 1e-6 * (1.0 if backward else 0.5)
-    merge_s = 0.0
-    if cal.merge is not None:
-        t = ulysses * s
-        merge_s = ring * cal.merge.seconds(batch * t * c_max * D * (e + 8))
-        if backward:
-            merge_s += ring * cal.merge.seconds(batch * t * D * (c_max * 8 + 2 * k_max * (8 + e)))
-    nbytes = comm_bytes(H, Hkv, D, seq_len, batch, ulysses, ring, e, layout, causal=causal)  # full row; estimate() scales for a window
-    if not backward:
-        nbytes.update(ulysses_bwd=0, ring_bwd=0)
+    kf, kb = _calibrated_kernel_s(cal, call, dtype, notes) if kernels else (0.0, 0.0)
+    units = call.ring * (3 if call.backward else 1)
+    fixed = units * cal.step_overhead_us * 1e-6 + cal.call_overhead_us * 1e-6 * (1.0 if call.backward else 0.5)
+    nbytes = call.sent_bytes()
     sent = sum(nbytes.values())
     copy_s = sent / (cal.copy_gb_s * 1e9) if cal.copy_gb_s else 0.0
-    a2a_s = 0.0
-    if ulysses > 1:
-        fit_u = cal.a2a_fit(ulysses)
-        if fit_u is not None:
-            a2a_s = 2 * fit_u.link.latency_us * 1e-6 + nbytes["ulysses_fwd"] / (fit_u.link.bandwidth_gb_s * 1e9)
-            if backward:
-                a2a_s += 2 * fit_u.link.latency_us * 1e-6 + nbytes["ulysses_bwd"] / (fit_u.link.bandwidth_gb_s * 1e9)
-        elif cluster is not None:
-            unit = batch * s * D * e
-            a2a_s = _a2a_time(cluster, ulysses_groups(world, ulysses, ring, dp), split, unit, backward)[0]
-            notes.append(f"all-to-all of ulysses={ulysses} not calibrated; priced with the cluster's links")
-    ring_comm = ring_exposed = 0.0
-    if ring > 1:
-        kv_elems = batch * ulysses * s * 2 * k_max * D
-        if cal.p2p is not None:
-            xfer = cal.p2p.seconds
-        elif cluster is not None:
-            xfer = cluster.intra_node.transfer_s
-            notes.append("ring exchange not calibrated; priced with the cluster's intra_node link")
-        else:
-            xfer = lambda n: 0.0  # noqa: E731
-        c_fwd, c_bwd, c_home = xfer(kv_elems * e), xfer(kv_elems * (e + GRAD_BYTES)), xfer(kv_elems * GRAD_BYTES)
-        ring_comm = (ring - 1) * c_fwd
-        ring_exposed = (ring - 1) * _exposed(c_fwd, kf / ring, cal.overlap)
-        if backward:
-            ring_comm += (ring - 1) * c_bwd + c_home
-            ring_exposed += (ring - 1) * _exposed(c_bwd, kb / ring, cal.overlap) + c_home
-    return {"kernel_fwd_s": kf, "kernel_bwd_s": kb, "fixed_s": fixed, "merge_s": merge_s, "copy_s": copy_s,
-            "a2a_s": a2a_s, "ring_comm_s": ring_comm, "ring_exposed_s": ring_exposed, "sent_bytes": sent,
-            "notes": notes}
+    a2a_s = _calibrated_a2a_s(cal, cluster, call, nbytes, notes)
+    ring_comm, ring_exposed = _calibrated_ring_s(cal, cluster, call, kf, kb, notes)
+    return {"kernel_fwd_s": kf, "kernel_bwd_s": kb, "fixed_s": fixed, "merge_s": _calibrated_merge_s(cal, call),
+            "copy_s": copy_s, "a2a_s": a2a_s, "ring_comm_s": ring_comm, "ring_exposed_s": ring_exposed,
+            "sent_bytes": sent, "notes": notes}
 
 
 def engine_known_s(cal: Any, ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
                    e: int) -> tuple[float, int]:
     """The measured parts of a no-arithmetic engine call (all-to-all, ring exchange, merges) as the
     model prices them, and the bytes it sends; calibration fits the fixed costs to the remainder."""
-    p = _calibrated_parts(cal, None, ulysses * ring, 1, heads, kv_heads, head_dim, seq_len, 1, ulysses, ring, e,
-                          "zigzag", True, True, e, kernels=False)
+    call = _Call(heads, kv_heads, head_dim, seq_len, 1, ulysses, ring, e)
+    p = _calibrated_parts(cal, None, call, None, kernels=False)
     return p["merge_s"] + p["a2a_s"] + p["ring_exposed_s"], p["sent_bytes"]

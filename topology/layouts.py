@@ -332,6 +332,12 @@ class Layout:
         return [[sum(t.work() for t in self.tasks(j, s, causal, window)) for s in range(self.ring)]
                 for j in range(self.ring)]
 
+    def work_imbalance(self, causal: bool = True) -> float:
+        """The busiest ring rank's attention work over the mean, in the continuous limit (whole
+        blocks, ignoring the diagonal's half rows) that the cost model prices: 1 for layouts that
+        balance causal work (zigzag pairs chunks j and 2r-1-j; packed layouts balance by design)."""
+        return 1.0
+
     def kernel_calls(self, causal: bool = True, window=None) -> list[int]:
         """(query, key) segment pairs per ring rank over all steps: what its kernel calls carry."""
         return [sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window))
@@ -433,6 +439,11 @@ class DenseContiguous(Layout):
 
     def _spans(self, ring_rank: int) -> list[Span]:
         return _dense_spans([(ring_rank * self.block_len, self.block_len)], self.seq_len)
+
+    def work_imbalance(self, causal: bool = True) -> float:
+        """Causal: ring rank j computes j whole blocks and one half block, j + 1/2 in block units; the
+        last rank's r - 1/2 over the mean r/2 is 2 - 1/r."""
+        return 2.0 - 1.0 / self.ring if causal and self.ring > 1 else 1.0
 
 
 def _dense_spans(chunks: list[tuple[int, int]], seq_len: int) -> list[Span]:

@@ -31,16 +31,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import ModelShape, _local_tokens, dtype_bytes, head_split
-from .layouts import module_chunks
+from .cost import ModelShape
+from .layouts import head_split, make_layout, module_chunks
+from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq"]
 
-GiB = 1 << 30
-ADAM_STATE = 8  # two fp32 moments per parameter
-MASTER = 4      # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
-GRAD = 4        # fp32 gradients (reduce dtype)
+ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
+MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
+GRAD = FP32_BYTES  # fp32 gradients (reduce dtype)
 LOSS_CHUNK_BYTES = 256 << 20  # hcp.tiled_cross_entropy's default chunk: 256 MiB of fp32 logits
+
+# Engine-level head chunks (hybrid_cp.headchunk) counted in q-sized pieces of one chunk (G x c_chunk x D
+# elements): the current chunk's received copies, the ring's accumulators and, overlapped, the next chunk's
+# send and receive buffers and the previous chunk's return (forward and backward respectively). The counts
+# came in with commit 536b27f ("planner prices the head-chunked engine as built"); docs/memory.md does not
+# itemise them further.
+CHUNK_FWD_PIECES = 8
+CHUNK_BWD_PIECES = 13
+# The overlapped module-chunk schedule keeps more alive than the serial one: the next stage's exchange and
+# the previous chunk's returning results. Measured on the attention module alone that is 0.3-0.65 of one
+# chunk's working set (docs/memory.md, the module overlap table and its limitations list: fitted to that
+# table, not measured on a whole step); the planner charges the top of that range on top of the chunk.
+OVERLAP_IN_FLIGHT = 1.65
+# The tiled MLP's backward working set, in [chunk tokens, intermediate] tensors of the compute dtype (on
+# top of d(hidden) and the fp32 weight gradients). It came in with the exact step measurements (commit
+# 31d64fe) without a written derivation; its check is docs/memory.md's step table, whose tiled-MLP rows
+# put the estimate within -1.3% .. +1.0% of the measured peak.
+TILED_MLP_BWD_CHUNKS = 6.5
 
 
 @dataclass(frozen=True)
@@ -122,7 +140,7 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
     `hc` engine-level chunks: (bytes saved per local token, forward and backward working sets of the
     module, and of the engine inside it)."""
     split = head_split(H, Hkv, ulysses)
-    i = max(range(ulysses), key=lambda j: (split[j][0], split[j][3])) if rank is None else rank
+    i = _busiest_rank(split) if rank is None else rank
     c, k = split[i][0], split[i][3]
     G = ulysses * T          # tokens of the ulysses group (the heads' sequence after the all-to-all)
     hc = min(hc, c)
@@ -149,10 +167,87 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
         # per chunk (q-sized pieces of G * c_chunk * D): the current chunk's received copies, the ring's
         # accumulators, and (overlap) the next chunk's send + receive buffers and the previous chunk's return
         piece = G * c_chunk * D * e
-        engine_fwd = T * H * D * e + G * 2 * k * D * e + 8 * piece + ring_buf // 2
+        engine_fwd = T * H * D * e + G * 2 * k * D * e + CHUNK_FWD_PIECES * piece + ring_buf // 2
         engine_bwd = (T * H * D * e + G * 2 * k * D * GRAD + T * 2 * Hkv * D * GRAD   # dq, fp32 dK/dV
-                      + 13 * piece + ring_buf)
+                      + CHUNK_BWD_PIECES * piece + ring_buf)
     return saved, module_fwd + engine_fwd, module_bwd + engine_bwd, engine_fwd, engine_bwd
+
+
+def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
+    """The ulysses rank with the most query heads (then KV heads): the one whose memory is priced."""
+    return max(range(len(split)), key=lambda j: (split[j][0], split[j][3]))
+
+
+def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[dict[str, int], int, int, int]:
+    """Model-state bytes held through the step, then those that appear in backward: (persistent, one
+    block's unsharded gradient, the root's unsharded gradient, all unsharded gradients)."""
+    P, lp, root = model.params, model.layer_params, 2 * model.vocab * model.d_model
+    if not fsdp:  # every rank holds all of it in fp32; the gradients appear in backward (the LM head's first)
+        return {"params": MASTER * P, "adam": ADAM_STATE * P}, 0, 0, GRAD * P
+    persistent = {
+        "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,  # fp32 master weights are the shards
+        "unsharded_root": root * e if world > 1 else 0,
+        "unsharded_blocks": 2 * lp * e if world > 1 else 0,  # the current block and the prefetched one
+    }
+    grad_block = lp * max(e, GRAD) if world > 1 else 0
+    grad_root = root * max(e, GRAD) if world > 1 else 0
+    return persistent, grad_block, grad_root, 0
+
+
+def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: int, T: int,
+                     o: MemoryOptions) -> tuple[int, int, int, int, int]:
+    """The attention module: (bytes saved per local token, module forward and backward working sets,
+    engine forward and backward working sets), with module-level chunks when the options ask."""
+    H, Hkv, D, E = model.heads, model.n_kv, model.head_dim, model.d_model
+    ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
+    if len(ranges) == 1:
+        return _attention_module(H, Hkv, D, E, e, ulysses, ring, rank, T, inner)
+    # module-level chunks (hybrid_cp.modulechunk): forward saves nothing but the module's input; the
+    # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
+    # chunk (its projections and attention) at a time, more of it alive when overlapped
+    kv_m = max(b - a for a, b in ranges)
+    saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(kv_m * (H // Hkv), kv_m, D, E, e, ulysses,
+                                                                      ring, None, T, inner)
+    in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
+    attn_fwd = int(in_flight * fwd_m) + T * E * e
+    attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
+    return 0, attn_fwd, attn_bwd, engine_fwd, engine_bwd
+
+
+def _mlp_stage(T: int, E: int, inter: int, n_mlp: int, e: int, tiled_mlp: int) -> tuple[int, int]:
+    """The MLP's forward and backward working sets: whole, or one chunk of ``tiled_mlp`` tokens."""
+    if not tiled_mlp:
+        return (n_mlp + 1) * T * inter * e + T * E * e, 2 * T * inter * e + T * inter * max(e, 4) + T * E * e
+    C = min(tiled_mlp, T)
+    fwd = max(T * E * e + 3 * C * inter * e - C * E * e, 2 * T * E * e)
+    bwd = T * E * e + 2 * n_mlp * E * inter * max(e, 4) + int(TILED_MLP_BWD_CHUNKS * C * inter * e)
+    return fwd, bwd
+
+
+def _loss_stage(T: int, E: int, V: int, e: int, o: MemoryOptions) -> tuple[int, int]:
+    """The loss's forward and backward working sets: full ``[tokens, vocab]`` logits, or one chunk."""
+    if not o.tiled_loss:
+        return T * V * e + T * V * 4 + (T * V * 4 if e < 4 else 0), 2 * T * V * 4 + (T * V * e if e < 4 else 0)
+    C = min(o.loss_chunk or max(1, LOSS_CHUNK_BYTES // (4 * max(1, V))), T)
+    fwd = C * V * max(e, 4) + (C * V * e if e < 4 else 0)
+    bwd = (C * V * 4 + (2 * C * V * e if e < 4 else 0)   # one fp32 buffer: logits, probs, d(logits)
+           + V * E * 4 + (V * E * e if e < 4 else 0)     # fp32 weight-gradient accumulator (+ cast)
+           + T * E * e)                                  # d(hidden)
+    return fwd, bwd
+
+
+def _activations(model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: int,
+                 o: MemoryOptions) -> tuple[int, int]:
+    """(one layer's saved tensors, all activations alive at the start of backward)."""
+    E, L = model.d_model, model.layers
+    layer_saved = T * (2 * _norm(e, o.fused_norm) * E + attn_saved + mlp_saved)
+    final = T * _norm(e, o.fused_norm) * E  # final norm
+    if not o.checkpoint:
+        return layer_saved, L * layer_saved + final
+    acts = (0 if o.offload_checkpoints else L * T * E * e) + layer_saved + final  # one layer recomputed
+    if o.offload_checkpoints:
+        acts += 2 * T * E * e  # the layer input being fetched back
+    return layer_saved, acts
 
 
 def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
@@ -166,107 +261,43 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     the most heads (or ``ulysses_rank``).
     """
     o = options or MemoryOptions()
-    for name, v in (("seq_len", seq_len), ("ulysses", ulysses), ("ring", ring), ("dp", dp), ("batch", batch)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}={v!r} must be an integer >= 1")
-    e = dtype_bytes(dtype)
-    world = dp * ulysses * ring
-    H, Hkv, D, E = model.heads, model.n_kv, model.head_dim, model.d_model
-    inter = model.intermediate or 4 * E
+    check_counts(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
+    e, world = dtype_bytes(dtype), dp * ulysses * ring
+    E, V, inter = model.d_model, model.vocab, model.intermediate or 4 * model.d_model
     n_mlp = 3 if (model.gated_mlp or model.intermediate is None) else 2
-    V, L = model.vocab, model.layers
-    split = head_split(H, Hkv, ulysses)
-    i = max(range(ulysses), key=lambda j: (split[j][0], split[j][3])) if ulysses_rank is None else ulysses_rank
-    _, s = _local_tokens(seq_len, ulysses, ring, layout)
-    T = batch * s            # local tokens
-    notes: list[str] = []
-
-    # --- persistent: model states ------------------------------------------------------------
-    P = model.params
-    lp = model.layer_params
-    root = 2 * V * E
-    if o.fsdp:
-        persistent = {
-            "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,
-            "unsharded_root": root * e if world > 1 else 0,
-            "unsharded_blocks": 2 * lp * e if world > 1 else 0,
-        }
-        grad_block = lp * max(e, GRAD) if world > 1 else 0   # one block's unsharded gradient in backward
-        grad_root = root * max(e, GRAD) if world > 1 else 0
-        if e < 4:
-            persistent["sharded_states"] += 0  # fp32 master weights are the sharded parameters
-    else:
-        persistent = {"params": MASTER * P, "adam": ADAM_STATE * P}
-        grad_block, grad_root = 0, 0
-    # gradients: under FSDP2 the sharded fp32 gradients are in sharded_states; without it they appear in
-    # backward (the LM head's first)
-    grads_unsharded = 0 if o.fsdp else GRAD * P
-
-    # --- the attention module (per local token saved, forward and backward working sets) ---------
-    ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
-    if len(ranges) == 1:
-        attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_module(H, Hkv, D, E, e, ulysses, ring, i, T,
-                                                                                   inner)
-    else:
-        # module-level chunks (hybrid_cp.modulechunk): forward saves nothing but the module's input; the
-        # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
-        # chunk (its projections and attention) at a time. Overlapped, more is alive: the next stage's
-        # exchange and the previous chunk's returning results; measured on the attention module alone
-        # (docs/memory.md) that costs 0.3-0.65 of one chunk's working set: we charge 0.65.
-        kv_m = max(b - a for a, b in ranges)
-        saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(kv_m * (H // Hkv), kv_m, D, E, e, ulysses,
-                                                                          ring, None, T, inner)
-        in_flight = 1.65 if o.overlap else 1.0
-        attn_saved = 0
-        attn_fwd = int(in_flight * fwd_m) + T * E * e
-        attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
+    split = head_split(model.heads, model.n_kv, ulysses)
+    rank = _busiest_rank(split) if ulysses_rank is None else ulysses_rank
+    T = batch * make_layout(layout, ulysses, ring, seq_len=seq_len).local_len  # local tokens
+    persistent, grad_block, grad_root, grads_unsharded = _model_states(model, world, e, o.fsdp)
+    attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, e, ulysses, ring, rank, T, o)
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
-    layer_saved = T * (2 * _norm(e, o.fused_norm) * E + attn_saved + mlp_saved)
-    final = T * _norm(e, o.fused_norm) * E                               # final norm
-    if o.checkpoint:
-        kept = 0 if o.offload_checkpoints else L * T * E * e
-        acts = kept + layer_saved + final                   # one layer recomputed in backward
-        if o.offload_checkpoints:
-            acts += 2 * T * E * e                           # the layer input being fetched back
-    else:
-        acts = L * layer_saved + final
-
-    if o.tiled_mlp:
-        C = min(o.tiled_mlp, T)
-        mlp_fwd = max(T * E * e + 3 * C * inter * e - C * E * e, 2 * T * E * e)
-        mlp_bwd = T * E * e + 2 * n_mlp * E * inter * max(e, 4) + int(6.5 * C * inter * e)
-    else:
-        mlp_fwd = (n_mlp + 1) * T * inter * e + T * E * e
-        mlp_bwd = 2 * T * inter * e + T * inter * max(e, 4) + T * E * e
-    if o.tiled_loss:
-        C = min(o.loss_chunk or max(1, LOSS_CHUNK_BYTES // (4 * max(1, V))), T)
-        loss_fwd = C * V * max(e, 4) + (C * V * e if e < 4 else 0)
-        loss_bwd = (C * V * 4 + (2 * C * V * e if e < 4 else 0)   # one fp32 buffer: logits, probs, d(logits)
-                    + V * E * 4 + (V * E * e if e < 4 else 0)       # fp32 weight-gradient accumulator (+ cast)
-                    + T * E * e)                                     # d(hidden)
-    else:
-        loss_fwd = T * V * e + T * V * 4 + (T * V * 4 if e < 4 else 0)
-        loss_bwd = 2 * T * V * 4 + (T * V * e if e < 4 else 0)
-    saved_logits = 0 if o.tiled_loss else T * V * 4
-    stages = {"engine_fwd": int(engine_fwd), "engine_bwd": int(engine_bwd), "attention_fwd": int(attn_fwd), "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd),
-              "mlp_bwd": int(mlp_bwd), "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
+    layer_saved, acts = _activations(model, T, e, attn_saved, mlp_saved, o)
+    mlp_fwd, mlp_bwd = _mlp_stage(T, E, inter, n_mlp, e, o.tiled_mlp)
+    loss_fwd, loss_bwd = _loss_stage(T, E, V, e, o)
+    stages = {"engine_fwd": int(engine_fwd), "engine_bwd": int(engine_bwd), "attention_fwd": int(attn_fwd),
+              "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd), "mlp_bwd": int(mlp_bwd),
+              "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
     if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
         stages["recompute"] = int(max(attn_fwd, mlp_fwd))
 
     base = sum(persistent.values())
-    largest = max(V * E, E * inter, H * D * E) // (world if o.fsdp else 1)
-    optimizer_temp = 4 * P // (world if o.fsdp else 1)
+    shards = world if o.fsdp else 1
+    largest = max(V * E, E * inter, model.heads * model.head_dim * E) // shards
+    optimizer_temp = 4 * model.params // shards
     # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's
     # and the second norm's saved tensors are freed
-    layer_bwd = max(layer_saved + mlp_bwd, layer_saved - T * (mlp_saved + _norm(e, o.fused_norm) * E) + attn_bwd) + grad_block
+    layer_bwd = max(layer_saved + mlp_bwd,
+                    layer_saved - T * (mlp_saved + _norm(e, o.fused_norm) * E) + attn_bwd) + grad_block
+    recomputed = layer_saved if o.checkpoint else 0
     phases = {
-        "forward": base + acts - (layer_saved if o.checkpoint else 0) + max(attn_fwd, mlp_fwd),
-        "loss": base + acts + saved_logits + max(loss_fwd, loss_bwd) - (layer_saved if o.checkpoint else 0),
+        "forward": base + acts - recomputed + max(attn_fwd, mlp_fwd),
+        "loss": base + acts + (0 if o.tiled_loss else T * V * 4) + max(loss_fwd, loss_bwd) - recomputed,
         "last_layer_backward": base + acts - layer_saved + grad_root + (GRAD * V * E if not o.fsdp else 0) + layer_bwd,
         "optimizer": base + grads_unsharded + (optimizer_temp if o.foreach_optimizer else 2 * 4 * largest),
     }
+    notes = []
     if o.checkpoint and o.offload_checkpoints:
-        notes.append(f"{L * T * E * e / GiB:.1f} GiB of checkpointed layer inputs in host memory")
+        notes.append(f"{model.layers * T * E * e / GiB:.1f} GiB of checkpointed layer inputs in host memory")
     persistent = {kk: int(v) for kk, v in persistent.items()}
     persistent["activations"] = int(acts)
     return MemoryEstimate(peak=int(max(phases.values())), persistent=persistent, stages=stages,

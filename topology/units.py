@@ -1,4 +1,4 @@
-"""Element sizes and byte units that the cost, memory and calibration models share.
+"""Element sizes, byte units and the count check that the cost, memory and calibration models share.
 
 One table of dtype names (the torch names, and the short aliases the CLI and presets use) and their
 sizes, so that every model reads a dtype the same way.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DTYPE_BYTES", "DTYPE_ALIASES", "FP32_BYTES", "GiB", "dtype_bytes", "dtype_name"]
+__all__ = ["DTYPE_BYTES", "DTYPE_ALIASES", "FP32_BYTES", "GiB", "dtype_bytes", "dtype_name", "check_counts"]
 
 GiB = 1 << 30
 FP32_BYTES = 4  # gradients, softmax statistics and optimizer states are kept in fp32
@@ -41,3 +41,10 @@ def dtype_bytes(dtype: Any) -> int:
         known = ", ".join(sorted({*DTYPE_BYTES, *DTYPE_ALIASES}))
         raise ValueError(f"unknown dtype {dtype!r}; use one of {known} or a byte count")
     return DTYPE_BYTES[name]
+
+
+def check_counts(**counts: int) -> None:
+    """Raise ValueError unless every value is an integer >= 1 (``True`` is not a count)."""
+    for name, v in counts.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an integer >= 1")
