@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 import hybrid_cp as hcp
 from hybrid_cp.batch import shard_batch
+from hybrid_cp.cli.demo import sample_batch, stdlib_corpus
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
 from hybrid_cp.loss import cross_entropy
-from hybrid_cp.train_demo import sample_batch, stdlib_corpus
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

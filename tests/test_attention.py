@@ -1,18 +1,12 @@
 """hcp.attention against single-device fp64 attention, forward and backward, on 1-8 gloo ranks."""
 
 import pytest
-
 from dist_cases import assert_errors
+
+from hybrid_cp.testing.cases import attention_cases as _cases
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 TENSORS = ("out", "lse", "dq", "dk", "dv")
-
-
-def _cases(u: int, dtype: str = "fp32", lengths=(512, 1000)) -> list[dict]:
-    heads = [(8, 8), (8, 2), (8, 1)]          # MHA, GQA, MQA
-    heads += [(h, 2) for h in (6, 10) if h >= u]  # uneven splits (10 on u=4 gives ragged GQA groups)
-    return [dict(b=2, n=n, h=h, hkv=hkv, d=64 if n == 512 else 32, causal=c, dtype=dtype)
-            for n in lengths for h, hkv in heads for c in (True, False)]
 
 
 def _check(rows_per_rank, limit: float) -> None:

@@ -10,7 +10,6 @@ from topology import Cluster
 from topology.cost import ModelShape
 from topology.memory import MemoryOptions, max_seq_len, step_memory
 
-
 LLAMA8B = ModelShape.preset("llama3-8b")
 
 
@@ -125,7 +124,7 @@ def test_module_chunks_keep_nothing_across_checkpointed_layers(pool):
 def test_plan_max_seq_cli(capsys):
     import json
 
-    from topology.cli import main
+    from hybrid_cp.cli.plan import main
 
     assert main(["--preset", "dgx-h100", "--nodes", "1", "--model", "llama3-8b", "--max-seq", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

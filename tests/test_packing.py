@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_cases import assert_errors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topology
-from dist_cases import assert_errors
+from hybrid_cp.testing.cases import packed_cases as _cases
 from topology.layouts import PAD, Packed, make_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -96,15 +97,6 @@ def _cu(lens):
     for n in lens:
         out.append(out[-1] + n)
     return out
-
-
-def _cases(u: int, seed: int) -> list[dict]:
-    from dist_cases import doc_mix
-
-    mixes = [doc_mix(seed, 7, 301), [1, 2, 3, u * 2 + 1, 150] + [1] * 3, [97]]
-    heads = [(8, 2), (8, 1)] + [(h, 2) for h in (6, 10) if h >= u]
-    return [dict(docs=list(m), h=h, hkv=hkv, d=16, causal=c, seed=seed + i)
-            for i, m in enumerate(mixes) for h, hkv in heads[:3] for c in (True, False)]
 
 
 def _check(rows_per_rank, limit: float = 1e-5) -> None:

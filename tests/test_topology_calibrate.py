@@ -10,7 +10,16 @@ import pytest
 
 from topology import Cluster, ModelShape, estimate
 from topology.calibration import (
-    A2AFit, Calibration, CalibrationSpec, KernelFit, LinkFit, collect, default_spec, fit, heads_per_call, kernel_flops,
+    A2AFit,
+    Calibration,
+    CalibrationSpec,
+    KernelFit,
+    LinkFit,
+    collect,
+    default_spec,
+    fit,
+    heads_per_call,
+    kernel_flops,
 )
 from topology.cost import engine_known_s
 
@@ -224,7 +233,7 @@ def test_calibrated_model_prices_every_term():
 
 
 def test_calibrated_cluster_round_trips_and_plans(tmp_path, capsys):
-    from topology.cli import main as plan_main
+    from hybrid_cp.cli.plan import main as plan_main
 
     cal = _true_calibration().model_copy(update={
         "kernels": [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=r, call_overhead_us=o,
@@ -243,7 +252,8 @@ def test_calibrated_cluster_round_trips_and_plans(tmp_path, capsys):
 
 
 def test_bench_cli_errors_are_loud(capsys, monkeypatch):
-    from hybrid_cp.bench_cli import bench_main, calibrate_main
+    from hybrid_cp.cli.bench import main as bench_main
+    from hybrid_cp.cli.calibrate import main as calibrate_main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert bench_main(["--ulysses", "2", "--ring", "2", "--seq-len", "64", "--heads", "2", "--head-dim", "8"]) == 2
@@ -260,7 +270,8 @@ def test_bench_cli_errors_are_loud(capsys, monkeypatch):
 
 def test_end_to_end_calibrate_then_bench(pool):
     """A tiny real calibration on the suite's 8 gloo ranks, then one bench case priced from it."""
-    from hybrid_cp.bench_cli import _calibrated_cluster, format_bench, summarize
+    from hybrid_cp.cli.bench import format_bench, summarize
+    from hybrid_cp.cli.calibrate import calibrated_cluster as _calibrated_cluster
 
     spec = CalibrationSpec(world=8, kernel_shapes=[(64, 64, 4, True), (256, 256, 2, True), (128, 64, 4, False),
                                                    (256, 128, 2, False)],
@@ -268,7 +279,7 @@ def test_end_to_end_calibrate_then_bench(pool):
                            overlap_tokens=128, overlap_bytes=1 << 14, engine_heads=8, engine_kv_heads=2,
                            engine_lengths=[128], kernel_passes=1, probe_passes=1,
                            stages=["kernels", "merge", "p2p", "overlap", "engine"])  # a2a: covered by the fake source
-    res = pool.run("hybrid_cp.bench:measure_rank", timeout=600, spec=spec.model_dump(), repeats=1)
+    res = pool.run("hybrid_cp.cli.measure:measure_rank", timeout=600, spec=spec.model_dump(), repeats=1)
     r0 = res[0]
     kinds = {s["kind"] for s in r0["samples"]}
     assert {"kernel", "merge", "p2p", "overlap", "engine", "probe"} <= kinds, [s for s in r0["samples"] if s["kind"] == "skip"]
@@ -281,7 +292,7 @@ def test_end_to_end_calibrate_then_bench(pool):
     assert any("a2a: not requested" in x for x in cal.not_measured)  # said, not hidden
     cluster = _calibrated_cluster(cal, 1, 8, "gloo")
     assert Cluster.from_yaml(cluster.to_yaml()) == cluster
-    out = pool.run("hybrid_cp.bench:bench_rank", timeout=600, ulysses=2, ring=4, seq_len=256, heads=8, kv_heads=2,
+    out = pool.run("hybrid_cp.cli.measure:bench_rank", timeout=600, ulysses=2, ring=4, seq_len=256, heads=8, kv_heads=2,
                    head_dim=16, causal=True, repeats=2, warmup=1)
     summary = summarize(out, 2, 4, 256, 8, 2, 16, True, "float32", 1, cluster)
     assert summary["load_factor"] > 0 and summary["predicted_load_adjusted_s"] > 0

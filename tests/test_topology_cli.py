@@ -1,12 +1,12 @@
-"""`hybrid-cp plan` command line (topology.cli.main)."""
+"""`hybrid-cp plan` command line (hybrid_cp.cli.plan.main)."""
 
 import json
 import sys
 
 import pytest
 
+from hybrid_cp.cli.plan import main, parse_bytes, parse_count
 from topology import Cluster
-from topology.cli import main, parse_bytes, parse_count
 
 ARGS = ["--preset", "dgx-h100", "--nodes", "4", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
         "--hidden", "4096", "--layers", "32", "--seq-len", "1M"]  # fmt: skip

@@ -4,21 +4,13 @@ non-causal (left, right)), skipped blocks, and halo traffic counted against the 
 from __future__ import annotations
 
 import pytest
+from dist_cases import assert_errors as _check
 
 import topology
-from dist_cases import assert_errors as _check
+from hybrid_cp.testing.cases import window_cases as _cases
 from topology.layouts import make_layout
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
-
-
-def _cases(u: int) -> list[dict]:
-    heads = [(8, 2), (8, 1)] + ([(10, 2)] if u <= 10 else [])
-    dense = [dict(n=n, causal=c, window=w) for n in (61, 256) for c, w in
-             [(True, 1), (True, 5), (True, 40), (True, 300), (False, (3, 7)), (False, (0, 50)), (False, (400, 2))]]
-    packed = [dict(docs=[30, 1, 90, 7, 50], causal=c, window=w) for c, w in [(True, 3), (True, 33), (False, (5, 2))]]
-    return [dict(**case, h=heads[i % len(heads)][0], hkv=heads[i % len(heads)][1], d=16, seed=i)
-            for i, case in enumerate(dense + packed)]
 
 
 @pytest.mark.parametrize("u,r", MESHES)

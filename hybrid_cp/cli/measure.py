@@ -1,9 +1,9 @@
-"""Measuring harness for `hybrid-cp bench` and `hybrid-cp calibrate` (runs on every rank).
+"""What `hybrid-cp bench` and `hybrid-cp calibrate` measure, on every rank.
 
 Everything here times the engine through its public entry points (`init_cp_mesh`, `shard`,
 `attention`, the kernels' `forward`/`backward`, `ring.merge_`) so that what the planner is
 calibrated on is what a user runs. Each task function runs on every rank (a `WorkerPool` task
-"hybrid_cp.bench:NAME", or directly under torchrun) and returns plain Python data; the parent
+"hybrid_cp.cli.measure:NAME", or directly under torchrun) and returns plain Python data; the parent
 combines ranks. Timings are taken between barriers and reported per repeat as the slowest rank,
 because a collective-bound step finishes when its slowest rank does; compute that no collective
 ends (a calibration's kernel calls and merges) is timed as the group's span instead.
@@ -293,9 +293,11 @@ class TorchRateSource:
         return min(times)
 
 
-def measure_rank(spec: dict, repeats: int = 3, progress_file: str | None = None) -> dict[str, Any]:
-    """Every calibration timing of ``spec`` (a ``CalibrationSpec`` as a dict) on this rank; rank 0
-    reports progress (printed, or appended to ``progress_file`` when the parent shows it)."""
+def measure_rank(spec: dict, repeats: int = 3, progress: Any | None = None) -> dict[str, Any]:
+    """Every calibration timing of ``spec`` (a ``CalibrationSpec`` as a dict) on this rank.
+
+    Rank 0 hands each progress line to ``progress.put`` (a queue that the parent of a worker pool
+    drains, or the display itself under torchrun); without ``progress`` it prints them."""
     import os
 
     from topology.calibration import CalibrationSpec, collect
@@ -303,18 +305,17 @@ def measure_rank(spec: dict, repeats: int = 3, progress_file: str | None = None)
     source = TorchRateSource(repeats)
     t_start = time.perf_counter()
 
-    def progress(msg: str) -> None:
+    def report(msg: str) -> None:
         if source.rank != 0:
             return
         line = f"[{time.perf_counter() - t_start:6.1f} s] {msg}"
-        if progress_file:
-            with open(progress_file, "a") as f:
-                f.write(line + "\n")
+        if progress is not None:
+            progress.put(line)
         else:
             print(line, flush=True)
 
     torch.manual_seed(0)
-    samples = collect(source, CalibrationSpec(**spec), progress)
+    samples = collect(source, CalibrationSpec(**spec), report)
     device = source.device
     return {"samples": samples, "kernel_names": source.kernel_names, "backend": dist.get_backend(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

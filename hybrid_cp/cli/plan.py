@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
-from typing import Sequence
 
-from .cluster import Cluster, ClusterError
-from .cost import MODEL_PRESETS, ModelShape
-from .discovery import discover
-from .planner import PlanError, PlanList, plan
+from topology.cluster import Cluster, ClusterError
+from topology.cost import MODEL_PRESETS, ModelShape
+from topology.discovery import discover
+from topology.memory import add_max_seq_arguments, max_seq_main
+from topology.planner import PlanError, PlanList, plan
 
-__all__ = ["main", "parse_count", "parse_bytes"]
+from .command import Command, UsageError, fail
+
+__all__ = ["COMMAND", "main", "parse_count", "parse_bytes", "plot_plans"]
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -43,11 +44,7 @@ def parse_bytes(text: str) -> float:
     return float(m.group(1)) * ((1024 if m.group(3) else 1000) ** exp)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hybrid-cp plan",
-        description="Rank (ulysses, ring, dp) splits by predicted throughput and print the chosen plan.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("cluster (one of)")
     src.add_argument("--preset", help=f"named cluster: {', '.join(Cluster.preset_names())}")
     src.add_argument("--cluster", metavar="FILE", help="cluster YAML/JSON written by Cluster.save")
@@ -76,10 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--top", type=int, default=0, help="show only the N best plans")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--plot", metavar="FILE", help="stacked bar chart of the time components (needs matplotlib)")
-    from .memory import add_max_seq_arguments
-
     add_max_seq_arguments(p)
-    return p
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
@@ -136,18 +130,14 @@ def plot_plans(plans: PlanList, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hybrid-cp plan``; returns the process exit code."""
-    parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+def run(args: argparse.Namespace) -> int:
+    """``hybrid-cp plan`` on parsed flags; returns the process exit code."""
     if args.seq_len is None and not args.max_seq:
-        parser.error("--seq-len is required (or --max-seq to find the longest sequence that fits)")
+        raise UsageError("--seq-len is required (or --max-seq to find the longest sequence that fits)")
     try:
         cluster = _cluster(args)
         model = _model(args)
         if args.max_seq:
-            from .memory import max_seq_main
-
             return max_seq_main(args, cluster, model)
         plans = plan(
             cluster, model, args.seq_len, batch=args.batch, world_size=args.world_size,
@@ -156,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot:
             plot_plans(plans, args.plot)
     except (ClusterError, PlanError, ValueError, RuntimeError) as exc:
-        print(f"hybrid-cp plan: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("plan", str(exc))
     if args.json:
         print(json.dumps(plans.to_dict(), indent=2))
     else:
@@ -168,6 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"plot written to {args.plot}")
     return 0
 
+
+COMMAND = Command("plan", "rank (ulysses, ring) splits for a cluster and model with the cost model",
+                  "Rank (ulysses, ring, dp) splits by predicted throughput and print the chosen plan.",
+                  add_arguments, run)
+main = COMMAND.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -18,6 +18,10 @@ import hybrid_cp as hcp
 from hybrid_cp.kernels import get_kernel
 from hybrid_cp.layout import local_indices, padded_length
 from hybrid_cp.testing import WorkerPool
+from topology import comm_bytes
+
+from .command import Command
+from .table import format_table
 
 STAGES = ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")
 
@@ -62,8 +66,7 @@ def _gather(results: list[dict], name: str, seq_len: int, layout: str, u: int, r
     return full[:, :seq_len]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hybrid-cp attention-demo", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ulysses", type=int, default=4)
     p.add_argument("--ring", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=16384)
@@ -72,55 +75,68 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--repeats", type=int, default=2, help="timed forward+backward runs (min and median shown)")
-    a = p.parse_args(argv)
-    world = a.ulysses * a.ring
-    print(f"hybrid-cp attention demo: {world} gloo processes, ulysses={a.ulysses} x ring={a.ring}, "
-          f"causal GQA (H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}), {a.seq_len} tokens, {a.dtype}")
-    t0 = time.perf_counter()
-    with WorkerPool(world) as pool:
-        results = pool.run("hybrid_cp.demo:run_rank", timeout=1800, ulysses=a.ulysses, ring=a.ring,
-                           seq_len=a.seq_len, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
-                           dtype=a.dtype, repeats=a.repeats)
-    wall = time.perf_counter() - t0
-    results.sort(key=lambda res: res["rank"])
-    times = sorted(max(res["times"][i] for res in results) for i in range(a.repeats))
 
-    # Single-device reference in this process: the same fused kernel on the whole sequence.
+
+def _single_device(a: argparse.Namespace) -> tuple[dict[str, torch.Tensor], float]:
+    """The reference in this process: the same fused kernel on the whole sequence; and its time."""
     dt = getattr(torch, a.dtype)
     q, k, v, dout = _inputs(0, a.seq_len, a.heads, a.kv_heads, a.head_dim, dt)
     kernel = get_kernel("auto", q.device, dt, a.head_dim)
     scale = 1 / math.sqrt(a.head_dim)
     t1 = time.perf_counter()
     out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
-    ref = dict(zip(["out", "dq", "dk", "dv"], (out,) + kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale)))
-    single = time.perf_counter() - t1
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+    return dict(zip(["out", "dq", "dk", "dv"], (out, *grads))), time.perf_counter() - t1
 
-    print(f"\n{'tensor':8} {'max |cp - single|':>18} {'relative':>10}")
-    worst = 0.0
+
+def _errors(results: list[dict], ref: dict[str, torch.Tensor], a: argparse.Namespace) -> float:
+    """Print each tensor's largest error against the reference; the largest relative one."""
+    rows = []
     for name, full in ref.items():
         got = _gather(results, name, a.seq_len, "zigzag", a.ulysses, a.ring)
         err = (got.double() - full.double()).abs().max().item()
-        rel = err / full.double().abs().max().item()
-        worst = max(worst, rel)
-        print(f"{name:8} {err:18.3e} {rel:10.3e}")
+        rows.append([name, err, err / full.double().abs().max().item()])
+    print()
+    print(format_table(["tensor", "max |cp - single|", "relative"], rows, formats=["", ".3e", ".3e"], gap=1))
+    return max(row[2] for row in rows)
+
+
+def _bytes_table(results: list[dict], a: argparse.Namespace) -> None:
+    """Bytes each stage sent per rank, under the cost model's figure (which must be equal)."""
+    rows = [[f"cp rank {res['rank']}", *(res["bytes"].get(s, 0) for s in STAGES)] for res in results]
+    elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
+    pred = comm_bytes(a.heads, a.kv_heads, a.head_dim, a.seq_len, 1, a.ulysses, a.ring, elem)
+    rows.append(["cost model (max rank)", *(pred[s] for s in STAGES)])
+    print(format_table(["bytes sent per rank", *STAGES], rows, formats=["", *[","] * len(STAGES)]))
+
+
+def run(a: argparse.Namespace) -> int:
+    """`hybrid-cp attention-demo` on parsed flags: 0 when every error is within the tolerance."""
+    world = a.ulysses * a.ring
+    print(f"hybrid-cp attention demo: {world} gloo processes, ulysses={a.ulysses} x ring={a.ring}, "
+          f"causal GQA (H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}), {a.seq_len} tokens, {a.dtype}")
+    t0 = time.perf_counter()
+    with WorkerPool(world) as pool:
+        results = pool.run("hybrid_cp.cli.attention_demo:run_rank", timeout=1800, ulysses=a.ulysses, ring=a.ring,
+                           seq_len=a.seq_len, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
+                           dtype=a.dtype, repeats=a.repeats)
+    wall = time.perf_counter() - t0
+    results.sort(key=lambda res: res["rank"])
+    times = sorted(max(res["times"][i] for res in results) for i in range(a.repeats))
+    ref, single = _single_device(a)
+    worst = _errors(results, ref, a)
     print(f"\nforward+backward on {world} ranks: min {times[0]:.2f} s, median {times[len(times) // 2]:.2f} s "
           f"(single process, same kernel: {single:.2f} s; all ranks share this machine's cores)")
     print(f"whole demo wall time {wall:.1f} s\n")
-    try:
-        from topology import comm_bytes as predict
-    except ImportError:  # pragma: no cover - topology ships with hybrid-cp
-        predict = None
-    print(f"{'bytes sent per rank':24}" + "".join(f"{s:>14}" for s in STAGES))
-    for res in results:
-        print(f"cp rank {res['rank']:<16}" + "".join(f"{res['bytes'].get(s, 0):>14,}" for s in STAGES))
-    if predict is not None:
-        elem = torch.tensor([], dtype=dt).element_size()
-        pred = predict(a.heads, a.kv_heads, a.head_dim, a.seq_len, 1, a.ulysses, a.ring, elem)
-        print(f"{'cost model (max rank)':24}" + "".join(f"{pred[s]:>14,}" for s in STAGES))
-    tol = 1e-5 if dt in (torch.float32, torch.float64) else 2e-2
+    _bytes_table(results, a)
+    tol = 1e-5 if a.dtype in ("float32", "float64") else 2e-2
     print(f"\nlargest relative error {worst:.2e} ({'OK' if worst <= tol else 'FAILED'}: tolerance {tol:g})")
     return 0 if worst <= tol else 1
 
+
+COMMAND = Command("attention-demo", "exact hybrid attention on local CPU processes vs one device",
+                  __doc__.splitlines()[0], add_arguments, run)
+main = COMMAND.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

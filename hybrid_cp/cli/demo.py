@@ -19,6 +19,14 @@ from pathlib import Path
 
 import torch
 
+from hybrid_cp.errors import ConfigError, SetupError
+
+from .command import Command, UsageError
+from .table import format_table
+
+__all__ = ["COMMAND", "VOCAB", "build_model", "cp_rank_train", "main", "sample_batch", "single_process_train",
+           "stdlib_corpus", "tiny_llama_config"]
+
 VOCAB = 256
 
 
@@ -43,14 +51,14 @@ def stdlib_corpus(max_bytes: int = 8 << 20) -> torch.Tensor:
         if total >= max_bytes:
             break
     if total == 0:
-        raise RuntimeError(f"found no Python source files under {root}")
+        raise SetupError(f"found no Python source files under {root}")
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
 
 
 def sample_batch(corpus: torch.Tensor, step: int, batch: int, seq_len: int, seed: int = 0) -> dict:
     """A deterministic batch of `batch` windows of `seq_len` tokens for `step` (same on every rank)."""
     if corpus.numel() <= seq_len + 1:
-        raise ValueError(f"the corpus has {corpus.numel()} tokens, too few for seq_len={seq_len}")
+        raise ConfigError(f"the corpus has {corpus.numel()} tokens, too few for seq_len={seq_len}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, corpus.numel() - seq_len, (batch,), generator=g)
     ids = torch.stack([corpus[s:s + seq_len] for s in starts.tolist()])
@@ -165,8 +173,7 @@ def _plot(path: str, ref: list[float], cp: list[float], label: str) -> str | Non
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybrid-cp demo", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ulysses", type=int, default=2, help="ulysses degree (default 2)")
     parser.add_argument("--ring", type=int, default=4, help="ring degree (default 4)")
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
@@ -176,15 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--out", default="hybrid_cp_demo.png", help="PNG of the two loss curves ('' to skip)")
-    args = parser.parse_args(argv)
-    for name in ("ulysses", "ring", "seq_len", "steps", "hidden", "layers"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("hybrid-cp demo needs transformers: pip install 'hybrid-cp[hf]'", file=sys.stderr)
-        return 1
+
+
+def _train_both(args: argparse.Namespace) -> tuple[dict, dict, float, float]:
+    """The CP run on a worker pool, then the single-process run; their results and wall times."""
     from hybrid_cp.testing import WorkerPool
 
     world = args.ulysses * args.ring
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
           f"zigzag layout, FSDP2 over all {world} ranks)")
     t0 = time.perf_counter()
     with WorkerPool(world) as pool:
-        results = pool.run("hybrid_cp.train_demo:cp_rank_train", timeout=1800, ulysses=args.ulysses,
+        results = pool.run("hybrid_cp.cli.demo:cp_rank_train", timeout=1800, ulysses=args.ulysses,
                            ring=args.ring, seq_len=args.seq_len, steps=args.steps, seed=args.seed, lr=args.lr,
                            model_kwargs=model_kwargs)
     cp_wall = time.perf_counter() - t0
@@ -205,32 +207,56 @@ def main(argv: list[str] | None = None) -> int:
     ref = single_process_train(args.seq_len, args.steps, args.seed, args.lr, model_kwargs,
                                threads=os.cpu_count() or 1)
     ref_wall = time.perf_counter() - t1
-
-    cp_losses = results[0]["losses"]
-    if any(r["losses"] != cp_losses for r in results):
+    if any(r["losses"] != results[0]["losses"] for r in results):
         print("warning: the cp ranks reported different losses", file=sys.stderr)
-    diffs = [abs(a - b) for a, b in zip(cp_losses, ref["losses"])]
+    return results[0], ref, cp_wall, ref_wall
+
+
+def _report(args: argparse.Namespace, cp: dict, ref: dict, cp_wall: float, ref_wall: float) -> float:
+    """Print the two loss curves side by side and the throughput; the largest loss difference."""
+    world = args.ulysses * args.ring
+    diffs = [abs(a - b) for a, b in zip(cp["losses"], ref["losses"])]
+    rows = [[i + 1, a, b, d] for i, (a, b, d) in enumerate(zip(ref["losses"], cp["losses"], diffs))]
     print()
-    print(f"{'step':>5}  {'1 process':>10}  {f'CP {args.ulysses}x{args.ring}':>10}  {'|diff|':>9}")
-    for i, (a, b, d) in enumerate(zip(ref["losses"], cp_losses, diffs)):
-        print(f"{i + 1:>5}  {a:>10.5f}  {b:>10.5f}  {d:>9.2e}")
-    # skip the first step (allocation and thread warm-up) in the throughput
-    def rate(times):
+    print(format_table(["step", "1 process", f"CP {args.ulysses}x{args.ring}", "|diff|"], rows,
+                       formats=["", ".5f", ".5f", ".2e"], align=">>>>"))
+
+    def rate(times):  # skip the first step (allocation and thread warm-up) in the throughput
         tail = times[1:] or times
         return args.seq_len * len(tail) / sum(tail)
+
     print()
     print(f"largest |loss difference| over {args.steps} steps: {max(diffs):.2e}")
-    print(f"tokens/s: 1 process {rate(ref['times']):,.0f}; CP on {world} processes {rate(results[0]['times']):,.0f} "
+    print(f"tokens/s: 1 process {rate(ref['times']):,.0f}; CP on {world} processes {rate(cp['times']):,.0f} "
           f"(all {world} share this machine's {os.cpu_count()} cores: the point here is equality, not speed)")
     print(f"wall time: CP run {cp_wall:.0f}s (including process start), 1-process run {ref_wall:.0f}s")
+    return max(diffs)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`hybrid-cp demo` on parsed flags: 0 when the CP losses track the single-process losses."""
+    for name in ("ulysses", "ring", "seq_len", "steps", "hidden", "layers"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("hybrid-cp demo needs transformers: pip install 'hybrid-cp[hf]'", file=sys.stderr)
+        return 1
+    cp, ref, cp_wall, ref_wall = _train_both(args)
+    worst = _report(args, cp, ref, cp_wall, ref_wall)
     if args.out:
-        problem = _plot(args.out, ref["losses"], cp_losses, f"CP ulysses={args.ulysses} x ring={args.ring}")
+        problem = _plot(args.out, ref["losses"], cp["losses"], f"CP ulysses={args.ulysses} x ring={args.ring}")
         print(problem or f"wrote {args.out}")
-    ok = max(diffs) <= 1e-3 and all(math.isfinite(x) for x in cp_losses)
+    ok = worst <= 1e-3 and all(math.isfinite(x) for x in cp["losses"])
     if not ok:
         print("the CP losses do not track the single-process losses", file=sys.stderr)
     return 0 if ok else 1
 
+
+COMMAND = Command("demo", "the README's main job: train a small Llama with CP on 8 CPU processes vs 1",
+                  __doc__.split("\n\n")[0], add_arguments, run)
+main = COMMAND.main
 
 if __name__ == "__main__":
     raise SystemExit(main())
