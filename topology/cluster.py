@@ -24,6 +24,10 @@ from .rates import Calibration
 
 __all__ = ["LinkSpec", "Accelerator", "Cluster", "ClusterError", "PRESETS"]
 
+# Share of device memory the planners fill: the rest is left for what they do not model (the CUDA context,
+# NCCL buffers, allocator fragmentation; docs/memory.md).
+MEMORY_BUDGET_FRACTION = 0.9
+
 LinkKind = Literal["nvlink", "pcie", "upi", "infiniband", "roce", "ethernet", "loopback"]
 
 
@@ -135,6 +139,11 @@ class Accelerator(_Strict):
     def dense_flops(self) -> float:
         """Achievable FLOP/s for the layer's GEMMs."""
         return self.peak_tflops * 1e12 * self.dense_efficiency
+
+    @property
+    def memory_budget(self) -> float:
+        """Bytes per device the planners plan with by default: MEMORY_BUDGET_FRACTION of ``memory_gb``."""
+        return MEMORY_BUDGET_FRACTION * self.memory_gb * 1e9
 
 
 # Tiers of the link hierarchy, cheapest first. A pair of ranks is joined by the tier of the smallest

@@ -401,7 +401,7 @@ def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
     import json
 
     world = args.world_size or cluster.world_size
-    budget = args.memory_budget or 0.9 * cluster.accelerator.memory_gb * 1e9
+    budget = args.memory_budget or cluster.accelerator.memory_budget
     if model.vocab == 0:
         raise ValueError("--max-seq needs the vocabulary size for the loss: use --model NAME (e.g. llama3-8b)")
     if args.head_chunks < 1 or args.tiled_mlp < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):

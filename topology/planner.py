@@ -17,10 +17,9 @@ from .cluster import Cluster
 from .cost import Estimate, ModelShape, estimate
 from .layouts import granularity
 from .placement import PlacementWarning, check_placement, divisors
+from .units import GiB
 
 __all__ = ["Plan", "PlanList", "Rejected", "PlanError", "plan"]
-
-GiB = 1 << 30
 
 
 class PlanError(ValueError):
@@ -149,7 +148,7 @@ def plan(
     world = cluster.world_size if world_size is None else world_size
     if not isinstance(world, int) or world < 1 or world > cluster.world_size:
         raise PlanError(f"world_size={world_size!r} must be an integer in [1, {cluster.world_size}] for {cluster.name!r}")
-    budget = 0.9 * cluster.accelerator.memory_gb * 1e9 if memory_budget is None else float(memory_budget)
+    budget = cluster.accelerator.memory_budget if memory_budget is None else float(memory_budget)
     if dp is not None and (not isinstance(dp, int) or dp < 1 or world % dp):
         raise PlanError(f"dp={dp!r} must be a positive integer dividing world_size={world}")
     if budget <= 0:

@@ -129,23 +129,19 @@ def ulysses_7b_tflops(ulysses: int = 8) -> float:
     return e.model_flops / e.time_s / e.cp / 1e12
 
 
-def cases() -> list[Case]:
-    """All comparisons, computed now from the current model."""
+def _prime_rl_fmt(d: dict[tuple[int, str], float]) -> str:
+    """prime-rl's relative throughputs, one signed percentage per (cp, strategy)."""
+    return ", ".join(f"cp{cp} {s} {v:+.1%}" for (cp, s), v in sorted(d.items()))
+
+
+def _prime_rl_cases() -> list[Case]:
     pr = prime_rl_relative()
-    yc = yunchang_l20_forward()
-    best_u = min(yc, key=yc.get)
-    fwd, both = ring_flash_attn_efficiency()
-    tf = ulysses_7b_tflops()
-    fmt = lambda d: ", ".join(f"cp{cp} {s} {v:+.1%}" for (cp, s), v in sorted(d.items()))  # noqa: E731
-    ms = modelscope_relative()
-    ms_row = modelscope_with(doc_tokens=65536, docs=1)
-    fixed, step = modelscope_fixed_and_step()
     return [
         Case(
             "prime-rl 8xH200 64K, ranking",
             "PrimeIntellect-ai/prime-rl PR #2418",
-            fmt(PRIME_RL_PUBLISHED),
-            fmt(pr),
+            _prime_rl_fmt(PRIME_RL_PUBLISHED),
+            _prime_rl_fmt(pr),
             all(pr[(cp, "ulysses")] > pr[(cp, "ring")] for cp in (2, 4)),
             "same order for the question asked (Ulysses beats ring at cp=2 and cp=4; Ulysses cp=4 within 2% of "
             "cp=1); the model does not reproduce cp=2 Ulysses being 8% slower than cp=4 (noise or memory effects)",
@@ -162,35 +158,56 @@ def cases() -> list[Case]:
             "explain it (docs/planner.md section 5.1: a ring path at ~0.64 of the one-call kernel rate reproduces both "
             "ring rows)",
         ),
-        Case(
-            "yunchang 8xL20 PCIe, best split",
-            "feifeibear/long-context-attention README and issue #73",
-            "hybrid best: README says u=2 r=4, maintainer (issue #73) says u=4 r=2",
-            f"u={best_u} r={8 // best_u} best (fwd, 32K, 32 heads); "
-            + ", ".join(f"u{u} {t * 1e3:.0f} ms" for u, t in yc.items()),
-            1 < best_u < 8,
-            "agrees that a hybrid beats pure Ulysses (all-to-all over QPI) and pure ring; the two sources "
-            "disagree on u=2 vs u=4, the model sides with issue #73 at 32K and calls them even at 128K",
-        ),
-        Case(
-            "ring-flash-attn 8xH800 zigzag",
-            "zhuzilin/ring-flash-attention README",
-            "fwd 93.6%, fwd+bwd 85.9% of ideal",
-            f"fwd {fwd:.1%}, fwd+bwd {both:.1%}",
-            abs(fwd - 0.936) < 0.05 and abs(both - 0.859) < 0.08,
-            "ring_step_overhead_us=30 comes from this benchmark's forward gap (~28 us per step); the model adds the "
-            "softmax-merge traffic on top (fwd 3 points pessimistic) and assumes a backward step costs 2x a "
-            "forward one (fwd+bwd 3 points optimistic)",
-        ),
-        Case(
-            "Ulysses 7B 131K on A100 (64 GPUs)",
-            "DeepSpeed-Ulysses arXiv 2309.14509",
-            "165.5 TFLOP/s per GPU at 64 GPUs, 136.1 at 256",
-            f"{tf:.1f} TFLOP/s per GPU (ulysses=8 per node), same at 256",
-            abs(tf - 165.5) / 165.5 < 0.1,
-            "level agrees (FlashAttention-2 efficiency on A100); the drop at 256 GPUs comes from ZeRO-3 "
-            "parameter gathers and gradient reduction across more nodes, outside this per-layer CP model",
-        ),
+    ]
+
+
+def _yunchang_case() -> Case:
+    yc = yunchang_l20_forward()
+    best_u = min(yc, key=yc.get)
+    return Case(
+        "yunchang 8xL20 PCIe, best split",
+        "feifeibear/long-context-attention README and issue #73",
+        "hybrid best: README says u=2 r=4, maintainer (issue #73) says u=4 r=2",
+        f"u={best_u} r={8 // best_u} best (fwd, 32K, 32 heads); "
+        + ", ".join(f"u{u} {t * 1e3:.0f} ms" for u, t in yc.items()),
+        1 < best_u < 8,
+        "agrees that a hybrid beats pure Ulysses (all-to-all over QPI) and pure ring; the two sources "
+        "disagree on u=2 vs u=4, the model sides with issue #73 at 32K and calls them even at 128K",
+    )
+
+
+def _ring_flash_attn_case() -> Case:
+    fwd, both = ring_flash_attn_efficiency()
+    return Case(
+        "ring-flash-attn 8xH800 zigzag",
+        "zhuzilin/ring-flash-attention README",
+        "fwd 93.6%, fwd+bwd 85.9% of ideal",
+        f"fwd {fwd:.1%}, fwd+bwd {both:.1%}",
+        abs(fwd - 0.936) < 0.05 and abs(both - 0.859) < 0.08,
+        "ring_step_overhead_us=30 comes from this benchmark's forward gap (~28 us per step); the model adds the "
+        "softmax-merge traffic on top (fwd 3 points pessimistic) and assumes a backward step costs 2x a "
+        "forward one (fwd+bwd 3 points optimistic)",
+    )
+
+
+def _ulysses_7b_case() -> Case:
+    tf = ulysses_7b_tflops()
+    return Case(
+        "Ulysses 7B 131K on A100 (64 GPUs)",
+        "DeepSpeed-Ulysses arXiv 2309.14509",
+        "165.5 TFLOP/s per GPU at 64 GPUs, 136.1 at 256",
+        f"{tf:.1f} TFLOP/s per GPU (ulysses=8 per node), same at 256",
+        abs(tf - 165.5) / 165.5 < 0.1,
+        "level agrees (FlashAttention-2 efficiency on A100); the drop at 256 GPUs comes from ZeRO-3 "
+        "parameter gathers and gradient reduction across more nodes, outside this per-layer CP model",
+    )
+
+
+def _modelscope_cases() -> list[Case]:
+    ms = modelscope_relative()
+    ms_row = modelscope_with(doc_tokens=65536, docs=1)
+    fixed, step = modelscope_fixed_and_step()
+    return [
         Case(
             "ms-swift 8xA100 Qwen2.5-3B packed 9K docs, SP ordering",
             "modelscope/modelscope-classroom Blogs/Articles/Ulysses_Ring_Attention/report.md (ms-swift)",
@@ -213,6 +230,11 @@ def cases() -> list[Case]:
             f"at every split) plus a per-ring-step cost (~{step / 1e3:.1f} ms per forward step)",
         ),
     ]
+
+
+def cases() -> list[Case]:
+    """All comparisons, computed now from the current model."""
+    return [*_prime_rl_cases(), _yunchang_case(), _ring_flash_attn_case(), _ulysses_7b_case(), *_modelscope_cases()]
 
 
 @dataclass(frozen=True)
@@ -369,87 +391,119 @@ def modelscope_a2a_and_step() -> tuple[float, float]:
     return lat, _modelscope_solve("ring_step_overhead_us", 8, 0.0, 1e6, a2a_latency_us=lat)
 
 
-def modelscope_explanations() -> list[Explanation]:
-    """The ms-swift rows of :func:`explanations`."""
-    case = "ms-swift 8xA100 Qwen2.5-3B LoRA, packed 9K docs"
+_MODELSCOPE_CASE = "ms-swift 8xA100 Qwen2.5-3B LoRA, packed 9K docs"
+
+
+def _kept(rel: dict[int, float]) -> str:
+    """Whether the published ordering survives, as the explanation table says it."""
+    return "yes" if modelscope_ordered(rel) else "NO"
+
+
+def _off(rel: dict[int, float], sp: int) -> float:
+    """The model's ratio at split ``sp`` relative to the published one, minus 1."""
+    return rel[sp] / MODELSCOPE_PUBLISHED[sp] - 1
+
+
+def _ms_step_explanation() -> Explanation:
     measured = "u2 1.23x, u2r2 1.92x, u2r4 3.42x SP=1's time (model today: " + _fmt_x(modelscope_relative()) + ")"
-    kept = lambda d: "yes" if modelscope_ordered(d) else "NO"  # noqa: E731
-    off = lambda d, sp: d[sp] / MODELSCOPE_PUBLISHED[sp] - 1  # noqa: E731
     step = modelscope_step_overhead_us()
     with_step = modelscope_with(ring_step_overhead_us=step)
+    return Explanation(
+        _MODELSCOPE_CASE, measured + "; solved for u2r4", "per-ring-step fixed cost",
+        f"{step / 1e3:.2f} ms per forward step (x2 backward; 6 step units per layer at r=2, 12 at r=4)",
+        f"{_fmt_x(with_step)}; ordering kept: {_kept(with_step)}; u2 has no ring step, so it stays at "
+        f"{with_step[2]:.2f}x (measured 1.23x), and u2r2 comes out {with_step[4]:.2f}x (1.92x): the slowdown "
+        "grows with SP even without a ring, so a per-step cost alone does not explain it",
+    )
+
+
+def _ms_call_explanation() -> Explanation:
     call, eff = modelscope_kernel_efficiency()
     with_call = modelscope_with(kernel_call_overhead_us=call)
+    return Explanation(
+        _MODELSCOPE_CASE, "same; solved for u2r4", "kernel efficiency vs block size (fixed cost per kernel call)",
+        f"{call / 1e3:.2f} ms per call, i.e. a u2r4 ring-step kernel at {eff:.0%} of the single-GPU kernel's rate",
+        f"{_fmt_x(with_call)}; ordering kept: {_kept(with_call)}; SP=1 and u2 pay it too (one call each way), "
+        "u2 and u2r2 stay short, and a kernel at this efficiency is not plausible for calls of ~9K packed rows "
+        "x 8 heads",
+    )
+
+
+def _ms_ring_efficiency_explanation() -> Explanation:
     ring_eff = modelscope_ring_efficiency()
     with_eff = modelscope_with(ring_efficiency=ring_eff)
+    return Explanation(
+        _MODELSCOPE_CASE, "same; solved for u2r4", "kernel efficiency of the ring path (prime-rl's explanation)",
+        f"{ring_eff:.2f} of the single-GPU kernel rate",
+        f"{_fmt_x(with_eff)}; ordering kept: {_kept(with_eff)} (by {with_eff[8] / with_eff[4] - 1:.0%}); "
+        "u2r2 and u2r4 pay it on the same share of the layer, so it makes them equal, unlike the "
+        "measurement (1.92x vs 3.42x): here the ring cost grows with r, unlike prime-rl's",
+    )
+
+
+def _ms_head_explanation() -> Explanation:
     head = modelscope_head_call_us()
     with_head = modelscope_with(head_call_us=head)
+    return Explanation(
+        _MODELSCOPE_CASE, "same; solved for u2r4", "efficiency vs heads per call (cost per query head and call)",
+        f"{head / 1e3:.2f} ms per head and call (8 heads per call at u=2)",
+        f"{_fmt_x(with_head)}; ordering kept: {_kept(with_head)}; u2 halves the heads per call and doubles "
+        "the ranks, so it leaves u2 where it was: it cannot give u2's 1.23x",
+    )
+
+
+def _ms_a2a_explanation() -> Explanation:
     lat = modelscope_a2a_latency_us()
     with_lat = modelscope_with(a2a_latency_us=lat)
     lat2, step2 = modelscope_a2a_and_step()
     with_lat_step = modelscope_with(a2a_latency_us=lat2, ring_step_overhead_us=step2)
+    return Explanation(
+        _MODELSCOPE_CASE, "u2 1.23x (no ring); solved for u2", "all-to-all latency (= a fixed cost per SP attention call)",
+        f"{lat / 1e3:.2f} ms per all-to-all, {4 * lat / 1e3:.1f} ms per layer (model: "
+        f"{modelscope_a2a_model_ms():.2f} ms per layer with the bytes)",
+        f"{_fmt_x(with_lat)}; ordering kept: {_kept(with_lat)}; every split here has u=2, so it adds the same "
+        f"per layer to all three and leaves the ring rows short; with a per-ring-step cost of {step2 / 1e3:.2f} ms "
+        f"solved on top for u2r4: {_fmt_x(with_lat_step)} (u2r2 {_off(with_lat_step, 4):+.0%})",
+    )
+
+
+def _ms_fixed_explanation() -> Explanation:
     fixed = modelscope_fixed_layer_us(8)
     with_fixed = modelscope_with(fixed_layer_us=fixed)
+    layers = MODELSCOPE_MODEL.layers
+    return Explanation(
+        _MODELSCOPE_CASE, "u2 1.23x, u2r2 1.92x, u2r4 3.42x; solved for u2r4",
+        "fixed cost per layer and micro-step at every split, SP=1 included "
+        "(outside section 4.1: time that does not shrink with a rank's tokens)",
+        f"{fixed / 1e3:.1f} ms per layer ({fixed * layers / 1e6:.2f} s per {layers}-layer micro-step)",
+        f"{_fmt_x(with_fixed)}; ordering kept: {_kept(with_fixed)}; the best single term (u2 "
+        f"{_off(with_fixed, 2):+.0%}, u2r2 {_off(with_fixed, 4):+.0%}): "
+        "the measured time per micro-step shrinks far less than the rank's tokens do",
+    )
+
+
+def _ms_pair_explanation() -> Explanation:
     fixed2, step3 = modelscope_fixed_and_step()
     with_fixed_only = modelscope_with(fixed_layer_us=fixed2)
     with_pair = modelscope_with(fixed_layer_us=fixed2, ring_step_overhead_us=step3)
     ring_share = (with_pair[8] - with_fixed_only[8]) / (with_pair[8] - modelscope_relative()[8])
     layers = MODELSCOPE_MODEL.layers
-    return [
-        Explanation(
-            case, measured + "; solved for u2r4", "per-ring-step fixed cost",
-            f"{step / 1e3:.2f} ms per forward step (x2 backward; 6 step units per layer at r=2, 12 at r=4)",
-            f"{_fmt_x(with_step)}; ordering kept: {kept(with_step)}; u2 has no ring step, so it stays at "
-            f"{with_step[2]:.2f}x (measured 1.23x), and u2r2 comes out {with_step[4]:.2f}x (1.92x): the slowdown "
-            "grows with SP even without a ring, so a per-step cost alone does not explain it",
-        ),
-        Explanation(
-            case, "same; solved for u2r4", "kernel efficiency vs block size (fixed cost per kernel call)",
-            f"{call / 1e3:.2f} ms per call, i.e. a u2r4 ring-step kernel at {eff:.0%} of the single-GPU kernel's rate",
-            f"{_fmt_x(with_call)}; ordering kept: {kept(with_call)}; SP=1 and u2 pay it too (one call each way), "
-            "u2 and u2r2 stay short, and a kernel at this efficiency is not plausible for calls of ~9K packed rows "
-            "x 8 heads",
-        ),
-        Explanation(
-            case, "same; solved for u2r4", "kernel efficiency of the ring path (prime-rl's explanation)",
-            f"{ring_eff:.2f} of the single-GPU kernel rate",
-            f"{_fmt_x(with_eff)}; ordering kept: {kept(with_eff)} (by {with_eff[8] / with_eff[4] - 1:.0%}); "
-            "u2r2 and u2r4 pay it on the same share of the layer, so it makes them equal, unlike the "
-            "measurement (1.92x vs 3.42x): here the ring cost grows with r, unlike prime-rl's",
-        ),
-        Explanation(
-            case, "same; solved for u2r4", "efficiency vs heads per call (cost per query head and call)",
-            f"{head / 1e3:.2f} ms per head and call (8 heads per call at u=2)",
-            f"{_fmt_x(with_head)}; ordering kept: {kept(with_head)}; u2 halves the heads per call and doubles "
-            "the ranks, so it leaves u2 where it was: it cannot give u2's 1.23x",
-        ),
-        Explanation(
-            case, "u2 1.23x (no ring); solved for u2", "all-to-all latency (= a fixed cost per SP attention call)",
-            f"{lat / 1e3:.2f} ms per all-to-all, {4 * lat / 1e3:.1f} ms per layer (model: "
-            f"{modelscope_a2a_model_ms():.2f} ms per layer with the bytes)",
-            f"{_fmt_x(with_lat)}; ordering kept: {kept(with_lat)}; every split here has u=2, so it adds the same "
-            f"per layer to all three and leaves the ring rows short; with a per-ring-step cost of {step2 / 1e3:.2f} ms "
-            f"solved on top for u2r4: {_fmt_x(with_lat_step)} (u2r2 {off(with_lat_step, 4):+.0%})",
-        ),
-        Explanation(
-            case, "u2 1.23x, u2r2 1.92x, u2r4 3.42x; solved for u2r4",
-            "fixed cost per layer and micro-step at every split, SP=1 included "
-            "(outside section 4.1: time that does not shrink with a rank's tokens)",
-            f"{fixed / 1e3:.1f} ms per layer ({fixed * layers / 1e6:.2f} s per {layers}-layer micro-step)",
-            f"{_fmt_x(with_fixed)}; ordering kept: {kept(with_fixed)}; the best single term (u2 "
-            f"{off(with_fixed, 2):+.0%}, u2r2 {off(with_fixed, 4):+.0%}): "
-            "the measured time per micro-step shrinks far less than the rank's tokens do",
-        ),
-        Explanation(
-            case, "u2 1.23x and u2r4 3.42x; u2r2 left as the check",
-            "the pair: fixed cost per layer and micro-step (from u2) + per-ring-step fixed cost (from u2r4)",
-            f"{fixed2 / 1e3:.1f} ms per layer ({fixed2 * layers / 1e6:.2f} s per micro-step) + "
-            f"{step3 / 1e3:.2f} ms per forward step",
-            f"{_fmt_x(with_pair)}; ordering kept: {kept(with_pair)}; u2r2 within "
-            f"{abs(off(with_pair, 4)):.1%} of the measured 1.92x; the fixed cost alone gives "
-            f"{_fmt_x(with_fixed_only)}, the per-step cost adds the rest (the ring part grows with r, as a per-step "
-            f"cost does, but it is only {ring_share:.0%} of u2r4's excess over the model)",
-        ),
-    ]
+    return Explanation(
+        _MODELSCOPE_CASE, "u2 1.23x and u2r4 3.42x; u2r2 left as the check",
+        "the pair: fixed cost per layer and micro-step (from u2) + per-ring-step fixed cost (from u2r4)",
+        f"{fixed2 / 1e3:.1f} ms per layer ({fixed2 * layers / 1e6:.2f} s per micro-step) + "
+        f"{step3 / 1e3:.2f} ms per forward step",
+        f"{_fmt_x(with_pair)}; ordering kept: {_kept(with_pair)}; u2r2 within "
+        f"{abs(_off(with_pair, 4)):.1%} of the measured 1.92x; the fixed cost alone gives "
+        f"{_fmt_x(with_fixed_only)}, the per-step cost adds the rest (the ring part grows with r, as a per-step "
+        f"cost does, but it is only {ring_share:.0%} of u2r4's excess over the model)",
+    )
+
+
+def modelscope_explanations() -> list[Explanation]:
+    """The ms-swift rows of :func:`explanations`: one calibrated term each, then the pair that fits."""
+    return [_ms_step_explanation(), _ms_call_explanation(), _ms_ring_efficiency_explanation(), _ms_head_explanation(),
+            _ms_a2a_explanation(), _ms_fixed_explanation(), _ms_pair_explanation()]
 
 
 def modelscope_a2a_model_ms() -> float:
