@@ -20,38 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from topology.layouts import make_layout
+from topology.layouts import Layout
 
-from .layout import _record_length, _shard_tensor, positions, row_layout
-from .errors import ConfigError, InputTypeError, ShapeError
+from .errors import ConfigError, ShapeError
+from .layout import boundaries, positions, row_layout, shard_layout, shard_tokens
+from .validate import batch_arguments, dense_labels, dense_positions, right_padding
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
 
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def _check_right_padding(mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
-    """Return the mask as bool after checking every row is ones then zeros (right padding)."""
-    if mask.dtype == torch.bool:
-        m = mask
-    else:
-        if mask.is_floating_point() or mask.is_complex():
-            raise ConfigError(f"{name} has dtype {mask.dtype}; pass a 0/1 integer or bool padding mask "
-                             f"(additive float masks are not supported under context parallelism)")
-        bad = (mask != 0) & (mask != 1)
-        if bool(bad.any()):
-            raise ConfigError(f"{name} holds values other than 0 and 1 (e.g. {mask[bad][0].item()}); pass a "
-                             f"0/1 padding mask")
-        m = mask != 0
-    # right padding: once a row turns 0 it stays 0, i.e. the mask never increases along the row
-    if m.shape[-1] > 1 and bool((m[..., 1:] & ~m[..., :-1]).any()):
-        rows = torch.nonzero((m[..., 1:] & ~m[..., :-1]).any(-1)).flatten().tolist()
-        raise ConfigError(f"{name} is not right padding in batch rows {rows[:8]} (a 0 is followed by a 1: left "
-                         f"padding, holes or packed documents). Context-parallel attention is causal over the "
-                         f"whole sequence, which is exact only for right padding; right-pad the batch "
-                         f"(tokenizer padding_side='right') or drop the mask")
-    return m
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
@@ -104,103 +82,50 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     (default `cp.device`). The returned dict has ``input_ids``, ``labels``, ``position_ids`` (and
     the other keys given); feed ``labels`` to `hcp.cross_entropy`, not to the model.
     """
-    if not isinstance(batch, Mapping):
-        raise InputTypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
-    if "input_ids" not in batch or not isinstance(batch["input_ids"], torch.Tensor):
-        raise ShapeError(f"batch needs an 'input_ids' tensor [batch, seq] (got keys {sorted(batch)}); "
-                         f"pass the full-sequence token ids as batch['input_ids']")
-    ids = batch["input_ids"]
-    if ids.dim() != 2:
-        raise ShapeError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(ids.shape)}; "
-                         f"add a batch dimension with input_ids[None]")
-    if ids.is_floating_point():
-        raise ConfigError(f"batch['input_ids'] has dtype {ids.dtype}; token ids must be integers")
-    b, s = ids.shape
-    if s == 0 or b == 0:
-        raise ShapeError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it needs at least one sequence "
-                         f"and one token")
-    if not isinstance(ignore_index, int):
-        raise ConfigError(f"ignore_index={ignore_index!r} must be an int")
+    ids, mask, pos = batch_arguments(batch, ignore_index)
     device = torch.device(device) if device is not None else cp.device
-
-    mask = batch.get("attention_mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-        raise ShapeError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
-                         f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}; 4-D or custom masks are "
-                         f"not supported under context parallelism (attention is causal over the sequence)")
-    for key, value in batch.items():
-        if not isinstance(value, torch.Tensor) or value.dim() < 2:
-            continue
-        if key == "position_ids" and value.shape[0] == 1:
-            pass
-        elif value.shape[0] != b:
-            raise ShapeError(f"batch[{key!r}] has batch size {value.shape[0]} (shape {tuple(value.shape)}) but "
-                             f"input_ids has {b}; every per-token tensor must be [{b}, {s}, ...]")
-        if value.shape[1] != s:
-            raise ShapeError(f"batch[{key!r}] has sequence length {value.shape[1]} (shape {tuple(value.shape)}) "
-                             f"but input_ids has {s}; every per-token tensor must be [{b}, {s}, ...] over "
-                             f"the same full sequence")
-    pos = batch.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.dim() == 1:
-        if pos.shape[0] != s:
-            raise ShapeError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
-        pos = pos[None]
+    b, s = ids.shape
     cu = _packed_boundaries(batch, pos, b, s)
     if cu is not None:
         return _shard_packed(batch, cp, cu, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
                              device=device)
-
-    mask_bool = None
-    if mask is not None:
-        mask_bool = _check_right_padding(mask, "batch['attention_mask']")
-
+    mask_bool = None if mask is None else right_padding(mask, "batch['attention_mask']")
     labels = batch.get("labels")
-    if labels is None:
-        labels = ids
-    elif not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-        raise ShapeError(f"batch['labels'] must be a [batch, seq] integer tensor, got "
-                         f"{getattr(labels, 'shape', type(labels).__name__)}")
-    elif labels.is_floating_point():
-        raise ConfigError(f"batch['labels'] has dtype {labels.dtype}; labels must be integer token ids")
+    dense_labels(labels)
+    labels = ids if labels is None else labels
     if shift:
         labels = shift_labels(labels, ignore_index, mask_bool)
     elif mask_bool is not None:
         labels = labels.masked_fill(~mask_bool, ignore_index)
-
-    if pos is not None:
-        if pos.is_floating_point():
-            raise ConfigError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
-        if s > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-            raise ConfigError("batch['position_ids'] do not increase by one along the sequence, nor restart at 0 "
-                             "per document (packed rows); custom positions are not supported: drop position_ids "
-                             "(the default is 0..S-1), pass arange-like rows, or pack documents into one row "
-                             "whose positions restart at 0 (or give cu_seq_lens_q)")
-
-    _record_length(cp, s)
-    lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=s)
-
-    def take(x: torch.Tensor, pad) -> torch.Tensor:
-        return _shard_tensor(x, cp, 1, lay, pad).to(device).contiguous()
-
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if key in ("input_ids", "labels", "position_ids", "attention_mask"):
-            continue
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            out[key] = take(value, 0)
-        else:
-            out[key] = value
-    out["input_ids"] = take(ids, pad_token_id)
-    out["labels"] = take(labels, ignore_index)
+    dense_positions(pos)
+    lay = shard_layout(cp, s)
+    out = _shard_rest(batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", "attention_mask"))
+    out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
+    out["labels"] = _take(labels, cp, lay, device, ignore_index)
     if pos is None:
         out["position_ids"] = positions(s, cp, device=device)[None].expand(b, -1).contiguous()
     else:
-        def pos_pad(x, extra):  # continue the positions past the end, so pads sit after every token
-            return x[:, -1:] + torch.arange(1, extra + 1, device=x.device, dtype=x.dtype)
-        out["position_ids"] = take(pos, pos_pad)
+        out["position_ids"] = _take(pos, cp, lay, device, _continue_positions)
     if mask is not None:
-        out["attention_mask"] = take(mask, 0)
+        out["attention_mask"] = _take(mask, cp, lay, device, 0)
     return out
+
+
+def _take(x: torch.Tensor, cp: "CPMesh", lay: Layout, device: torch.device, pad) -> torch.Tensor:
+    """This rank's tokens of the [B, S, ...] tensor `x` on `device`."""
+    return shard_tokens(x, cp, 1, lay, pad).to(device).contiguous()
+
+
+def _shard_rest(batch: Mapping[str, Any], cp: "CPMesh", lay: Layout, device: torch.device,
+                skip: tuple[str, ...]) -> dict[str, Any]:
+    """The other entries: per-token tensors (two dims or more) sharded with zero padding, the rest as they are."""
+    return {key: _take(value, cp, lay, device, 0) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
+            for key, value in batch.items() if key not in skip}
+
+
+def _continue_positions(x: torch.Tensor, extra: int) -> torch.Tensor:
+    """Positions past the end of the row, so that pad tokens sit after every real token."""
+    return x[:, -1:] + torch.arange(1, extra + 1, device=x.device, dtype=x.dtype)
 
 
 def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: int, s: int) -> list[int] | None:
@@ -211,7 +136,7 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
         if isinstance(cu, torch.Tensor) and cu.dim() != 1:
             raise ShapeError(f"batch['cu_seq_lens_q'] has shape {tuple(cu.shape)}; pass the 1-D boundaries "
                              f"[0, len_0, len_0 + len_1, ..., total] of the one packed row")
-        cu = [int(x) for x in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
+        cu = [int(x) for x in boundaries(cu)]
         if cu[-1] != s:
             raise ShapeError(f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
                              f"must describe the whole packed row")
@@ -253,16 +178,9 @@ def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, igno
         ends = torch.tensor([e - 1 for a, e in zip(cu, cu[1:]) if e > a], dtype=torch.long)
         labels = labels.index_fill(1, ends.to(labels.device), ignore_index)  # no target across a boundary
 
-    def take(x: torch.Tensor, pad) -> torch.Tensor:
-        return _shard_tensor(x, cp, 1, lay, pad).to(device).contiguous()
-
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if key in ("input_ids", "labels", "position_ids", "cu_seqlens") + PACKED_KEYS:
-            continue
-        out[key] = take(value, 0) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
-    out["input_ids"] = take(ids, pad_token_id)
-    out["labels"] = take(labels, ignore_index)
+    out = _shard_rest(batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", "cu_seqlens") + PACKED_KEYS)
+    out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
+    out["labels"] = _take(labels, cp, lay, device, ignore_index)
     out["position_ids"] = positions(None, cp, device=device, cu_seqlens=cu)[None]
     # on the host: every attention layer reads the boundaries, and a device tensor would sync each time
     cu_t = torch.tensor(cu, dtype=torch.int32)

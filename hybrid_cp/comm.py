@@ -6,7 +6,10 @@ of this rank by stage; `topology.comm_bytes` predicts the same numbers from the 
 
 from __future__ import annotations
 
+import weakref
+from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -18,17 +21,39 @@ if TYPE_CHECKING:
     from .mesh import CPMesh
 
 
+@dataclass
+class CommCounters:
+    """What one mesh's communication has done on this rank: bytes sent to other ranks by stage, and
+    the seconds head-chunk schedules sat blocked in all-to-all waits (exposed communication)."""
+
+    sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    chunk_wait_s: float = 0.0
+
+
+# Kept beside the mesh, not on it: a CPMesh holds only its groups. Weak keys, so a mesh that is
+# dropped takes its counters with it.
+_COUNTERS: "weakref.WeakKeyDictionary[CPMesh, CommCounters]" = weakref.WeakKeyDictionary()
+
+
+def counters(cp: "CPMesh") -> CommCounters:
+    """This rank's communication counters for `cp` (`sent_bytes`, `chunk_wait_s`; assignable)."""
+    found = _COUNTERS.get(cp)
+    if found is None:
+        found = _COUNTERS[cp] = CommCounters()
+    return found
+
+
 def count(cp: "CPMesh", stage: str, nbytes: int) -> None:
-    cp.sent_bytes[stage] += int(nbytes)
+    counters(cp).sent_bytes[stage] += int(nbytes)
 
 
 def comm_bytes(cp: "CPMesh") -> dict[str, int]:
     """Bytes this rank has sent to other ranks, by stage, since the last `reset_comm_bytes`."""
-    return dict(cp.sent_bytes)
+    return dict(counters(cp).sent_bytes)
 
 
 def reset_comm_bytes(cp: "CPMesh") -> None:
-    cp.sent_bytes.clear()
+    counters(cp).sent_bytes.clear()
 
 
 @contextmanager

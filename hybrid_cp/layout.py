@@ -16,33 +16,73 @@ Lengths are never guessed silently: `attention`/`unshard` take ``seq_len=`` (den
 ``cu_seqlens=`` (packed). Without them a dense length comes from the lengths `shard` has seen that
 pad to the same size; when several did, the call raises (non-causal attention, `unshard`) instead
 of picking one.
+
+``cu_seqlens`` enters here once (`boundaries`: a tensor or a list, to a list of ints) and is parsed
+by `topology.layouts.layout_of`, which the planner uses too.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from topology.layouts import LAYOUTS, PAD, Layout, doc_lengths, granularity, make_layout, padded_length
+from topology.layouts import LAYOUTS, PAD, Layout, granularity, layout_of, padded_length
 from .errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
 
 
-def _doc_lens(cu_seqlens: Any) -> tuple[int, ...]:
+def boundaries(cu_seqlens: Any) -> list[int]:
+    """A packed row's document boundaries [0, len_0, len_0 + len_1, ..., total] as a list of ints,
+    from a 1-D integer tensor or a list (the torch-side entry of every ``cu_seqlens``)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
             raise ShapeError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, len_0 + len_1, ..., total], "
                              f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}")
-        cu_seqlens = cu_seqlens.tolist()
-    elif not isinstance(cu_seqlens, (list, tuple)) or not all(isinstance(x, int) for x in cu_seqlens):
+        return cu_seqlens.tolist()
+    if not isinstance(cu_seqlens, (list, tuple)) or not all(isinstance(x, int) for x in cu_seqlens):
         raise ConfigError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, ..., total], "
-                         f"got {type(cu_seqlens).__name__}")
-    return doc_lengths(cu_seqlens)
+                          f"got {type(cu_seqlens).__name__}")
+    return list(cu_seqlens)
+
+
+@dataclass
+class _ShardRecord:
+    lengths: dict[int, set[int]] = field(default_factory=dict)   # padded size -> dense lengths shard saw
+    padding_warned: set[tuple[int, int]] = field(default_factory=set)
+
+
+# What `shard` has seen on each mesh. A record, not a result: the documented contract is that
+# `attention`/`unshard` without `seq_len=` use the length `shard` saw (README, "Layouts"), and they
+# are called without anything from `shard` in hand. Weak keys: a dropped mesh drops its record.
+_RECORDS: "weakref.WeakKeyDictionary[CPMesh, _ShardRecord]" = weakref.WeakKeyDictionary()
+
+
+def _record(cp: "CPMesh") -> _ShardRecord:
+    found = _RECORDS.get(cp)
+    if found is None:
+        found = _RECORDS[cp] = _ShardRecord()
+    return found
+
+
+def recorded_lengths(cp: "CPMesh") -> dict[int, set[int]]:
+    """The dense lengths `shard`/`shard_batch` have sharded on `cp`, by padded size (clear it to forget)."""
+    return _record(cp).lengths
+
+
+def shard_layout(cp: "CPMesh", seq_len: int) -> Layout:
+    """The dense layout `shard`/`shard_batch` cut a row of `seq_len` tokens with; the length is
+    recorded, so that later calls without ``seq_len=`` can tell a unique length from an ambiguous one."""
+    lay = layout_of(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=seq_len)
+    recorded_lengths(cp).setdefault(lay.padded_len, set()).add(seq_len)
+    return lay
 
 
 def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | None = None,
@@ -59,7 +99,7 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
     if cu_seqlens is not None:
         if seq_len is not None:
             raise ConfigError(f"{what}: pass cu_seqlens= or seq_len=, not both (a packed row's length is cu_seqlens[-1])")
-        lay = make_layout(cp.layout, u, r, doc_lens=_doc_lens(cu_seqlens))
+        lay = layout_of(cp.layout, u, r, cu_seqlens=boundaries(cu_seqlens))
         if local_len is not None and local_len != lay.local_len:
             raise ShapeError(f"{what}: the shard has {local_len} local tokens but cu_seqlens (total {lay.seq_len}, "
                              f"{len(lay.doc_lens)} documents) lays out {lay.local_len} per rank on ulysses={u} x "
@@ -68,7 +108,7 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
     if seq_len is not None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ConfigError(f"{what}: seq_len={seq_len!r} must be a positive integer (the unpadded global length)")
-        lay = make_layout(cp.layout, u, r, seq_len=seq_len)
+        lay = layout_of(cp.layout, u, r, seq_len=seq_len)
         if local_len is not None and local_len != lay.local_len:
             raise ShapeError(f"{what}: seq_len={seq_len} does not match local length {local_len} on a {cp.size}-rank "
                              f"{cp.layout!r} layout (which pads it to {lay.padded_len}, {lay.local_len} per rank); "
@@ -82,25 +122,21 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
         raise ShapeError(f"{what}: local length {local_len} is not a multiple of {g // cp.size} for the "
                          f"{cp.layout!r} layout on ulysses={u} x ring={r}; shard inputs with hcp.shard, which pads "
                          f"the sequence (or pass cu_seqlens= for a packed row)")
-    seen = sorted(cp.sharded_lengths.get(padded, ()))
+    seen = sorted(recorded_lengths(cp).get(padded, ()))
     if len(seen) > 1 and not causal:
         raise ConfigError(f"{what}: the sequence length is ambiguous: hcp.shard has seen lengths {seen} that all pad to "
                          f"{padded} tokens on this mesh; pass seq_len= explicitly")
-    return make_layout(cp.layout, u, r, seq_len=seen[-1] if seen else padded)
-
-
-def _record_length(cp: "CPMesh", seq_len: int) -> None:
-    cp.sharded_lengths.setdefault(padded_length(seq_len, cp.layout, cp.ulysses_size, cp.ring_size), set()).add(seq_len)
+    return layout_of(cp.layout, u, r, seq_len=seen[-1] if seen else padded)
 
 
 def local_indices(seq_len: int, layout: str, ulysses: int, ring: int, cp_rank: int,
                   device: torch.device | str | None = None) -> torch.Tensor:
     """Global token indices (into the padded dense sequence) of `cp_rank`'s shard, in local order."""
-    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
+    lay = layout_of(layout, ulysses, ring, seq_len=seq_len)
     return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in lay.token_runs(cp_rank)])
 
 
-def _shard_tensor(x: torch.Tensor, cp: "CPMesh", dim: int, lay: Layout,
+def shard_tokens(x: torch.Tensor, cp: "CPMesh", dim: int, lay: Layout,
                   pad: float | Callable[[torch.Tensor, int], torch.Tensor] = 0) -> torch.Tensor:
     """This rank's tokens of `x` along `dim` under layout `lay`; pad slots get `pad`: a fill value,
     or (dense rows only) a function (x, count) -> the tokens that continue the sequence."""
@@ -139,10 +175,9 @@ def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -
         lay = row_layout(cp, cu_seqlens=cu_seqlens, what="hcp.shard")
         _check_packed_row(x, dim, lay, "x")
     else:
-        lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=n)
-        _record_length(cp, n)
+        lay = shard_layout(cp, n)
     _warn_padding(cp, lay)
-    return _shard_tensor(x, cp, dim, lay).contiguous()
+    return shard_tokens(x, cp, dim, lay).contiguous()
 
 
 def _warn_padding(cp: "CPMesh", lay: Layout) -> None:
@@ -151,13 +186,11 @@ def _warn_padding(cp: "CPMesh", lay: Layout) -> None:
     pad = lay.padded_len - lay.seq_len
     if pad * 10 <= lay.padded_len:
         return
-    warned = cp.__dict__.setdefault("_padding_warned", set())
+    warned = _record(cp).padding_warned
     key = (lay.seq_len, lay.padded_len)
     if key in warned:
         return
     warned.add(key)
-    import logging
-
     fix = ("pack more tokens into the row, or use fewer ranks for short rows" if len(lay.doc_lens) > 1 or
            lay.kind.startswith("packed") else f"pick a length that is a multiple of "
            f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}, or fewer ranks for short rows")
@@ -195,7 +228,7 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # The full tensor is used identically on every cp rank, so the gradient of my shard is
         # the slice of the full gradient at my tokens (no reduction over ranks).
-        return _shard_tensor(grad, ctx.cp, ctx.dim, ctx.lay), None, None, None
+        return shard_tokens(grad, ctx.cp, ctx.dim, ctx.lay), None, None, None
 
 
 def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | None = None,
@@ -224,7 +257,7 @@ def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | No
         if seq_len is not None and seq_len != lay.seq_len:
             raise ConfigError(f"seq_len={seq_len} but cu_seqlens ends at {lay.seq_len}; pass seq_len=None with cu_seqlens")
     else:
-        lay = make_layout(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=seq_len)
+        lay = layout_of(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=seq_len)
     device = device if device is not None else cp.device
     return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in lay.token_runs(cp.rank)])
 
@@ -252,4 +285,5 @@ def ring_block_to_gathered(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.
     return x if p is None else x.index_select(dim, p)
 
 
-__all__ = ["LAYOUTS", "granularity", "padded_length", "local_indices", "shard", "unshard", "positions", "row_layout"]
+__all__ = ["LAYOUTS", "granularity", "padded_length", "local_indices", "shard", "unshard", "positions", "row_layout",
+           "boundaries", "shard_layout", "shard_tokens", "recorded_lengths"]

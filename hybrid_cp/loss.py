@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 REDUCTIONS = ("mean", "sum", "none")
 
 
-class _Reduced(torch.autograd.Function):
+class GroupReduced(torch.autograd.Function):
     """Value: the group-reduced `total` (identical on every rank). Gradient to `local`: `scale`."""
 
     @staticmethod
@@ -35,10 +35,11 @@ class _Reduced(torch.autograd.Function):
         return grad * ctx.scale, None, None
 
 
-def _group(cp: "CPMesh", include_dp: bool):
-    """(process group, its size) the loss is reduced over."""
+def reduction_group(cp: "CPMesh", include_dp: bool):
+    """(process group, its size) a loss is reduced over: the cp group, or with `include_dp` every rank
+    of the mesh (its flattened dp x ring x ulysses dimension)."""
     if include_dp:
-        return None, cp.size * cp.dp_size  # the cp mesh spans the whole world
+        return cp.dp_cp_group, cp.size * cp.dp_size
     return cp.cp_group, cp.size
 
 
@@ -84,7 +85,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
                                 reduction="none") * valid
     if reduction == "none":
         return per_token.reshape(labels.shape)
-    group, world = _group(cp, include_dp)
+    group, world = reduction_group(cp, include_dp)
     local_sum = per_token.sum()
     stats = torch.stack([local_sum.detach().double(), valid.sum().double()])
     # labels outside the vocabulary fail loudly (on every rank when validating), not as a device assert
@@ -99,8 +100,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
     total, count = stats[0], stats[1]
     if reduction == "mean":
         denom = count.clamp_min(1.0)
-        return _Reduced.apply(local_sum, (total / denom).float(), (world / denom).float())
-    return _Reduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
+        return GroupReduced.apply(local_sum, (total / denom).float(), (world / denom).float())
+    return GroupReduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
 
 
-__all__ = ["cross_entropy"]
+__all__ = ["cross_entropy", "reduction_group", "GroupReduced"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,14 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from topology.layouts import check_layout
-from .comm import comm_guard
-from .errors import CommTimeoutError, ConfigError, InconsistentRanksError, NonFiniteError, SetupError
+from .errors import SetupError
+from .validate import mesh_arguments
 
 log = logging.getLogger("hybrid_cp")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a mesh is one set of process groups (and a weak-dictionary key)
 class CPMesh:
     """Context-parallel mesh: who my ulysses and ring peers are, and how sequences are laid out.
 
@@ -41,8 +39,13 @@ class CPMesh:
     `timeout` is the timeout of every group the mesh created: a collective that a peer never
     joins (dead, hung, or raised alone) raises `hcp.CommTimeoutError` after it.
 
-    `sharded_lengths` records, by padded size, the dense lengths `hcp.shard` has seen, so that
-    `attention`/`unshard` without `seq_len=` can tell a unique length from an ambiguous one.
+    Every group is a dimension of `device_mesh` or a flattening of some (`cp_group`: ring x ulysses,
+    `dp_cp_group`/`dp_cp_mesh`: all ranks, for the loss and FSDP2), except two that a DeviceMesh cannot
+    give: `ring_group_bwd`, a second communicator over the ring ranks, and `check_group`, a host (gloo)
+    group for the validation check. Run-time records live with their owners: bytes sent and head-chunk
+    waits in `hybrid_cp.comm.counters(cp)`, the lengths `hcp.shard` saw in `hybrid_cp.layout`. Only the
+    validation history (`signatures`, `signature_period`, `validation_calls`, hybrid_cp/validate.py)
+    is kept here.
     """
 
     ulysses_size: int
@@ -65,9 +68,8 @@ class CPMesh:
     signatures: list[int] = field(default_factory=list, repr=False)  # recent call hashes (the same on every rank)
     signature_period: int | None = field(default=None, repr=False)  # the period they repeat with, if any
     validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
-    sharded_lengths: dict[int, set[int]] = field(default_factory=dict, repr=False)
-    sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
-    chunk_wait_s: float = field(default=0.0, repr=False)  # time blocked on head-chunk all-to-alls (exposed comm)
+    dp_cp_group: Any = None
+    dp_cp_mesh: DeviceMesh | None = None
 
     @property
     def size(self) -> int:
@@ -94,12 +96,6 @@ class CPMesh:
                 f"layout={self.layout!r}, rank={self.rank}, device={self.device})")
 
 
-def _divisor_hint(world: int) -> str:
-    pairs = [f"(ulysses={u}, ring={d // u})" for d in range(1, world + 1) if world % d == 0
-             for u in range(1, d + 1) if d % u == 0]
-    return ", ".join(pairs[-12:])
-
-
 def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int | None = None,
                  layout: str = "zigzag", plan: Any = None, device: str | torch.device | None = None,
                  validate: bool | str = True, timeout: datetime.timedelta | None = None) -> CPMesh:
@@ -116,37 +112,8 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     if not dist.is_available() or not dist.is_initialized():
         raise SetupError("init_cp_mesh needs torch.distributed: call "
                          "torch.distributed.init_process_group(...) first (or launch with torchrun)")
-    if plan is not None:
-        if ulysses is not None or ring is not None:
-            raise ConfigError("pass either plan=... or ulysses=/ring=, not both")
-        ulysses, ring = int(plan.ulysses), int(plan.ring)
-        dp = int(getattr(plan, "dp", 0)) or dp
-    if ulysses is None or ring is None:
-        raise ConfigError("init_cp_mesh needs ulysses= and ring= (or plan=)")
-    try:
-        check_layout(layout)
-    except ValueError as exc:
-        raise ConfigError(f"layout={layout!r}: {exc}") from None
-    if not (isinstance(validate, bool) or validate in ("always", "debug")):
-        raise ConfigError(f"validate={validate!r} must be True (check each new call signature), \"always\" (a "
-                          f"cheap check on every call), \"debug\" (full check, metadata checksum, NaN/inf) or "
-                          f"False (no check)")
-    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
-        raise ConfigError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None to inherit "
-                          f"the default process group's timeout)")
     world = dist.get_world_size()
-    for name, value in (("ulysses", ulysses), ("ring", ring)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-    cp = ulysses * ring
-    if world % cp != 0:
-        raise ConfigError(f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
-                          f"{world}; degrees that would work: {_divisor_hint(world)}")
-    if dp is None:
-        dp = world // cp
-    if dp * cp != world:
-        raise ConfigError(f"dp={dp} x ulysses={ulysses} x ring={ring} = {dp * cp} != world size "
-                          f"{world}; use dp={world // cp} (or leave dp unset)")
+    ulysses, ring, dp = mesh_arguments(ulysses, ring, dp, plan, layout, validate, timeout, world)
     if device is None:
         if torch.cuda.is_available() and dist.get_backend() != "gloo":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -163,7 +130,8 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     # (e.g. with activation checkpointing or pipelining) cannot serialise on each other.
     ring_bwd = _my_group([[grid[d][j][i] for j in range(ring)] for d in range(dp) for i in range(ulysses)], timeout)
     cp_lists = [[x for row in grid[d] for x in row] for d in range(dp)]
-    cp_group = _my_group(cp_lists, timeout)
+    cp_flat = _flattened(mesh, ("ring", "ulysses"), "cp", timeout)
+    dp_cp = _flattened(mesh, ("dp", "ring", "ulysses"), "dp_cp", timeout)  # the loss's and FSDP2's group
     # The validation all-reduce has a host (gloo) group of its own: it never syncs the device, and a
     # rank that checks while the others skip (validate=True) can only time out, never pair its
     # check with another collective.
@@ -171,7 +139,8 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     out = CPMesh(
         ulysses_size=ulysses, ring_size=ring, dp_size=dp, layout=layout, device=device,
         device_mesh=mesh, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"),
-        ring_group_bwd=ring_bwd, cp_group=cp_group,
+        ring_group_bwd=ring_bwd, cp_group=cp_flat.get_group(),
+        dp_cp_group=dp_cp.get_group(), dp_cp_mesh=dp_cp,
         ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=dp_rank, ring_ranks=ring_ranks,
         validate=validate, timeout=timeout, check_group=check_group)
     _announce(out, grid)
@@ -191,31 +160,50 @@ def default_timeout() -> datetime.timedelta:
     return c10d.default_pg_timeout
 
 
-def _device_mesh(device: torch.device, shape: tuple[int, int, int], timeout: datetime.timedelta) -> DeviceMesh:
-    """The DeviceMesh with `timeout` built into its groups' options: setting it afterwards is not
-    enough (gloo's point-to-point waits keep the timeout their context was created with)."""
-    names = ("dp", "ring", "ulysses")
+def _group_options(timeout: datetime.timedelta) -> tuple[str, Any] | None:
+    """(backend, options with `timeout`) for new DeviceMesh groups; None on a torch without them."""
     backend = dist.get_backend()
-    opts = None
     try:
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
-        if opts is not None:
-            opts._timeout = timeout
+        else:
+            return None
+        opts._timeout = timeout
     except Exception:  # an older torch: no such options
-        opts = None
-    if opts is not None:
+        return None
+    return backend, opts
+
+
+def _device_mesh(device: torch.device, shape: tuple[int, int, int], timeout: datetime.timedelta) -> DeviceMesh:
+    """The DeviceMesh with `timeout` built into its groups' options: setting it afterwards is not
+    enough (gloo's point-to-point waits keep the timeout their context was created with)."""
+    names = ("dp", "ring", "ulysses")
+    options = _group_options(timeout)
+    if options is not None:
         try:
             return init_device_mesh(device.type, shape, mesh_dim_names=names,
-                                    backend_override={n: (backend, opts) for n in names})
+                                    backend_override={n: options for n in names})
         except TypeError:  # torch without backend_override
             pass
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     for dim in ("ulysses", "ring"):
         _set_timeout(mesh.get_group(dim), timeout)
     return mesh
+
+
+def _flattened(mesh: DeviceMesh, dims: tuple[str, ...], name: str, timeout: datetime.timedelta) -> DeviceMesh:
+    """The 1-D mesh over `dims` of `mesh` (row-major: the cp rank order ring-major, ulysses-minor),
+    its group with `timeout`."""
+    sub = mesh[dims]
+    options = _group_options(timeout)
+    try:
+        flat = sub._flatten(name, backend_override=options) if options is not None else sub._flatten(name)
+    except TypeError:  # torch without backend_override
+        flat = sub._flatten(name)
+        _set_timeout(flat.get_group(), timeout)
+    return flat
 
 
 def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:
@@ -259,133 +247,3 @@ def _my_group(rank_lists: list[list[int]], timeout: datetime.timedelta | None = 
         if me in ranks:
             mine = g
     return mine
-
-
-_BIG = (1 << 62) - 1
-
-
-def _digest(values: list[int]) -> int:
-    """A 62-bit hash of a signature (the same on every rank for the same values)."""
-    data = ",".join(str(int(x)) for x in values).encode()
-    return (zlib.crc32(data) << 30) ^ zlib.adler32(data) ^ len(values)
-
-
-def _metadata(tensors) -> list[int]:
-    """Checksum of dtype/stride/requires_grad/device type of each tensor, and NaN/inf flags (debug)."""
-    meta, flags = [], []
-    for t in tensors:
-        meta.append(f"{t.dtype}|{t.stride()}|{int(t.requires_grad)}|{t.device.type}")
-        flags.append(int(not bool(torch.isfinite(t.detach()).all())))
-    return [zlib.crc32("/".join(meta).encode())] + flags
-
-
-@torch.compiler.disable  # a host collective and a history of signatures: never traced
-def agree_across_ranks(cp: CPMesh, values: list[int], names: list[str], error: Exception | None,
-                       what: str, tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
-    """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`,
-    so that no rank goes on into a collective alone or with different arguments.
-
-    The check is one all-reduce(MAX) of (hash, -hash, failed) on the host group; only if that
-    shows a failure or a disagreement (every rank sees the same reduced values, so every rank
-    takes this branch) the full all-gather that names the ranks and fields. validate="debug"
-    always takes the full all-gather, with the inputs' metadata checksum and NaN/inf flags of
-    `tensors` (name, tensor) added. validate=True skips the check when this rank's signature is
-    the predicted one (`_predicted`): the prediction depends only on calls that agreed, so it is
-    the same on every rank, and a rank whose call differs from it always checks.
-    """
-    debug = cp.validate == "debug"
-    failed = 0 if error is None else 1
-    values = list(values)
-    names = list(names)
-    if debug:
-        extra = _metadata([t for _, t in tensors]) if error is None and tensors else [0] * (len(tensors) + 1)
-        if tensors:
-            values += [extra[0]]
-            names += ["dtype/stride/requires_grad/device (checksum)"]
-        _full_check(cp, values, names, error, what, extra[1:], [n for n, _ in tensors])
-        return
-    h = _digest(values) if error is None else 0
-    if cp.validate is True and error is None and h == _predicted(cp):
-        cp.validation_calls["skipped"] += 1
-        _advance(cp, h)
-        return
-    cp.validation_calls["hash"] += 1
-    mine = torch.tensor([h, -h, failed], dtype=torch.int64)
-    try:
-        with comm_guard(cp, f"the {what} agreement check"):
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=cp.check_group)
-    except CommTimeoutError as exc:
-        if cp.validate is not True:
-            raise
-        # Under validate=True the other ranks skip calls they predicted; a rank that checks alone
-        # times out here: its call differed from theirs (or from what they expected).
-        if error is not None:
-            raise error from exc
-        raise CommTimeoutError(f"{what}: with validate=True only a call that differs from the one every rank "
-                               f"predicted from earlier calls is checked, and no other rank joined this check: "
-                               f"this call most likely differs across ranks (rerun with validate=\"always\" to have "
-                               f"the differing fields named). {exc}") from exc
-    top, neg_low, any_failed = mine.tolist()
-    if not any_failed and top == h and -neg_low == h:
-        _agreed(cp, h)
-        return
-    _full_check(cp, values, names, error, what, [], [])
-
-
-_HISTORY = 512  # call signatures remembered: a period longer than half of this is not learned
-
-
-def _predicted(cp: CPMesh) -> int | None:
-    """The signature every rank expects next: the one a period ago when the recent calls repeat
-    with a period (a training step: one batch check, then layers, full and sliding-window layers
-    alternating, recomputation in backward), else the same as the last call."""
-    hist = cp.signatures
-    if not hist:
-        return None
-    return hist[-cp.signature_period] if cp.signature_period else hist[-1]
-
-
-def _advance(cp: CPMesh, h: int) -> None:
-    """A predicted call: the period still holds."""
-    cp.signatures.append(h)
-    if len(cp.signatures) > 2 * _HISTORY:
-        del cp.signatures[:-_HISTORY]
-
-
-def _agreed(cp: CPMesh, h: int) -> None:
-    """A checked call that agreed: remember it and find the shortest period the history is consistent
-    with (at least one call of overlap). Only agreed or predicted calls enter the history, so it is
-    the same on every rank."""
-    _advance(cp, h)
-    hist = cp.signatures[-_HISTORY:]
-    n = len(hist)
-    cp.signature_period = next((p for p in (n - 1 - i for i in range(n - 2, -1, -1) if hist[i] == h)
-                                if hist[n - min(p, n - p):] == hist[n - p - min(p, n - p):n - p]), None)
-
-
-def _full_check(cp: CPMesh, values: list[int], names: list[str], error: Exception | None, what: str,
-                nonfinite: list[int], tensor_names: list[str]) -> None:
-    cp.validation_calls["full"] += 1
-    row = [0 if error is None else 1] + list(nonfinite) + list(values)
-    mine = torch.tensor(row, dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(cp.size)]
-    with comm_guard(cp, f"the {what} agreement check"):
-        dist.all_gather(rows, mine, group=cp.check_group)
-    if error is not None:
-        raise error
-    rows = [r.tolist() for r in rows]
-    bad = [rank for rank, r in enumerate(rows) if r[0]]
-    if bad:
-        raise InconsistentRanksError(f"cp ranks {bad} rejected their {what} (their error says why); "
-                                     f"every rank stops here instead of hanging")
-    k = len(nonfinite)
-    found = [f"{tensor_names[i]} on cp rank {rank}" for rank, r in enumerate(rows) for i in range(k) if r[1 + i]]
-    if found:
-        raise NonFiniteError(f"NaN or inf in {', '.join(found)} ({what}, validate=\"debug\"); every rank stops "
-                             f"here; find where that rank's activations overflow")
-    for rank, r in enumerate(rows):
-        if r[1 + k:] != list(values):
-            diffs = [f"{name}: {theirs} on cp rank {rank} vs {ours} here"
-                     for name, theirs, ours in zip(names, r[1 + k:], values) if theirs != ours]
-            raise InconsistentRanksError(f"inconsistent {what} across the cp group (" + "; ".join(diffs) +
-                                         "); every rank must pass its shard of the same batch with the same settings")

@@ -23,7 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .loss import _group, _Reduced
+from .errors import ConfigError, InputTypeError, SetupError, ShapeError
+from .loss import GroupReduced, reduction_group
+from .validate import positive_int
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -40,8 +42,7 @@ def default_loss_chunk(vocab: int) -> int:
 
 
 def _check_chunk(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name}={value!r} must be a positive integer number of tokens (or None for the default)")
+    positive_int(name, value, "a positive integer number of tokens (or None for the default)", allow_none=True)
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -111,25 +112,25 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     losses need no tiling, use `hcp.cross_entropy`.
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
+        raise ConfigError(f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
                          f"(for per-token losses use hcp.cross_entropy on the logits)")
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+            raise InputTypeError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor of token ids, got "
+        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
                         f"{getattr(labels, 'dtype', type(labels).__name__)}")
     if weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} do not match: "
+        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} do not match: "
                          f"weight must be [vocab, hidden] (nn.Linear(hidden, vocab).weight) and hidden [..., hidden]")
     if tuple(hidden.shape[:-1]) != tuple(labels.shape):
-        raise ValueError(f"hidden.shape={tuple(hidden.shape)} does not match labels.shape={tuple(labels.shape)}; "
+        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} does not match labels.shape={tuple(labels.shape)}; "
                          f"hidden must be labels.shape + (hidden_size,), from the same shard")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias must be a [{weight.shape[0]}] tensor or None, got "
+        raise ShapeError(f"bias must be a [{weight.shape[0]}] tensor or None, got "
                          f"{getattr(bias, 'shape', type(bias).__name__)}")
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise TypeError(f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}; "
+        raise InputTypeError(f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}; "
                         f"cast both to one dtype and device")
     _check_chunk("chunk_tokens", chunk_tokens)
     vocab = weight.shape[0]
@@ -138,13 +139,13 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     valid = flat_labels != ignore_index
     out_of_range = valid & ((flat_labels < 0) | (flat_labels >= vocab))
     safe = flat_labels.masked_fill(~valid | out_of_range, 0)
-    group, world = _group(cp, include_dp)
+    group, world = reduction_group(cp, include_dp)
     # count and the out-of-vocabulary check go first: a bad label must raise before any kernel indexes with it
     stats = torch.stack([valid.sum().double(), out_of_range.any().double()])
     if world > 1:
         dist.all_reduce(stats, group=group)
     if stats[1].item() > 0:
-        raise ValueError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
+        raise ConfigError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
                          f"ignore_index={ignore_index}; fix the labels or the ignore_index")
     local_sum = _LinearCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe,
                                              valid.to(torch.float32), chunk)
@@ -154,8 +155,8 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     total, count = total[0], stats[0]
     if reduction == "mean":
         denom = count.clamp_min(1.0)
-        return _Reduced.apply(local_sum, (total / denom).float(), (world / denom).float())
-    return _Reduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
+        return GroupReduced.apply(local_sum, (total / denom).float(), (world / denom).float())
+    return GroupReduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
 
 
 def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, chunk_tokens: int | None = None,
@@ -171,7 +172,7 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
     from .loss import cross_entropy
 
     if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
-        raise ValueError("batch must be the dict from hcp.shard_batch, with 'input_ids' and 'labels'")
+        raise ConfigError("batch must be the dict from hcp.shard_batch, with 'input_ids' and 'labels'")
     _check_chunk("chunk_tokens", chunk_tokens)
     labels = batch["labels"]
     # a packed row's document boundaries (shard_batch's cu_seq_lens_q/...) must reach the attention layers
@@ -185,11 +186,11 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
     config = getattr(model, "config", None)
     softcap = getattr(config, "final_logit_softcapping", None)
     if softcap:
-        raise ValueError(f"config.final_logit_softcapping={softcap}: the tiled loss computes plain logits; use "
+        raise ConfigError(f"config.final_logit_softcapping={softcap}: the tiled loss computes plain logits; use "
                          f"tiled=False for models that soft-cap their logits")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
-        raise TypeError(f"lm_loss(tiled=True) needs a model whose get_output_embeddings() is an nn.Linear LM head, "
+        raise InputTypeError(f"lm_loss(tiled=True) needs a model whose get_output_embeddings() is an nn.Linear LM head, "
                         f"got {type(head).__name__}; use tiled=False")
     box: dict[str, torch.Tensor] = {}
 
@@ -204,7 +205,7 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
     finally:
         del head.forward
     if "loss" not in box:
-        raise RuntimeError(f"{type(model).__name__}'s forward did not call its LM head; use tiled=False")
+        raise SetupError(f"{type(model).__name__}'s forward did not call its LM head; use tiled=False")
     return box["loss"]
 
 
@@ -267,14 +268,14 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
     """
     _check_chunk("chunk_tokens", chunk_tokens)
     if chunk_tokens is None:
-        raise ValueError("chunk_tokens=None: give a positive number of tokens, e.g. 4096")
+        raise ConfigError("chunk_tokens=None: give a positive number of tokens, e.g. 4096")
     mlps = _mlps(model)
     if not mlps:
-        raise ValueError(f"{type(model).__name__} has no submodule named 'mlp'; tile_mlp supports transformers "
+        raise ConfigError(f"{type(model).__name__} has no submodule named 'mlp'; tile_mlp supports transformers "
                          f"decoder models (Llama, Mistral, Qwen2, Qwen3)")
     for m in mlps:
         if not type(m).__name__.endswith("MLP"):
-            raise ValueError(f"{type(m).__name__} is not a token-wise MLP (mixture-of-experts blocks keep "
+            raise ConfigError(f"{type(m).__name__} is not a token-wise MLP (mixture-of-experts blocks keep "
                              f"router statistics over all tokens); tile_mlp supports *MLP modules only")
     for m in mlps:
         state = m.__dict__.get(TILED_MLP_ATTR)

@@ -603,6 +603,15 @@ def make_layout(layout: str, ulysses: int, ring: int, seq_len: int | None = None
     return Packed(doc_lens, ulysses, ring, "balanced" if layout == "zigzag" else "contiguous")
 
 
+def layout_of(layout: str, ulysses: int, ring: int, *, seq_len: int | None = None, cu_seqlens=None) -> Layout:
+    """The layout of one row from its length (dense) or its document boundaries (packed, flash-attn's
+    ``cu_seqlens`` as a sequence of ints): the one place both the engine and the planner turn
+    boundaries into a layout."""
+    if cu_seqlens is not None:
+        return make_layout(layout, ulysses, ring, doc_lens=doc_lengths(cu_seqlens))
+    return make_layout(layout, ulysses, ring, seq_len=seq_len)
+
+
 def doc_lengths(cu_seqlens) -> tuple[int, ...]:
     """Document lengths from flash-attn style boundaries [0, len_0, len_0 + len_1, ..., total]."""
     cu = [int(x) for x in cu_seqlens]
@@ -619,4 +628,4 @@ def doc_lengths(cu_seqlens) -> tuple[int, ...]:
 
 __all__ = ["LAYOUTS", "PAD", "Layout", "DenseZigzag", "DenseContiguous", "Packed", "Span", "Step", "band", "head_split",
            "module_chunks", "pieces",
-           "granularity", "padded_length", "make_layout", "doc_lengths", "check_layout"]
+           "granularity", "padded_length", "make_layout", "layout_of", "doc_lengths", "check_layout"]

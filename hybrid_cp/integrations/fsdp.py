@@ -21,20 +21,14 @@ from torch import nn
 from ..mesh import CPMesh
 from ..errors import ConfigError, InputTypeError
 
-FLAT_DIM = "dp_cp"
 
 
 def flat_mesh(cp: CPMesh):
-    """The 1-D DeviceMesh over all dp x ring x ulysses ranks (the FSDP2 sharding group)."""
-    if cp.device_mesh is None:
+    """The 1-D DeviceMesh over all dp x ring x ulysses ranks (the FSDP2 sharding group): the mesh's
+    flattened dimension, built once by `hcp.init_cp_mesh`."""
+    if cp.device_mesh is None or cp.dp_cp_mesh is None:
         raise ConfigError("this CPMesh has no device_mesh; build it with hcp.init_cp_mesh")
-    cached = cp.__dict__.get("_flat_mesh")
-    if cached is not None:
-        return cached
-    sub = cp.device_mesh["dp", "ring", "ulysses"]
-    flat = sub.flatten(FLAT_DIM) if hasattr(sub, "flatten") else sub._flatten(FLAT_DIM)
-    cp.__dict__["_flat_mesh"] = flat
-    return flat
+    return cp.dp_cp_mesh
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

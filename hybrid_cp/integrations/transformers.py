@@ -22,21 +22,19 @@ A forward pre-hook on the model makes the call contract hard to get wrong:
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from topology.layouts import module_chunks
 
 from ..attention import attention as _cp_attention
-from ..layout import positions as _positions
 from ..layout import row_layout
-from ..mesh import CPMesh, agree_across_ranks
+from ..mesh import CPMesh
 from ..modulechunk import Projected, pipelined_module_chunks
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from ..validate import model_inputs, positive_int
 from .model_support import check_attention_kwargs, check_model
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -118,94 +116,19 @@ def _register() -> None:
 
 @torch.compiler.disable  # host-side checks and a collective: runs eagerly under torch.compile (no recompiles)
 def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The model's positional inputs as keywords, checked and agreed on across the cp group
+    (`validate.model_inputs`, which fills in missing position ids); the padding mask, once checked,
+    is dropped (causal attention is exact for the real tokens of right-padded rows)."""
     if args:
         kwargs = dict(kwargs)
-        names = ("input_ids", "attention_mask", "position_ids")
-        for name, value in zip(names, args):
+        for name, value in zip(("input_ids", "attention_mask", "position_ids"), args):
             kwargs[name] = value
         args = ()
-    error = None
-    ids = kwargs.get("input_ids")
-    embeds = kwargs.get("inputs_embeds")
-    ref = ids if ids is not None else embeds
-    mask = kwargs.get("attention_mask")
-    b = s = 0
-    try:
-        if ref is None:
-            raise ConfigError("the model needs input_ids=... (or inputs_embeds=...): this rank's shard from "
-                             "hcp.shard_batch")
-        b, s = ref.shape[0], ref.shape[1]
-        if kwargs.get("labels") is not None:
-            raise ConfigError("labels= was passed to a context-parallel model: its built-in loss would shift the "
-                             "labels inside this rank's shard and average per rank. Call the model without "
-                             "labels and use hcp.cross_entropy(logits, batch['labels'], cp) with the labels "
-                             "from hcp.shard_batch (already shifted on the full sequence)")
-        for name in ("cache", "past_key_values"):
-            if kwargs.get(name) is not None:
-                raise ConfigError(f"{name}= was passed: KV caches (generation) are not supported under context "
-                                 f"parallelism; run generation on one device")
-        if kwargs.get("use_cache"):
-            raise ConfigError("use_cache=True is not supported under context parallelism (training only); "
-                             "pass use_cache=False")
-        cu = kwargs.get("cu_seq_lens_q")
-        lay = row_layout(cp, local_len=s, cu_seqlens=cu, causal=True, what="the model's input")
-        expected = _positions(lay.seq_len if cu is None else None, cp, device=ref.device, cu_seqlens=cu)
-        pos = kwargs.get("position_ids")
-        if cu is not None and (mask is not None or b != 1):
-            raise ConfigError("a packed row (cu_seq_lens_q) is one row without attention_mask: pass the output of "
-                             "hcp.shard_batch for the packed batch as it is")
-        if pos is None:
-            kwargs["position_ids"] = expected[None].expand(b, -1)
-        else:
-            if pos.dim() == 1:
-                pos = pos[None]
-            if pos.shape[-1] != s:
-                raise ShapeError(f"position_ids has local length {pos.shape[-1]} but input has {s}; pass "
-                                 f"batch['position_ids'] from hcp.shard_batch")
-            offset = pos - expected
-            if bool((offset != offset[:, :1]).any()) or (cu is not None and bool((offset != 0).any())):
-                raise ShapeError("position_ids are not the positions of this rank's tokens (they differ from "
-                                 "hcp.positions(...) by more than a constant, or for a packed row at all): pass "
-                                 "batch['position_ids'] from hcp.shard_batch, or none (the default is filled in)")
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape != (b, s):
-                raise ShapeError(f"attention_mask must be this rank's [batch, seq_local] = [{b}, {s}] 0/1 padding "
-                                 f"mask from hcp.shard_batch, got {getattr(mask, 'shape', type(mask).__name__)}; "
-                                 f"4-D and custom masks are not supported under context parallelism")
-            if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
-                raise ConfigError("attention_mask must hold 0/1 (or bool) padding flags; additive float masks are "
-                                 "not supported under context parallelism")
-    except ValueError as exc:
-        if not (cp.validate and cp.size > 1):
-            raise
-        error = exc
-    if cp.validate and cp.size > 1:
-        cu = kwargs.get("cu_seq_lens_q")
-        docs = 0 if cu is None else zlib.crc32(repr(torch.as_tensor(cu).tolist()).encode())
-        agree_across_ranks(cp, [b, s, int(mask is not None), docs],
-                           ["batch", "local length", "has mask", "cu_seq_lens_q (checksum)"], error, "model inputs")
-    if mask is not None:
-        _check_global_right_padding(cp, mask, kwargs["position_ids"])
+    kwargs = model_inputs(cp, kwargs)
+    if kwargs.get("attention_mask") is not None:
         kwargs["attention_mask"] = None
     kwargs["use_cache"] = False
     return args, kwargs
-
-
-def _check_global_right_padding(cp: CPMesh, mask: torch.Tensor, pos: torch.Tensor) -> None:
-    """Right padding over the whole sequence: every kept token's position < every masked one's."""
-    keep = mask.bool()
-    pos = pos.expand(keep.shape[0], -1).to(torch.int64)
-    big = torch.iinfo(torch.int64).max // 2
-    last_kept = torch.where(keep, pos, torch.full_like(pos, -big)).amax(-1)
-    first_masked = torch.where(~keep, pos, torch.full_like(pos, big)).amin(-1)
-    stats = torch.stack([last_kept, -first_masked], dim=-1).to(cp.device)
-    if cp.size > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=cp.cp_group)
-    rows = torch.nonzero(stats[:, 0] > -stats[:, 1]).flatten().tolist()
-    if rows:
-        raise ConfigError(f"attention_mask is not right padding over the whole sequence in batch rows {rows[:8]} (a "
-                         f"masked token comes before a kept one): context-parallel attention is causal, exact only "
-                         f"for right padding; right-pad the batch or drop the mask")
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -364,8 +287,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     call raises on its first forward. `chunk_projections=False` keeps the projections whole and
     chunks inside `hcp.attention` only. Returns the model.
     """
-    if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
-        raise ValueError(f"head_chunks={head_chunks!r} must be an integer >= 1 (1: all heads at once)")
+    positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)

@@ -1,0 +1,610 @@
+"""Every check hybrid-cp runs on its arguments, and the agreement of the cp ranks on them.
+
+Checks come in two kinds. A rank's own checks (`positive_int`, `mesh_arguments`, `checked_call`'s
+local part, `batch_arguments`, `model_inputs`) raise a `CPError` subclass for inputs the rank can
+judge alone. The cross-rank agreement (`agree_across_ranks`) makes every rank of a cp group raise
+when one rank failed its own checks or the ranks were called differently, so that no rank goes on
+into a collective alone (docs/errors.md, "Validation"). A call is summarised as a signature, a
+`typing.NamedTuple` of integers (`AttentionSignature`, `ModelInputSignature`) whose field labels
+name what differs; `digest` turns it, or any text, into one integer the ranks compare.
+
+This module sits below `mesh` (whose degrees it checks) and above `layout` and `kernels` (which
+it asks what a call means), so it recognises a mesh by its fields (`MeshLike`), not by its class.
+The validation history (`cp.signatures`, `cp.signature_period`, `cp.validation_calls`) stays on the
+mesh: it is documented there and read by the reliability tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from topology.layouts import Layout, check_layout, granularity
+
+from .comm import comm_guard
+from .errors import (CommTimeoutError, ConfigError, CPError, InconsistentRanksError, InputTypeError,
+                     NonFiniteError, ShapeError)
+from .kernels import AttentionKernel, get_kernel, kernel_needs, takes_keyword_on
+from .layout import positions, row_layout
+
+VALIDATE_MODES = (True, "always", "debug", False)
+
+
+# ---- rules --------------------------------------------------------------------------------------
+
+def is_positive_int(value: Any) -> bool:
+    """An int >= 1 that is not a bool (True is an int to Python, never a degree or a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def positive_int(name: str, value: Any, meaning: str = "a positive integer", *, where: str = "",
+                 allow_none: bool = False) -> Any:
+    """`value` if it is a positive int (or None with `allow_none`), else ConfigError
+    "[where: ]name=value must be <meaning>"."""
+    if (value is None and allow_none) or is_positive_int(value):
+        return value
+    prefix = f"{where}: " if where else ""
+    raise ConfigError(f"{prefix}{name}={value!r} must be {meaning}")
+
+
+def require_tensor(x: Any, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
+
+
+@runtime_checkable
+class MeshLike(Protocol):
+    """What the checks read of a `CPMesh` (hcp.init_cp_mesh's result)."""
+
+    ulysses_size: int
+    ring_size: int
+    layout: str
+    device: torch.device
+    validate: bool | str
+
+
+def require_mesh(cp: Any) -> None:
+    if not isinstance(cp, MeshLike):
+        raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+
+
+def _validates(cp: Any) -> bool:
+    """Whether calls on `cp` take part in the cross-rank agreement."""
+    return isinstance(cp, MeshLike) and bool(cp.validate) and cp.ulysses_size * cp.ring_size > 1
+
+
+# ---- the mesh's arguments -----------------------------------------------------------------------
+
+def _divisor_hint(world: int) -> str:
+    pairs = [f"(ulysses={u}, ring={d // u})" for d in range(1, world + 1) if world % d == 0
+             for u in range(1, d + 1) if d % u == 0]
+    return ", ".join(pairs[-12:])
+
+
+def mesh_arguments(ulysses: Any, ring: Any, dp: Any, plan: Any, layout: Any, validate: Any, timeout: Any,
+                   world: int) -> tuple[int, int, int]:
+    """`init_cp_mesh`'s arguments checked against the world size; returns (ulysses, ring, dp)."""
+    if plan is not None:
+        if ulysses is not None or ring is not None:
+            raise ConfigError("pass either plan=... or ulysses=/ring=, not both")
+        ulysses, ring = int(plan.ulysses), int(plan.ring)
+        dp = int(getattr(plan, "dp", 0)) or dp
+    if ulysses is None or ring is None:
+        raise ConfigError("init_cp_mesh needs ulysses= and ring= (or plan=)")
+    try:
+        check_layout(layout)
+    except ValueError as exc:
+        raise ConfigError(f"layout={layout!r}: {exc}") from None
+    if not (isinstance(validate, bool) or validate in ("always", "debug")):
+        raise ConfigError(f"validate={validate!r} must be True (check each new call signature), \"always\" (a "
+                          f"cheap check on every call), \"debug\" (full check, metadata checksum, NaN/inf) or "
+                          f"False (no check)")
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+        raise ConfigError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None to inherit "
+                          f"the default process group's timeout)")
+    positive_int("ulysses", ulysses)
+    positive_int("ring", ring)
+    cp = ulysses * ring
+    if world % cp != 0:
+        raise ConfigError(f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
+                          f"{world}; degrees that would work: {_divisor_hint(world)}")
+    if dp is None:
+        dp = world // cp
+    if dp * cp != world:
+        raise ConfigError(f"dp={dp} x ulysses={ulysses} x ring={ring} = {dp * cp} != world size "
+                          f"{world}; use dp={world // cp} (or leave dp unset)")
+    return ulysses, ring, dp
+
+
+# ---- digests and the cross-rank agreement -------------------------------------------------------
+
+def digest(value: Any) -> int:
+    """A 56-bit hash of `value`'s repr (the same on every rank for equal values; fits an int64 with
+    its negation, which the agreement all-reduce needs)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "big")
+
+
+def _metadata(tensors) -> list[int]:
+    """Checksum of dtype/stride/requires_grad/device type of each tensor, and NaN/inf flags (debug)."""
+    meta, flags = [], []
+    for t in tensors:
+        meta.append(f"{t.dtype}|{t.stride()}|{int(t.requires_grad)}|{t.device.type}")
+        flags.append(int(not bool(torch.isfinite(t.detach()).all())))
+    return [digest("/".join(meta))] + flags
+
+
+@torch.compiler.disable  # a host collective and a history of signatures: never traced
+def agree_across_ranks(cp, values, names, error: Exception | None, what: str,
+                       tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
+    """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`
+    (a signature: a NamedTuple of ints, labelled by `names`), so that no rank goes on into a
+    collective alone or with different arguments.
+
+    The check is one all-reduce(MAX) of (hash, -hash, failed) on the host group; only if that
+    shows a failure or a disagreement (every rank sees the same reduced values, so every rank
+    takes this branch) the full all-gather that names the ranks and fields. validate="debug"
+    always takes the full all-gather, with the inputs' metadata checksum and NaN/inf flags of
+    `tensors` (name, tensor) added. validate=True skips the check when this rank's signature is
+    the predicted one (`_predicted`): the prediction depends only on calls that agreed, so it is
+    the same on every rank, and a rank whose call differs from it always checks.
+    """
+    values, names = [int(x) for x in values], list(names)
+    if cp.validate == "debug":
+        extra = _metadata([t for _, t in tensors]) if error is None and tensors else [0] * (len(tensors) + 1)
+        if tensors:
+            values += [extra[0]]
+            names += ["dtype/stride/requires_grad/device (checksum)"]
+        _full_check(cp, values, names, error, what, extra[1:], [n for n, _ in tensors])
+        return
+    h = digest(tuple(values)) if error is None else 0
+    if cp.validate is True and error is None and h == _predicted(cp):
+        cp.validation_calls["skipped"] += 1
+        _advance(cp, h)
+        return
+    cp.validation_calls["hash"] += 1
+    if _reduced_agrees(cp, h, error, what):
+        _agreed(cp, h)
+        return
+    _full_check(cp, values, names, error, what, [], [])
+
+
+def _reduced_agrees(cp, h: int, error: Exception | None, what: str) -> bool:
+    """The cheap check: one all-reduce(MAX) of (hash, -hash, failed); True when every rank agreed."""
+    mine = torch.tensor([h, -h, 0 if error is None else 1], dtype=torch.int64)
+    try:
+        with comm_guard(cp, f"the {what} agreement check"):
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=cp.check_group)
+    except CommTimeoutError as exc:
+        if cp.validate is not True:
+            raise
+        # Under validate=True the other ranks skip calls they predicted; a rank that checks alone
+        # times out here: its call differed from theirs (or from what they expected).
+        if error is not None:
+            raise error from exc
+        raise CommTimeoutError(f"{what}: with validate=True only a call that differs from the one every rank "
+                               f"predicted from earlier calls is checked, and no other rank joined this check: "
+                               f"this call most likely differs across ranks (rerun with validate=\"always\" to have "
+                               f"the differing fields named). {exc}") from exc
+    top, neg_low, any_failed = mine.tolist()
+    return not any_failed and top == h and -neg_low == h
+
+
+_HISTORY = 512  # call signatures remembered: a period longer than half of this is not learned
+
+
+def _predicted(cp) -> int | None:
+    """The signature every rank expects next: the one a period ago when the recent calls repeat
+    with a period (a training step: one batch check, then layers, full and sliding-window layers
+    alternating, recomputation in backward), else the same as the last call."""
+    hist = cp.signatures
+    if not hist:
+        return None
+    return hist[-cp.signature_period] if cp.signature_period else hist[-1]
+
+
+def _advance(cp, h: int) -> None:
+    """A predicted call: the period still holds."""
+    cp.signatures.append(h)
+    if len(cp.signatures) > 2 * _HISTORY:
+        del cp.signatures[:-_HISTORY]
+
+
+def _agreed(cp, h: int) -> None:
+    """A checked call that agreed: remember it and find the shortest period the history is consistent
+    with (at least one call of overlap). Only agreed or predicted calls enter the history, so it is
+    the same on every rank."""
+    _advance(cp, h)
+    hist = cp.signatures[-_HISTORY:]
+    n = len(hist)
+    cp.signature_period = next((p for p in (n - 1 - i for i in range(n - 2, -1, -1) if hist[i] == h)
+                                if hist[n - min(p, n - p):] == hist[n - p - min(p, n - p):n - p]), None)
+
+
+def _full_check(cp, values: list[int], names: list[str], error: Exception | None, what: str,
+                nonfinite: list[int], tensor_names: list[str]) -> None:
+    """All-gather every rank's (failed, NaN flags, signature) and raise naming the ranks and fields."""
+    cp.validation_calls["full"] += 1
+    mine = torch.tensor([0 if error is None else 1] + list(nonfinite) + list(values), dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(cp.size)]
+    with comm_guard(cp, f"the {what} agreement check"):
+        dist.all_gather(rows, mine, group=cp.check_group)
+    if error is not None:
+        raise error
+    rows = [r.tolist() for r in rows]
+    bad = [rank for rank, r in enumerate(rows) if r[0]]
+    if bad:
+        raise InconsistentRanksError(f"cp ranks {bad} rejected their {what} (their error says why); "
+                                     f"every rank stops here instead of hanging")
+    k = len(nonfinite)
+    found = [f"{tensor_names[i]} on cp rank {rank}" for rank, r in enumerate(rows) for i in range(k) if r[1 + i]]
+    if found:
+        raise NonFiniteError(f"NaN or inf in {', '.join(found)} ({what}, validate=\"debug\"); every rank stops "
+                             f"here; find where that rank's activations overflow")
+    for rank, r in enumerate(rows):
+        if r[1 + k:] != list(values):
+            diffs = [f"{name}: {theirs} on cp rank {rank} vs {ours} here"
+                     for name, theirs, ours in zip(names, r[1 + k:], values) if theirs != ours]
+            raise InconsistentRanksError(f"inconsistent {what} across the cp group (" + "; ".join(diffs) +
+                                         "); every rank must pass its shard of the same batch with the same settings")
+
+
+# ---- hcp.attention ------------------------------------------------------------------------------
+
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+
+
+class AttentionSignature(NamedTuple):
+    """What every cp rank of one `hcp.attention` call must agree on (all zero for a rank that failed)."""
+
+    batch: int = 0
+    local_length: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    dtype: int = 0
+    causal: int = 0
+    seq_len: int = 0
+    documents: int = 0      # digest of the packed row's document lengths
+    window_left: int = -1
+    window_right: int = -1
+    backend: int = 0        # digest of the kernel's name
+    needs_grad: int = 0
+    head_chunks: int = 0
+
+    labels = ("batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
+              "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks")
+
+
+def _check_qkv(q, k, v, cp) -> None:
+    """Types, dtypes, devices and strides of q/k/v."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ShapeError(f"{name} must be [batch, seq_local, heads, head_dim], got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise InputTypeError(f"{name}.dtype={x.dtype} is not floating point; pass bf16/fp16/fp32/fp64 tensors")
+        if x.dtype != q.dtype:
+            raise InputTypeError(f"{name}.dtype={x.dtype} differs from q.dtype={q.dtype}; cast all three to one dtype")
+        if x.device != q.device:
+            raise ConfigError(f"{name} is on {x.device} but q is on {q.device}; move all three to one device")
+        if x.stride(-1) != 1:
+            raise ShapeError(f"{name} has stride {x.stride(-1)} in head_dim; the kernels need a unit stride: "
+                             f"pass {name}.contiguous()")
+    if q.device.type != cp.device.type:
+        raise ConfigError(f"q is on {q.device} but the cp mesh was built for {cp.device}; "
+                          f"move the inputs to {cp.device} or rebuild the mesh with device=...")
+
+
+def _check_shapes(q, k, v, cp, cu_seqlens) -> None:
+    b, s, h, d = q.shape
+    if k.shape != v.shape:
+        raise ShapeError(f"k.shape={tuple(k.shape)} != v.shape={tuple(v.shape)}; k and v must match")
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ShapeError(f"k.shape={tuple(k.shape)} does not match q.shape={tuple(q.shape)} in batch, "
+                         f"local length or head_dim; k/v must be [{b}, {s}, H_kv, {d}]")
+    hkv = k.shape[2]
+    if hkv < 1 or h % hkv:
+        raise ShapeError(f"q has {h} heads and k/v have {hkv}: the query heads must be a multiple of the "
+                         f"KV heads (GQA groups); fix num_key_value_heads")
+    if h < cp.ulysses_size:
+        raise ShapeError(f"q has {h} heads but ulysses={cp.ulysses_size}: every ulysses rank needs at least "
+                         f"one head; use ulysses <= {h} and put the rest of the degree into ring")
+    if s == 0:
+        raise ShapeError(f"q has local length 0 (shape {tuple(q.shape)}); shard a non-empty sequence")
+    if cu_seqlens is not None and b != 1:
+        raise ShapeError(f"q has batch size {b} with cu_seqlens: a packed row is a batch of one; concatenate the "
+                         f"documents into one row [1, total, ...] and describe them with cu_seqlens")
+
+
+def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window) -> AttentionKernel | None:
+    """The kernel the call runs (None for a plain local-attention callable), after checking it can
+    do what the call asks."""
+    if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
+        if cp.ring_size != 1:
+            raise ConfigError(f"a plain local-attention callable works with ring=1 only (got ring="
+                              f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
+                              f"register one with hcp.register_kernel")
+        if cu_seqlens is not None or window is not None or (lay.padded_len != lay.seq_len and not causal):
+            raise ConfigError("a plain local-attention callable cannot mask document boundaries, windows or (non-causal) "
+                              "padding; use a kernel backend, or for dense rows a length divisible by "
+                              f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
+        return None
+    needs = kernel_needs(cu_seqlens, window)
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], needs=needs)
+    for keyword in needs:
+        if not takes_keyword_on(kernel, keyword, q.device):
+            raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword that "
+                              f"{'cu_seqlens' if keyword == 'cu_seqlens_q' else 'window'} needs; see "
+                              f"hybrid_cp/kernels/__init__.py")
+    return kernel
+
+
+def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens,
+                  window) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+    """Raise for inputs this rank can judge alone; return (layout, kernel, the window in effect)."""
+    require_mesh(cp)
+    _check_qkv(q, k, v, cp)
+    _check_shapes(q, k, v, cp, cu_seqlens)
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and
+                                          math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ConfigError(f"softmax_scale={softmax_scale!r} must be a positive finite number (or None "
+                          f"for 1/sqrt(head_dim))")
+    if not isinstance(causal, bool):
+        raise InputTypeError(f"causal={causal!r} must be a bool")
+    lay = row_layout(cp, local_len=q.shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
+    window = lay.effective_window(causal, window)
+    kernel = _check_kernel(q, cp, lay, causal, backend, cu_seqlens, window)
+    return lay, kernel, (None if kernel is None else window)
+
+
+def attention_signature(q, k, lay: Layout, kernel, backend, causal, window, needs_grad: int,
+                        head_chunks: int) -> AttentionSignature:
+    """The signature of a call that passed this rank's checks."""
+    b, s, h, d = q.shape
+    left, right = (-1, -1) if window is None else (window, 0) if isinstance(window, int) else window
+    name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
+    return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(causal), lay.seq_len,
+                              digest(lay.doc_lens), left, right, digest(name), int(needs_grad), head_chunks)
+
+
+def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, head_chunks: int,
+                 needs_grad: int) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+    """Every check of an attention call, before any collective: this rank's own (`_local_checks`), then,
+    with `cp.validate`, the cross-rank agreement on the call's `AttentionSignature`, so that a rank that
+    failed or differs makes every rank raise. Returns (layout, kernel, the window in effect). `needs_grad`
+    is passed in because the compiled path decides it at trace time (hybrid_cp/compiled.py)."""
+    error, signature, result = None, AttentionSignature(causal=int(causal) if isinstance(causal, bool) else -1), None
+    try:
+        positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
+        result = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window)
+        lay, kernel, window = result
+        if head_chunks > 1 and kernel is None:
+            raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
+                              f"local-attention callable runs all heads at once: use head_chunks=1")
+        signature = attention_signature(q, k, lay, kernel, backend, causal, window, needs_grad, head_chunks)
+    except (TypeError, ValueError) as exc:
+        if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
+            exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
+        if not _validates(cp):
+            raise exc from None
+        error = exc
+    if _validates(cp):
+        agree_across_ranks(cp, signature, AttentionSignature.labels, error, "hcp.attention inputs",
+                           tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
+    return result
+
+
+# ---- hcp.shard_batch ----------------------------------------------------------------------------
+
+def batch_arguments(batch: Any, ignore_index: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`shard_batch`'s checks of the whole batch; returns (input_ids, attention_mask, position_ids as
+    [B or 1, S])."""
+    if not isinstance(batch, Mapping):
+        raise InputTypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    if "input_ids" not in batch or not isinstance(batch["input_ids"], torch.Tensor):
+        raise ShapeError(f"batch needs an 'input_ids' tensor [batch, seq] (got keys {sorted(batch)}); "
+                         f"pass the full-sequence token ids as batch['input_ids']")
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ShapeError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(ids.shape)}; "
+                         f"add a batch dimension with input_ids[None]")
+    if ids.is_floating_point():
+        raise ConfigError(f"batch['input_ids'] has dtype {ids.dtype}; token ids must be integers")
+    b, s = ids.shape
+    if s == 0 or b == 0:
+        raise ShapeError(f"batch['input_ids'] has shape {tuple(ids.shape)}; it needs at least one sequence "
+                         f"and one token")
+    if not isinstance(ignore_index, int):
+        raise ConfigError(f"ignore_index={ignore_index!r} must be an int")
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        raise ShapeError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
+                         f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}; 4-D or custom masks are "
+                         f"not supported under context parallelism (attention is causal over the sequence)")
+    _check_per_token_shapes(batch, b, s)
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() == 1:
+        if pos.shape[0] != s:
+            raise ShapeError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
+        pos = pos[None]
+    return ids, mask, pos
+
+
+def _check_per_token_shapes(batch: Mapping[str, Any], b: int, s: int) -> None:
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if key == "position_ids" and value.shape[0] == 1:
+            pass
+        elif value.shape[0] != b:
+            raise ShapeError(f"batch[{key!r}] has batch size {value.shape[0]} (shape {tuple(value.shape)}) but "
+                             f"input_ids has {b}; every per-token tensor must be [{b}, {s}, ...]")
+        if value.shape[1] != s:
+            raise ShapeError(f"batch[{key!r}] has sequence length {value.shape[1]} (shape {tuple(value.shape)}) "
+                             f"but input_ids has {s}; every per-token tensor must be [{b}, {s}, ...] over "
+                             f"the same full sequence")
+
+
+def right_padding(mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
+    """Return the mask as bool after checking every row is ones then zeros (right padding)."""
+    if mask.dtype == torch.bool:
+        m = mask
+    else:
+        if mask.is_floating_point() or mask.is_complex():
+            raise ConfigError(f"{name} has dtype {mask.dtype}; pass a 0/1 integer or bool padding mask "
+                              f"(additive float masks are not supported under context parallelism)")
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ConfigError(f"{name} holds values other than 0 and 1 (e.g. {mask[bad][0].item()}); pass a "
+                              f"0/1 padding mask")
+        m = mask != 0
+    # right padding: once a row turns 0 it stays 0, i.e. the mask never increases along the row
+    if m.shape[-1] > 1 and bool((m[..., 1:] & ~m[..., :-1]).any()):
+        rows = torch.nonzero((m[..., 1:] & ~m[..., :-1]).any(-1)).flatten().tolist()
+        raise ConfigError(f"{name} is not right padding in batch rows {rows[:8]} (a 0 is followed by a 1: left "
+                          f"padding, holes or packed documents). Context-parallel attention is causal over the "
+                          f"whole sequence, which is exact only for right padding; right-pad the batch "
+                          f"(tokenizer padding_side='right') or drop the mask")
+    return m
+
+
+def dense_labels(labels: Any) -> None:
+    """A dense batch's labels: a [batch, seq] integer tensor (or None: the input ids)."""
+    if labels is None:
+        return
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        raise ShapeError(f"batch['labels'] must be a [batch, seq] integer tensor, got "
+                         f"{getattr(labels, 'shape', type(labels).__name__)}")
+    if labels.is_floating_point():
+        raise ConfigError(f"batch['labels'] has dtype {labels.dtype}; labels must be integer token ids")
+
+
+def dense_positions(pos: torch.Tensor | None) -> None:
+    """A dense batch's position ids increase by one along each row (an offset is fine)."""
+    if pos is None:
+        return
+    if pos.is_floating_point():
+        raise ConfigError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
+    if pos.shape[-1] > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
+        raise ConfigError("batch['position_ids'] do not increase by one along the sequence, nor restart at 0 "
+                          "per document (packed rows); custom positions are not supported: drop position_ids "
+                          "(the default is 0..S-1), pass arange-like rows, or pack documents into one row "
+                          "whose positions restart at 0 (or give cu_seq_lens_q)")
+
+
+# ---- a transformers model's inputs --------------------------------------------------------------
+
+class ModelInputSignature(NamedTuple):
+    """What every cp rank of one model call must agree on."""
+
+    batch: int = 0
+    local_length: int = 0
+    has_mask: int = 0
+    documents: int = 0   # digest of the packed row's document lengths, 0 for a dense row
+
+    labels = ("batch", "local length", "has mask", "cu_seq_lens_q (checksum)")
+
+
+def _model_call_options(kwargs: Mapping[str, Any]) -> None:
+    if kwargs.get("labels") is not None:
+        raise ConfigError("labels= was passed to a context-parallel model: its built-in loss would shift the "
+                          "labels inside this rank's shard and average per rank. Call the model without "
+                          "labels and use hcp.cross_entropy(logits, batch['labels'], cp) with the labels "
+                          "from hcp.shard_batch (already shifted on the full sequence)")
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ConfigError(f"{name}= was passed: KV caches (generation) are not supported under context "
+                              f"parallelism; run generation on one device")
+    if kwargs.get("use_cache"):
+        raise ConfigError("use_cache=True is not supported under context parallelism (training only); "
+                          "pass use_cache=False")
+
+
+def _model_positions(cp, kwargs: dict, ref: torch.Tensor, lay: Layout, packed: bool) -> None:
+    """Fill in missing position ids with this rank's, or check the given ones are them."""
+    b, s = ref.shape[0], ref.shape[1]
+    cu = kwargs.get("cu_seq_lens_q")
+    expected = positions(None if packed else lay.seq_len, cp, device=ref.device, cu_seqlens=cu)
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        kwargs["position_ids"] = expected[None].expand(b, -1)
+        return
+    if pos.dim() == 1:
+        pos = pos[None]
+    if pos.shape[-1] != s:
+        raise ShapeError(f"position_ids has local length {pos.shape[-1]} but input has {s}; pass "
+                         f"batch['position_ids'] from hcp.shard_batch")
+    offset = pos - expected
+    if bool((offset != offset[:, :1]).any()) or (packed and bool((offset != 0).any())):
+        raise ShapeError("position_ids are not the positions of this rank's tokens (they differ from "
+                         "hcp.positions(...) by more than a constant, or for a packed row at all): pass "
+                         "batch['position_ids'] from hcp.shard_batch, or none (the default is filled in)")
+
+
+def _model_local_checks(cp, kwargs: dict) -> ModelInputSignature:
+    """This rank's checks of a model call (filling in missing position ids); returns its signature."""
+    ids, embeds, mask = kwargs.get("input_ids"), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
+    ref = ids if ids is not None else embeds
+    if ref is None:
+        raise ConfigError("the model needs input_ids=... (or inputs_embeds=...): this rank's shard from "
+                          "hcp.shard_batch")
+    b, s = ref.shape[0], ref.shape[1]
+    _model_call_options(kwargs)
+    cu = kwargs.get("cu_seq_lens_q")
+    lay = row_layout(cp, local_len=s, cu_seqlens=cu, causal=True, what="the model's input")
+    if cu is not None and (mask is not None or b != 1):
+        raise ConfigError("a packed row (cu_seq_lens_q) is one row without attention_mask: pass the output of "
+                          "hcp.shard_batch for the packed batch as it is")
+    _model_positions(cp, kwargs, ref, lay, cu is not None)
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape != (b, s):
+            raise ShapeError(f"attention_mask must be this rank's [batch, seq_local] = [{b}, {s}] 0/1 padding "
+                             f"mask from hcp.shard_batch, got {getattr(mask, 'shape', type(mask).__name__)}; "
+                             f"4-D and custom masks are not supported under context parallelism")
+        if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
+            raise ConfigError("attention_mask must hold 0/1 (or bool) padding flags; additive float masks are "
+                              "not supported under context parallelism")
+    return ModelInputSignature(b, s, int(mask is not None), 0 if cu is None else digest(lay.doc_lens))
+
+
+def model_inputs(cp, kwargs: dict) -> dict:
+    """Check a transformers model call's keyword arguments on this rank, agree on them across the cp
+    group, and check a padding mask is right padding over the whole sequence. Returns the arguments
+    with missing `position_ids` filled in."""
+    kwargs = dict(kwargs)
+    error, signature = None, ModelInputSignature()
+    try:
+        signature = _model_local_checks(cp, kwargs)
+    except ValueError as exc:
+        if not _validates(cp):
+            raise
+        error = exc
+    if _validates(cp):
+        agree_across_ranks(cp, signature, ModelInputSignature.labels, error, "model inputs")
+    if kwargs.get("attention_mask") is not None:
+        global_right_padding(cp, kwargs["attention_mask"], kwargs["position_ids"])
+    return kwargs
+
+
+def global_right_padding(cp, mask: torch.Tensor, pos: torch.Tensor) -> None:
+    """Right padding over the whole sequence: every kept token's position < every masked one's."""
+    keep = mask.bool()
+    pos = pos.expand(keep.shape[0], -1).to(torch.int64)
+    big = torch.iinfo(torch.int64).max // 2
+    last_kept = torch.where(keep, pos, torch.full_like(pos, -big)).amax(-1)
+    first_masked = torch.where(~keep, pos, torch.full_like(pos, big)).amin(-1)
+    stats = torch.stack([last_kept, -first_masked], dim=-1).to(cp.device)
+    if cp.size > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=cp.cp_group)
+    rows = torch.nonzero(stats[:, 0] > -stats[:, 1]).flatten().tolist()
+    if rows:
+        raise ConfigError(f"attention_mask is not right padding over the whole sequence in batch rows {rows[:8]} (a "
+                          f"masked token comes before a kept one): context-parallel attention is causal, exact only "
+                          f"for right padding; right-pad the batch or drop the mask")
