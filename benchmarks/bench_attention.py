@@ -46,8 +46,9 @@ def run_rank(ulysses: int, ring: int, layout: str, seq_len: int, heads: int, kv_
 
 
 def main() -> None:
-    from topology.layouts import make_layout
+    from hybrid_cp.cli.table import format_table
     from hybrid_cp.testing import WorkerPool
+    from topology.layouts import make_layout
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -74,11 +75,11 @@ def main() -> None:
     base = rows[0]["median_s"]
     print(f"\ncausal GQA attention fwd+bwd, {a.seq_len} tokens, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, "
           f"8 gloo ranks, {a.repeats} timed runs each")
-    print(f"{'u':>3} {'r':>3} {'layout':>11} {'min s':>8} {'median s':>9} {'vs first':>9} {'work max/min':>13} "
-          f"{'a2a MiB/rank':>13} {'ring MiB/rank':>14}")
-    for row in rows:
-        print(f"{row['ulysses']:>3} {row['ring']:>3} {row['layout']:>11} {row['min_s']:>8.2f} {row['median_s']:>9.2f} "
-              f"{row['median_s'] / base:>9.2f} {row['imbalance']:>13.2f} {row['a2a_MiB']:>13.1f} {row['ring_MiB']:>14.1f}")
+    header = ["u", "r", "layout", "min s", "median s", "vs first", "work max/min", "a2a MiB/rank", "ring MiB/rank"]
+    print(format_table(header, [[row["ulysses"], row["ring"], row["layout"], row["min_s"], row["median_s"],
+                                 row["median_s"] / base, row["imbalance"], row["a2a_MiB"], row["ring_MiB"]]
+                                for row in rows],
+                       formats=["", "", "", ".2f", ".2f", ".2f", ".2f", ".1f", ".1f"], align=">" * 9, gap=1))
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid_cp import kernels as K  # noqa: E402
+from hybrid_cp.cli.table import format_table  # noqa: E402
 from hybrid_cp.kernels.merge import merge_  # noqa: E402
 
 KERNELS = [n for n in K.CUDA_AUTO_ORDER if n != "math"]
@@ -431,15 +432,15 @@ def _fmt(x) -> str:
 def md_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """A Markdown table of `rows` ([(key, header)] columns); rows that were skipped or failed get
     their reason in the first free column."""
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    table = []
     for row in rows:
         cells = [_fmt(row[k]) if k in row else "" for k, _ in columns]
         note = row.get("skipped") or row.get("error")
         if note:
             i = next((j for j, (k, _) in enumerate(columns) if k not in row), len(cells) - 1)
             cells[i] = ("skipped: " if "skipped" in row else "error: ") + _fmt(note)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return format_table([h for _, h in columns], table, markdown=True)
 
 
 def markdown(res: dict) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import re
 
+from hybrid_cp.cli.table import format_table
 from hybrid_cp.testing.families import walk
 
 # the guard's reasons, from the most specific; the first that matches a message names its row
@@ -46,12 +47,10 @@ def main() -> None:
     counts = collections.Counter(status for status, _ in rows.values())
     print(f"{len(rows)} causal-LM model types: {counts['exact']} exact (parity-tested), {counts['refused']} refused, "
           f"{counts['not built']} not built here, 0 run unverified\n")
-    print("| status | families |")
-    print("|---|---|")
     order = ["exact"] + [f"refused: {label}" for _, label in REASONS] + ["not built here"]
-    for key in order + sorted(set(groups) - set(order)):
-        if groups.get(key):
-            print(f"| {key} ({len(groups[key])}) | {', '.join(groups[key])} |")
+    table = [[f"{key} ({len(groups[key])})", ", ".join(groups[key])]
+             for key in order + sorted(set(groups) - set(order)) if groups.get(key)]
+    print(format_table(["status", "families"], table, markdown=True))
 
 
 if __name__ == "__main__":

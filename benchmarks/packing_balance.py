@@ -14,6 +14,7 @@ import argparse
 import math
 import random
 
+from hybrid_cp.cli.table import format_table
 from topology.layouts import Packed
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -60,15 +61,17 @@ def measure(doc_lens: tuple[int, ...], u: int, r: int, policy: str) -> dict:
 
 
 def table() -> str:
-    lines = ["| mix | docs | u x r | policy | busiest/mean work | padding tokens (%) | segments per rank | "
-             "shortest segment | per-doc padded (peers) |", "|---|---|---|---|---|---|---|---|---|"]
+    header = ["mix", "docs", "u x r", "policy", "busiest/mean work", "padding tokens (%)", "segments per rank",
+              "shortest segment", "per-doc padded (peers)"]
+    rows = []
     for name, mix in MIXES.items():
         for u, r in MESHES:
             for policy in ("balanced", "zigzag", "contiguous"):
                 m = measure(mix, u, r, policy)
-                lines.append(f"| {name} | {len(mix)} | {u} x {r} | {policy} | {m['imbalance']:.4f} | {m['padding']} "
-                             f"({m['padding_pct']:.2f}%) | {m['segments']} | {m['shortest']} | {m['per_doc_padded']} |")
-    return "\n".join(lines)
+                rows.append([name, len(mix), f"{u} x {r}", policy, m["imbalance"],
+                             f"{m['padding']} ({m['padding_pct']:.2f}%)", m["segments"], m["shortest"],
+                             m["per_doc_padded"]])
+    return format_table(header, rows, formats=["", "", "", "", ".4f"], markdown=True)
 
 
 def main() -> None:

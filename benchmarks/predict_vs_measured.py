@@ -4,7 +4,7 @@
     python benchmarks/predict_vs_measured.py --cluster benchmarks/results/cpu8_calibrated.yaml \
         --seq-lens 6144 12288 --rounds 3 --out benchmarks/results/predict_vs_measured_cpu8
 
-Runs what `hybrid-cp bench` runs (hybrid_cp.bench.bench_rank, causal GQA fwd+bwd, slowest rank per
+Runs what `hybrid-cp bench` runs (hybrid_cp.cli.measure.bench_rank, causal GQA fwd+bwd, slowest rank per
 repeat) in one pool of 8 processes, in `--rounds` interleaved rounds so that the spread between
 rounds shows the machine's noise. Prints and writes a markdown table (measured median/min, noise,
 predicted, error, the 1-minute load average after each case: on a shared machine a figure means
@@ -19,6 +19,19 @@ import json
 import os
 import statistics
 import time
+
+HEADER = ["seq_len", "u", "r", "measured median s", "min s", "round medians s", "noise", "predicted s", "error",
+          "probe vs calibration", "load-adjusted predicted s", "error", "load (1 min) per round"]
+
+
+def _cells(row: dict) -> list[str]:
+    """One case's cells of the markdown table (``-`` where no calibration probe was timed)."""
+    adj = ([f"{row['load_factor']:.2f}x", f"{row['predicted_load_adjusted_s']:.3f}", f"{row['error_load_adjusted']:+.0%}"]
+           if row["load_factor"] else ["-", "-", "-"])
+    return [str(row["seq_len"]), str(row["ulysses"]), str(row["ring"]), f"{row['measured_s']:.3f}",
+            f"{row['measured_min_s']:.3f}", " / ".join(f"{m:.3f}" for m in row["round_medians_s"]),
+            f"{row['noise']:.0%}", f"{row['predicted_s']:.3f}", f"{row['error']:+.0%}", *adj,
+            " / ".join(f"{x:.1f}" for x in row["load_1min"])]
 
 
 def main() -> None:
@@ -35,7 +48,8 @@ def main() -> None:
     p.add_argument("--plot", default="docs/predict_vs_measured_cpu8.png", help="plot file (needs matplotlib)")
     a = p.parse_args()
 
-    from hybrid_cp.bench_cli import summarize
+    from hybrid_cp.cli.bench import summarize
+    from hybrid_cp.cli.table import table_lines
     from hybrid_cp.testing import WorkerPool
     from topology.cluster import Cluster
 
@@ -51,7 +65,7 @@ def main() -> None:
         for rnd in range(a.rounds):
             for n in a.seq_lens:
                 for u, r in splits:
-                    res = pool.run("hybrid_cp.bench:bench_rank", timeout=3600, ulysses=u, ring=r, seq_len=n,
+                    res = pool.run("hybrid_cp.cli.measure:bench_rank", timeout=3600, ulysses=u, ring=r, seq_len=n,
                                    heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, causal=True,
                                    repeats=a.repeats, warmup=1)
                     runs.setdefault((u, r, n), []).append(res[0]["times"])
@@ -78,16 +92,8 @@ def main() -> None:
                      "load_1min": loads[(u, r, n)]})
     lines = [f"causal GQA attention fwd+bwd per rank, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, fp32, "
              f"{a.world} gloo ranks; {a.rounds} rounds x {a.repeats} repeats; prediction from {a.cluster}",
-             "", "| seq_len | u | r | measured median s | min s | round medians s | noise | predicted s | error | "
-             "probe vs calibration | load-adjusted predicted s | error | load (1 min) per round |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        adj = (f"{row['load_factor']:.2f}x | {row['predicted_load_adjusted_s']:.3f} | {row['error_load_adjusted']:+.0%}"
-               if row["load_factor"] else "- | - | -")
-        lines.append(f"| {row['seq_len']} | {row['ulysses']} | {row['ring']} | {row['measured_s']:.3f} | "
-                     f"{row['measured_min_s']:.3f} | {' / '.join(f'{m:.3f}' for m in row['round_medians_s'])} | "
-                     f"{row['noise']:.0%} | {row['predicted_s']:.3f} | {row['error']:+.0%} | {adj} | "
-                     f"{' / '.join(f'{x:.1f}' for x in row['load_1min'])} |")
+             ""]
+    lines += table_lines(HEADER, (_cells(row) for row in rows), markdown=True)
     lines.append("")
     verdicts = []
     for n in a.seq_lens:

@@ -3,7 +3,7 @@
 import pytest
 
 import topology
-from topology.cli import main
+from hybrid_cp.cli.plan import main
 from topology.layouts import make_layout
 
 
