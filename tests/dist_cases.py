@@ -322,7 +322,7 @@ def hidden_length_case() -> dict:
     """Shard a 997-token q/k/v, then another 1,000-token tensor, then non-causal attention and
     unshard without seq_len: both must raise (ambiguous); with seq_len=997 the answer is exact."""
     cp = mesh(2, 2)
-    cp.sharded_lengths.clear()  # the cached mesh is shared with other cases
+    hcp.layout.recorded_lengths(cp).clear()  # the cached mesh is shared with other cases
     q, k, v, dout = _inputs(5, 1, 997, 4, 2, 16)
     ql, kl, vl = (hcp.shard(x.float(), cp) for x in (q, k, v))
     hcp.shard(torch.zeros(1, 1000, 3), cp)
@@ -341,7 +341,7 @@ def hidden_length_case() -> dict:
     out["explicit_err"] = _rel(full, ref)
     causal = hcp.unshard(hcp.attention(ql, kl, vl, cp, causal=True), cp, seq_len=997)
     out["causal_err"] = _rel(causal, reference(q, k, v, dout, True, 1 / math.sqrt(16))[0])
-    cp.sharded_lengths.clear()
+    hcp.layout.recorded_lengths(cp).clear()
     return out
 
 
