@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cluster import Cluster
-from .layouts import doc_lengths, head_split, make_layout
+from .layouts import head_split, layout_of, make_layout
 from .placement import PlacementError, ring_groups, ulysses_groups
 from .rates import ATTN_BWD_FACTOR, merge_bwd_bytes, merge_fwd_bytes
 from .units import FP32_BYTES, check_counts, dtype_bytes, dtype_name
@@ -152,10 +152,9 @@ def comm_bytes(
     check_counts(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
                 ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
     split = head_split(heads, kv_heads, ulysses)
-    docs = doc_lengths(cu_seqlens) if cu_seqlens is not None else None
-    if docs and sum(docs) != seq_len:
-        raise ValueError(f"cu_seqlens ends at {sum(docs)} but seq_len={seq_len}; pass the packed row's total")
-    lay = make_layout(layout, ulysses, ring, seq_len=None if docs is not None else seq_len, doc_lens=docs)
+    lay = layout_of(layout, ulysses, ring, seq_len=seq_len, cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None and lay.seq_len != seq_len:
+        raise ValueError(f"cu_seqlens ends at {lay.seq_len} but seq_len={seq_len}; pass the packed row's total")
     s = lay.local_len
     unit = batch * s * head_dim * dtype_bytes
     window = lay.effective_window(causal, window)
