@@ -17,13 +17,14 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hybrid_cp as hcp  # noqa: E402
+from hybrid_cp.cli.table import table_lines  # noqa: E402
 from hybrid_cp.memory import CudaStageStats, StorageTracker, mark, mark_stages  # noqa: E402
 
 MiB = 1 << 20
@@ -329,6 +330,135 @@ def _estimate(u, r, seq_len, kw, shape=None):
     return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype="fp32")
 
 
+def mib(x) -> str:
+    return f"{x / MiB:.1f}"
+
+
+def options_table(pool, raw: dict) -> Iterator[str]:
+    """Tiled loss / tiled MLP / checkpointing on u=2 x r=2, measured beside the estimate."""
+    yield ("### One training step, u=2 x r=2 (dp=2), 4096 and 8192 tokens, fp32, AdamW (exact live storage, MiB "
+           "per rank, worst rank)")
+    yield ""
+
+    def rows():
+        for name, kw in OPTION_ROWS:
+            for n in (4096, 8192):
+                worst = max(pool.run("memory_step:measure", u=2, r=2, seq_len=n, loss_chunk=512, **kw),
+                            key=lambda x: x["peak"])
+                st = worst["stages"]
+                est = _estimate(2, 2, n, kw)
+                raw[f"options/{name}/{n}"] = {"measured": worst, "estimate": est.to_dict()}
+
+                def tr(key):
+                    return mib(st.get(key, {}).get("transient", 0))
+                yield [name, str(n), mib(worst["peak"]), mib(est.peak), f"{est.peak / worst['peak'] - 1:+.1%}",
+                       f"{tr('attention')} / {tr('attention.bwd')}", f"{tr('mlp')} / {tr('mlp.bwd')}",
+                       f"{tr('loss')} / {tr('loss.bwd')}"]
+
+    yield from table_lines(["options", "tokens", "measured peak", "estimate", "error", "attention fwd / bwd",
+                            "MLP fwd / bwd", "loss fwd / bwd"], rows(), markdown=True)
+    yield ""
+
+
+def heads_table(pool, raw: dict) -> Iterator[str]:
+    """head_chunks in 1, 2, 4, 8 on u=4 x r=2, measured beside the estimate."""
+    yield (f"### Head chunks, u=4 x r=2, 32 heads / 8 KV heads (head_dim 16), {HEADS_TOKENS} tokens, fp32, tiled loss + "
+           "MLP, checkpointing (MiB per rank, worst rank; default serial schedule)")
+    yield ""
+
+    def rows():
+        first = None
+        for kc in (1, 2, 4, 8):
+            kw = dict(checkpoint=True, tiled_loss=True, tiled_mlp=512, head_chunks=kc)
+            worst = max(pool.run("memory_step:measure", u=4, r=2, seq_len=HEADS_TOKENS, loss_chunk=512,
+                                 shape=HEADS_SHAPE, timeout=3600, **kw),  # slow: the tracker sees every op
+                        key=lambda x: x["peak"])
+            st = worst["stages"]
+            est = _estimate(4, 2, HEADS_TOKENS, kw, HEADS_SHAPE)
+            raw[f"heads/{kc}"] = {"measured": worst, "estimate": est.to_dict()}
+            module_bwd = st["attention.bwd"]["transient"]
+            first = first or module_bwd
+            yield [str(kc), mib(worst["peak"]), mib(est.peak), f"{est.peak / worst['peak'] - 1:+.1%}",
+                   mib(st["engine"]["transient"]), mib(st["engine.bwd"]["transient"]),
+                   mib(st["attention"]["transient"]), mib(module_bwd), f"{module_bwd / first - 1:+.0%}"]
+
+    yield from table_lines(["head_chunks", "measured peak", "estimate", "error", "engine fwd", "engine bwd",
+                            "attention module fwd", "attention module bwd", "attention module bwd vs k=1"],
+                           rows(), markdown=True)
+    yield ""
+
+
+def module_table(pool, raw: dict) -> Iterator[str]:
+    """The attention module alone, by head_chunks and schedule."""
+    res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, timeout=3600)
+    raw["module"] = res
+    yield (f"### The attention module alone (projections, rotary, hcp.attention, output projection; chunks from "
+           f"the projections on), u=4 x r=2, {MODULE_TOKENS} tokens, 32/8 heads, head_dim 16, hidden 512, fp32 (exact MiB "
+           "above the module's inputs, worst rank; 'intermediate' = the peak less the output, d(input) and the "
+           "weight gradients)")
+    yield ""
+    worst = {key: max((r_[key] for r_ in res), key=lambda x: x["peak"]) for key in res[0]}
+    rows, base = [], None
+    for key, w in worst.items():
+        kc = int(key.split("-")[0])
+        inter = w["peak"] - w["output"] - w["input_grad"] - w["weight_grads"]
+        base = base or inter
+        sched = "-" if kc == 1 else "serial" if key.endswith("serial") else "overlapped"
+        rows.append([str(kc), sched, mib(w["kept"]), mib(w["peak"]), mib(inter), f"{inter / base - 1:+.0%}",
+                     f"{-0.8 * (1 - 1 / kc):+.0%}"])
+    yield from table_lines(["head_chunks", "schedule", "kept after forward", "peak over forward + backward",
+                            "intermediate", "vs k=1", "target 0.8 x (1 - 1/k)"], rows, markdown=True)
+    yield ""
+
+
+def engine_table(pool, raw: dict) -> Iterator[str]:
+    """One hcp.attention call alone, by head_chunks and overlap."""
+    res = pool.run("memory_step:engine_memory")
+    raw["engine"] = res
+    yield ("### The engine alone: one hcp.attention call, u=4 x r=2, 8192 tokens, 32/8 heads, head_dim 16, "
+           "fp32 (exact MiB above the inputs, worst rank; 'intermediate' leaves out the output (forward) "
+           "and the input gradients (backward))")
+    yield ""
+    o, gi = res[0]["output"], res[0]["input_grads"]
+    worst = {key: (max(r[key][0] for r in res), max(r[key][1] for r in res)) for key in res[0]
+             if key not in ("output", "input_grads")}
+    f1, b1 = worst["1"][0] - o, worst["1"][1] - gi
+    rows = []
+    for key, (f, b) in worst.items():
+        kc = int(key.split("-")[0])
+        fi, bi = f - o, b - gi
+        rows.append([str(kc), "no" if "serial" in key else "yes", mib(f), mib(b), f"{mib(fi)} / {mib(bi)}",
+                     f"{fi / f1 - 1:+.0%} / {bi / b1 - 1:+.0%}", f"{-0.8 * (1 - 1 / kc):+.0%}"])
+    yield from table_lines(["head_chunks", "overlap", "forward", "backward", "intermediate fwd / bwd",
+                            "vs k=1 fwd / bwd", "target 0.8 x (1 - 1/k)"], rows, markdown=True)
+    yield ""
+
+
+def overlap_tables(pool, raw: dict, u: int, r: int, repeats: int) -> Iterator[str]:
+    """Wall time and exposed all-to-all of the serial and overlapped schedules (engine, then module)."""
+    for level, what in (("engine", "one hcp.attention call (q, k, v given)"),
+                        ("module", "one Llama attention module, chunks from the projections on")):
+        res = pool.run("memory_step:time_overlap", level=level, u=u, r=r, repeats=repeats, timeout=3600)
+        raw[f"overlap/{level}"] = res
+        yield (f"### Overlap, {what}: forward + backward, u={u} x r={r}, 4096 tokens, 16/4 heads x 64, hidden "
+               f"1024, fp32, {u * r} gloo CPU processes ({repeats} interleaved repeats; seconds, slowest "
+               f"rank per repeat; exposed = time blocked in head-chunk all-to-all waits, median)")
+        yield ""
+        walls = {key: [max(rank[key][i][0] for rank in res) for i in range(repeats)] for key in res[0]}
+        waits = {key: [max(rank[key][i][1] for rank in res) for i in range(repeats)] for key in res[0]}
+        med = {key: sorted(w)[len(w) // 2] for key, w in walls.items()}
+        rows = []
+        for key in walls:
+            kc, serial = key.split("-")[0], key.endswith("serial")
+            vs = "-" if kc == "1" or serial else f"{med[key] / med[kc + '-serial'] - 1:+.1%}"
+            rows.append([kc, "serial" if serial else "overlapped" if kc != "1" else "-", f"{min(walls[key]):.3f}",
+                         f"{med[key]:.3f}", "-" if kc == "1" else f"{sorted(waits[key])[len(waits[key]) // 2]:.3f}",
+                         vs])
+        yield from table_lines(["head_chunks", "schedule", "wall min", "wall median", "exposed all-to-all",
+                                "wall vs serial (median)"], rows, markdown=True)
+        yield ""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--table", choices=("options", "heads", "module", "engine", "overlap", "all"), default="all")
@@ -340,123 +470,23 @@ def main(argv=None) -> int:
     from hybrid_cp.testing import WorkerPool
 
     here = os.path.dirname(os.path.abspath(__file__))
-    class _Lines(list):
-        def append(self, line):
+    lines: list[str] = []
+    raw: dict = {}
+
+    def show(section: Iterator[str]) -> None:
+        for line in section:  # each line as soon as its row is measured
             print(line, flush=True)
-            super().append(line)
-
-        def __iadd__(self, more):
-            for line in more:
-                self.append(line)
-            return self
-
-    lines, raw = _Lines(), {}
-
-    def mib(x):
-        return f"{x / MiB:.1f}"
+            lines.append(line)
 
     with WorkerPool(8, extra_paths=[here]) if args.table != "overlap" else contextlib.nullcontext() as pool:
-        if args.table in ("options", "all"):
-            lines += ["### One training step, u=2 x r=2 (dp=2), 4096 and 8192 tokens, fp32, AdamW (exact live storage, MiB "
-                      "per rank, worst rank)", "",
-                      "| options | tokens | measured peak | estimate | error | attention fwd / bwd | MLP fwd / bwd | "
-                      "loss fwd / bwd |", "|---|---|---|---|---|---|---|---|"]
-            for name, kw in OPTION_ROWS:
-                for n in (4096, 8192):
-                    rows = pool.run("memory_step:measure", u=2, r=2, seq_len=n, loss_chunk=512, **kw)
-                    worst = max(rows, key=lambda x: x["peak"])
-                    st = worst["stages"]
-                    est = _estimate(2, 2, n, kw)
-                    raw[f"options/{name}/{n}"] = {"measured": worst, "estimate": est.to_dict()}
-
-                    def tr(key):
-                        return mib(st.get(key, {}).get("transient", 0))
-                    lines.append(f"| {name} | {n} | {mib(worst['peak'])} | {mib(est.peak)} | "
-                                 f"{est.peak / worst['peak'] - 1:+.1%} | {tr('attention')} / {tr('attention.bwd')} | "
-                                 f"{tr('mlp')} / {tr('mlp.bwd')} | {tr('loss')} / {tr('loss.bwd')} |")
-            lines.append("")
-        if args.table in ("heads", "all"):
-            lines += [f"### Head chunks, u=4 x r=2, 32 heads / 8 KV heads (head_dim 16), {HEADS_TOKENS} tokens, fp32, tiled loss + "
-                      "MLP, checkpointing (MiB per rank, worst rank; default serial schedule)", "",
-                      "| head_chunks | measured peak | estimate | error | engine fwd | engine bwd | attention module fwd "
-                      "| attention module bwd | attention module bwd vs k=1 |", "|---|---|---|---|---|---|---|---|---|"]
-            first = None
-            for kc in (1, 2, 4, 8):
-                kw = dict(checkpoint=True, tiled_loss=True, tiled_mlp=512, head_chunks=kc)
-                rows = pool.run("memory_step:measure", u=4, r=2, seq_len=HEADS_TOKENS, loss_chunk=512, shape=HEADS_SHAPE,
-                                timeout=3600, **kw)  # slow: the tracker sees every op
-                worst = max(rows, key=lambda x: x["peak"])
-                st = worst["stages"]
-                est = _estimate(4, 2, HEADS_TOKENS, kw, HEADS_SHAPE)
-                raw[f"heads/{kc}"] = {"measured": worst, "estimate": est.to_dict()}
-                eng = st["engine.bwd"]["transient"]
-                module_bwd = st["attention.bwd"]["transient"]
-                first = first or module_bwd
-                lines.append(f"| {kc} | {mib(worst['peak'])} | {mib(est.peak)} | {est.peak / worst['peak'] - 1:+.1%} | "
-                             f"{mib(st['engine']['transient'])} | {mib(eng)} | {mib(st['attention']['transient'])} | "
-                             f"{mib(module_bwd)} | {module_bwd / first - 1:+.0%} |")
-            lines.append("")
-        if args.table in ("module", "all"):
-            res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, timeout=3600)
-            raw["module"] = res
-            lines += [f"### The attention module alone (projections, rotary, hcp.attention, output projection; chunks from "
-                      f"the projections on), u=4 x r=2, {MODULE_TOKENS} tokens, 32/8 heads, head_dim 16, hidden 512, fp32 (exact MiB "
-                      "above the module's inputs, worst rank; 'intermediate' = the peak less the output, d(input) and the "
-                      "weight gradients)", "",
-                      "| head_chunks | schedule | kept after forward | peak over forward + backward | intermediate | "
-                      "vs k=1 | target 0.8 x (1 - 1/k) |", "|---|---|---|---|---|---|---|"]
-            worst = {key: max((r_[key] for r_ in res), key=lambda x: x["peak"]) for key in res[0]}
-            base = None
-            for key, w in worst.items():
-                kc = int(key.split("-")[0])
-                inter = w["peak"] - w["output"] - w["input_grad"] - w["weight_grads"]
-                base = base or inter
-                sched = "-" if kc == 1 else "serial" if key.endswith("serial") else "overlapped"
-                lines.append(f"| {kc} | {sched} | {mib(w['kept'])} | {mib(w['peak'])} | {mib(inter)} | "
-                             f"{inter / base - 1:+.0%} | {-0.8 * (1 - 1 / kc):+.0%} |")
-            lines.append("")
-        if args.table in ("engine", "all"):
-            res = pool.run("memory_step:engine_memory")
-            raw["engine"] = res
-            lines += ["### The engine alone: one hcp.attention call, u=4 x r=2, 8192 tokens, 32/8 heads, head_dim 16, "
-                      "fp32 (exact MiB above the inputs, worst rank; 'intermediate' leaves out the output (forward) "
-                      "and the input gradients (backward))", "",
-                      "| head_chunks | overlap | forward | backward | intermediate fwd / bwd | vs k=1 fwd / bwd | "
-                      "target 0.8 x (1 - 1/k) |", "|---|---|---|---|---|---|---|"]
-            o, gi = res[0]["output"], res[0]["input_grads"]
-            worst = {key: (max(r[key][0] for r in res), max(r[key][1] for r in res)) for key in res[0]
-                     if key not in ("output", "input_grads")}
-            f1, b1 = worst["1"][0] - o, worst["1"][1] - gi
-            for key, (f, b) in worst.items():
-                kc = int(key.split("-")[0])
-                fi, bi = f - o, b - gi
-                lines.append(f"| {kc} | {'no' if 'serial' in key else 'yes'} | {mib(f)} | {mib(b)} | {mib(fi)} / "
-                             f"{mib(bi)} | {fi / f1 - 1:+.0%} / {bi / b1 - 1:+.0%} | "
-                             f"{-0.8 * (1 - 1 / kc):+.0%} |")
-            lines.append("")
+        for name, section in (("options", options_table), ("heads", heads_table), ("module", module_table),
+                              ("engine", engine_table)):
+            if args.table in (name, "all"):
+                show(section(pool, raw))
     if args.table in ("overlap", "all"):
         u, r = (int(x) for x in args.overlap_mesh.split(","))
         with WorkerPool(u * r, extra_paths=[here]) as pool:
-            for level, what in (("engine", "one hcp.attention call (q, k, v given)"),
-                                ("module", "one Llama attention module, chunks from the projections on")):
-                res = pool.run("memory_step:time_overlap", level=level, u=u, r=r, repeats=args.repeats, timeout=3600)
-                raw[f"overlap/{level}"] = res
-                lines += [f"### Overlap, {what}: forward + backward, u={u} x r={r}, 4096 tokens, 16/4 heads x 64, hidden "
-                          f"1024, fp32, {u * r} gloo CPU processes ({args.repeats} interleaved repeats; seconds, slowest "
-                          f"rank per repeat; exposed = time blocked in head-chunk all-to-all waits, median)", "",
-                          "| head_chunks | schedule | wall min | wall median | exposed all-to-all | wall vs serial (median) |",
-                          "|---|---|---|---|---|---|"]
-                walls = {key: [max(rank[key][i][0] for rank in res) for i in range(args.repeats)] for key in res[0]}
-                waits = {key: [max(rank[key][i][1] for rank in res) for i in range(args.repeats)] for key in res[0]}
-                med = {key: sorted(w)[len(w) // 2] for key, w in walls.items()}
-                for key in walls:
-                    kc, serial = key.split("-")[0], key.endswith("serial")
-                    vs = "-" if kc == "1" or serial else f"{med[key] / med[kc + '-serial'] - 1:+.1%}"
-                    lines.append(f"| {kc} | {'serial' if serial else 'overlapped' if kc != '1' else '-'} | "
-                                 f"{min(walls[key]):.3f} | {med[key]:.3f} | "
-                                 f"{'-' if kc == '1' else f'{sorted(waits[key])[len(waits[key]) // 2]:.3f}'} | "
-                                 f"{vs} |")
-                lines.append("")
+            show(overlap_tables(pool, raw, u, r, args.repeats))
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as f:
