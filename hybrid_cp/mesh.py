@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +42,8 @@ class CPMesh:
     `dp_cp_group`/`dp_cp_mesh`: all ranks, for the loss and FSDP2), except two that a DeviceMesh cannot
     give: `ring_group_bwd`, a second communicator over the ring ranks, and `check_group`, a host (gloo)
     group for the validation check. Run-time records live with their owners: bytes sent and head-chunk
-    waits in `hybrid_cp.comm.counters(cp)`, the lengths `hcp.shard` saw in `hybrid_cp.layout`. Only the
-    validation history (`signatures`, `signature_period`, `validation_calls`, hybrid_cp/validate.py)
-    is kept here.
+    waits in `hybrid_cp.comm.counters(cp)`, the lengths `hcp.shard` saw in
+    `hybrid_cp.layout.recorded_lengths(cp)`, the validation history in `hybrid_cp.validate.history(cp)`.
     """
 
     ulysses_size: int
@@ -65,9 +63,6 @@ class CPMesh:
     validate: bool | str = True
     timeout: datetime.timedelta | None = None
     check_group: Any = None
-    signatures: list[int] = field(default_factory=list, repr=False)  # recent call hashes (the same on every rank)
-    signature_period: int | None = field(default=None, repr=False)  # the period they repeat with, if any
-    validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int), repr=False)
     dp_cp_group: Any = None
     dp_cp_mesh: DeviceMesh | None = None
 

@@ -10,8 +10,7 @@ name what differs; `digest` turns it, or any text, into one integer the ranks co
 
 This module sits below `mesh` (whose degrees it checks) and above `layout` and `kernels` (which
 it asks what a call means), so it recognises a mesh by its fields (`MeshLike`), not by its class.
-The validation history (`cp.signatures`, `cp.signature_period`, `cp.validation_calls`) stays on the
-mesh: it is documented there and read by the reliability tests.
+What validate=True has learned about a mesh's calls (`history(cp)`) is kept here, beside the mesh.
 """
 
 from __future__ import annotations
@@ -19,7 +18,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
+import weakref
+from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -51,11 +53,6 @@ def positive_int(name: str, value: Any, meaning: str = "a positive integer", *, 
         return value
     prefix = f"{where}: " if where else ""
     raise ConfigError(f"{prefix}{name}={value!r} must be {meaning}")
-
-
-def require_tensor(x: Any, what: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise InputTypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
 
 
 @runtime_checkable
@@ -139,6 +136,29 @@ def _metadata(tensors) -> list[int]:
     return [digest("/".join(meta))] + flags
 
 
+@dataclass
+class ValidationHistory:
+    """One mesh's agreed call signatures (the same on every rank), the period they repeat with, and
+    how many checks of each kind ran ("skipped", "hash", "full")."""
+
+    signatures: list[int] = field(default_factory=list)
+    signature_period: int | None = None
+    validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+# A record, not a result: validate=True predicts each call from the calls before it on the same
+# mesh, and those calls return nothing to the next. Weak keys: a dropped mesh drops its history.
+_HISTORIES: "weakref.WeakKeyDictionary[Any, ValidationHistory]" = weakref.WeakKeyDictionary()
+
+
+def history(cp) -> ValidationHistory:
+    """What validation has recorded for mesh `cp` (`validation_calls` counts skipped, cheap and full checks)."""
+    found = _HISTORIES.get(cp)
+    if found is None:
+        found = _HISTORIES[cp] = ValidationHistory()
+    return found
+
+
 @torch.compiler.disable  # a host collective and a history of signatures: never traced
 def agree_across_ranks(cp, values, names, error: Exception | None, what: str,
                        tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
@@ -163,13 +183,14 @@ def agree_across_ranks(cp, values, names, error: Exception | None, what: str,
         _full_check(cp, values, names, error, what, extra[1:], [n for n, _ in tensors])
         return
     h = digest(tuple(values)) if error is None else 0
-    if cp.validate is True and error is None and h == _predicted(cp):
-        cp.validation_calls["skipped"] += 1
-        _advance(cp, h)
+    hist = history(cp)
+    if cp.validate is True and error is None and h == _predicted(hist):
+        hist.validation_calls["skipped"] += 1
+        _advance(hist, h)
         return
-    cp.validation_calls["hash"] += 1
+    hist.validation_calls["hash"] += 1
     if _reduced_agrees(cp, h, error, what):
-        _agreed(cp, h)
+        _agreed(hist, h)
         return
     _full_check(cp, values, names, error, what, [], [])
 
@@ -198,38 +219,38 @@ def _reduced_agrees(cp, h: int, error: Exception | None, what: str) -> bool:
 _HISTORY = 512  # call signatures remembered: a period longer than half of this is not learned
 
 
-def _predicted(cp) -> int | None:
+def _predicted(hist: ValidationHistory) -> int | None:
     """The signature every rank expects next: the one a period ago when the recent calls repeat
     with a period (a training step: one batch check, then layers, full and sliding-window layers
     alternating, recomputation in backward), else the same as the last call."""
-    hist = cp.signatures
-    if not hist:
+    seen = hist.signatures
+    if not seen:
         return None
-    return hist[-cp.signature_period] if cp.signature_period else hist[-1]
+    return seen[-hist.signature_period] if hist.signature_period else seen[-1]
 
 
-def _advance(cp, h: int) -> None:
+def _advance(hist: ValidationHistory, h: int) -> None:
     """A predicted call: the period still holds."""
-    cp.signatures.append(h)
-    if len(cp.signatures) > 2 * _HISTORY:
-        del cp.signatures[:-_HISTORY]
+    hist.signatures.append(h)
+    if len(hist.signatures) > 2 * _HISTORY:
+        del hist.signatures[:-_HISTORY]
 
 
-def _agreed(cp, h: int) -> None:
+def _agreed(hist: ValidationHistory, h: int) -> None:
     """A checked call that agreed: remember it and find the shortest period the history is consistent
     with (at least one call of overlap). Only agreed or predicted calls enter the history, so it is
     the same on every rank."""
-    _advance(cp, h)
-    hist = cp.signatures[-_HISTORY:]
-    n = len(hist)
-    cp.signature_period = next((p for p in (n - 1 - i for i in range(n - 2, -1, -1) if hist[i] == h)
-                                if hist[n - min(p, n - p):] == hist[n - p - min(p, n - p):n - p]), None)
+    _advance(hist, h)
+    seen = hist.signatures[-_HISTORY:]
+    n = len(seen)
+    hist.signature_period = next((p for p in (n - 1 - i for i in range(n - 2, -1, -1) if seen[i] == h)
+                                  if seen[n - min(p, n - p):] == seen[n - p - min(p, n - p):n - p]), None)
 
 
 def _full_check(cp, values: list[int], names: list[str], error: Exception | None, what: str,
                 nonfinite: list[int], tensor_names: list[str]) -> None:
     """All-gather every rank's (failed, NaN flags, signature) and raise naming the ranks and fields."""
-    cp.validation_calls["full"] += 1
+    history(cp).validation_calls["full"] += 1
     mine = torch.tensor([0 if error is None else 1] + list(nonfinite) + list(values), dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(cp.size)]
     with comm_guard(cp, f"the {what} agreement check"):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import hybrid_cp as hcp
 from hybrid_cp.kernels import get_kernel, register_kernel
+from hybrid_cp.validate import history as validation_history
 
 
 def mesh(u: int, r: int, layout: str = "zigzag", validate="always") -> hcp.CPMesh:
@@ -133,14 +134,15 @@ def group_timeouts(seconds: float | None) -> dict:
 def validation_counts(u: int, r: int, steps: int, validate) -> dict:
     """Run `steps` identical calls and report how many checks of each kind ran."""
     cp = mesh(u, r, validate=validate)
-    cp.validation_calls.clear()
-    cp.signatures.clear()  # a shared mesh: start from nothing learned
-    cp.signature_period = None
+    history = validation_history(cp)
+    history.validation_calls.clear()
+    history.signatures.clear()  # a shared mesh: start from nothing learned
+    history.signature_period = None
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 4, 16, generator=g) for _ in range(3))
     for _ in range(steps):
         hcp.attention(q, k, v, cp, causal=True, seq_len=8 * cp.size)
-    return dict(cp.validation_calls)
+    return dict(history.validation_calls)
 
 
 def learned_validation(u: int, r: int) -> dict:
@@ -153,19 +155,19 @@ def learned_validation(u: int, r: int) -> dict:
     q, k, v = (torch.randn(1, 8, 4, 16, generator=g, requires_grad=True) for _ in range(3))
     per_step = []
     for _ in range(4):
-        before = cp.validation_calls["hash"]
+        before = validation_history(cp).validation_calls["hash"]
         out = hcp.attention(q, k, v, cp, causal=False, seq_len=n)
         for layer in range(4):
             out = out + hcp.attention(q, k, v, cp, causal=True, seq_len=n, window=4 if layer % 2 else None)
         out.sum().backward()
-        per_step.append(cp.validation_calls["hash"] - before)
+        per_step.append(validation_history(cp).validation_calls["hash"] - before)
     fresh = hcp.init_cp_mesh(u, r)
     try:
         hcp.attention(q, k, v, fresh, causal=dist.get_rank() % cp.size != 1, seq_len=n)
         first = "no error"
     except hcp.InconsistentRanksError as exc:
         first = str(exc)
-    return {"per_step": per_step, "skipped": cp.validation_calls["skipped"], "first_call": first}
+    return {"per_step": per_step, "skipped": validation_history(cp).validation_calls["skipped"], "first_call": first}
 
 
 def nonfinite_debug(u: int, r: int, bad_rank: int, tensor: str) -> str:
