@@ -15,6 +15,8 @@ import torch
 
 from topology.layouts import head_split as _split
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class HeadSplit:
@@ -36,7 +38,10 @@ def head_split(heads: int, kv_heads: int, ulysses: int) -> HeadSplit:
     """Uneven split of H query heads over u ranks (counts differ by at most one); each rank gets
     exactly the KV heads its query heads use, so KV is replicated only when H_kv < u (or a
     group straddles two ranks), never expanded to H."""
-    ranks = _split(heads, kv_heads, ulysses)
+    try:
+        ranks = _split(heads, kv_heads, ulysses)
+    except ValueError as exc:  # topology's arithmetic raises plain ValueErrors; hybrid-cp raises CPErrors
+        raise ConfigError(str(exc)) from None
     return HeadSplit(tuple((start, start + c) for c, start, _, _ in ranks),
                      tuple((lo, lo + k) for _, _, lo, k in ranks), heads, kv_heads)
 

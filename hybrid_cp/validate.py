@@ -42,7 +42,7 @@ VALIDATE_MODES = (True, "always", "debug", False)
 
 def is_positive_int(value: Any) -> bool:
     """An int >= 1 that is not a bool (True is an int to Python, never a degree or a count here)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def positive_int(name: str, value: Any, meaning: str = "a positive integer", *, where: str = "",
@@ -107,6 +107,8 @@ def mesh_arguments(ulysses: Any, ring: Any, dp: Any, plan: Any, layout: Any, val
                           f"the default process group's timeout)")
     positive_int("ulysses", ulysses)
     positive_int("ring", ring)
+    if dp is not None and not is_int(dp):  # ints are judged against the world size below
+        positive_int("dp", dp)
     cp = ulysses * ring
     if world % cp != 0:
         raise ConfigError(f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
@@ -393,6 +395,37 @@ def attention_signature(q, k, lay: Layout, kernel, backend, causal, window, need
     name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
     return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(causal), lay.seq_len,
                               digest(lay.doc_lens), left, right, digest(name), int(needs_grad), head_chunks)
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def op_window(window: Any) -> tuple[bool, list[int] | None]:
+    """(expressible, the compiled op's encoding) of a window: an int W -> [W], (left, right) -> [left, right]."""
+    if window is None:
+        return True, None
+    if is_int(window):
+        return True, [window]
+    if isinstance(window, (tuple, list)) and len(window) == 2 and all(is_int(x) for x in window):
+        return True, [window[0], window[1]]
+    return False, None
+
+
+def op_expressible(q, k, v, cp, *, causal: Any, softmax_scale: Any, return_lse: Any, backend_key: str,
+                   seq_len: Any, cu_seqlens: Any, window: Any, head_chunks: Any) -> bool:
+    """Whether an `hcp.attention` call's arguments have the types the compiled custom op takes
+    (`backend_key`: a kernel name or registry key, "" for anything else). Values are not judged
+    here: the op runs `checked_call`, and a call that is not expressible runs eagerly, which raises
+    eager's error for invalid arguments."""
+    return (isinstance(cp, MeshLike) and all(isinstance(x, torch.Tensor) for x in (q, k, v))
+            and op_window(window)[0] and isinstance(causal, bool) and isinstance(return_lse, bool)
+            and is_int(head_chunks) and head_chunks == 1 and backend_key != ""
+            and (softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)))
+            and (seq_len is None or is_int(seq_len))
+            and (cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)
+                 or (isinstance(cu_seqlens, (list, tuple)) and all(is_int(x) for x in cu_seqlens))))
 
 
 def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, head_chunks: int,
