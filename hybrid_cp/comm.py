@@ -37,10 +37,7 @@ _COUNTERS: "weakref.WeakKeyDictionary[CPMesh, CommCounters]" = weakref.WeakKeyDi
 
 def counters(cp: "CPMesh") -> CommCounters:
     """This rank's communication counters for `cp` (`sent_bytes`, `chunk_wait_s`; assignable)."""
-    found = _COUNTERS.get(cp)
-    if found is None:
-        found = _COUNTERS[cp] = CommCounters()
-    return found
+    return _COUNTERS.setdefault(cp, CommCounters())
 
 
 def count(cp: "CPMesh", stage: str, nbytes: int) -> None:

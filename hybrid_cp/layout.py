@@ -66,10 +66,7 @@ _RECORDS: "weakref.WeakKeyDictionary[CPMesh, _ShardRecord]" = weakref.WeakKeyDic
 
 
 def _record(cp: "CPMesh") -> _ShardRecord:
-    found = _RECORDS.get(cp)
-    if found is None:
-        found = _RECORDS[cp] = _ShardRecord()
-    return found
+    return _RECORDS.setdefault(cp, _ShardRecord())
 
 
 def recorded_lengths(cp: "CPMesh") -> dict[int, set[int]]:

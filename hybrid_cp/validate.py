@@ -155,10 +155,7 @@ _HISTORIES: "weakref.WeakKeyDictionary[Any, ValidationHistory]" = weakref.WeakKe
 
 def history(cp) -> ValidationHistory:
     """What validation has recorded for mesh `cp` (`validation_calls` counts skipped, cheap and full checks)."""
-    found = _HISTORIES.get(cp)
-    if found is None:
-        found = _HISTORIES[cp] = ValidationHistory()
-    return found
+    return _HISTORIES.setdefault(cp, ValidationHistory())
 
 
 @torch.compiler.disable  # a host collective and a history of signatures: never traced
