@@ -136,7 +136,7 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
         if isinstance(cu, torch.Tensor) and cu.dim() != 1:
             raise ShapeError(f"batch['cu_seq_lens_q'] has shape {tuple(cu.shape)}; pass the 1-D boundaries "
                              f"[0, len_0, len_0 + len_1, ..., total] of the one packed row")
-        cu = [int(x) for x in boundaries(cu)]
+        cu = boundaries(cu)
         if cu[-1] != s:
             raise ShapeError(f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
                              f"must describe the whole packed row")
