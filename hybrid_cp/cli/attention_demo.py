@@ -137,6 +137,3 @@ def run(a: argparse.Namespace) -> int:
 COMMAND = Command("attention-demo", "exact hybrid attention on local CPU processes vs one device",
                   __doc__.splitlines()[0], add_arguments, run)
 main = COMMAND.main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -154,6 +154,3 @@ COMMAND = Command("bench", "time one attention fwd+bwd per rank next to the plan
                   "Time one attention forward + backward per rank on this machine and put the planner's "
                   "prediction next to it.", add_arguments, run)
 main = COMMAND.main
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -168,6 +168,3 @@ COMMAND = Command("calibrate", "measure this machine's rates and write a cluster
                   "Measure this machine's kernel, merge, all-to-all and ring rates with the engine's own code "
                   "paths; write a cluster file.", add_arguments, run)
 main = COMMAND.main
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -2,7 +2,8 @@
 
 A command is a name, a one-line summary, a function that adds its flags to a parser and a function
 that runs it on the parsed flags. `hybrid_cp.cli.main` hangs every command under one argparse parser
-as a subcommand; :meth:`Command.main` runs one alone (the tests, ``python -m hybrid_cp.cli.plan``).
+as a subcommand (``python -m hybrid_cp.cli COMMAND`` runs it too); :meth:`Command.main` runs one alone
+(what the tests call).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def fail(command: str, message: str) -> int:
 
 @dataclass(frozen=True)
 class Command:
+    """One `hybrid-cp` command: ``add_arguments`` gives a parser its flags, ``run`` does the work and
+    returns the exit status."""
+
     name: str
     summary: str
     description: str
@@ -51,8 +55,7 @@ class Command:
         try:
             return self.run(args)
         except UsageError as exc:
-            args.parser.error(str(exc))
-            raise  # unreachable: parser.error exits
+            args.parser.error(str(exc))  # exits
 
     def main(self, argv: Sequence[str] | None = None) -> int:
         """This command alone: parse ``argv`` (default: the process's arguments) and run."""

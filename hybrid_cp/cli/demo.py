@@ -257,6 +257,3 @@ def run(args: argparse.Namespace) -> int:
 COMMAND = Command("demo", "the README's main job: train a small Llama with CP on 8 CPU processes vs 1",
                   __doc__.split("\n\n")[0], add_arguments, run)
 main = COMMAND.main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -162,6 +162,3 @@ COMMAND = Command("plan", "rank (ulysses, ring) splits for a cluster and model w
                   "Rank (ulysses, ring, dp) splits by predicted throughput and print the chosen plan.",
                   add_arguments, run)
 main = COMMAND.main
-
-if __name__ == "__main__":
-    raise SystemExit(main())
