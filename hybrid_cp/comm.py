@@ -6,11 +6,12 @@ of this rank by stage; `topology.comm_bytes` predicts the same numbers from the 
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from .errors import CommTimeoutError, CPError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
+
+Ranges = tuple[tuple[int, int], ...]   # a head range per ulysses rank
 
 
 @dataclass
@@ -69,52 +72,108 @@ def comm_guard(cp: "CPMesh", what: str) -> Iterator[None]:
             f"error on the other ranks; set init_cp_mesh(timeout=...) to fail sooner") from exc
 
 
-def _a2a(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], stage: str) -> torch.Tensor:
+class Posted:
+    """An all-to-all in flight (posted with async_op=True); `wait()` returns what `finish` makes of the
+    receive buffer, then drops the buffers. A lost peer raises hcp.CommTimeoutError, as everywhere in the
+    engine. With `timed`, the time blocked in `wait()` is what a head-chunk schedule left exposed
+    (`counters(cp).chunk_wait_s`)."""
+
+    def __init__(self, cp: "CPMesh", work, keep: tuple, finish: Callable[[], list], stage: str,
+                 timed: bool = False):
+        self.cp, self.work, self.keep, self.finish, self.stage, self.timed = cp, work, keep, finish, stage, timed
+
+    @classmethod
+    def done(cls, cp: "CPMesh", result: list) -> "Posted":
+        """A handle with nothing to wait for (ulysses = 1: the exchange is local)."""
+        return cls(cp, None, (), lambda: result, "")
+
+    def wait(self) -> list:
+        if self.work is not None:
+            start = time.perf_counter()
+            with comm_guard(self.cp, f"the ulysses all-to-all ({self.stage})"):
+                self.work.wait()
+            if self.timed:
+                counters(self.cp).chunk_wait_s += time.perf_counter() - start
+        self.keep = ()
+        result, self.finish, self.work = self.finish(), None, None   # drop the receive buffer with the closure
+        return result
+
+
+def _post(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], stage: str,
+          finish: Callable[[torch.Tensor], list], timed: bool) -> Posted:
+    """Post the ulysses all-to-all of `send`; the handle's result is `finish(receive buffer)`."""
     recv = send.new_empty(sum(recv_sizes))
-    me = cp.ulysses_rank
-    count(cp, stage, (sum(send_sizes) - send_sizes[me]) * send.element_size())
+    count(cp, stage, (sum(send_sizes) - send_sizes[cp.ulysses_rank]) * send.element_size())
     with comm_guard(cp, f"the ulysses all-to-all ({stage})"):
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=cp.ulysses_group)
-    return recv
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=cp.ulysses_group, async_op=True)
+    return Posted(cp, work, (send,), lambda: finish(recv), stage, timed)
 
 
-def seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
-                stage: str) -> list[torch.Tensor]:
-    """One fused all-to-all: [B, S, h_i, D] per part -> [B, u*S, own heads of part i, D].
+def post_seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], stage: str, *,
+                     then: Callable[[torch.Tensor], torch.Tensor] | None = None, timed: bool = False) -> Posted:
+    """Post one fused all-to-all: [B, S, h_i, D] per part -> [B, u*S, own heads of part i, D].
 
     `ranges[i][p]` is the head range of part i that ulysses rank p receives. The sequence comes
-    back rank-major (rank 0's tokens first), i.e. in "gathered" order.
+    back rank-major (rank 0's tokens first), i.e. in "gathered" order; `then` is applied to each
+    received part (e.g. the reordering into ring-block rows) while the receive buffer is still held.
     """
     u, me = cp.ulysses_size, cp.ulysses_rank
+    then = then or (lambda x: x)
     if u == 1:
-        return [x[:, :, r[0][0]:r[0][1]] for x, r in zip(parts, ranges)]
+        return Posted.done(cp, [then(x[:, :, r[0][0]:r[0][1]]) for x, r in zip(parts, ranges)])
     b, s, _, d = parts[0].shape
-    chunks = [torch.cat([x[:, :, r[p][0]:r[p][1]] for x, r in zip(parts, ranges)], dim=2).reshape(-1)
+    pieces = [torch.cat([x[:, :, r[p][0]:r[p][1]] for x, r in zip(parts, ranges)], dim=2).reshape(-1)
               for p in range(u)]
+    send = torch.cat(pieces)
+    send_sizes = [x.numel() for x in pieces]
+    del pieces
     mine = [r[me][1] - r[me][0] for r in ranges]
-    per_peer = b * s * sum(mine) * d
-    recv = _a2a(cp, torch.cat(chunks), [c.numel() for c in chunks], [per_peer] * u, stage)
-    recv = recv.view(u, b, s, sum(mine), d).transpose(0, 1).reshape(b, u * s, sum(mine), d)
-    return list(recv.split(mine, dim=2))
+
+    def finish(recv: torch.Tensor) -> list:
+        full = recv.view(u, b, s, sum(mine), d).transpose(0, 1).reshape(b, u * s, sum(mine), d)
+        return [then(x) for x in full.split(mine, dim=2)]
+
+    return _post(cp, send, send_sizes, [b * s * sum(mine) * d] * u, stage, finish, timed)
 
 
-def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
-                heads: list[int], stage: str, accumulate: bool = False) -> list[torch.Tensor]:
-    """Inverse all-to-all: [B, u*S (gathered order), own heads, D] -> [B, S, heads[i], D].
+def seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], stage: str) -> list[torch.Tensor]:
+    """`post_seq_to_head`, waited for."""
+    return post_seq_to_head(cp, parts, ranges, stage).wait()
 
-    With `accumulate`, head ranges that several ranks hold (replicated KV) are summed in fp32:
-    the gradient of a replicated KV head is the sum of its replicas' gradients.
-    """
+
+def post_head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], targets: list[torch.Tensor],
+                     stage: str, accumulate: bool = False, *, timed: bool = False) -> Posted:
+    """Post the inverse all-to-all: [B, u*S (gathered order), own heads, D] -> write (or, with
+    `accumulate`, add: the gradient of a replicated KV head is the sum of its replicas') each rank's
+    heads into targets[i] [B, S, heads, D] at ranges[i][p]. The handle's result is `targets`."""
+    if cp.ulysses_size == 1:
+        for x, r, t in zip(parts, ranges, targets):
+            view = t[:, :, r[0][0]:r[0][1]]
+            view.add_(x) if accumulate else view.copy_(x)
+        return Posted.done(cp, targets)
+    send, sizes_out, sizes_in = pack_head_to_seq(parts, ranges, cp.ulysses_size)
+    del parts
+
+    def finish(recv: torch.Tensor) -> list:
+        unpack_head_to_seq_(recv, targets, ranges, sizes_in, accumulate)
+        return targets
+
+    return _post(cp, send, sizes_out, sizes_in, stage, finish, timed)
+
+
+def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], heads: list[int], stage: str,
+                accumulate: bool = False) -> list[torch.Tensor]:
+    """`post_head_to_seq` into new [B, S, heads[i], D] tensors (fp32 sums with `accumulate`), waited for;
+    with ulysses = 1 the parts themselves."""
     u = cp.ulysses_size
     if u == 1:
         return list(parts)
-    send, sizes_out, sizes_in = pack_head_to_seq(parts, ranges, u)
-    recv = _a2a(cp, send, sizes_out, sizes_in, stage)
     b, n, _, d = parts[0].shape
+    dtypes = [x.dtype for x in parts]
     outs = [torch.zeros(b, n // u, h, d, dtype=acc_dtype(x.dtype) if accumulate else x.dtype, device=x.device)
             for x, h in zip(parts, heads)]
-    unpack_head_to_seq_(recv, outs, ranges, sizes_in, accumulate)
-    return [o.to(x.dtype) for o, x in zip(outs, parts)]
+    post_head_to_seq(cp, parts, ranges, outs, stage, accumulate).wait()
+    return [o.to(dt) for o, dt in zip(outs, dtypes)]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -122,7 +181,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def pack_head_to_seq(parts: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
+def pack_head_to_seq(parts: list[torch.Tensor], ranges: list[Ranges],
                      u: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """The send buffer of the head -> sequence all-to-all (rank-major tokens, my heads of every part
     fused), its per-peer sizes, and the per-peer sizes to receive (peer p's heads of each part)."""
@@ -134,7 +193,7 @@ def pack_head_to_seq(parts: list[torch.Tensor], ranges: list[tuple[tuple[int, in
     return send, [b * s * sum(mine) * d] * u, sizes_in
 
 
-def unpack_head_to_seq_(recv: torch.Tensor, targets: list[torch.Tensor], ranges: list[tuple[tuple[int, int], ...]],
+def unpack_head_to_seq_(recv: torch.Tensor, targets: list[torch.Tensor], ranges: list[Ranges],
                         sizes_in: list[int], accumulate: bool) -> None:
     """Write (or, for replicated KV gradients, add) each peer's heads into targets[i] [B, S, heads, D]."""
     b, s, _, d = targets[0].shape

@@ -4,10 +4,10 @@ Why opaque: the engine's work is collectives (Ulysses all-to-all, ring send/recv
 host-side decisions (block plans, cross-rank validation) that dynamo cannot trace without
 breaking the graph. So while dynamo traces, `attention()` hands the call to
 `hybrid_cp::attention_fwd`: its real implementation runs the same checks and the same engine code
-as eager (`_local_checks`, the cross-rank agreement, `seq_to_head`, `ring_forward`,
-`head_to_seq`); its fake implementation only gives shapes, so tracing never communicates. The
-op's autograd formula calls `hybrid_cp::attention_bwd` (all-to-all of d(out), `ring_backward`,
-all-to-all of the gradients), the same code as eager backward, so results match eager exactly.
+as eager (`validate.checked_call`, then `pipeline.forward`: exchange, ring, exchange); its fake
+implementation only gives shapes, so tracing never communicates. The op's autograd formula calls
+`hybrid_cp::attention_bwd` (`pipeline.backward`: all-to-all of d(out), the ring backward,
+all-to-all of the gradients), the steps eager backward runs, so results match eager exactly.
 
 What backward needs comes out of the forward op as extra outputs (the post-all-to-all q/k/v, out
 and lse in ring-block order): eager saves exactly these, so this costs no extra memory. In halo
@@ -18,26 +18,25 @@ so backward receives them again instead (halo rows are few by construction).
 Objects cannot be op arguments, so the mesh and kernel objects go through a per-process registry
 and the op gets a small integer key (first-use order: the same on every rank of an SPMD program,
 so every rank compiles the same graph). Calls the ops cannot express (a plain local-attention
-callable, `head_chunks` > 1, arguments of the wrong type) run eagerly outside the graph: a graph
-break, never a wrong result; invalid arguments then raise eager's documented error.
+callable, `head_chunks` > 1, arguments of the wrong type) run eagerly outside the graph (`hcp.attention`
+does that when `compiled_attention` returns None): a graph break, never a wrong result; invalid
+arguments then raise eager's documented error.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from . import attention as _eager
-from .comm import RingExchange, acc_dtype, head_to_seq, seq_to_head
-from .heads import HeadSplit, head_split
-from .kernels import AttentionKernel, get_kernel
-from .layout import gathered_to_ring_block, ring_block_to_gathered, row_layout
+from .comm import acc_dtype
+from .heads import head_split
+from .kernels import AttentionKernel, get_kernel, kernel_needs
+from .layout import row_layout
 from .mesh import CPMesh
-from .ring import Plan, _halo_fetch, block_plan, ring_backward, ring_forward
+from .pipeline import AttentionCall, Saved, backward, forward, plan_call
+from .validate import checked_call
 
 log = logging.getLogger("hybrid_cp")
 
@@ -96,41 +95,24 @@ def _window(arg: Optional[list[int]]) -> int | tuple[int, int] | None:
     return arg[0] if len(arg) == 1 else (arg[0], arg[1])
 
 
-@dataclass(frozen=True)
-class _Call:
-    """Everything one call needs besides tensors (eager attention() computes the same)."""
-
-    lay: Any
-    kernel: AttentionKernel
-    split: HeadSplit
-    kv_index: list[int]
-    plan: Plan
-    scale: float
-
-
 def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
               needs_grad: bool) -> tuple[Any, AttentionKernel, Any]:
     """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
     head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
-    return _eager.checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1,
-                               int(needs_grad))
+    return checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1, int(needs_grad))
 
 
 def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: torch.device, dtype: torch.dtype,
-          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, checked=None) -> _Call:
-    """The call's layout, kernel, head split and block plan (from `checked` = _validate's result, or
-    recomputed without checks in backward: forward already validated the same arguments)."""
-    b, s, h, d = shape
+          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, checked=None) -> AttentionCall:
+    """The call's plan handle (from `checked` = _validate's result, or recomputed without checks in
+    backward: forward already validated the same arguments)."""
     if checked is None:
-        lay = row_layout(cp, local_len=s, seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
+        lay = row_layout(cp, local_len=shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
         window = lay.effective_window(causal, window)
-        kernel = get_kernel(backend, device, dtype, d, needs=_eager.kernel_needs(cu_seqlens, window))  # as forward
+        kernel = get_kernel(backend, device, dtype, shape[3], needs=kernel_needs(cu_seqlens, window))  # as forward
     else:
         lay, kernel, window = checked
-    split = head_split(h, kv_heads, cp.ulysses_size)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    return _Call(lay, kernel, split, split.kv_index(cp.ulysses_rank),
-                 block_plan(lay, cp.ring_rank, causal, device, window), scale)
+    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device)
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
@@ -163,20 +145,12 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     kernel_arg = _backend(backend)
     checked = _validate(q, k, v, cp, causal, softmax_scale, kernel_arg, seq_len, cu_seqlens, _window(window),
                         needs_grad)
-    c = _call(cp, tuple(q.shape), k.shape[2], q.device, q.dtype, causal, softmax_scale, kernel_arg, seq_len,
-              cu_seqlens, None, checked)
-    split, lay = c.split, c.lay
-    parts = seq_to_head(cp, [q, k, v], [split.q, split.kv, split.kv], "ulysses_fwd")
-    qh, kh, vh = (gathered_to_ring_block(x, lay) for x in parts)
-    out_h, lse_h, _halo = ring_forward(cp, c.kernel, qh, kh, vh, c.kv_index, c.plan, scale=c.scale)
-    out = head_to_seq(cp, [ring_block_to_gathered(out_h, lay)], [split.q], [split.heads], "ulysses_fwd")[0]
-    if return_lse:
-        tokens = ring_block_to_gathered(lse_h.transpose(1, 2).unsqueeze(-1), lay)
-        lse = head_to_seq(cp, [tokens.contiguous()], [split.q], [split.heads], "ulysses_lse")[0]
-        lse = lse.squeeze(-1).transpose(1, 2).contiguous()
-    else:
-        lse = lse_h.new_empty(0)
-    return tuple(_unaliased([out, lse, qh, kh, vh, out_h, lse_h], (q, k, v, cu_seqlens)))
+    call = _call(cp, tuple(q.shape), k.shape[2], q.device, q.dtype, causal, softmax_scale, kernel_arg, seq_len,
+                 cu_seqlens, None, checked)
+    out, lse, saved = forward(call, q, k, v, want_lse=return_lse)   # backward receives the halo rows again
+    if lse is None:
+        lse = saved.lse_h.new_empty(0)
+    return tuple(_unaliased([out, lse, saved.qh, saved.kh, saved.vh, saved.out_h, saved.lse_h], (q, k, v, cu_seqlens)))
 
 
 def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
@@ -211,20 +185,9 @@ def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: to
                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_fwd` w.r.t. q, k, v (eager backward's code, in its order)."""
     cp = registered_mesh(mesh)
-    c = _call(cp, tuple(dout.shape), kv_heads, qh.device, qh.dtype, causal, softmax_scale, _backend(backend),
-              seq_len, cu_seqlens, _window(window))
-    split, lay = c.split, c.lay
-    (d,) = seq_to_head(cp, [dout.contiguous()], [split.q], "ulysses_bwd")
-    dout_h = gathered_to_ring_block(d, lay)
-    halo = None
-    if c.plan.halo:
-        works, halo = _halo_fetch(cp, c.plan, torch.stack([kh, vh]))
-        RingExchange.wait(works)
-    dq, dk, dv = ring_backward(cp, c.kernel, dout_h.contiguous(), qh, kh, vh, out_h, lse_h, c.kv_index, c.plan, halo,
-                               scale=c.scale)
-    parts = [ring_block_to_gathered(g, lay) for g in (dq, dk, dv)]
-    grads = head_to_seq(cp, parts, [split.q, split.kv, split.kv], [split.heads, split.kv_heads, split.kv_heads],
-                        "ulysses_bwd", accumulate=True)
+    call = _call(cp, tuple(dout.shape), kv_heads, qh.device, qh.dtype, causal, softmax_scale, _backend(backend),
+                 seq_len, cu_seqlens, _window(window))
+    grads = backward(call, dout, Saved(qh, kh, vh, out_h, lse_h))
     return tuple(_unaliased(grads, (dout, qh, kh, vh, out_h, lse_h, cu_seqlens)))
 
 
@@ -257,13 +220,6 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 _WARNED: set[str] = set()
 
 
-def _eager_attention(*args, **kwargs):
-    return _eager.attention(*args, **kwargs)
-
-
-_outside_graph = torch.compiler.disable(_eager_attention, recursive=True)
-
-
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -284,7 +240,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
                        seq_len: int | None = None, cu_seqlens: Any = None, window: Any = None,
                        head_chunks: int = 1):
     """`hcp.attention` while dynamo traces (attention() calls this): one `hybrid_cp::attention_fwd` node in
-    the graph. Same arguments and results as `hcp.attention`.
+    the graph. Same arguments and results as `hcp.attention`, or None for a call the op cannot express
+    (attention() then runs it eagerly outside the graph, which raises eager's error for invalid arguments).
 
     `cu_seqlens` should be a tensor (as `shard_batch` gives): a Python list is a constant to dynamo,
     so every new packing would recompile.
@@ -305,10 +262,7 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
             and (seq_len is None or _int(seq_len))
             and (cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)
                  or (isinstance(cu_seqlens, (list, tuple)) and all(_int(x) for x in cu_seqlens)))):
-        # eager runs it (and raises its documented error for invalid arguments)
-        return _outside_graph(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                              backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                              head_chunks=head_chunks)
+        return None
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -28,11 +28,20 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import checked_call
-from .comm import acc_dtype
-from .headchunk import HeadChunks, chunk_heads, drive, _post_head_to_seq, _post_seq_to_head
-from .heads import HeadSplit, head_split
-from .ring import block_plan, ring_backward, ring_forward
+from .comm import Posted, acc_dtype
+from .heads import head_split
+from .pipeline import (
+    AttentionCall,
+    HeadChunks,
+    chunk_heads,
+    drive,
+    plan_call,
+    post_heads,
+    post_home,
+    stage_backward,
+    stage_forward,
+)
+from .validate import checked_call
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -53,16 +62,11 @@ class Projected:
 
 @dataclass
 class _Chunk:
-    """A module chunk while it is in flight: its tensors, head split, stages and engine plan."""
+    """A module chunk while it is in flight: its tensors and its attention call (head split, stages, plan)."""
 
     j: int
     x: Projected | None   # None once the chunk's last stage is posted
-    split: HeadSplit
-    stages: HeadChunks
-    lay: Any
-    kernel: Any
-    plan: Any
-    scale: float
+    call: AttentionCall
     kh: torch.Tensor | None = None
     vh: torch.Tensor | None = None
     out: torch.Tensor | None = None       # the chunk's attention output, back in sequence layout
@@ -73,186 +77,210 @@ class _Chunk:
         self.q_like = torch.empty(0, dtype=self.x.q.dtype, device=self.x.q.device)   # for late allocations
         self.q_shape, self.kv_shape = self.x.q.shape, self.x.k.shape
 
+    @property
+    def stages(self) -> HeadChunks:
+        return self.call.stages
+
+    def last(self, e: int) -> bool:
+        return e + 1 == self.stages.count
+
 
 class _Engine:
-    """Per module chunk: the layout, kernel, plan and head split of its attention (forward checks the
-    call once per chunk, across ranks with `cp.validate`; backward reuses them)."""
+    """Per module chunk: the plan handle of its attention (forward checks the call once per chunk, across
+    ranks with `cp.validate`; backward reuses it)."""
 
     def __init__(self, cp: "CPMesh", engine_chunks: int, needs_grad: int):
         self.cp, self.engine_chunks, self.needs_grad = cp, engine_chunks, needs_grad
-        self.per_chunk: dict[int, tuple] = {}
+        self.per_chunk: dict[int, AttentionCall] = {}
 
     def chunk(self, j: int, x: Projected) -> _Chunk:
-        cp = self.cp
         if j not in self.per_chunk:
-            c = x.call
+            c, cp = x.call, self.cp
             lay, kernel, window = checked_call(x.q, x.k, x.v, cp, c["causal"], c.get("softmax_scale"), "auto",
                                                c.get("seq_len"), c.get("cu_seqlens"), c.get("window"), 1,
                                                self.needs_grad)
-            split = head_split(x.q.shape[2], x.k.shape[2], cp.ulysses_size)
-            plan = block_plan(lay, cp.ring_rank, c["causal"], x.q.device, window)
-            scale = c.get("softmax_scale")
-            scale = float(scale) if scale is not None else x.q.shape[-1] ** -0.5
-            self.per_chunk[j] = (split, self.stages(split), lay, kernel, plan, scale)
-        return _Chunk(j, x, *self.per_chunk[j])
+            self.per_chunk[j] = plan_call(cp, lay, kernel, window, c["causal"], c.get("softmax_scale"),
+                                          tuple(x.q.shape), x.k.shape[2], x.q.device, self.engine_chunks)
+        return _Chunk(j, x, self.per_chunk[j])
 
-    def stages(self, split: HeadSplit) -> HeadChunks:
-        return chunk_heads(split, self.engine_chunks, self.cp.ulysses_rank)
+    def stage_count(self, heads: int, kv_heads: int) -> int:
+        return chunk_heads(head_split(heads, kv_heads, self.cp.ulysses_size), self.engine_chunks,
+                           self.cp.ulysses_rank).count
 
 
-def _post_inputs(cp: "CPMesh", c: _Chunk, e: int, parts: list[torch.Tensor], stage: str):
+def _post_inputs(c: _Chunk, e: int, parts: list[torch.Tensor], stage: str) -> Posted:
     """Post stage e of module chunk c: `parts` (query-sized, sequence layout) for the stage's query heads,
     and with its first stage the chunk's K/V (they travel once per module chunk). After the chunk's last
     stage is posted its local Q/K/V are dropped (the send buffer holds what is still travelling)."""
-    r = c.stages.q[e]
-    ranges = [r] * len(parts)
+    call = c.call
+    ranges = [c.stages.q[e]] * len(parts)
     if e == 0:
-        parts, ranges = parts + [c.x.k, c.x.v], ranges + [c.split.kv, c.split.kv]
-    flight = _post_seq_to_head(cp, c.lay, parts, ranges, stage)
-    if e + 1 == c.stages.count:
+        parts, ranges = parts + [c.x.k, c.x.v], ranges + [call.split.kv, call.split.kv]
+    flight = post_heads(call.cp, call.lay, parts, ranges, stage)
+    if c.last(e):
         c.x = None
     return flight
+
+
+def _stages(counts: Sequence[int]) -> list[tuple[int, int]]:
+    return [(j, e) for j, n in enumerate(counts) for e in range(n)]
+
+
+class _Forward:
+    """The forward stages: chunk j's projection when its first stage is posted, the ring per stage, the
+    output home per stage, and the chunk's share of the output projection once its output has landed."""
+
+    def __init__(self, project, q_ranges, engine: _Engine, tensors):
+        self.project, self.q_ranges, self.engine, self.tensors = project, q_ranges, engine, tensors
+        self.chunks: dict[int, _Chunk] = {}
+        self.y: list[torch.Tensor] = []
+
+    def post(self, stage) -> Posted:
+        j, e = stage
+        if j not in self.chunks:
+            self.chunks[j] = self.engine.chunk(j, self.project(j, self.tensors))
+        c = self.chunks[j]
+        return _post_inputs(c, e, [c.x.q], "ulysses_fwd")
+
+    def compute(self, stage, got):
+        j, e = stage
+        c = self.chunks[j]
+        if e == 0:
+            c.kh, c.vh = got[1], got[2]
+        out_h, _, _ = stage_forward(c.call, e, got[0], c.kh, c.vh)
+        del got
+        if c.out is None:
+            c.out = c.q_like.new_empty(c.q_shape)
+        landed = [post_home(c.call.cp, c.call.lay, [out_h], [c.stages.q[e]], [c.out], "ulysses_fwd")]
+        if not c.last(e):
+            return landed, None
+        del self.chunks[j]   # its Q/K/V and exchanged K/V go with its last stage; the output follows when landed
+        c.kh = c.vh = None
+        return landed, c
+
+    def finish(self, c: _Chunk) -> None:   # the output projection of the chunk's heads (the bias once)
+        w_o, b_o = self.tensors[-2], self.tensors[-1]
+        qa, qb = self.q_ranges[c.j]
+        d = c.out.shape[-1]
+        part = F.linear(c.out.flatten(2), w_o[:, qa * d:qb * d], b_o if not self.y else None)
+        c.out = None
+        self.y.append(part if not self.y else self.y.pop().add_(part))
+
+
+class _Backward:
+    """The backward stages, one module chunk's graph at a time: the chunk's projections recomputed (values
+    only) and d(out) from the output projection, then per stage the recomputed ring forward and the ring
+    backward, the gradients home, and back through the projections once the chunk's gradients have landed."""
+
+    def __init__(self, project, q_ranges, engine: _Engine, tensors, dy: torch.Tensor):
+        self.project, self.q_ranges, self.engine, self.tensors, self.dy = project, q_ranges, engine, tensors, dy
+        self.w_o = tensors[-2]
+        self.wanted = [t for t in tensors[:-2] if t.requires_grad]
+        self.dw_o = torch.empty_like(self.w_o) if self.w_o.requires_grad else None
+        self.dy2 = dy.reshape(-1, dy.shape[-1])
+        self.chunks: dict[int, _Chunk] = {}
+
+    def _start(self, j: int) -> _Chunk:
+        """Chunk j's values (the projections' graph is built again in finish()) and its d(out)."""
+        with torch.no_grad():
+            x = self.project(j, self.tensors)
+        c = self.chunks[j] = self.engine.chunk(j, x)
+        qa, qb = self.q_ranges[j]
+        d = x.q.shape[-1]
+        c.dout = F.linear(self.dy, self.w_o[:, qa * d:qb * d].t()).view(x.q.shape)
+        return c
+
+    def post(self, stage) -> Posted:
+        j, e = stage
+        c = self.chunks[j] if j in self.chunks else self._start(j)
+        flight = _post_inputs(c, e, [c.x.q, c.dout], "ulysses_bwd")
+        if c.x is None:   # the chunk's last stage is posted: its d(out) travels in the send buffer
+            c.dout = None
+        return flight
+
+    def compute(self, stage, got):
+        j, e = stage
+        c = self.chunks[j]
+        qh, doh = got[0], got[1]
+        if e == 0:
+            c.kh, c.vh = got[2], got[3]
+        del got
+        oh, lse, halo = stage_forward(c.call, e, qh, c.kh, c.vh)   # recomputed
+        dqh, dkh, dvh = stage_backward(c.call, e, doh, qh, c.kh, c.vh, oh, lse, halo)
+        del qh, doh, lse
+        dkh, dvh = self._kv_grads(c, e, dkh, dvh)
+        if c.out is None:
+            c.out, c.grads["q"] = c.q_like.new_empty(c.q_shape), c.q_like.new_empty(c.q_shape)
+        cp, lay = c.call.cp, c.call.lay
+        landed = [post_home(cp, lay, [dqh, oh], [c.stages.q[e]] * 2, [c.grads["q"], c.out], "ulysses_bwd")]
+        del dqh, oh
+        if not c.last(e):
+            return landed, None
+        # dK/dV go home once per module chunk; replicated KV heads (H_kv < u) sum their replicas in fp32
+        acc, kv = acc_dtype(dkh.dtype), c.call.split.kv
+        c.grads["k"], c.grads["v"] = (torch.zeros(c.kv_shape, dtype=acc, device=dkh.device) for _ in range(2))
+        landed.append(post_home(cp, lay, [dkh, dvh], [kv, kv], [c.grads["k"], c.grads["v"]], "ulysses_bwd",
+                                accumulate=True))
+        del self.chunks[j], dkh, dvh
+        c.grads.pop("kv_h", None)
+        c.kh = c.vh = None
+        return landed, c
+
+    @staticmethod
+    def _kv_grads(c: _Chunk, e: int, dkh: torch.Tensor, dvh: torch.Tensor):
+        """Engine stages of one module chunk share its K/V: sum their gradients in fp32 (the whole range)."""
+        if c.stages.count == 1:
+            return dkh, dvh
+        if "kv_h" not in c.grads:
+            c.grads["kv_h"] = torch.zeros(2, *c.kh.shape, dtype=acc_dtype(dkh.dtype), device=dkh.device)
+        dkv = c.grads["kv_h"]
+        lo, hi = c.stages.kv_local[e]
+        dkv[0][:, :, lo:hi] += dkh
+        dkv[1][:, :, lo:hi] += dvh
+        return dkv[0], dkv[1]
+
+    def finish(self, c: _Chunk) -> None:
+        """A chunk's results have landed: the output projection's weight gradient for its heads, and
+        dq/dk/dv back through its projections (recomputed with their graph just for this: one chunk's
+        graph at a time)."""
+        qa, qb = self.q_ranges[c.j]
+        d = c.out.shape[-1]
+        if self.dw_o is not None:
+            self.dw_o[:, qa * d:qb * d] = self.dy2.t() @ c.out.reshape(-1, (qb - qa) * d)
+        c.out = None
+        g = c.grads
+        with torch.enable_grad():
+            x = self.project(c.j, self.tensors)
+            # one output at a time: the input's gradient from each projection adds into .grad in place,
+            # instead of autograd summing three [tokens, hidden] gradients out of place
+            for i, (out, grad) in enumerate(((x.q, g["q"]), (x.k, g["k"]), (x.v, g["v"]))):
+                torch.autograd.backward(out, grad.to(out.dtype), inputs=self.wanted, retain_graph=i < 2)
+        del x, g, c.grads
 
 
 class _Pipelined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, project, q_ranges, kv_counts, engine, overlap, n_in, *tensors):
-        cp = engine.cp
-        w_o, b_o = tensors[-2], tensors[-1]
-        counts = [engine.stages(head_split(qb - qa, n, cp.ulysses_size)).count
-                  for (qa, qb), n in zip(q_ranges, kv_counts)]
-        chunks: dict[int, _Chunk] = {}
-        y = []
-
-        def post(stage):
-            j, e = stage
-            if j not in chunks:
-                chunks[j] = engine.chunk(j, project(j, tensors))
-            c = chunks[j]
-            return _post_inputs(cp, c, e, [c.x.q], "ulysses_fwd")
-
-        def compute(stage, got):
-            j, e = stage
-            c = chunks[j]
-            if e == 0:
-                c.kh, c.vh = got[1], got[2]
-            lo, hi = c.stages.kv_local[e]
-            out_h, _, _ = ring_forward(cp, c.kernel, got[0], c.kh[:, :, lo:hi], c.vh[:, :, lo:hi],
-                                       list(c.stages.kv_index[e]), c.plan, scale=c.scale)
-            del got
-            if c.out is None:
-                c.out = c.q_like.new_empty(c.q_shape)
-            landed = [_post_head_to_seq(cp, c.lay, [out_h], [c.stages.q[e]], [c.out], "ulysses_fwd")]
-            if e + 1 < c.stages.count:
-                return landed, None
-            del chunks[j]   # its Q/K/V and exchanged K/V go with its last stage; the output follows when landed
-            c.kh = c.vh = None
-            return landed, c
-
-        def finish(c):   # the output projection of the chunk's heads (the bias once)
-            qa, qb = q_ranges[c.j]
-            d = c.out.shape[-1]
-            part = F.linear(c.out.flatten(2), w_o[:, qa * d:qb * d], b_o if not y else None)
-            c.out = None
-            y.append(part if not y else y.pop().add_(part))
-
-        drive(_stages(counts), post, compute, overlap, finish)
+        counts = [engine.stage_count(qb - qa, n) for (qa, qb), n in zip(q_ranges, kv_counts)]
+        run = _Forward(project, q_ranges, engine, tensors)
+        drive(_stages(counts), run.post, run.compute, overlap, run.finish)
         ctx.save_for_backward(*tensors[:n_in])
         ctx.params = tensors[n_in:]   # parameters: by reference (FSDP2 re-fills their storage for backward)
         ctx.args = (project, q_ranges, counts, engine, overlap)
-        return y[0]
+        return run.y[0]
 
     @staticmethod
     def backward(ctx, dy):
         project, q_ranges, counts, engine, overlap = ctx.args
-        cp = engine.cp
         # leaves of the recomputed projections: every chunk's gradients accumulate into their .grad in place
         tensors = [x.detach().requires_grad_(x.requires_grad) if x is not None else None
                    for x in (*ctx.saved_tensors, *ctx.params)]
-        w_o, b_o = tensors[-2], tensors[-1]
-        wanted = [t for t in tensors[:-2] if t.requires_grad]
-        dw_o = torch.empty_like(w_o) if w_o.requires_grad else None
-        chunks: dict[int, _Chunk] = {}
-        dy2 = dy.reshape(-1, dy.shape[-1])
-
-        def post(stage):
-            j, e = stage
-            if j not in chunks:   # the values only: the projections' graph is built again in finish()
-                with torch.no_grad():
-                    x = project(j, tensors)
-                c = chunks[j] = engine.chunk(j, x)
-                qa, qb = q_ranges[j]
-                d = x.q.shape[-1]
-                c.dout = F.linear(dy, w_o[:, qa * d:qb * d].t()).view(x.q.shape)
-            c = chunks[j]
-            flight = _post_inputs(cp, c, e, [c.x.q, c.dout], "ulysses_bwd")
-            if c.x is None:   # the chunk's last stage is posted: its d(out) travels in the send buffer
-                c.dout = None
-            return flight
-
-        def compute(stage, got):
-            j, e = stage
-            c = chunks[j]
-            qh, doh = got[0], got[1]
-            if e == 0:
-                c.kh, c.vh = got[2], got[3]
-            del got
-            lo, hi = c.stages.kv_local[e]
-            kh, vh, kv_index = c.kh[:, :, lo:hi], c.vh[:, :, lo:hi], list(c.stages.kv_index[e])
-            oh, lse, halo = ring_forward(cp, c.kernel, qh, kh, vh, kv_index, c.plan, scale=c.scale)  # recomputed
-            dqh, dkh, dvh = ring_backward(cp, c.kernel, doh, qh, kh, vh, oh, lse, kv_index, c.plan, halo,
-                                          scale=c.scale)
-            del qh, doh, lse
-            acc = acc_dtype(dkh.dtype)
-            if c.stages.count > 1:   # engine stages of one module chunk share its K/V: sum their gradients in fp32
-                if "kv_h" not in c.grads:
-                    c.grads["kv_h"] = torch.zeros(2, *c.kh.shape, dtype=acc, device=dkh.device)
-                dkv = c.grads["kv_h"]
-                dkv[0][:, :, lo:hi] += dkh
-                dkv[1][:, :, lo:hi] += dvh
-                dkh, dvh = dkv[0], dkv[1]
-            if c.out is None:
-                c.out, c.grads["q"] = c.q_like.new_empty(c.q_shape), c.q_like.new_empty(c.q_shape)
-            landed = [_post_head_to_seq(cp, c.lay, [dqh, oh], [c.stages.q[e]] * 2, [c.grads["q"], c.out],
-                                        "ulysses_bwd")]
-            del dqh, oh
-            if e + 1 < c.stages.count:
-                return landed, None
-            # dK/dV go home once per module chunk; replicated KV heads (H_kv < u) sum their replicas in fp32
-            c.grads["k"], c.grads["v"] = (torch.zeros(c.kv_shape, dtype=acc, device=dkh.device) for _ in range(2))
-            landed.append(_post_head_to_seq(cp, c.lay, [dkh, dvh], [c.split.kv, c.split.kv],
-                                            [c.grads["k"], c.grads["v"]], "ulysses_bwd", accumulate=True))
-            del chunks[j], dkh, dvh
-            c.grads.pop("kv_h", None)
-            c.kh = c.vh = None
-            return landed, c
-
-        def finish(c):
-            """A chunk's results have landed: the output projection's weight gradient for its heads, and
-            dq/dk/dv back through its projections (recomputed with their graph just for this: one chunk's
-            graph at a time)."""
-            qa, qb = q_ranges[c.j]
-            d = c.out.shape[-1]
-            if dw_o is not None:
-                dw_o[:, qa * d:qb * d] = dy2.t() @ c.out.reshape(-1, (qb - qa) * d)
-            c.out = None
-            g = c.grads
-            with torch.enable_grad():
-                x = project(c.j, tensors)
-                # one output at a time: the input's gradient from each projection adds into .grad in place,
-                # instead of autograd summing three [tokens, hidden] gradients out of place
-                for i, (out, grad) in enumerate(((x.q, g["q"]), (x.k, g["k"]), (x.v, g["v"]))):
-                    torch.autograd.backward(out, grad.to(out.dtype), inputs=wanted, retain_graph=i < 2)
-            del x, g, c.grads
-
-        drive(_stages(counts), post, compute, overlap, finish)
+        run = _Backward(project, q_ranges, engine, tensors, dy)
+        drive(_stages(counts), run.post, run.compute, overlap, run.finish)
+        b_o = tensors[-1]
         grads = [t.grad if t is not None and t.requires_grad else None for t in tensors[:-2]]
-        db_o = dy2.sum(0) if b_o is not None and b_o.requires_grad else None
-        return (None, None, None, None, None, None, *grads, dw_o, db_o)
-
-
-def _stages(counts: Sequence[int]) -> list[tuple[int, int]]:
-    return [(j, e) for j, n in enumerate(counts) for e in range(n)]
+        db_o = run.dy2.sum(0) if b_o is not None and b_o.requires_grad else None
+        return (None, None, None, None, None, None, *grads, run.dw_o, db_o)
 
 
 def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Projected],

@@ -25,7 +25,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
-
 import torch.distributed as dist
 
 from topology.layouts import Layout, Step
@@ -199,7 +198,9 @@ def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: to
 def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_index: list[int], plan: Plan,
                   halo: list | None, *, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes)."""
+    """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes). `halo`:
+    what `ring_forward` received in halo mode, or None to receive those rows again (the compiled op
+    cannot keep them: their count depends on the plan, which its fake does not know)."""
     r = cp.ring_size
     heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
@@ -224,6 +225,9 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
             _add_rows_(dkv[1], k_rows, dv_b)
 
     if plan.halo:
+        if halo is None:
+            works, halo = _halo_fetch(cp, plan, torch.stack([k, v]))
+            RingExchange.wait(works)
         home = torch.zeros(2, *k.shape, dtype=acc, device=k.device)
         add(home, compute(plan.steps[0], k, v))
         ops, grads = [], [None] * r
