@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 Ranges = tuple[tuple[int, int], ...]
 
-__all__ = ["AttentionCall", "HeadChunks", "HeadToSeq", "RingStage", "SeqToHead", "backward", "chunk_heads", "drive", "forward",
-           "plan_call", "post_heads", "post_home", "stage_backward", "stage_forward"]
+__all__ = ["AttentionCall", "HeadChunks", "HeadToSeq", "RingStage", "Saved", "SeqToHead", "backward", "chunk_heads",
+           "drive", "forward", "heads_home", "heads_in", "plan_call", "post_heads", "post_home", "stage_backward",
+           "stage_forward"]
 
 
 @dataclass(frozen=True)
