@@ -13,12 +13,13 @@ import torch
 
 from topology.layouts import Layout
 
-from . import pipeline
 from .compiled import compiled_attention
 from .errors import ShapeError
 from .heads import HeadMap, head_split
 from .kernels import AttentionKernel
 from .mesh import CPMesh
+from .pipeline import HeadToSeq, SeqToHead, plan_call
+from .pipeline import forward as pipeline_forward
 from .validate import checked_call
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,20 +66,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
                                        head_chunks, _needs_grad(q, k, v))
     if kernel is None:  # plain local-attention callable (ring = 1)
         return _local_callable(q, k, v, cp, lay, backend)
-    call = pipeline.plan_call(cp, lay, kernel, window, causal, softmax_scale, tuple(q.shape), k.shape[2], q.device,
+    call = plan_call(cp, lay, kernel, window, causal, softmax_scale, tuple(q.shape), k.shape[2], q.device,
                               head_chunks)
     if head_chunks > 1:
         from .headchunk import chunked_attention
 
         return chunked_attention(q, k, v, call, return_lse=return_lse)
-    out, lse, _ = pipeline.forward(call, q, k, v, want_lse=return_lse, autograd=True)
+    out, lse, _ = pipeline_forward(call, q, k, v, want_lse=return_lse, autograd=True)
     return (out, lse) if return_lse else out
 
 
 def _local_callable(q, k, v, cp: CPMesh, lay: Layout, backend: LocalAttention) -> torch.Tensor:
     """The exchange around a plain local-attention callable run on the gathered sequence (ring = 1)."""
     split = head_split(q.shape[2], k.shape[2], cp.ulysses_size)
-    qh, kh, vh = pipeline.SeqToHead.apply(cp, split, lay, q, k, v)
+    qh, kh, vh = SeqToHead.apply(cp, split, lay, q, k, v)
     ragged = HeadMap.of(split.kv_index(cp.ulysses_rank), kh.shape[2], q.device)  # callables get plain GQA groups
     kh, vh = ragged.expand(kh), ragged.expand(vh)
     out_h = backend(qh, kh, vh)
@@ -86,7 +87,7 @@ def _local_callable(q, k, v, cp: CPMesh, lay: Layout, backend: LocalAttention) -
         raise ShapeError(f"the local attention callable returned "
                          f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
                          f"shaped like its q input, {tuple(qh.shape)}")
-    return pipeline.HeadToSeq.apply(cp, split, lay, out_h)
+    return HeadToSeq.apply(cp, split, lay, out_h)
 
 
 def _eager_attention(*args, **kwargs):

@@ -299,9 +299,9 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
     its KV heads. Gradients reach every tensor that requires them.
     `overlap=None` uses `hybrid_cp.headchunk.OVERLAP`.
     """
-    from . import headchunk
+    from .headchunk import OVERLAP  # read at call time: the schedule is set on the module
 
-    overlap = headchunk.OVERLAP if overlap is None else bool(overlap)
+    overlap = OVERLAP if overlap is None else bool(overlap)
     tensors = [*inputs, *params, o_weight, o_bias]
     needs_grad = int(torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     engine = _Engine(cp, engine_chunks, needs_grad)
