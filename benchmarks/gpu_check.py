@@ -9,7 +9,7 @@ failing kernel is recorded per kernel, so the rest of the run goes on):
 1. env: GPU, versions, every kernel's supports() answer for bf16 D=128, the kernel backend="auto"
    picks and each kernel's self-test result.
 2. parity: every available kernel (bf16 and fp16; sdpa also fp32), D=64 and 128, against fp64 math:
-   the "large" cases of hybrid_cp.kernels.kernel_errors (merged out/lse backward on split blocks,
+   the "large" cases of hybrid_cp.engine.kernels.kernel_errors (merged out/lse backward on split blocks,
    lengths not multiples of 128, GQA 8/2, packed segments and windows where the kernel takes them).
 3. throughput: TFLOP/s forward and backward per kernel at the ring's block shapes, bf16, H=32,
    H_kv=8, D=128, 8K and 32K tokens per ring block n: causal square (n x n), zigzag off-diagonal
@@ -17,7 +17,7 @@ failing kernel is recorded per kernel, so the rest of the run goes on):
    full (n x n). FLOPs 4*B*H*Sq*Sk*D (half if causal), backward 2.5x; CUDA events after warm-up;
    best and median.
 4. schedule: a ring rank's r blocks of 32K keys run back to back against 32K queries with the
-   engine's merge (hybrid_cp.kernels.merge.merge_; backward: merged out/lse, fp32 dq/dk/dv accumulation),
+   engine's merge (hybrid_cp.engine.kernels.merge.merge_; backward: merged out/lse, fp32 dq/dk/dv accumulation),
    versus one call over the same r*32K keys. Efficiency = fused time / ring time (limit 1.0).
 5. engine: hcp.attention (backend="auto") on a one-rank NCCL mesh, forward + backward, against
    fp64 math.
@@ -43,9 +43,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid_cp import kernels as K  # noqa: E402
+from hybrid_cp.engine import kernels as K  # noqa: E402
 from hybrid_cp.cli.table import format_table  # noqa: E402
-from hybrid_cp.kernels.merge import merge_  # noqa: E402
+from hybrid_cp.engine.kernels.merge import merge_  # noqa: E402
 
 KERNELS = [n for n in K.CUDA_AUTO_ORDER if n != "math"]
 
@@ -334,9 +334,9 @@ def engine(res: dict, ctx: Ctx) -> None:
 
 def sync_check(res: dict, ctx: Ctx) -> None:
     import hybrid_cp as hcp
-    from hybrid_cp.heads import head_split
-    from hybrid_cp.layout import row_layout
-    from hybrid_cp.ring import block_plan, ring_backward, ring_forward
+    from hybrid_cp.engine.heads import head_split
+    from hybrid_cp.engine.layout import row_layout
+    from hybrid_cp.engine.ring import block_plan, ring_backward, ring_forward
 
     cp = res["_mesh"]
     rows = res.setdefault("sync", [])

@@ -1,7 +1,7 @@
 """Peak memory of one training step by stage (attention, MLP, loss), measured exactly, beside the
 planner's analytic estimate (topology.memory).
 
-CPU: `hybrid_cp.memory.StorageTracker` counts live tensor storage exactly (not RSS). CUDA: the caching
+CPU: `hybrid_cp.training.memory.StorageTracker` counts live tensor storage exactly (not RSS). CUDA: the caching
 allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/checkpointing options;
 8 gloo processes (`--cp u,r`) for head-chunked attention.
 
@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hybrid_cp as hcp  # noqa: E402
 from hybrid_cp.cli.table import table_lines  # noqa: E402
-from hybrid_cp.memory import CudaStageStats, StorageTracker, mark, mark_stages  # noqa: E402
+from hybrid_cp.engine.comm import counters  # noqa: E402
+from hybrid_cp.training.memory import CudaStageStats, StorageTracker, mark, mark_stages  # noqa: E402
 
 MiB = 1 << 20
 
@@ -215,13 +216,13 @@ def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16,
         for kc, overlap, name in _schedules((1,) + tuple(chunks)):
             with _overlap(overlap):
                 dist.barrier()
-                cp.chunk_wait_s = 0.0
+                counters(cp).chunk_wait_s = 0.0
                 t0 = time.perf_counter()
                 run(kc)
                 wall = time.perf_counter() - t0
                 dist.barrier()
             if rep:
-                out.setdefault(name, []).append((wall, cp.chunk_wait_s))
+                out.setdefault(name, []).append((wall, counters(cp).chunk_wait_s))
     return out
 
 
@@ -243,7 +244,7 @@ def _schedules(chunks: tuple):
 @contextlib.contextmanager
 def _overlap(overlap: bool):
     """Run head-chunked attention with (or without) the next chunk's all-to-all in flight."""
-    from hybrid_cp import headchunk
+    from hybrid_cp.engine import headchunk
 
     old, headchunk.OVERLAP = headchunk.OVERLAP, overlap
     try:

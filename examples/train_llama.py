@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 import hybrid_cp as hcp
-from hybrid_cp.batch import shard_batch
 from hybrid_cp.cli.demo import sample_batch, stdlib_corpus
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
-from hybrid_cp.loss import cross_entropy
+from hybrid_cp.training.batch import shard_batch
+from hybrid_cp.training.loss import cross_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

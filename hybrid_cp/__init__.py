@@ -1,16 +1,24 @@
 """hybrid-cp: exact context-parallel attention (Ulysses inside a node x ring across nodes)."""
 
-from .attention import attention
-from .batch import shard_batch, shift_labels
-from .loss import cross_entropy
-from .comm import comm_bytes, reset_comm_bytes
-from .errors import (CommTimeoutError, ConfigError, CPError, InconsistentRanksError, InputTypeError,
-                     NonFiniteError, SetupError, ShapeError)
-from .heads import head_split
-from .kernels import AttentionKernel, available_kernels, get_kernel, register_kernel
-from .layout import granularity, padded_length, positions, shard, unshard
-from .mesh import CPMesh, init_cp_mesh
-from .tiled import lm_loss, tile_mlp, tiled_cross_entropy, untile_mlp
+from .engine.attention import attention
+from .engine.comm import comm_bytes, reset_comm_bytes
+from .engine.heads import head_split
+from .engine.kernels import AttentionKernel, available_kernels, get_kernel, register_kernel
+from .engine.layout import granularity, padded_length, positions, shard, unshard
+from .engine.mesh import CPMesh, init_cp_mesh
+from .errors import (
+                     CommTimeoutError,
+                     ConfigError,
+                     CPError,
+                     InconsistentRanksError,
+                     InputTypeError,
+                     NonFiniteError,
+                     SetupError,
+                     ShapeError,
+)
+from .training.batch import shard_batch, shift_labels
+from .training.loss import cross_entropy
+from .training.tiled import lm_loss, tile_mlp, tiled_cross_entropy, untile_mlp
 
 __version__ = "0.1.0"
 

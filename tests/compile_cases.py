@@ -12,12 +12,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from dist_cases import mesh
 from torch import nn
 
 import hybrid_cp as hcp
-from dist_cases import mesh
-from hybrid_cp.layout import row_layout
-from hybrid_cp.ring import block_plan
+from hybrid_cp.engine.layout import row_layout
+from hybrid_cp.engine.ring import block_plan
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
 
@@ -148,9 +148,9 @@ def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3, head_ch
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
+    from train_cases import tiny_model
 
     from hybrid_cp.integrations.transformers import apply_context_parallel
-    from train_cases import tiny_model
 
     cp = mesh(u, r)
     if cp.dp_rank != 0:
@@ -196,7 +196,7 @@ def opcheck(u: int, r: int, packed: bool = False) -> dict | None:
     q = torch.randn(1, 16, HEADS, HEAD_DIM, generator=g, requires_grad=True)
     k, v = (torch.randn(1, 16, KV_HEADS, HEAD_DIM, generator=g, requires_grad=True) for _ in range(2))
     cu = torch.tensor([0, 11, 40, seq_len], dtype=torch.int32) if packed else None
-    from hybrid_cp.compiled import _mesh_key
+    from hybrid_cp.engine.compiled import _mesh_key
 
     args = (q, k, v, cu, _mesh_key(cp), "auto", True, None, None if packed else seq_len, None, True, True)
     fwd = torch.library.opcheck(torch.ops.hybrid_cp.attention_fwd.default, args)
@@ -235,7 +235,7 @@ def argument_kinds(u: int, r: int) -> dict | None:
     cu_seqlens as a Python list (a constant); both match eager."""
     import torch._dynamo
 
-    from hybrid_cp.kernels import get_kernel
+    from hybrid_cp.engine.kernels import get_kernel
 
     cp = mesh(u, r)
     if cp.dp_rank != 0:

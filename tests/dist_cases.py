@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid_cp as hcp
-from hybrid_cp.kernels import get_kernel
+from hybrid_cp.engine.kernels import get_kernel
 
 _MESHES: dict = {}
 _REFS: dict = {}
@@ -98,7 +98,7 @@ def attention_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dic
     _fill_references(cases)
     results = []
     for c in cases:
-        b, n, h, hkv, d = c["b"], c["n"], c["h"], c["hkv"], c["d"]
+        n, d = c["n"], c["d"]
         dtype, causal, backend = DTYPES[c["dtype"]], c["causal"], c.get("backend", "auto")
         (q, k, v, dout), ref = _REFS[_ref_key(c)]
         got = _cp_run(cp, q, k, v, dout, causal, dtype, backend)
@@ -231,19 +231,6 @@ def mesh_errors() -> dict:
 
 # ---- packed documents ---------------------------------------------------------------------------
 
-def doc_mix(seed: int, n_docs: int, total: int) -> list[int]:
-    """`n_docs` document lengths summing to `total`: mostly short, one long, a length-1 document."""
-    import random
-
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, total), n_docs - 1))
-    lens = [b - a for a, b in zip([0] + cuts, cuts + [total])]
-    if n_docs > 2:
-        lens[rng.randrange(n_docs - 1)] += lens.pop() - 1
-        lens.insert(rng.randrange(n_docs), 1)
-    return lens
-
-
 def visibility(doc_lens: list[int], causal: bool, window=None) -> torch.Tensor:
     """[N, N] bool: key j visible to query i inside the same document, under the mask and window
     (window W with causal: the W keys ending at i; (left, right) without: i - left .. i + right)."""
@@ -300,7 +287,7 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
                                  backend=c.get("backend", "auto"))
         (out * hcp.shard(dout.to(dtype), cp, cu_seqlens=cu)).sum().backward()
         got = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
-        lay = hcp.layout.row_layout(cp, cu_seqlens=cu)
+        lay = hcp.engine.layout.row_layout(cp, cu_seqlens=cu)
         real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
         keep, pads = torch.nonzero(real).flatten(), torch.nonzero(~real).flatten()
         err, pad_max = {}, 0.0
@@ -322,7 +309,7 @@ def hidden_length_case() -> dict:
     """Shard a 997-token q/k/v, then another 1,000-token tensor, then non-causal attention and
     unshard without seq_len: both must raise (ambiguous); with seq_len=997 the answer is exact."""
     cp = mesh(2, 2)
-    hcp.layout.recorded_lengths(cp).clear()  # the cached mesh is shared with other cases
+    hcp.engine.layout.recorded_lengths(cp).clear()  # the cached mesh is shared with other cases
     q, k, v, dout = _inputs(5, 1, 997, 4, 2, 16)
     ql, kl, vl = (hcp.shard(x.float(), cp) for x in (q, k, v))
     hcp.shard(torch.zeros(1, 1000, 3), cp)
@@ -341,7 +328,7 @@ def hidden_length_case() -> dict:
     out["explicit_err"] = _rel(full, ref)
     causal = hcp.unshard(hcp.attention(ql, kl, vl, cp, causal=True), cp, seq_len=997)
     out["causal_err"] = _rel(causal, reference(q, k, v, dout, True, 1 / math.sqrt(16))[0])
-    hcp.layout.recorded_lengths(cp).clear()
+    hcp.engine.layout.recorded_lengths(cp).clear()
     return out
 
 
@@ -384,7 +371,7 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, window=window, return_lse=True,
                                  backend=c.get("backend", "auto"), seq_len=None if packed else cu[-1], **kw)
         (out * hcp.shard(dout.to(dtype), cp, **kw)).sum().backward()
-        lay = hcp.layout.row_layout(cp, seq_len=None if packed else cu[-1], **kw)
+        lay = hcp.engine.layout.row_layout(cp, seq_len=None if packed else cu[-1], **kw)
         real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
         keep = torch.nonzero(real).flatten()
         # relative to max(|ref|, 1): with W = 1 the exact dq and dk are 0 and only round-off remains

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from dist_cases import mesh
+from train_cases import _full_grad, _rel, make_batch, reference, tiny_model
 
 import hybrid_cp as hcp
-from dist_cases import mesh
-from hybrid_cp.batch import shard_batch
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
-from hybrid_cp.loss import cross_entropy
-from hybrid_cp.tiled import lm_loss, tile_mlp, tiled_cross_entropy
-from train_cases import _full_grad, _rel, make_batch, reference, tiny_model
+from hybrid_cp.training.batch import shard_batch
+from hybrid_cp.training.loss import cross_entropy
+from hybrid_cp.training.tiled import lm_loss, tile_mlp, tiled_cross_entropy
 
 
 def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool = False, reduction: str = "mean",
@@ -62,7 +62,7 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
                        overlap: bool = True) -> dict:
     """A tiny model under CP with lm_loss(tiled), tile_mlp and head_chunks (`overlap`: the head-chunk
     pipeline's schedule) vs the plain single-process run."""
-    from hybrid_cp import headchunk
+    from hybrid_cp.engine import headchunk
 
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad=True)
@@ -152,7 +152,7 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
                      cu_seqlens: list | None = None, window: int | None = None) -> dict:
     """hcp.attention with head_chunks=k vs head_chunks=1 on the same shards: out (lse) and dq/dk/dv, and the
     bytes each sent."""
-    from hybrid_cp import headchunk
+    from hybrid_cp.engine import headchunk
 
     cp = mesh(u, r)
     g = torch.Generator().manual_seed(11 + h + hkv + s)

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import hybrid_cp as hcp
-from hybrid_cp.kernels import get_kernel, register_kernel
-from hybrid_cp.validate import history as validation_history
+from hybrid_cp.engine.kernels import get_kernel, register_kernel
+from hybrid_cp.engine.validate import history as validation_history
 
 
 def mesh(u: int, r: int, layout: str = "zigzag", validate="always") -> hcp.CPMesh:
@@ -127,7 +127,7 @@ def group_timeouts(seconds: float | None) -> dict:
     dev = torch.device("cpu")
     got = {name: getattr(cp, name)._get_backend(dev).options._timeout.total_seconds()
            for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group", "check_group")}
-    default = hcp.mesh.default_timeout().total_seconds()
+    default = hcp.engine.mesh.default_timeout().total_seconds()
     return {"groups": got, "default": default}
 
 

@@ -1,5 +1,5 @@
 """torch.compile: a model whose attention goes through `hcp.attention` compiles as one graph (the
-attention is the opaque custom op `hybrid_cp::attention_fwd`, see hybrid_cp/compiled.py), does not
+attention is the opaque custom op `hybrid_cp::attention_fwd`, see hybrid_cp/engine/compiled.py), does not
 recompile when the data changes, and matches eager loss and gradients on a ulysses x ring mesh.
 
 Backends: aot_eager for most cases. It runs everything the custom ops must get right (dynamo, the

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import topology
-from hybrid_cp.heads import head_split
-from hybrid_cp.layout import granularity, local_indices, padded_length
+from hybrid_cp.engine.heads import head_split
+from hybrid_cp.engine.layout import granularity, local_indices, padded_length
 from topology.layouts import make_layout
 
 

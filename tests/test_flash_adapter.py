@@ -32,8 +32,8 @@ from typing import Optional
 import pytest
 import torch
 
-from hybrid_cp.kernels import flash
-from hybrid_cp.kernels.math import MathKernel
+from hybrid_cp.engine.kernels import flash
+from hybrid_cp.engine.kernels.math import MathKernel
 
 _M = MathKernel()
 

@@ -5,11 +5,11 @@ group; none hangs (the pool's timeout would fail the test)."""
 
 from __future__ import annotations
 
-from hypothesis import example, HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from reliability_cases import FUZZ_LIMITS
 
 import hybrid_cp.errors as errors
-from reliability_cases import FUZZ_LIMITS
 
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (2, 4), (8, 1), (1, 8)]
 FAULTS = ["causal_flip", "bad_scale", "int_dtype", "kv_heads", "seq_len", "stride", "backend", "window_type"]

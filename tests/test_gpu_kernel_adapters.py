@@ -18,11 +18,11 @@ import types
 
 import pytest
 import torch
-
-import hybrid_cp.kernels as kernels
-from hybrid_cp.kernels import cudnn, fa4, flash, registry, selftest, torch_flash
-from hybrid_cp.kernels.math import MathKernel
 from test_flash_adapter import _varlen
+
+import hybrid_cp.engine.kernels as kernels
+from hybrid_cp.engine.kernels import cudnn, fa4, flash, registry, selftest, torch_flash
+from hybrid_cp.engine.kernels.math import MathKernel
 
 _M = MathKernel()
 CUDA = torch.device("cuda", 0)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hybrid_cp.headchunk import chunk_heads
-from hybrid_cp.heads import head_split
+from hybrid_cp.engine.headchunk import chunk_heads
+from hybrid_cp.engine.heads import head_split
 
 TOL = 1e-5
 

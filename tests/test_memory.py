@@ -5,7 +5,7 @@ its longest sequence grows with memory and with nodes."""
 import pytest
 import torch
 
-from hybrid_cp.memory import StorageTracker, mark
+from hybrid_cp.training.memory import StorageTracker, mark
 from topology import Cluster
 from topology.cost import ModelShape
 from topology.memory import MemoryOptions, max_seq_len, step_memory

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from dist_cases import reference
 
 import hybrid_cp as hcp
-from dist_cases import reference
-from hybrid_cp.kernels import MathKernel, SDPAKernel, get_kernel
-from hybrid_cp.kernels.merge import merge_
+from hybrid_cp.engine.kernels import MathKernel, SDPAKernel, get_kernel
+from hybrid_cp.engine.kernels.merge import merge_
 
 
 def test_mesh_validation_and_plan(pool):

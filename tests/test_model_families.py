@@ -11,11 +11,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_training import _fake_mesh  # noqa: E402
+
 from hybrid_cp.errors import ConfigError  # noqa: E402
-from hybrid_cp.testing import families  # noqa: E402
 from hybrid_cp.integrations.model_support import VERIFIED_FAMILIES, check_model  # noqa: E402
 from hybrid_cp.integrations.transformers import apply_context_parallel  # noqa: E402
-from test_training import _fake_mesh  # noqa: E402
+from hybrid_cp.testing import families  # noqa: E402
 
 GUARD = "apply_context_parallel refuses"
 TOL = 1e-5

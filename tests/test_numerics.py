@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hybrid_cp as hcp
-from hybrid_cp.kernels import get_kernel
-from hybrid_cp.mesh import CPMesh
-from hybrid_cp.kernels.merge import merge_
+from hybrid_cp.engine.kernels import get_kernel
+from hybrid_cp.engine.kernels.merge import merge_
+from hybrid_cp.engine.mesh import CPMesh
 
 MATH = get_kernel("math", torch.device("cpu"), torch.float64, 8)
 

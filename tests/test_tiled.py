@@ -5,9 +5,16 @@ import torch
 import torch.nn.functional as F
 
 import hybrid_cp as hcp
-from hybrid_cp.loss import cross_entropy
-from hybrid_cp.mesh import CPMesh
-from hybrid_cp.tiled import default_loss_chunk, lm_loss, tile_mlp, tiled_cross_entropy, tiled_mlp_chunk, untile_mlp
+from hybrid_cp.engine.mesh import CPMesh
+from hybrid_cp.training.loss import cross_entropy
+from hybrid_cp.training.tiled import (
+    default_loss_chunk,
+    lm_loss,
+    tile_mlp,
+    tiled_cross_entropy,
+    tiled_mlp_chunk,
+    untile_mlp,
+)
 
 pytest.importorskip("transformers")
 

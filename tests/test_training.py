@@ -4,9 +4,9 @@ the transformers integration and FSDP2, against single-process references."""
 import pytest
 import torch
 
-from hybrid_cp.batch import shard_batch, shift_labels
-from hybrid_cp.layout import local_indices, padded_length
-from hybrid_cp.mesh import CPMesh
+from hybrid_cp.engine.layout import local_indices, padded_length
+from hybrid_cp.engine.mesh import CPMesh
+from hybrid_cp.training.batch import shard_batch, shift_labels
 
 pytest.importorskip("transformers")
 

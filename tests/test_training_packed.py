@@ -9,8 +9,8 @@ document boundary, a wrong position or a label shifted over a boundary shows up 
 import pytest
 import torch
 
-from hybrid_cp.batch import shard_batch
-from hybrid_cp.mesh import CPMesh
+from hybrid_cp.engine.mesh import CPMesh
+from hybrid_cp.training.batch import shard_batch
 
 pytest.importorskip("transformers")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_cases import mesh
 
 import hybrid_cp as hcp
-from dist_cases import mesh
-from hybrid_cp.batch import shard_batch
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
-from hybrid_cp.loss import cross_entropy
+from hybrid_cp.training.batch import shard_batch
+from hybrid_cp.training.loss import cross_entropy
 
 VOCAB = 256
 
@@ -375,7 +375,7 @@ _LEAKS: dict = {}
 def _leak(kind: str, hkv: int, ref_grads: dict) -> float:
     """How far the reference's gradients are from one dense causal pass over the whole packed row
     (attention crossing the documents): the test asserts this is large, i.e. it would catch a leak."""
-    from hybrid_cp.batch import shift_labels
+    from hybrid_cp.training.batch import shift_labels
 
     if (kind, hkv) not in _LEAKS:
         batch = packed_row(4321)

@@ -1,6 +1,6 @@
 """How a machine's rates are measured and fitted (the fitted data lives in :mod:`topology.rates`).
 
-`hybrid-cp calibrate` times the engine's own pieces on every rank (see ``hybrid_cp.bench``): the
+`hybrid-cp calibrate` times the engine's own pieces on every rank (see ``hybrid_cp.cli.measure``): the
 attention kernel at the block shapes ring steps use, the online-softmax merge, the all-to-all inside
 every candidate ulysses group (all groups at once, and one alone), the ring-neighbour exchange (every
 rank at once, and one pair alone), a transfer posted around a kernel call (overlap), and the whole
@@ -12,7 +12,7 @@ with (docs/planner.md, section 4, "calibrated terms"). The fit uses the cost mod
 the parts it measured separately (:func:`topology.cost.engine_known_s`), so this module sits above
 the cost model; the data classes sit below the cluster, which stores them.
 
-This module is torch-free: the real rate source lives in ``hybrid_cp.bench``; tests feed a fake,
+This module is torch-free: the real rate source lives in ``hybrid_cp.cli.measure``; tests feed a fake,
 deterministic one and check that the fit returns exactly the rates it was fed.
 """
 
@@ -40,7 +40,7 @@ __all__ = ["KernelFit", "LinkFit", "A2AFit", "Calibration", "RateSource", "Calib
 
 class RateSource(Protocol):
     """Something that can time the engine's pieces. Every method returns seconds (the slowest rank's
-    time, fastest of the repeats). Implemented on real ranks by ``hybrid_cp.bench.TorchRateSource``."""
+    time, fastest of the repeats). Implemented on real ranks by ``hybrid_cp.cli.measure.TorchRateSource``."""
 
     def kernel(self, backend: str, dtype: str, causal: bool, tq: int, tk: int, heads: int, kv_heads: int,
                head_dim: int) -> tuple[float, float]:

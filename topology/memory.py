@@ -2,7 +2,7 @@
 
 The model follows the tensors a Hugging Face Llama-style decoder keeps alive under hybrid-cp,
 counted op by op (the derivation is in docs/memory.md) and checked against exact measurements of
-live tensor storage (`benchmarks/memory_step.py`, `hybrid_cp.memory.StorageTracker`):
+live tensor storage (`benchmarks/memory_step.py`, `hybrid_cp.training.memory.StorageTracker`):
 
 * **Model states**: with FSDP2 over all dp x cp ranks (``fsdp=True``), fp32 master weights,
   fp32 gradients and AdamW's two fp32 moments are sharded (16 bytes/parameter / world), plus the
@@ -42,7 +42,7 @@ MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded par
 GRAD = FP32_BYTES  # fp32 gradients (reduce dtype)
 LOSS_CHUNK_BYTES = 256 << 20  # hcp.tiled_cross_entropy's default chunk: 256 MiB of fp32 logits
 
-# Engine-level head chunks (hybrid_cp.headchunk) counted in q-sized pieces of one chunk (G x c_chunk x D
+# Engine-level head chunks (hybrid_cp.engine.headchunk) counted in q-sized pieces of one chunk (G x c_chunk x D
 # elements): the current chunk's received copies, the ring's accumulators and, overlapped, the next chunk's
 # send and receive buffers and the previous chunk's return (forward and backward respectively). The counts
 # came in with commit 536b27f ("planner prices the head-chunked engine as built"); docs/memory.md does not
@@ -70,7 +70,7 @@ class MemoryOptions:
     head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
     chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
                                       # default); False: inside hcp.attention only
-    overlap: bool = False             # head-chunk schedule (hybrid_cp.headchunk.OVERLAP): True keeps the next
+    overlap: bool = False             # head-chunk schedule (hybrid_cp.engine.headchunk.OVERLAP): True keeps the next
                                       # chunk's exchange in flight while one computes; False: one after another
     tiled_loss: bool = False          # hcp.tiled_cross_entropy / hcp.lm_loss
     loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
@@ -152,7 +152,7 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
         saved = (ulysses * (c + 2 * k) * D * e           # gathered q, k, v (the ring saves them)
                  + ulysses * c * D * e + ulysses * c * 4  # output in head layout, fp32 lse
                  + (H * D * e if ulysses > 1 else 0))    # output back in sequence layout (o_proj input)
-    else:  # hybrid_cp.headchunk keeps the local q and output, the exchanged K/V and the lse only
+    else:  # hybrid_cp.engine.headchunk keeps the local q and output, the exchanged K/V and the lse only
         saved = 2 * H * D * e + ulysses * 2 * k * D * e + ulysses * c * 4
     local_qkv = T * (H + 2 * Hkv) * D * e
     chunk_g = G * (c + 2 * k) * D
@@ -202,7 +202,7 @@ def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: i
     ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
     if len(ranges) == 1:
         return _attention_module(H, Hkv, D, E, e, ulysses, ring, rank, T, inner)
-    # module-level chunks (hybrid_cp.modulechunk): forward saves nothing but the module's input; the
+    # module-level chunks (hybrid_cp.engine.modulechunk): forward saves nothing but the module's input; the
     # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
     # chunk (its projections and attention) at a time, more of it alive when overlapped
     kv_m = max(b - a for a, b in ranges)

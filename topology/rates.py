@@ -104,7 +104,7 @@ class Calibration(StrictModel):
     dtype: str = Field(description="dtype the merge/engine figures were measured in")
     head_dim: int = 64
     kernels: list[KernelFit] = Field(default_factory=list)
-    merge: LinkFit | None = Field(default=None, description="ring.merge_ by bytes moved (block out + fp32 running out)")
+    merge: LinkFit | None = Field(default=None, description="kernels.merge.merge_ by bytes moved (block out + fp32 running out)")
     step_overhead_us: float = Field(default=0.0, ge=0, description="fixed cost per ring step unit (fwd 1, bwd 2)")
     call_overhead_us: float = Field(default=0.0, ge=0, description="fixed cost per attention fwd+bwd call")
     copy_gb_s: float | None = Field(default=None, gt=0, description="engine packing copies, per byte sent")

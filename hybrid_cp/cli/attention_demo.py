@@ -15,8 +15,8 @@ import time
 import torch
 
 import hybrid_cp as hcp
-from hybrid_cp.kernels import get_kernel
-from hybrid_cp.layout import local_indices, padded_length
+from hybrid_cp.engine.kernels import get_kernel
+from hybrid_cp.engine.layout import local_indices, padded_length
 from hybrid_cp.testing import WorkerPool
 from topology import comm_bytes
 

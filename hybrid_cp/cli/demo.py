@@ -93,10 +93,10 @@ def cp_rank_train(ulysses: int, ring: int, seq_len: int, steps: int, seed: int, 
     import torch.distributed as dist
 
     import hybrid_cp as hcp
-    from hybrid_cp.batch import shard_batch
     from hybrid_cp.integrations.fsdp import shard_model
     from hybrid_cp.integrations.transformers import apply_context_parallel
-    from hybrid_cp.loss import cross_entropy
+    from hybrid_cp.training.batch import shard_batch
+    from hybrid_cp.training.loss import cross_entropy
 
     cp = hcp.init_cp_mesh(ulysses, ring)
     cp.validate = False  # the inputs come from shard_batch; skip the per-call agreement check

@@ -1,7 +1,7 @@
 """What `hybrid-cp bench` and `hybrid-cp calibrate` measure, on every rank.
 
 Everything here times the engine through its public entry points (`init_cp_mesh`, `shard`,
-`attention`, the kernels' `forward`/`backward`, `ring.merge_`) so that what the planner is
+`attention`, the kernels' `forward`/`backward`, `kernels.merge.merge_`) so that what the planner is
 calibrated on is what a user runs. Each task function runs on every rank (a `WorkerPool` task
 "hybrid_cp.cli.measure:NAME", or directly under torchrun) and returns plain Python data; the parent
 combines ranks. Timings are taken between barriers and reported per repeat as the slowest rank,
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid_cp as hcp
-from hybrid_cp.kernels import get_kernel
+from hybrid_cp.engine.kernels import get_kernel
 
 __all__ = ["NullKernel", "TorchRateSource", "bench_rank", "measure_rank", "DTYPES"]
 
@@ -224,7 +224,7 @@ class TorchRateSource:
         return tf / calls, tb / calls
 
     def merge(self, tokens, heads, head_dim, dtype):
-        from hybrid_cp.ring import merge_
+        from hybrid_cp.engine.kernels.merge import merge_
 
         acc = torch.zeros(1, tokens, heads, head_dim, device=self.device)
         lse = torch.zeros(1, heads, tokens, device=self.device)

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import CPMesh
+from ..engine.mesh import CPMesh
 from ..errors import ConfigError, InputTypeError
-
 
 
 def flat_mesh(cp: CPMesh):

@@ -29,12 +29,12 @@ import torch.nn.functional as F
 
 from topology.layouts import module_chunks
 
-from ..attention import attention as _cp_attention
-from ..layout import row_layout
-from ..mesh import CPMesh
-from ..modulechunk import Projected, pipelined_module_chunks
+from ..engine.attention import attention as _cp_attention
+from ..engine.layout import boundaries, row_layout
+from ..engine.mesh import CPMesh
+from ..engine.modulechunk import Projected, pipelined_module_chunks
+from ..engine.validate import is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
-from ..validate import model_inputs, positive_int
 from .model_support import check_attention_kwargs, check_model
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -84,12 +84,12 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     check_attention_kwargs(module, kwargs)
     cu = kwargs.get("cu_seq_lens_q")
     cu_k = kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and (cu is None or not torch.equal(torch.as_tensor(cu_k).cpu(), torch.as_tensor(cu).cpu())):
+    if cu_k is not None and (cu is None or boundaries(cu_k) != boundaries(cu)):
         raise _unsupported(f"{type(module).__name__} received cu_seq_lens_k different from cu_seq_lens_q; packed "
                            f"self-attention needs the same boundaries for queries and keys")
     lay = row_layout(cp, local_len=query.shape[2], cu_seqlens=cu, causal=True, what=type(module).__name__)
     window = kwargs.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and not is_positive_int(window):
         raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
                            f"number of keys each query sees, itself included)")
     q = query.transpose(1, 2).contiguous()
@@ -166,7 +166,7 @@ class _Swapped:
 
 class _ModuleChunks:
     """The forward of an attention module whose heads run in module-level chunks (UPipe from the
-    projections on), pipelined by `hybrid_cp.modulechunk`: chunk j's Q/K/V come from the module's own
+    projections on), pipelined by `hybrid_cp.engine.modulechunk`: chunk j's Q/K/V come from the module's own
     forward with its q/k/v projections cut to the chunk's heads (views of the parameters), stopped at
     the attention call; the output projection's columns of the chunk's heads are applied inside."""
 
@@ -280,7 +280,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     get their window in every layer; non-causal attention and masks other than right padding raise. `head_chunks` > 1 runs each attention module's heads in about that many chunks
     starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
     chunk's projections and attention recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
-    projection and all-to-all overlap chunk i's ring: `hybrid_cp/modulechunk.py`; `module_chunks` says
+    projection and all-to-all overlap chunk i's ring: `hybrid_cp/engine/modulechunk.py`; `module_chunks` says
     how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
     Modules without separate q/k/v/o projections of `num_attention_heads` heads keep engine-level
     chunks only (logged); a module that does more than o_proj(attention output) after its attention

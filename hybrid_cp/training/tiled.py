@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError, InputTypeError, SetupError, ShapeError
+from ..engine.validate import positive_int
+from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from .loss import GroupReduced, reduction_group
-from .validate import positive_int
 
 if TYPE_CHECKING:
-    from .mesh import CPMesh
+    from ..engine.mesh import CPMesh
 
 __all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "default_loss_chunk", "tiled_mlp_chunk"]
 

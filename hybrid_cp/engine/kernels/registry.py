@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from ..errors import ConfigError, InputTypeError
+from ...errors import ConfigError, InputTypeError
 from ._cuda import device_index
 from .cudnn import CuDNNKernel
 from .fa4 import FA4Kernel

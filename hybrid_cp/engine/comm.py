@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .errors import CommTimeoutError, CPError
+from ..errors import CommTimeoutError, CPError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh

@@ -1,7 +1,7 @@
 """hybrid attention = ulysses all-to-all, then the ring over the ulysses group's tokens, then back.
 
 Every input check runs before the first collective; with `cp.validate` the ranks also agree on
-the call signature (hybrid_cp/validate.py:agree_across_ranks; by default only for calls they could
+the call signature (hybrid_cp/engine/validate.py:agree_across_ranks; by default only for calls they could
 not predict), so an inconsistent call raises instead of hanging in the all-to-all.
 """
 
@@ -13,8 +13,8 @@ import torch
 
 from topology.layouts import Layout
 
+from ..errors import ShapeError
 from .compiled import compiled_attention
-from .errors import ShapeError
 from .heads import HeadMap, head_split
 from .kernels import AttentionKernel
 from .mesh import CPMesh
@@ -48,10 +48,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     `backend` is "auto", a registered kernel name, a kernel object, or (ring = 1, dense only) a
     plain callable attn(q, k, v) -> out run on the gathered sequence.
     `head_chunks` > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
-    one after another (or, with `hybrid_cp.headchunk.OVERLAP = True`, each chunk's all-to-all
+    one after another (or, with `hybrid_cp.engine.headchunk.OVERLAP = True`, each chunk's all-to-all
     overlapping the previous chunk's compute): less attention memory, same
-    result (`hybrid_cp/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
-    Under `torch.compile` the call is one opaque custom op (`hybrid_cp/compiled.py`).
+    result (`hybrid_cp/engine/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
+    Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
     """
     if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
         result = compiled_attention(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,

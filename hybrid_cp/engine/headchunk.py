@@ -110,11 +110,11 @@ class _ChunkedAttention(torch.autograd.Function):
 
 
 OVERLAP = False
-"""Schedule of head chunks (engine-level here, module-level in hybrid_cp/modulechunk.py): False (default)
+"""Schedule of head chunks (engine-level here, module-level in hybrid_cp/engine/modulechunk.py): False (default)
 runs the chunks one after another, the least memory, which is what head chunks are for; True posts the
 next chunk's all-to-all before this chunk computes, so communication hides behind compute where it can
 (on GPUs), at the price of another chunk's buffers alive (docs/memory.md measures both). Set
-`hybrid_cp.headchunk.OVERLAP = True` on every rank alike."""
+`hybrid_cp.engine.headchunk.OVERLAP = True` on every rank alike."""
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *,

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ._cuda import capability as _capability, aten_op as _op, fa_class_reason
+from ._cuda import aten_op as _op
+from ._cuda import capability as _capability
+from ._cuda import fa_class_reason
+
 
 def _no_rng(device: torch.device) -> torch.Tensor:
     """What the backward's rng_state/unused arguments get without dropout (never read)."""

@@ -6,11 +6,11 @@ steps here, so a new attention input is added in one place:
 
 * `forward` / `backward`: all heads as one stage, exchange -> ring -> exchange. Eager `hcp.attention`
   runs `forward(autograd=True)` (each step its own autograd node: `SeqToHead`, `RingStage`,
-  `HeadToSeq`); the compiled custom ops in hybrid_cp/compiled.py run `forward` and `backward` inside
+  `HeadToSeq`); the compiled custom ops in hybrid_cp/engine/compiled.py run `forward` and `backward` inside
   the op: the same steps, not a copy.
 * `stage_forward` / `stage_backward`: the ring over one head stage, and `post_heads` / `post_home`:
-  a stage's exchange, posted (hybrid_cp/comm.py owns the all-to-all itself). Engine-level head chunks
-  (hybrid_cp/headchunk.py) and module-level head chunks (hybrid_cp/modulechunk.py) run their stages
+  a stage's exchange, posted (hybrid_cp/engine/comm.py owns the all-to-all itself). Engine-level head chunks
+  (hybrid_cp/engine/headchunk.py) and module-level head chunks (hybrid_cp/engine/modulechunk.py) run their stages
   through `drive`, the one stage driver for the serial and the overlapped schedule.
 """
 

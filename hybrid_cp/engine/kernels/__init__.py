@@ -37,8 +37,15 @@ from .fa4 import FA4Kernel
 from .flash import FlashAttnKernel
 from .math import MathKernel
 from .protocol import AttentionKernel, takes_keyword, takes_keyword_on
-from .registry import (CUDA_AUTO_ORDER, available_kernels, get_kernel, kernel_needs, register_kernel,
-                       registered_kernels, select_kernel)
+from .registry import (
+                       CUDA_AUTO_ORDER,
+                       available_kernels,
+                       get_kernel,
+                       kernel_needs,
+                       register_kernel,
+                       registered_kernels,
+                       select_kernel,
+)
 from .sdpa import SDPAKernel
 from .selftest import CHECK_SIZES, SELF_TEST_TOL, kernel_errors, self_test, self_test_results
 from .torch_flash import TorchFlashKernel

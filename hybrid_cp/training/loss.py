@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from .errors import ConfigError, InputTypeError, ShapeError
+
+from ..errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
-    from .mesh import CPMesh
+    from ..engine.mesh import CPMesh
 
 REDUCTIONS = ("mean", "sum", "none")
 

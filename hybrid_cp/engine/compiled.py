@@ -36,7 +36,7 @@ from .kernels import AttentionKernel, get_kernel, kernel_needs
 from .layout import row_layout
 from .mesh import CPMesh
 from .pipeline import AttentionCall, Saved, backward, forward, plan_call
-from .validate import checked_call
+from .validate import checked_call, is_int, op_expressible, op_window
 
 log = logging.getLogger("hybrid_cp")
 
@@ -220,21 +220,6 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 _WARNED: set[str] = set()
 
 
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _window_arg(window: Any) -> tuple[bool, Optional[list[int]]]:
-    """(expressible, the op's encoding): an int W -> [W], a pair (left, right) -> [left, right]."""
-    if window is None:
-        return True, None
-    if _int(window):
-        return True, [window]
-    if isinstance(window, (tuple, list)) and len(window) == 2 and all(_int(x) for x in window):
-        return True, [window[0], window[1]]
-    return False, None
-
-
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
                        softmax_scale: float | None = None, return_lse: bool = False, backend: Any = "auto",
                        seq_len: int | None = None, cu_seqlens: Any = None, window: Any = None,
@@ -246,22 +231,18 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
     `cu_seqlens` should be a tensor (as `shard_batch` gives): a Python list is a constant to dynamo,
     so every new packing would recompile.
     """
-    ok_window, window_arg = _window_arg(window)
+    window_arg = op_window(window)[1]
     backend_arg = backend if isinstance(backend, str) else _kernel_key(backend)
     plain_callable = backend_arg == "" and callable(backend)
-    if (plain_callable or head_chunks != 1) and _int(head_chunks) and head_chunks >= 1:
+    if (plain_callable or head_chunks != 1) and is_int(head_chunks) and head_chunks >= 1:
         reason = "a plain local-attention callable" if plain_callable else f"head_chunks={head_chunks}"
         if reason not in _WARNED:
             _WARNED.add(reason)
             log.warning("hcp.attention with %s runs outside the compiled graph (a graph break per call); "
                         "under torch.compile use a kernel backend and head_chunks=1", reason)
-    if not (isinstance(cp, CPMesh) and all(isinstance(x, torch.Tensor) for x in (q, k, v)) and ok_window
-            and isinstance(causal, bool) and isinstance(return_lse, bool) and head_chunks == 1 and _int(head_chunks)
-            and backend_arg != ""
-            and (softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)))
-            and (seq_len is None or _int(seq_len))
-            and (cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)
-                 or (isinstance(cu_seqlens, (list, tuple)) and all(_int(x) for x in cu_seqlens)))):
+    if not isinstance(cp, CPMesh) or not op_expressible(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                          backend_key=backend_arg, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
+                          head_chunks=head_chunks):
         return None
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)

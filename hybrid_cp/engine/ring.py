@@ -31,7 +31,7 @@ from topology.layouts import Layout, Step
 
 from .comm import RingExchange, acc_dtype, count
 from .heads import HeadMap
-from .kernels.merge import merge_, merge_rows_  # merge_: hybrid_cp.cli.measure imports it from here
+from .kernels.merge import merge_rows_
 from .kernels.varlen import remember_host
 
 if TYPE_CHECKING:

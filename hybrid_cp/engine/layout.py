@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from topology.layouts import LAYOUTS, PAD, Layout, granularity, layout_of, padded_length
-from .errors import ConfigError, InputTypeError, ShapeError
+
+from ..errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
     from .mesh import CPMesh

@@ -15,6 +15,7 @@ import torch
 
 from ._cuda import fa_class_reason
 
+
 @lru_cache(maxsize=1)
 def _flash_module():
     """(module, version) of flash-attn 3 if installed, else flash-attn 2, else (None, None)."""

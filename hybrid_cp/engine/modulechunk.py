@@ -297,7 +297,7 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
     parameters (saved through autograd, so that checkpointing manages them: `project` must hold no
     tensor of its own); `q_ranges[j]` are chunk j's query heads among the module's H and `kv_counts[j]`
     its KV heads. Gradients reach every tensor that requires them.
-    `overlap=None` uses `hybrid_cp.headchunk.OVERLAP`.
+    `overlap=None` uses `hybrid_cp.engine.headchunk.OVERLAP`.
     """
     from .headchunk import OVERLAP  # read at call time: the schedule is set on the module
 

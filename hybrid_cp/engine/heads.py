@@ -8,14 +8,13 @@ and expands/reduces KV heads for kernels that need plain query groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from functools import lru_cache
 
 import torch
 
 from topology.layouts import head_split as _split
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ import torch
 
 from topology.layouts import Layout
 
-from .errors import ConfigError, ShapeError
-from .layout import boundaries, positions, row_layout, shard_layout, shard_tokens
-from .validate import batch_arguments, dense_labels, dense_positions, right_padding
+from ..engine.layout import boundaries, positions, row_layout, shard_layout, shard_tokens
+from ..engine.validate import batch_arguments, dense_labels, dense_positions, right_padding
+from ..errors import ConfigError, ShapeError
 
 if TYPE_CHECKING:
-    from .mesh import CPMesh
+    from ..engine.mesh import CPMesh
 
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 

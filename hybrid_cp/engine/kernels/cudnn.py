@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ._cuda import capability as _capability, aten_op as _op
 from ..heads import expand_kv, reduce_kv
+from ._cuda import aten_op as _op
+from ._cuda import capability as _capability
 from .varlen import per_segment_backward, per_segment_forward
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import SetupError
+from ..errors import SetupError
 from .validate import mesh_arguments
 
 log = logging.getLogger("hybrid_cp")
@@ -42,8 +42,8 @@ class CPMesh:
     `dp_cp_group`/`dp_cp_mesh`: all ranks, for the loss and FSDP2), except two that a DeviceMesh cannot
     give: `ring_group_bwd`, a second communicator over the ring ranks, and `check_group`, a host (gloo)
     group for the validation check. Run-time records live with their owners: bytes sent and head-chunk
-    waits in `hybrid_cp.comm.counters(cp)`, the lengths `hcp.shard` saw in
-    `hybrid_cp.layout.recorded_lengths(cp)`, the validation history in `hybrid_cp.validate.history(cp)`.
+    waits in `hybrid_cp.engine.comm.counters(cp)`, the lengths `hcp.shard` saw in
+    `hybrid_cp.engine.layout.recorded_lengths(cp)`, the validation history in `hybrid_cp.engine.validate.history(cp)`.
     """
 
     ulysses_size: int

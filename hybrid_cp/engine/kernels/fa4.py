@@ -19,7 +19,8 @@ from functools import lru_cache
 
 import torch
 
-from ._cuda import capability as _capability, fa_class_reason
+from ._cuda import capability as _capability
+from ._cuda import fa_class_reason
 from .varlen import per_segment_backward, per_segment_forward
 
 

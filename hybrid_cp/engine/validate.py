@@ -29,9 +29,16 @@ import torch.distributed as dist
 
 from topology.layouts import Layout, check_layout, granularity
 
+from ..errors import (
+    CommTimeoutError,
+    ConfigError,
+    CPError,
+    InconsistentRanksError,
+    InputTypeError,
+    NonFiniteError,
+    ShapeError,
+)
 from .comm import comm_guard
-from .errors import (CommTimeoutError, ConfigError, CPError, InconsistentRanksError, InputTypeError,
-                     NonFiniteError, ShapeError)
 from .kernels import AttentionKernel, get_kernel, kernel_needs, takes_keyword_on
 from .layout import positions, row_layout
 
@@ -362,7 +369,7 @@ def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window) -> At
         if not takes_keyword_on(kernel, keyword, q.device):
             raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword that "
                               f"{'cu_seqlens' if keyword == 'cu_seqlens_q' else 'window'} needs; see "
-                              f"hybrid_cp/kernels/__init__.py")
+                              f"hybrid_cp/engine/kernels/__init__.py")
     return kernel
 
 
@@ -430,7 +437,7 @@ def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlen
     """Every check of an attention call, before any collective: this rank's own (`_local_checks`), then,
     with `cp.validate`, the cross-rank agreement on the call's `AttentionSignature`, so that a rank that
     failed or differs makes every rank raise. Returns (layout, kernel, the window in effect). `needs_grad`
-    is passed in because the compiled path decides it at trace time (hybrid_cp/compiled.py)."""
+    is passed in because the compiled path decides it at trace time (hybrid_cp/engine/compiled.py)."""
     error, signature, result = None, AttentionSignature(causal=int(causal) if isinstance(causal, bool) else -1), None
     try:
         positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
