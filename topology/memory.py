@@ -363,19 +363,6 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
     return best
 
 
-# --- `hybrid-cp plan --max-seq` --------------------------------------------------------------------
-
-def add_max_seq_arguments(parser: Any) -> None:
-    """The `--max-seq` flags of `hybrid-cp plan` (kept here so the CLI module only wires them in)."""
-    g = parser.add_argument_group("longest sequence (--max-seq)")
-    g.add_argument("--max-seq", action="store_true",
-                   help="print the longest sequence that fits per option set, with its (u, r, head_chunks)")
-    g.add_argument("--head-chunks", type=int, default=8, help="largest head_chunks to try (default 8)")
-    g.add_argument("--tiled-mlp", type=int, default=8192, metavar="TOKENS", help="MLP chunk (default 8192)")
-    g.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
-                   help="loss chunk (default: 256 MiB of fp32 logits, as hcp.tiled_cross_entropy)")
-
-
 def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype: Any = "bf16",
                   layout: str = "zigzag", dp: int = 1, head_chunks: int = 8, tiled_mlp: int = 8192,
                   loss_chunk: int | None = None, granularity: int = 1024) -> list[tuple[str, MaxSeq | None]]:
@@ -394,35 +381,3 @@ def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype:
     ]
     return [(name, max_seq_len(model, world, memory_budget, o, dtype=dtype, layout=layout, dp=dp,
                                granularity=granularity)) for name, o in ladder]
-
-
-def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
-    """`hybrid-cp plan --max-seq`: print (or --json) the ladder of :func:`max_seq_table`."""
-    import json
-
-    world = args.world_size or cluster.world_size
-    budget = args.memory_budget or cluster.accelerator.memory_budget
-    if model.vocab == 0:
-        raise ValueError("--max-seq needs the vocabulary size for the loss: use --model NAME (e.g. llama3-8b)")
-    if args.head_chunks < 1 or args.tiled_mlp < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
-        raise ValueError(f"--head-chunks={args.head_chunks}, --tiled-mlp={args.tiled_mlp} and "
-                         f"--loss-chunk={args.loss_chunk} must be >= 1")
-    rows = max_seq_table(model, world, budget, dtype=args.dtype, layout=args.layout, dp=args.dp or 1,
-                         head_chunks=args.head_chunks, tiled_mlp=args.tiled_mlp, loss_chunk=args.loss_chunk)
-    if args.json:
-        print(json.dumps([{"options": name, "seq_len": b.seq_len if b else 0,
-                           **({"ulysses": b.ulysses, "ring": b.ring, "dp": b.dp, "head_chunks": b.options.head_chunks,
-                               "memory": b.estimate.to_dict()} if b else {})} for name, b in rows], indent=2))
-        return 0
-    print(f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters, layers={model.layers} "
-          f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
-          f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU")
-    print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9}  peak at")
-    for name, b in rows:
-        if b is None:
-            print(f"{name:<36} {'none fits':>6}")
-            continue
-        e = b.estimate
-        print(f"{name:<36} {b.seq_len / 2**20:>5.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
-              f"{e.peak / GiB:>9.1f}  {e.peak_phase}")
-    return 0

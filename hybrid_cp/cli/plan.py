@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import Any
 
 from topology.cluster import Cluster, ClusterError
 from topology.cost import MODEL_PRESETS, ModelShape
 from topology.discovery import discover
-from topology.memory import add_max_seq_arguments, max_seq_main
+from topology.memory import max_seq_table
 from topology.planner import PlanError, PlanList, plan
+from topology.units import GiB
 
 from .command import Command, UsageError, fail
 
@@ -162,3 +164,44 @@ COMMAND = Command("plan", "rank (ulysses, ring) splits for a cluster and model w
                   "Rank (ulysses, ring, dp) splits by predicted throughput and print the chosen plan.",
                   add_arguments, run)
 main = COMMAND.main
+
+
+def add_max_seq_arguments(parser: Any) -> None:
+    """The `--max-seq` flags of `hybrid-cp plan`."""
+    g = parser.add_argument_group("longest sequence (--max-seq)")
+    g.add_argument("--max-seq", action="store_true",
+                   help="print the longest sequence that fits per option set, with its (u, r, head_chunks)")
+    g.add_argument("--head-chunks", type=int, default=8, help="largest head_chunks to try (default 8)")
+    g.add_argument("--tiled-mlp", type=int, default=8192, metavar="TOKENS", help="MLP chunk (default 8192)")
+    g.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
+                   help="loss chunk (default: 256 MiB of fp32 logits, as hcp.tiled_cross_entropy)")
+
+
+def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
+    """`hybrid-cp plan --max-seq`: print (or --json) the ladder of `topology.memory.max_seq_table`."""
+    world = args.world_size or cluster.world_size
+    budget = args.memory_budget or cluster.accelerator.memory_budget
+    if model.vocab == 0:
+        raise UsageError("--max-seq needs the vocabulary size for the loss: use --model NAME (e.g. llama3-8b)")
+    if args.head_chunks < 1 or args.tiled_mlp < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
+        raise UsageError(f"--head-chunks={args.head_chunks}, --tiled-mlp={args.tiled_mlp} and "
+                         f"--loss-chunk={args.loss_chunk} must be >= 1")
+    rows = max_seq_table(model, world, budget, dtype=args.dtype, layout=args.layout, dp=args.dp or 1,
+                         head_chunks=args.head_chunks, tiled_mlp=args.tiled_mlp, loss_chunk=args.loss_chunk)
+    if args.json:
+        print(json.dumps([{"options": name, "seq_len": b.seq_len if b else 0,
+                           **({"ulysses": b.ulysses, "ring": b.ring, "dp": b.dp, "head_chunks": b.options.head_chunks,
+                               "memory": b.estimate.to_dict()} if b else {})} for name, b in rows], indent=2))
+        return 0
+    print(f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters, layers={model.layers} "
+          f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
+          f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU")
+    print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9}  peak at")
+    for name, b in rows:
+        if b is None:
+            print(f"{name:<36} {'none fits':>6}")
+            continue
+        e = b.estimate
+        print(f"{name:<36} {b.seq_len / 2**20:>5.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
+              f"{e.peak / GiB:>9.1f}  {e.peak_phase}")
+    return 0
