@@ -5,8 +5,10 @@ ulysses=2 x ring=2 gloo mesh.
 
     python benchmarks/call_path.py            # the call's path through the code, then the counts
 
-"stays" are runs of consecutive calls in one module, "returns" stays in a module already left before;
-"following cu_seqlens" keeps only the functions that take the document boundaries as an argument.
+"modules" counts the files a reader holds for the call; a "re-entry" is a call into a module that is
+already on the call stack below the caller (the path goes down into another file and comes back up
+into one it has not left: A -> B -> A), the bouncing the layering removes. "following cu_seqlens"
+keeps only the functions that take the document boundaries as an argument.
 """
 
 from __future__ import annotations
@@ -38,15 +40,21 @@ def traced_call() -> dict:
     q, k, v = (torch.randn(1, 256, h, 16) for h in (4, 2, 2))
     q, k, v = (hcp.shard(x, cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
     hcp.attention(q, k, v, cp, causal=True, cu_seqlens=cu)   # warm: the first call agrees across ranks
-    calls: list[tuple[str, str, bool]] = []
+    calls: list[tuple[str, str, bool, bool]] = []   # module, function, takes boundaries, re-entry
+    stack: list[str] = []
 
     def hook(frame, event, arg):
+        module = _module(frame.f_code.co_filename, root)
+        if not module:
+            return
         if event == "call":
-            module = _module(frame.f_code.co_filename, root)
-            if module:
-                code = frame.f_code
-                params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-                calls.append((module, code.co_name, any(p in BOUNDARY_ARGS for p in params)))
+            code = frame.f_code
+            params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            reentry = bool(stack) and stack[-1] != module and module in stack
+            calls.append((module, code.co_name, any(p in BOUNDARY_ARGS for p in params), reentry))
+            stack.append(module)
+        elif event == "return" and stack:
+            stack.pop()
 
     if dist.get_rank() == 0:
         sys.setprofile(hook)
@@ -56,22 +64,18 @@ def traced_call() -> dict:
     return {"calls": calls}
 
 
-def stays(modules: list[str]) -> tuple[list[str], int]:
-    runs = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
-    returns = sum(1 for i, m in enumerate(runs) if m in runs[:i])
-    return runs, returns
-
-
 def main() -> None:
     from hybrid_cp.testing import WorkerPool
 
     with WorkerPool(4, extra_paths=[os.path.dirname(os.path.abspath(__file__))]) as pool:
         calls = pool.run("call_path:traced_call")[0]["calls"]
-    for title, chosen in (("every project function", calls),
-                          ("following cu_seqlens", [c for c in calls if c[2]])):
-        runs, returns = stays([m for m, _, _ in chosen])
-        print(f"{title}: {len(set(runs))} modules, {len(runs)} stays, {returns} returns to a module already left")
-        print("  " + " -> ".join(runs))
+    modules = sorted({c[0] for c in calls})
+    reentries = [f"{m}.{f}" for m, f, _, again in calls if again]
+    print(f"every project function: {len(calls)} calls in {len(modules)} modules, {len(reentries)} re-entries")
+    print("  modules: " + ", ".join(modules))
+    print("  re-entered: " + ", ".join(sorted(set(reentries))))
+    chain = [f"{m}.{f}" for m, f, takes, _ in calls if takes]
+    print(f"following cu_seqlens: {len({c.rpartition('.')[0] for c in chain})} modules: " + " -> ".join(chain))
 
 
 if __name__ == "__main__":
