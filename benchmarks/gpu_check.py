@@ -43,8 +43,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid_cp.engine import kernels as K  # noqa: E402
 from hybrid_cp.cli.table import format_table  # noqa: E402
+from hybrid_cp.engine import kernels as K  # noqa: E402
 from hybrid_cp.engine.kernels.merge import merge_  # noqa: E402
 
 KERNELS = [n for n in K.CUDA_AUTO_ORDER if n != "math"]
