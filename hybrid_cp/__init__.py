@@ -7,14 +7,14 @@ from .engine.kernels import AttentionKernel, available_kernels, get_kernel, regi
 from .engine.layout import granularity, padded_length, positions, shard, unshard
 from .engine.mesh import CPMesh, init_cp_mesh
 from .errors import (
-                     CommTimeoutError,
-                     ConfigError,
-                     CPError,
-                     InconsistentRanksError,
-                     InputTypeError,
-                     NonFiniteError,
-                     SetupError,
-                     ShapeError,
+    CommTimeoutError,
+    ConfigError,
+    CPError,
+    InconsistentRanksError,
+    InputTypeError,
+    NonFiniteError,
+    SetupError,
+    ShapeError,
 )
 from .training.batch import shard_batch, shift_labels
 from .training.loss import cross_entropy
@@ -22,7 +22,7 @@ from .training.tiled import lm_loss, tile_mlp, tiled_cross_entropy, untile_mlp
 
 __version__ = "0.1.0"
 
-__all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "attention", "shard_batch", "shift_labels", "cross_entropy", "init_cp_mesh", "CPMesh", "shard", "unshard", "positions", "granularity",
-           "padded_length", "comm_bytes", "reset_comm_bytes", "head_split", "AttentionKernel",
+__all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "attention", "shard_batch", "shift_labels",
+           "cross_entropy", "init_cp_mesh", "CPMesh", "shard", "unshard", "positions", "granularity", "padded_length", "comm_bytes", "reset_comm_bytes", "head_split", "AttentionKernel",
            "register_kernel", "get_kernel", "available_kernels", "CPError", "ConfigError", "ShapeError",
            "InputTypeError", "InconsistentRanksError", "SetupError", "CommTimeoutError", "NonFiniteError"]
