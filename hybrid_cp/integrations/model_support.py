@@ -25,90 +25,88 @@ import torch
 
 from ..errors import ConfigError
 
+# The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
+DENSE = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"
+MOE = "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"
+
 # model_type -> (class-name stem, the classes after the stem) of every transformers module the
 # family's verified tiny model contains. Some families reuse another's classes (exaone: Llama's).
 VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
-    "apertus": ("Apertus", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "apertus1p5_text": ("Apertus1p5Text", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "arcee": ("Arcee", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "aria_text": ("Aria", "Experts SharedExpertsMLP TextAttention TextDecoderLayer TextForCausalLM TextMoELayer "
-                          "TextModel TextRMSNorm TextRotaryEmbedding TextTopKRouter"),
-    "beam": ("Beam", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "bitnet": ("BitNet", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "apertus": ("Apertus", DENSE),
+    "apertus1p5_text": ("Apertus1p5Text", DENSE),
+    "arcee": ("Arcee", DENSE),
+    "aria_text": ("Aria", "Experts SharedExpertsMLP TextAttention TextDecoderLayer TextForCausalLM "
+                          "TextMoELayer TextModel TextRMSNorm TextRotaryEmbedding TextTopKRouter"),
+    "beam": ("Beam", DENSE),
+    "bitnet": ("BitNet", DENSE),
     "cohere": ("Cohere", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
     "cohere2": ("Cohere2", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
-    "cohere2_moe": ("Cohere2Moe", "Attention DecoderLayer Experts ForCausalLM LayerNorm Model RotaryEmbedding "
-                                  "SparseMoeBlock TopKRouter"),
-    "cwm": ("Cwm", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "diffllama": ("DiffLlama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "ernie4_5": ("Ernie4_5", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "exaone": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "exaone4": ("Exaone4", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "exaone_moe": ("ExaoneMoe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
-                                "SparseMoEBlock TopkRouter"),
-    "flex_olmo": ("FlexOlmo", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding "
-                              "SparseMoeBlock TopKRouter"),
+    "cohere2_moe": ("Cohere2Moe", "Attention DecoderLayer Experts ForCausalLM "
+                                  "LayerNorm Model RotaryEmbedding SparseMoeBlock TopKRouter"),
+    "cwm": ("Cwm", DENSE),
+    "diffllama": ("DiffLlama", DENSE),
+    "ernie4_5": ("Ernie4_5", DENSE),
+    "exaone": ("Llama", DENSE),
+    "exaone4": ("Exaone4", DENSE),
+    "exaone_moe": ("ExaoneMoe", "Attention DecoderLayer Experts ForCausalLM MLP "
+                                "Model RMSNorm RotaryEmbedding SparseMoEBlock TopkRouter"),
+    "flex_olmo": ("FlexOlmo", MOE),
     "gemma": ("Gemma", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding TextScaledWordEmbedding"),
-    "gemma3_text": ("Gemma3", "Attention DecoderLayer ForCausalLM MLP RMSNorm RotaryEmbedding TextModel "
-                              "TextScaledWordEmbedding"),
-    "glm": ("Glm", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "glm4": ("Glm4", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "glm4_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding "
-                            "TopkRouter"),
+    "gemma3_text": ("Gemma3", "Attention DecoderLayer ForCausalLM MLP "
+                              "RMSNorm RotaryEmbedding TextModel TextScaledWordEmbedding"),
+    "glm": ("Glm", DENSE),
+    "glm4": ("Glm4", DENSE),
+    "glm4_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
+                            "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "gpt_neox": ("GPTNeoX", "Attention ForCausalLM Layer MLP Model RotaryEmbedding"),
-    "granite": ("Granite", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "granitemoe": ("GraniteMoe", "Attention DecoderLayer Experts ForCausalLM MoE Model RMSNorm RotaryEmbedding "
-                                 "TopKRouter"),
-    "granitemoeshared": ("GraniteMoeShared", "Attention DecoderLayer Experts ForCausalLM MoE Model RMSNorm "
-                                             "RotaryEmbedding TopKRouter"),
-    "helium": ("Helium", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "hunyuan_v1_dense": ("HunYuanDenseV1", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "hunyuan_v1_moe": ("HunYuanMoEV1", "Attention DecoderLayer Experts ForCausalLM Gate MLP Model Moe RMSNorm "
-                                       "RotaryEmbedding"),
+    "granite": ("Granite", DENSE),
+    "granitemoe": ("GraniteMoe", "Attention DecoderLayer Experts ForCausalLM "
+                                 "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
+    "granitemoeshared": ("GraniteMoeShared", "Attention DecoderLayer Experts ForCausalLM "
+                                             "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
+    "helium": ("Helium", DENSE),
+    "hunyuan_v1_dense": ("HunYuanDenseV1", DENSE),
+    "hunyuan_v1_moe": ("HunYuanMoEV1", "Attention DecoderLayer Experts ForCausalLM Gate "
+                                       "MLP Model Moe RMSNorm RotaryEmbedding"),
     "hy_v3": ("HYV3", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding TopKRouter"),
-    "hyperclovax": ("HyperCLOVAX", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "internlm3": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "iquestcoder": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "hyperclovax": ("HyperCLOVAX", DENSE),
+    "internlm3": ("Llama", DENSE),
+    "iquestcoder": ("Llama", DENSE),
     "jais2": ("Jais2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
-    "jetmoe": ("JetMoe", "Attention DecoderLayer ForCausalLM MoA MoE Model ParallelExperts RMSNorm RotaryEmbedding "
-                         "TopKGating"),
-    "kolibri1": ("Kolibri1", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
-                             "SparseMoeBlock TopKRouter"),
-    "llama": ("Llama", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "mellum": ("Mellum", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock "
-                         "TopKRouter"),
-    "minimax_m2": ("MiniMaxM2", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding "
-                                "SparseMoeBlock TopKRouter"),
-    "minimax_m3_vl_text": ("MiniMaxM3VL", "Attention DecoderLayer DenseMLP Experts ForCausalLM RMSNorm "
-                                          "RotaryEmbedding SparseMoeBlock TextModel TopKRouter"),
-    "ministral": ("Ministral", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "ministral3": ("Ministral3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "mistral": ("Mistral", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "mixtral": ("Mixtral", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock "
-                           "TopKRouter"),
-    "modernbert-decoder": ("ModernBertDecoder", "Attention Embeddings ForCausalLM Layer MLP Model PredictionHead "
-                                                "RotaryEmbedding"),
-    "nanochat": ("NanoChat", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
+    "jetmoe": ("JetMoe", "Attention DecoderLayer ForCausalLM MoA MoE "
+                         "Model ParallelExperts RMSNorm RotaryEmbedding TopKGating"),
+    "kolibri1": ("Kolibri1", "Attention DecoderLayer Experts ForCausalLM MLP "
+                             "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
+    "llama": ("Llama", DENSE),
+    "mellum": ("Mellum", MOE),
+    "minimax_m2": ("MiniMaxM2", MOE),
+    "minimax_m3_vl_text": ("MiniMaxM3VL", "Attention DecoderLayer DenseMLP Experts ForCausalLM "
+                                          "RMSNorm RotaryEmbedding SparseMoeBlock TextModel TopKRouter"),
+    "ministral": ("Ministral", DENSE),
+    "ministral3": ("Ministral3", DENSE),
+    "mistral": ("Mistral", DENSE),
+    "mixtral": ("Mixtral", MOE),
+    "modernbert-decoder": ("ModernBertDecoder", "Attention Embeddings ForCausalLM Layer "
+                                                "MLP Model PredictionHead RotaryEmbedding"),
+    "nanochat": ("NanoChat", DENSE),
     "nemotron": ("Nemotron", "Attention DecoderLayer ForCausalLM LayerNorm1P MLP Model RotaryEmbedding"),
     "olmo": ("Olmo", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
-    "olmo2": ("Olmo2", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "olmo3": ("Olmo3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "olmoe": ("Olmoe", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock "
-                       "TopKRouter"),
+    "olmo2": ("Olmo2", DENSE),
+    "olmo3": ("Olmo3", DENSE),
+    "olmoe": ("Olmoe", MOE),
     "persimmon": ("Persimmon", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
     "phi": ("Phi", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
-    "phi3": ("Phi3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "qwen2": ("Qwen2", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "qwen2_moe": ("Qwen2Moe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
-                              "SparseMoeBlock TopKRouter"),
-    "qwen3": ("Qwen3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "qwen3_moe": ("Qwen3Moe", "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding "
-                              "SparseMoeBlock TopKRouter"),
-    "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding "
-                              "TopkRouter"),
-    "smollm3": ("SmolLM3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"),
-    "solar_open": ("SolarOpen", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding "
-                                "TopkRouter"),
+    "phi3": ("Phi3", DENSE),
+    "qwen2": ("Qwen2", DENSE),
+    "qwen2_moe": ("Qwen2Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
+                              "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
+    "qwen3": ("Qwen3", DENSE),
+    "qwen3_moe": ("Qwen3Moe", MOE),
+    "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
+                              "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
+    "smollm3": ("SmolLM3", DENSE),
+    "solar_open": ("SolarOpen", "Attention DecoderLayer Experts ForCausalLM MLP "
+                                "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "starcoder2": ("Starcoder2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
 }
 
