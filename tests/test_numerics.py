@@ -14,6 +14,7 @@ import hybrid_cp as hcp
 from hybrid_cp.engine.kernels import get_kernel
 from hybrid_cp.engine.kernels.merge import merge_
 from hybrid_cp.engine.mesh import CPMesh
+from hybrid_cp.testing import mesh_description
 
 MATH = get_kernel("math", torch.device("cpu"), torch.float64, 8)
 
@@ -63,9 +64,7 @@ def test_merge_of_empty_blocks_stays_zero():
 
 def _fake_mesh(u: int, r: int, layout: str, cp_rank: int) -> CPMesh:
     """A CPMesh without process groups: enough for the local arithmetic of shard/positions."""
-    return CPMesh(ulysses_size=u, ring_size=r, dp_size=1, layout=layout, device=torch.device("cpu"),
-                  device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
-                  ulysses_rank=cp_rank % u, ring_rank=cp_rank // u, dp_rank=0)
+    return mesh_description(u, r, cp_rank, layout)
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)

@@ -6,6 +6,7 @@ import torch
 
 from hybrid_cp.engine.layout import local_indices, padded_length
 from hybrid_cp.engine.mesh import CPMesh
+from hybrid_cp.testing import mesh_description
 from hybrid_cp.training.batch import shard_batch, shift_labels
 
 pytest.importorskip("transformers")
@@ -16,10 +17,7 @@ TOL = 1e-5
 
 def _fake_mesh(u, r, rank, layout="zigzag") -> CPMesh:
     """A mesh description without process groups: enough for shard_batch (which does no communication)."""
-    ring_rank, ulysses_rank = divmod(rank, u)
-    return CPMesh(ulysses_size=u, ring_size=r, dp_size=1, layout=layout, device=torch.device("cpu"),
-                  device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
-                  ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=0)
+    return mesh_description(u, r, rank, layout)
 
 
 def _gather(u, r, layout, s, parts, key):

@@ -17,6 +17,19 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
+def mesh_description(ulysses: int, ring: int, rank: int = 0, layout: str = "zigzag"):
+    """A CPMesh of cp rank `rank` without process groups: enough for code that does no communication
+    (shard_batch, shard/positions arithmetic, the model guard), on a single process."""
+    import torch
+
+    from ..engine.mesh import CPMesh
+
+    ring_rank, ulysses_rank = divmod(rank, ulysses)
+    return CPMesh(ulysses_size=ulysses, ring_size=ring, dp_size=1, layout=layout, device=torch.device("cpu"),
+                  device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
+                  ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=0)
+
+
 def local_rendezvous() -> tuple[str, str]:
     """A `file://` init method for processes on this machine, and the folder to delete afterwards.
 

@@ -93,13 +93,11 @@ def walk() -> dict[str, tuple[str, str]]:
     """model_type -> ("exact", ""), ("refused", the guard's message) or ("not built", why), for every
     causal-LM family of the installed transformers, asked of `apply_context_parallel` on a
     ulysses=2 x ring=2 mesh description (no process groups: the guard starts no collective)."""
-    from ..engine.mesh import CPMesh
     from ..errors import ConfigError
     from ..integrations.transformers import apply_context_parallel
+    from . import mesh_description
 
-    cp = CPMesh(ulysses_size=2, ring_size=2, dp_size=1, layout="zigzag", device=torch.device("cpu"),
-                device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
-                ulysses_rank=0, ring_rank=0, dp_rank=0)
+    cp = mesh_description(2, 2)
     rows = {}
     for model_type in causal_lm_types():
         try:
