@@ -32,11 +32,11 @@ import torch
 
 from .comm import acc_dtype
 from .heads import head_split
-from .kernels import AttentionKernel, get_kernel, kernel_needs
+from .kernels import AttentionKernel, get_kernel
 from .layout import row_layout
 from .mesh import CPMesh
 from .pipeline import AttentionCall, Saved, backward, forward, plan_call
-from .validate import checked_call, is_int, op_expressible, op_window
+from .validate import checked_call, is_int, kernel_keywords, op_expressible, op_window
 
 log = logging.getLogger("hybrid_cp")
 
@@ -96,23 +96,26 @@ def _window(arg: Optional[list[int]]) -> int | tuple[int, int] | None:
 
 
 def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
-              needs_grad: bool) -> tuple[Any, AttentionKernel, Any]:
+              needs_grad: bool, chunk_size: int | None = None) -> tuple[Any, AttentionKernel, Any]:
     """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
     head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
-    return checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1, int(needs_grad))
+    return checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1, int(needs_grad),
+                        chunk_size)
 
 
 def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: torch.device, dtype: torch.dtype,
-          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, checked=None) -> AttentionCall:
+          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, checked=None,
+          chunk_size: int | None = None) -> AttentionCall:
     """The call's plan handle (from `checked` = _validate's result, or recomputed without checks in
     backward: forward already validated the same arguments)."""
     if checked is None:
         lay = row_layout(cp, local_len=shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
         window = lay.effective_window(causal, window)
-        kernel = get_kernel(backend, device, dtype, shape[3], needs=kernel_needs(cu_seqlens, window))  # as forward
+        needs = kernel_keywords(lay, cu_seqlens, window, chunk_size)
+        kernel = get_kernel(backend, device, dtype, shape[3], needs=needs)  # as forward
     else:
         lay, kernel, window = checked
-    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device)
+    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device, chunk_size=chunk_size)
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
@@ -136,7 +139,8 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
 @torch.library.custom_op("hybrid_cp::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int,
                   backend: str, causal: bool, softmax_scale: Optional[float], seq_len: Optional[int],
-                  window: Optional[list[int]], needs_grad: bool, return_lse: bool
+                  window: Optional[list[int]], needs_grad: bool, return_lse: bool,
+                  chunk_size: Optional[int] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor]:
     """Validated hybrid attention forward. Returns (out, lse or an empty tensor, and for backward: q, k, v,
@@ -144,9 +148,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     cp = registered_mesh(mesh)
     kernel_arg = _backend(backend)
     checked = _validate(q, k, v, cp, causal, softmax_scale, kernel_arg, seq_len, cu_seqlens, _window(window),
-                        needs_grad)
+                        needs_grad, chunk_size)
     call = _call(cp, tuple(q.shape), k.shape[2], q.device, q.dtype, causal, softmax_scale, kernel_arg, seq_len,
-                 cu_seqlens, None, checked)
+                 cu_seqlens, None, checked, chunk_size)
     out, lse, saved = forward(call, q, k, v, want_lse=return_lse)   # backward receives the halo rows again
     if lse is None:
         lse = saved.lse_h.new_empty(0)
@@ -166,7 +170,7 @@ def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad,
-                        return_lse):
+                        return_lse, chunk_size=None):
     cp = registered_mesh(mesh)
     b, s, h, d = q.shape
     nq, nkv = _own_heads(cp, h, k.shape[2])
@@ -182,37 +186,37 @@ def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scal
 def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                   lse_h: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int, backend: str, causal: bool,
                   softmax_scale: Optional[float], seq_len: Optional[int], window: Optional[list[int]],
-                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kv_heads: int, chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_fwd` w.r.t. q, k, v (eager backward's code, in its order)."""
     cp = registered_mesh(mesh)
     call = _call(cp, tuple(dout.shape), kv_heads, qh.device, qh.dtype, causal, softmax_scale, _backend(backend),
-                 seq_len, cu_seqlens, _window(window))
+                 seq_len, cu_seqlens, _window(window), chunk_size=chunk_size)
     grads = backward(call, dout, Saved(qh, kh, vh, out_h, lse_h))
     return tuple(_unaliased(grads, (dout, qh, kh, vh, out_h, lse_h, cu_seqlens)))
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len,
-                        window, kv_heads):
+                        window, kv_heads, chunk_size=None):
     b, s, _, d = dout.shape
     return (dout.new_empty(dout.shape, dtype=qh.dtype), kh.new_empty(b, s, kv_heads, d),
             vh.new_empty(b, s, kv_heads, d))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad, return_lse = inputs
+    q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad, return_lse, chunk = inputs
     out, lse, qh, kh, vh, out_h, lse_h = output
     ctx.save_for_backward(qh, kh, vh, out_h, lse_h, cu_seqlens)
-    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2])
+    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2], chunk)
     ctx.mark_non_differentiable(lse, qh, kh, vh, out_h, lse_h)
 
 
 def _backward(ctx, dout, *_unused):
     qh, kh, vh, out_h, lse_h, cu_seqlens = ctx.saved_tensors
-    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads = ctx.args
+    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads, chunk = ctx.args
     dq, dk, dv = torch.ops.hybrid_cp.attention_bwd(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal,
-                                                   softmax_scale, seq_len, window, kv_heads)
-    return (dq, dk, dv) + (None,) * 9
+                                                   softmax_scale, seq_len, window, kv_heads, chunk)
+    return (dq, dk, dv) + (None,) * 10
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -223,7 +227,7 @@ _WARNED: set[str] = set()
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
                        softmax_scale: float | None = None, return_lse: bool = False, backend: Any = "auto",
                        seq_len: int | None = None, cu_seqlens: Any = None, window: Any = None,
-                       head_chunks: int = 1):
+                       head_chunks: int = 1, chunk_size: int | None = None):
     """`hcp.attention` while dynamo traces (attention() calls this): one `hybrid_cp::attention_fwd` node in
     the graph. Same arguments and results as `hcp.attention`, or None for a call the op cannot express
     (attention() then runs it eagerly outside the graph, which raises eager's error for invalid arguments).
@@ -242,12 +246,13 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
                         "under torch.compile use a kernel backend and head_chunks=1", reason)
     if not isinstance(cp, CPMesh) or not op_expressible(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                           backend_key=backend_arg, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                          head_chunks=head_chunks):
+                          head_chunks=head_chunks, chunk_size=chunk_size):
         return None
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse = torch.ops.hybrid_cp.attention_fwd(
         q, k, v, cu_seqlens, _mesh_key(cp), backend_arg, causal,
-        None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse)[:2]
+        None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse,
+        chunk_size)[:2]
     return (out, lse) if return_lse else out
