@@ -143,8 +143,8 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
 @torch.library.custom_op("hybrid_cp::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int,
                   backend: str, causal: bool, softmax_scale: Optional[float], seq_len: Optional[int],
-                  window: Optional[list[int]], needs_grad: bool, return_lse: bool, softcap: Optional[float],
-                  sinks: Optional[torch.Tensor], chunk_size: Optional[int] = None
+                  window: Optional[list[int]], needs_grad: bool, return_lse: bool, softcap: Optional[float] = None,
+                  sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor]:
     """Validated hybrid attention forward. Returns (out, lse or an empty tensor, and for backward: q, k, v,
@@ -174,7 +174,7 @@ def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad,
-                        return_lse, softcap, sinks, chunk_size=None):
+                        return_lse, softcap=None, sinks=None, chunk_size=None):
     cp = registered_mesh(mesh)
     b, s, h, d = q.shape
     nq, nkv = _own_heads(cp, h, k.shape[2])
@@ -191,7 +191,7 @@ def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scal
 def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                   lse_h: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int, backend: str, causal: bool,
                   softmax_scale: Optional[float], seq_len: Optional[int], window: Optional[list[int]],
-                  kv_heads: int, softcap: Optional[float], sinks: Optional[torch.Tensor],
+                  kv_heads: int, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                   chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_fwd` w.r.t. q, k, v and sinks (this rank's share; an empty tensor without
     sinks), eager backward's code, in its order."""
@@ -205,7 +205,7 @@ def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: to
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len,
-                        window, kv_heads, softcap, sinks, chunk_size=None):
+                        window, kv_heads, softcap=None, sinks=None, chunk_size=None):
     b, s, h = dout.shape[:3]
     return (qh.new_empty(b, s, h, qh.shape[3]), kh.new_empty(b, s, kv_heads, kh.shape[3]),
             vh.new_empty(b, s, kv_heads, vh.shape[3]), dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
