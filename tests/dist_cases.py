@@ -211,22 +211,29 @@ def callable_backend(u: int, n: int, causal: bool) -> dict:
 
 
 def destroyed_mesh(u: int, r: int) -> dict:
-    """hcp.destroy_cp_mesh: the threads the mesh's groups started end, and a destroyed mesh raises SetupError
-    (before any collective) in attention and in the loss."""
+    """hcp.destroy_cp_mesh: the mesh's process groups are gone (nothing keeps them, so their threads end), a
+    destroyed mesh raises SetupError (before any collective) in attention and in the loss, and FSDP2 on a
+    new mesh of the same shape works (DTensor's caches do not hand it the destroyed groups)."""
     import gc
-    import os
+    import weakref
 
-    def threads() -> int:
-        return len(os.listdir("/proc/self/task"))
+    from hybrid_cp.integrations.fsdp import shard_model
 
-    before = threads()
+    def fsdp_step(cp: hcp.CPMesh) -> float:
+        torch.manual_seed(0)
+        model = shard_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), cp)
+        model(torch.randn(3, 4)).sum().backward()
+        return sum(p.grad.full_tensor().abs().sum().item() for p in model.parameters())
+
     cp = hcp.init_cp_mesh(u, r)
     q = torch.randn(1, 8, 4, 8)
     hcp.attention(q, q[:, :, :2], q[:, :, :2], cp, causal=True, seq_len=8 * cp.size)
-    made = threads() - before
+    first = fsdp_step(cp)
+    groups = [weakref.ref(getattr(cp, name)) for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group",
+                                                         "dp_cp_group", "check_group")]
     hcp.destroy_cp_mesh(cp)
     gc.collect()
-    out = {"made": made, "left": threads() - before}
+    out = {"alive": sum(ref() is not None for ref in groups)}
     for name, use in {"attention": lambda: hcp.attention(q, q[:, :, :2], q[:, :, :2], cp, causal=True),
                       "loss": lambda: hcp.cross_entropy(torch.randn(1, 8, 5), torch.zeros(1, 8, dtype=torch.long),
                                                         cp)}.items():
@@ -235,6 +242,9 @@ def destroyed_mesh(u: int, r: int) -> dict:
             out[name] = "no error"
         except hcp.SetupError as exc:
             out[name] = str(exc)
+    again = hcp.init_cp_mesh(u, r)
+    out["fsdp_again"] = fsdp_step(again) == first
+    hcp.destroy_cp_mesh(again)
     return out
 
 

@@ -7,6 +7,7 @@ nodes. Every process group and coordinate comes from the ("dp", "ring", "ulysses
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from ..errors import SetupError
 from .validate import DestroyedGroup, mesh_arguments
 
 log = logging.getLogger("hybrid_cp")
+_SERIAL = itertools.count()   # meshes built by this process, in order (the same on every rank)
 
 
 @dataclass(eq=False)  # identity: a mesh is one set of process groups (and a weak-dictionary key)
@@ -125,8 +127,11 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     # (e.g. with activation checkpointing or pipelining) cannot serialise on each other.
     ring_bwd = _my_group([[grid[d][j][i] for j in range(ring)] for d in range(dp) for i in range(ulysses)], timeout)
     cp_lists = [[x for row in grid[d] for x in row] for d in range(dp)]
-    cp_flat = _flattened(mesh, ("ring", "ulysses"), "cp", timeout)
-    dp_cp = _flattened(mesh, ("dp", "ring", "ulysses"), "dp_cp", timeout)  # the loss's and FSDP2's group
+    # DTensor (FSDP2) caches plans by mesh equality (shape and dim names, not groups): a name of its own per
+    # mesh keeps a destroyed mesh's cached plans (and groups) from reaching this one (destroy_cp_mesh)
+    serial = next(_SERIAL)
+    cp_flat = _flattened(mesh, ("ring", "ulysses"), f"cp_{serial}", timeout)
+    dp_cp = _flattened(mesh, ("dp", "ring", "ulysses"), f"dp_cp_{serial}", timeout)  # the loss's and FSDP2's
     # The validation all-reduce has a host (gloo) group of its own: it never syncs the device, and a
     # rank that checks while the others skip (validate=True) can only time out, never pair its
     # check with another collective.
@@ -159,6 +164,8 @@ def destroy_cp_mesh(cp: CPMesh) -> None:
         seen.add(id(group))
         dist.destroy_process_group(group)
     del groups, group
+    if cp.device_mesh is not None:   # DTensor's caches may keep the DeviceMesh: it must not keep the groups
+        getattr(cp.device_mesh, "_pg_registry", {}).clear()
     # a destroyed group's threads end with its last reference: the mesh lets go of them (using it raises)
     for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group", "dp_cp_group", "check_group",
                  "device_mesh", "dp_cp_mesh"):
