@@ -28,6 +28,9 @@ from ..errors import ConfigError
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
 DENSE = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"
 MOE = "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"
+# ... and of a DeepSeek-V3-like family (multi-head latent attention, dense first layers, routed + shared experts)
+MLA_MOE = "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding TopkRouter"
+GEMMA2 = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding TextScaledWordEmbedding"
 
 # model_type -> (class-name stem, the classes after the stem) of every transformers module the
 # family's verified tiny model contains. Some families reuse another's classes (exaone: Llama's).
@@ -37,6 +40,7 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "arcee": ("Arcee", DENSE),
     "aria_text": ("Aria", "Experts SharedExpertsMLP TextAttention TextDecoderLayer TextForCausalLM "
                           "TextMoELayer TextModel TextRMSNorm TextRotaryEmbedding TextTopKRouter"),
+    "axk1": ("AXK1", MLA_MOE),
     "beam": ("Beam", DENSE),
     "bitnet": ("BitNet", DENSE),
     "cohere": ("Cohere", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
@@ -44,8 +48,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "cohere2_moe": ("Cohere2Moe", "Attention DecoderLayer Experts ForCausalLM "
                                   "LayerNorm Model RotaryEmbedding SparseMoeBlock TopKRouter"),
     "cwm": ("Cwm", DENSE),
-    "deepseek_v3": ("DeepseekV3", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding "
+    "deepseek_v2": ("DeepseekV2", "Attention DecoderLayer Experts ForCausalLM MLP Model Moe RMSNorm RotaryEmbedding "
                                   "TopkRouter"),
+    "deepseek_v3": ("DeepseekV3", MLA_MOE),
     "diffllama": ("DiffLlama", DENSE),
     "ernie4_5": ("Ernie4_5", DENSE),
     "exaone": ("Llama", DENSE),
@@ -53,21 +58,26 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "exaone_moe": ("ExaoneMoe", "Attention DecoderLayer Experts ForCausalLM MLP "
                                 "Model RMSNorm RotaryEmbedding SparseMoEBlock TopkRouter"),
     "flex_olmo": ("FlexOlmo", MOE),
+    "flint": ("Flint", DENSE),
     "gemma": ("Gemma", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding TextScaledWordEmbedding"),
     "gemma3_text": ("Gemma3", "Attention DecoderLayer ForCausalLM MLP "
                               "RMSNorm RotaryEmbedding TextModel TextScaledWordEmbedding"),
-    "gemma2": ("Gemma2", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding TextScaledWordEmbedding"),
+    "gemma2": ("Gemma2", GEMMA2),
     "glm": ("Glm", DENSE),
     "glm4": ("Glm4", DENSE),
     "glm4_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                             "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
+    "glm4_moe_lite": ("Glm4MoeLite", MLA_MOE),
     "gpt_neox": ("GPTNeoX", "Attention ForCausalLM Layer MLP Model RotaryEmbedding"),
     "gpt_oss": ("GptOss", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding TopKRouter"),
     "granite": ("Granite", DENSE),
+    "granite_swa": ("GraniteSWA", DENSE),
     "granitemoe": ("GraniteMoe", "Attention DecoderLayer Experts ForCausalLM "
                                  "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
     "granitemoeshared": ("GraniteMoeShared", "Attention DecoderLayer Experts ForCausalLM "
                                              "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
+    "granitemoe_swa": ("GraniteMoeSWA", "Attention DecoderLayer Experts ForCausalLM MoE Model RMSNorm "
+                                         "RotaryEmbedding TopKRouter"),
     "helium": ("Helium", DENSE),
     "hunyuan_v1_dense": ("HunYuanDenseV1", DENSE),
     "hunyuan_v1_moe": ("HunYuanMoEV1", "Attention DecoderLayer Experts ForCausalLM Gate "
@@ -84,10 +94,15 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("Llama", DENSE),
     "llama4_text": ("Llama4", "ForCausalLM Router TextAttention TextDecoderLayer TextExperts TextL2Norm TextMLP "
                               "TextMoe TextModel TextRMSNorm TextRotaryEmbedding"),
+    "longcat_flash": ("LongcatFlash", "DecoderLayer Experts ForCausalLM MLA MLP MoE Model RMSNorm RotaryEmbedding "
+                                      "TopkRouter"),
     "mellum": ("Mellum", MOE),
+    "mimo_v2_flash": ("MiMoV2Flash", MLA_MOE),
     "minimax_m2": ("MiniMaxM2", MOE),
     "minimax_m3_vl_text": ("MiniMaxM3VL", "Attention DecoderLayer DenseMLP Experts ForCausalLM "
                                           "RMSNorm RotaryEmbedding SparseMoeBlock TextModel TopKRouter"),
+    "minicpm3": ("MiniCPM3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding "
+                             "ScaledWordEmbedding"),
     "ministral": ("Ministral", DENSE),
     "ministral3": ("Ministral3", DENSE),
     "mistral": ("Mistral", DENSE),
@@ -108,12 +123,15 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                               "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
     "qwen3": ("Qwen3", DENSE),
     "qwen3_moe": ("Qwen3Moe", MOE),
+    "sarvam_mla": ("DeepseekV3", MLA_MOE),
     "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                               "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "smollm3": ("SmolLM3", DENSE),
     "solar_open": ("SolarOpen", "Attention DecoderLayer Experts ForCausalLM MLP "
                                 "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "starcoder2": ("Starcoder2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+    "vaultgemma": ("VaultGemma", GEMMA2),
+    "youtu": ("Youtu", DENSE),
 }
 
 # torch modules that act on each token on its own (containers hold modules that are checked themselves)
