@@ -1,21 +1,13 @@
 """hybrid-cp: exact context-parallel attention (Ulysses inside a node x ring across nodes)."""
 
+from . import errors
 from .engine.attention import attention
 from .engine.comm import comm_bytes, reset_comm_bytes
 from .engine.heads import head_split
 from .engine.kernels import AttentionKernel, available_kernels, get_kernel, register_kernel
 from .engine.layout import granularity, padded_length, positions, shard, unshard
 from .engine.mesh import CPMesh, init_cp_mesh
-from .errors import (
-    CommTimeoutError,
-    ConfigError,
-    CPError,
-    InconsistentRanksError,
-    InputTypeError,
-    NonFiniteError,
-    SetupError,
-    ShapeError,
-)
+from .errors import *  # noqa: F403 (the error classes: errors.__all__)
 from .training.batch import shard_batch, shift_labels
 from .training.loss import cross_entropy
 from .training.tiled import lm_loss, tile_mlp, tiled_cross_entropy, untile_mlp
@@ -24,5 +16,5 @@ __version__ = "0.1.0"
 
 __all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "attention", "shard_batch", "shift_labels",
            "cross_entropy", "init_cp_mesh", "CPMesh", "shard", "unshard", "positions", "granularity", "padded_length", "comm_bytes", "reset_comm_bytes", "head_split", "AttentionKernel",
-           "register_kernel", "get_kernel", "available_kernels", "CPError", "ConfigError", "ShapeError",
-           "InputTypeError", "InconsistentRanksError", "SetupError", "CommTimeoutError", "NonFiniteError"]
+           "register_kernel", "get_kernel", "available_kernels"]
+__all__ += errors.__all__

@@ -26,13 +26,14 @@ Where the signatures come from (github.com/Dao-AILab/flash-attention, read at th
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Optional
 
 import pytest
 import torch
 
-from hybrid_cp.engine.kernels import flash
+from hybrid_cp.engine.kernels import flash, takes_keyword
 from hybrid_cp.engine.kernels.math import MathKernel
 
 _M = MathKernel()
@@ -407,3 +408,36 @@ def test_flash_unavailable_is_a_clear_reason(monkeypatch):
     monkeypatch.setattr(flash, "_flash_module", lambda: (None, None))
     reason = flash.FlashAttnKernel().supports(torch.device("cuda"), torch.bfloat16, 128)
     assert "flash-attn is not installed" in reason
+
+
+def _recording(fn, seen: list):
+    """`fn` called by keyword, recording the soft-cap it is given and handing the fake 0.0 (the fakes compute
+    plain attention); `flash._parameters` reads the real signature through `_init_fn`."""
+    def call(**kwargs):
+        seen.append(kwargs["softcap"])
+        return fn(**{**kwargs, "softcap": 0.0})
+    call._init_fn = getattr(fn, "_init_fn", None) or inspect.unwrap(fn)
+    return call
+
+
+@pytest.mark.parametrize("make,version", VARLEN, ids=VARLEN_IDS)
+def test_softcap_is_passed_to_forward_and_backward(monkeypatch, make, version):
+    """Gemma 2's soft-cap is flash-attn's own `softcap` argument, forward and backward, dense and packed."""
+    seen: list = []
+    mod = make()
+    fake = types.SimpleNamespace(**{name: _recording(fn, seen) for name, fn in vars(mod).items()})
+    monkeypatch.setattr(flash, "_flash_module", lambda: (fake, version))
+    kern = flash.FlashAttnKernel()
+    q, k, v, dout, kw = _varlen([5, 9], [5, 9], 4, 2)
+    for extra in ({}, kw):
+        out, lse = kern.forward(q, k, v, causal=True, scale=0.25, softcap=30.0, **extra)
+        kern.backward(dout, q, k, v, out, lse, causal=True, scale=0.25, softcap=30.0, **extra)
+    assert seen == [30.0] * 4
+    assert takes_keyword(kern, "softcap")
+
+
+def test_softcap_on_a_flash_attn_without_it_raises(monkeypatch):
+    monkeypatch.setattr(flash, "_flash_module", lambda: (fa25(), 2))
+    q, k, v, _, _ = _varlen([8], [8], 4, 2)
+    with pytest.raises(TypeError, match="softcap"):
+        flash.FlashAttnKernel().forward(q, k, v, causal=True, scale=0.25, softcap=30.0)

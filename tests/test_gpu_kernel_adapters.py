@@ -202,9 +202,11 @@ def fa4_module(returns: int):
                         _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None,
                         cu_total_m_blocks=None, cu_total_n_blocks=None, return_lse=False, out=None, lse=None,
                         aux_tensors=None):
-        assert cu_seqlens_q is None and window_size_left is None and window_size_right is None and softcap is None
+        assert cu_seqlens_q is None and window_size_left is None and window_size_right is None
+        assert softcap is None or isinstance(softcap, float)
         assert q.dim() == 4 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-        o, l = _M.forward(q, k, v, causal=False, scale=softmax_scale, window=(-1, 0) if causal else None)
+        o, l = _M.forward(q, k, v, causal=False, scale=softmax_scale, window=(-1, 0) if causal else None,
+                          softcap=softcap)
         return (o, l if return_lse else None, None, None, None)[:returns]
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
@@ -216,9 +218,9 @@ def fa4_module(returns: int):
                         score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
                         block_sparse_tensors=None):
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-        assert out.dtype == q.dtype == dout.dtype
+        assert out.dtype == q.dtype == dout.dtype and isinstance(softcap, float)
         return _M.backward(dout, q, k, v, out, lse, causal=False, scale=softmax_scale,
-                           window=(-1, 0) if causal else None)
+                           window=(-1, 0) if causal else None, softcap=softcap or None)
 
     return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd, _flash_attn_bwd=_flash_attn_bwd)
 
@@ -559,3 +561,28 @@ def test_gpu_check_writes_json_and_markdown(tmp_path, monkeypatch):
     assert "| cudnn | bfloat16 | 128 | merged | 4.0e-03 |" in md and "| 512 / 500 | 401 / 399 |" in md
     assert "skipped: flash-attn-4 / not installed" in md and "error: RuntimeError: boom" in md
     assert "| cudnn | 32768 | 8 |" in md and "0.97" in md and "no host sync" in md
+
+
+def test_fa4_passes_softcap_forward_and_backward(fake_ops):
+    """FA4's own `softcap` (forward None/float, backward 0.0/float): with the fake computing the math kernel's
+    soft-capped attention, out, lse and every gradient match only if both entry points get it."""
+    kern = fa4.FA4Kernel()
+    assert kernels.takes_keyword(kern, "softcap")
+    for sq, sk, causal in ((64, 64, True), (40, 72, False)):
+        q, k, v, dout = _dense(2, sq, sk, 8, 2)
+        _assert_matches_math(kern, q, k, v, dout, causal=causal, softcap=1.5)
+    q, k, v, dout, kw = _varlen([37, 20], [37, 20], 8, 2)
+    _assert_matches_math(kern, q, k, v, dout, causal=True, softcap=1.5, **kw)
+
+
+def test_variant_capabilities_of_each_kernel():
+    """softcap: math, flash, fa4; a value head dim != q/k's: math only (the others are refused, not guessed)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    every = {k.name: k for k in (MathKernel(), kernels.SDPAKernel(), flash.FlashAttnKernel(),
+                                 torch_flash.TorchFlashKernel(), cudnn.CuDNNKernel(), fa4.FA4Kernel())}
+    assert sorted(n for n, k in every.items() if kernels.takes_keyword(k, "softcap")) == ["fa4", "flash", "math"]
+    for device in (cpu, cuda):
+        assert [n for n, k in every.items() if kernels.can_on(k, "value_head_dim", device)] == ["math"]
+    assert kernels.kernels_that_can("softcap", cpu) == ["fa4", "flash", "math"]
+    name, skipped = kernels.select_kernel(["sdpa", "math"], every, cpu, torch.float32, 16, needs=["value_head_dim"])
+    assert name == "math" and "value_head_dim" in skipped[0][1]

@@ -111,15 +111,17 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit: int) -> tuple[int, int]:
-    """Bytes rank ``i`` sends to peer ``p`` in the forward and backward all-to-alls.
+def _a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit: int,
+                    unit_v: int) -> tuple[int, int]:
+    """Bytes rank ``i`` sends to peer ``p`` in the forward and backward all-to-alls (``unit``: one head of
+    q/k for S tokens, ``unit_v``: one head of v, which may be narrower).
 
     Forward: p's query heads and the KV heads p needs for our S tokens (fused QKV), then our heads'
-    output for p's tokens. Backward: dO of p's heads, then dQ/dK/dV of our heads for p's tokens.
+    output (v's width) for p's tokens. Backward: dO of p's heads, then dQ/dK/dV of our heads for p's tokens.
     """
     c_i, k_i = split[i][0], split[i][3]
     c_p, k_p = split[p][0], split[p][3]
-    return unit * (c_p + 2 * k_p + c_i), unit * (c_p + c_i + 2 * k_i)
+    return unit * (c_p + k_p) + unit_v * (k_p + c_i), unit_v * (c_p + k_i) + unit * (c_i + k_i)
 
 
 def comm_bytes(
@@ -137,6 +139,7 @@ def comm_bytes(
     causal: bool = True,
     window: Any = None,
     ring_rank: int | None = None,
+    v_head_dim: int | None = None,
 ) -> dict[str, int]:
     """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
 
@@ -148,6 +151,7 @@ def comm_bytes(
     with ``causal``, or ``(left, right)``) short enough for the engine's halo exchange, a rank sends
     each ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring
     values then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks).
+    ``v_head_dim``: v's head dim when it differs from q/k's ``head_dim`` (MLA; None: the same).
     """
     check_counts(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
                 ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
@@ -156,7 +160,8 @@ def comm_bytes(
     if cu_seqlens is not None and lay.seq_len != seq_len:
         raise ValueError(f"cu_seqlens ends at {lay.seq_len} but seq_len={seq_len}; pass the packed row's total")
     s = lay.local_len
-    unit = batch * s * head_dim * dtype_bytes
+    dv = head_dim if v_head_dim is None else v_head_dim
+    unit, unit_v = batch * s * head_dim * dtype_bytes, batch * s * dv * dtype_bytes
     window = lay.effective_window(causal, window)
     halo = lay.halo(causal, window)
     ring_ranks = range(ring) if ring_rank is None else [ring_rank]
@@ -168,9 +173,9 @@ def comm_bytes(
         fwd = bwd = 0
         for p in range(ulysses):
             if p != i:
-                f, b = _a2a_peer_bytes(split, i, p, unit)
+                f, b = _a2a_peer_bytes(split, i, p, unit, unit_v)
                 fwd, bwd = fwd + f, bwd + b
-        row = batch * 2 * split[i][3] * head_dim  # K/V elements of one token row
+        row = batch * split[i][3] * (head_dim + dv)  # K/V elements of one token row
         if halo:  # rows my peers read from me go out; gradients of rows I read go back
             def sent(j: int) -> tuple[int, int]:
                 out_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows((j + st) % ring, st, causal, window))
@@ -296,7 +301,7 @@ def _a2a_time(
             for p in range(len(g)):
                 if p != i:
                     t = cluster.tier(g[i], g[p])
-                    f, b = _a2a_peer_bytes(split, i, p, unit)
+                    f, b = _a2a_peer_bytes(split, i, p, unit, unit)   # the planner's models: one head dim
                     acc = per_tier.setdefault(t, [0, 0])
                     acc[0] += f
                     acc[1] += b

@@ -417,39 +417,35 @@ def _ms_step_explanation() -> Explanation:
     )
 
 
-def _ms_call_explanation() -> Explanation:
+def _ms_solved_for_u2r4(what: str, term: str, value: float, shown: str, tail) -> Explanation:
+    """A single extra term solved for u2r4's speedup: its value, and the speedups the model then gives
+    (`tail(speedups)` says what they show)."""
+    speedups = modelscope_with(**{term: value})
+    return Explanation(_MODELSCOPE_CASE, "same; solved for u2r4", what, shown,
+                       f"{_fmt_x(speedups)}; ordering kept: {_kept(speedups)}{tail(speedups)}")
+
+
+def _ms_single_term_explanations() -> list[Explanation]:
+    """The per-call, ring-efficiency and per-head terms, each solved alone for u2r4."""
     call, eff = modelscope_kernel_efficiency()
-    with_call = modelscope_with(kernel_call_overhead_us=call)
-    return Explanation(
-        _MODELSCOPE_CASE, "same; solved for u2r4", "kernel efficiency vs block size (fixed cost per kernel call)",
-        f"{call / 1e3:.2f} ms per call, i.e. a u2r4 ring-step kernel at {eff:.0%} of the single-GPU kernel's rate",
-        f"{_fmt_x(with_call)}; ordering kept: {_kept(with_call)}; SP=1 and u2 pay it too (one call each way), "
-        "u2 and u2r2 stay short, and a kernel at this efficiency is not plausible for calls of ~9K packed rows "
-        "x 8 heads",
-    )
-
-
-def _ms_ring_efficiency_explanation() -> Explanation:
     ring_eff = modelscope_ring_efficiency()
-    with_eff = modelscope_with(ring_efficiency=ring_eff)
-    return Explanation(
-        _MODELSCOPE_CASE, "same; solved for u2r4", "kernel efficiency of the ring path (prime-rl's explanation)",
-        f"{ring_eff:.2f} of the single-GPU kernel rate",
-        f"{_fmt_x(with_eff)}; ordering kept: {_kept(with_eff)} (by {with_eff[8] / with_eff[4] - 1:.0%}); "
-        "u2r2 and u2r4 pay it on the same share of the layer, so it makes them equal, unlike the "
-        "measurement (1.92x vs 3.42x): here the ring cost grows with r, unlike prime-rl's",
-    )
-
-
-def _ms_head_explanation() -> Explanation:
     head = modelscope_head_call_us()
-    with_head = modelscope_with(head_call_us=head)
-    return Explanation(
-        _MODELSCOPE_CASE, "same; solved for u2r4", "efficiency vs heads per call (cost per query head and call)",
-        f"{head / 1e3:.2f} ms per head and call (8 heads per call at u=2)",
-        f"{_fmt_x(with_head)}; ordering kept: {_kept(with_head)}; u2 halves the heads per call and doubles "
-        "the ranks, so it leaves u2 where it was: it cannot give u2's 1.23x",
-    )
+    terms = [  # (what, the term, its value, the value in words, what the speedups then show)
+        ("kernel efficiency vs block size (fixed cost per kernel call)", "kernel_call_overhead_us", call,
+         f"{call / 1e3:.2f} ms per call, i.e. a u2r4 ring-step kernel at {eff:.0%} of the single-GPU kernel's rate",
+         lambda _: "; SP=1 and u2 pay it too (one call each way), u2 and u2r2 stay short, and a kernel at this "
+                   "efficiency is not plausible for calls of ~9K packed rows x 8 heads"),
+        ("kernel efficiency of the ring path (prime-rl's explanation)", "ring_efficiency", ring_eff,
+         f"{ring_eff:.2f} of the single-GPU kernel rate",
+         lambda x: f" (by {x[8] / x[4] - 1:.0%}); u2r2 and u2r4 pay it on the same share of the layer, so it makes "
+                   "them equal, unlike the measurement (1.92x vs 3.42x): here the ring cost grows with r, unlike "
+                   "prime-rl's"),
+        ("efficiency vs heads per call (cost per query head and call)", "head_call_us", head,
+         f"{head / 1e3:.2f} ms per head and call (8 heads per call at u=2)",
+         lambda _: "; u2 halves the heads per call and doubles the ranks, so it leaves u2 where it was: it cannot "
+                   "give u2's 1.23x"),
+    ]
+    return [_ms_solved_for_u2r4(*term) for term in terms]
 
 
 def _ms_a2a_explanation() -> Explanation:
@@ -502,7 +498,7 @@ def _ms_pair_explanation() -> Explanation:
 
 def modelscope_explanations() -> list[Explanation]:
     """The ms-swift rows of :func:`explanations`: one calibrated term each, then the pair that fits."""
-    return [_ms_step_explanation(), _ms_call_explanation(), _ms_ring_efficiency_explanation(), _ms_head_explanation(),
+    return [_ms_step_explanation(), *_ms_single_term_explanations(),
             _ms_a2a_explanation(), _ms_fixed_explanation(), _ms_pair_explanation()]
 
 

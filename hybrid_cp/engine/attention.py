@@ -25,19 +25,22 @@ from .validate import checked_call
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _needs_grad(q, k, v) -> int:
+def _needs_grad(*tensors) -> int:
     """1 if this call records a backward (every rank must agree, or backward hangs on the others)."""
-    return int(torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)))
+    return int(torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
-              cu_seqlens=None, window: int | tuple[int, int] | None = None, head_chunks: int = 1):
+              cu_seqlens=None, window: int | tuple[int, int] | None = None, head_chunks: int = 1,
+              sinks: torch.Tensor | None = None, softcap: float | None = None):
     """Exact attention over the whole row from this rank's shards.
 
-    q is [B, S_local, H, D], k/v are [B, S_local, H_kv, D], laid out by `hcp.shard`. Returns out
-    [B, S_local, H, D] and, with `return_lse`, lse [B, H, S_local] in fp32 (not differentiable).
+    q is [B, S_local, H, D], k [B, S_local, H_kv, D] and v [B, S_local, H_kv, D_v] (D_v may differ from D:
+    MLA after decompression; needs a kernel that can, "auto" picks one, on CPU math), laid out by
+    `hcp.shard`. Returns out [B, S_local, H, D_v] and, with `return_lse`, lse [B, H, S_local] in fp32 (not
+    differentiable; with sinks it includes them). The default softmax_scale is 1/sqrt(D).
     Dense rows: `seq_len` is the unpadded global length (by default the length `hcp.shard` saw;
     ambiguous lengths raise). Packed rows: `cu_seqlens` = [0, len_0, ..., total] (the same on every
     rank, B = 1): no token attends across a document boundary; padding is invisible.
@@ -52,27 +55,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     overlapping the previous chunk's compute): less attention memory, same
     result (`hybrid_cp/engine/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
     Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
+    `softcap` > 0: logit soft-capping (Gemma 2), scores = softcap * tanh(scores * scale / softcap) before
+    the mask; needs a kernel that takes it ("auto" picks one; on CPU the math kernel).
+    `sinks` [H] (all H query heads, the same on every cp rank): one learnable logit per query head that
+    joins every row's softmax denominator (gpt-oss; transformers' `s_aux`), merged once after the ring;
+    the returned lse includes it. Its gradient on each rank is that rank's share (zero outside the query
+    heads it computes; summed over the cp ranks, the full gradient), as for every replicated parameter.
     """
     if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
         result = compiled_attention(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                     backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                                    head_chunks=head_chunks)
+                                    head_chunks=head_chunks, sinks=sinks, softcap=softcap)
         if result is not None:
             return result
         return _outside_graph(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                               backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                              head_chunks=head_chunks)
+                              head_chunks=head_chunks, sinks=sinks, softcap=softcap)
     lay, kernel, window = checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
-                                       head_chunks, _needs_grad(q, k, v))
+                                       head_chunks, _needs_grad(q, k, v, sinks), softcap=softcap, sinks=sinks)
     if kernel is None:  # plain local-attention callable (ring = 1)
         return _local_callable(q, k, v, cp, lay, backend)
     call = plan_call(cp, lay, kernel, window, causal, softmax_scale, tuple(q.shape), k.shape[2], q.device,
-                              head_chunks)
+                     head_chunks, softcap=softcap)
     if head_chunks > 1:
         from .headchunk import chunked_attention
 
-        return chunked_attention(q, k, v, call, return_lse=return_lse)
-    out, lse, _ = pipeline_forward(call, q, k, v, want_lse=return_lse, autograd=True)
+        return chunked_attention(q, k, v, call, return_lse=return_lse, sinks=sinks)
+    out, lse, _ = pipeline_forward(call, q, k, v, want_lse=return_lse, autograd=True, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -83,10 +92,11 @@ def _local_callable(q, k, v, cp: CPMesh, lay: Layout, backend: LocalAttention) -
     ragged = HeadMap.of(split.kv_index(cp.ulysses_rank), kh.shape[2], q.device)  # callables get plain GQA groups
     kh, vh = ragged.expand(kh), ragged.expand(vh)
     out_h = backend(qh, kh, vh)
-    if not isinstance(out_h, torch.Tensor) or out_h.shape != qh.shape:
+    want = (*qh.shape[:3], vh.shape[3])
+    if not isinstance(out_h, torch.Tensor) or tuple(out_h.shape) != want:
         raise ShapeError(f"the local attention callable returned "
                          f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
-                         f"shaped like its q input, {tuple(qh.shape)}")
+                         f"shaped like its q input with v's head dim, {want}")
     return HeadToSeq.apply(cp, split, lay, out_h)
 
 

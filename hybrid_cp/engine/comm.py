@@ -111,29 +111,37 @@ def _post(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: l
 
 def post_seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], stage: str, *,
                      then: Callable[[torch.Tensor], torch.Tensor] | None = None, timed: bool = False) -> Posted:
-    """Post one fused all-to-all: [B, S, h_i, D] per part -> [B, u*S, own heads of part i, D].
+    """Post one fused all-to-all: [B, S, h_i, D_i] per part -> [B, u*S, own heads of part i, D_i].
 
-    `ranges[i][p]` is the head range of part i that ulysses rank p receives. The sequence comes
-    back rank-major (rank 0's tokens first), i.e. in "gathered" order; `then` is applied to each
-    received part (e.g. the reordering into ring-block rows) while the receive buffer is still held.
+    `ranges[i][p]` is the head range of part i that ulysses rank p receives; each part keeps its own head
+    dim (v's may differ from q/k's). The sequence comes back rank-major (rank 0's tokens first), i.e. in
+    "gathered" order; `then` is applied to each received part (e.g. the reordering into ring-block rows)
+    while the receive buffer is still held.
     """
     u, me = cp.ulysses_size, cp.ulysses_rank
     then = then or (lambda x: x)
     if u == 1:
         return Posted.done(cp, [then(x[:, :, r[0][0]:r[0][1]]) for x, r in zip(parts, ranges)])
-    b, s, _, d = parts[0].shape
-    pieces = [torch.cat([x[:, :, r[p][0]:r[p][1]] for x, r in zip(parts, ranges)], dim=2).reshape(-1)
-              for p in range(u)]
-    send = torch.cat(pieces)
-    send_sizes = [x.numel() for x in pieces]
-    del pieces
+    b, s = parts[0].shape[:2]
+    dims = [x.shape[3] for x in parts]
+    send_sizes = [b * s * sum((r[p][1] - r[p][0]) * d for r, d in zip(ranges, dims)) for p in range(u)]
+    send = parts[0].new_empty(sum(send_sizes))
+    offset = 0
+    for p, size in enumerate(send_sizes):   # peer p's block: [B, S, its heads of part 0 | of part 1 | ...]
+        block, col = send[offset:offset + size].view(b, s, size // (b * s)), 0
+        offset += size
+        for x, r, d in zip(parts, ranges, dims):
+            h = r[p][1] - r[p][0]
+            block[:, :, col:col + h * d].view(b, s, h, d).copy_(x[:, :, r[p][0]:r[p][1]])
+            col += h * d
     mine = [r[me][1] - r[me][0] for r in ranges]
+    widths = [h * d for h, d in zip(mine, dims)]
 
     def finish(recv: torch.Tensor) -> list:
-        full = recv.view(u, b, s, sum(mine), d).transpose(0, 1).reshape(b, u * s, sum(mine), d)
-        return [then(x) for x in full.split(mine, dim=2)]
+        full = recv.view(u, b, s, sum(widths)).transpose(0, 1).reshape(b, u * s, sum(widths))
+        return [then(x.view(b, u * s, h, d)) for x, h, d in zip(full.split(widths, dim=2), mine, dims)]
 
-    return _post(cp, send, send_sizes, [b * s * sum(mine) * d] * u, stage, finish, timed)
+    return _post(cp, send, send_sizes, [b * s * sum(widths)] * u, stage, finish, timed)
 
 
 def seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], stage: str) -> list[torch.Tensor]:
@@ -143,7 +151,7 @@ def seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], s
 
 def post_head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], targets: list[torch.Tensor],
                      stage: str, accumulate: bool = False, *, timed: bool = False) -> Posted:
-    """Post the inverse all-to-all: [B, u*S (gathered order), own heads, D] -> write (or, with
+    """Post the inverse all-to-all: [B, u*S (gathered order), own heads, D_i] -> write (or, with
     `accumulate`, add: the gradient of a replicated KV head is the sum of its replicas') each rank's
     heads into targets[i] [B, S, heads, D] at ranges[i][p]. The handle's result is `targets`."""
     if cp.ulysses_size == 1:
@@ -168,10 +176,10 @@ def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], h
     u = cp.ulysses_size
     if u == 1:
         return list(parts)
-    b, n, _, d = parts[0].shape
+    b, n = parts[0].shape[:2]
     dtypes = [x.dtype for x in parts]
-    outs = [torch.zeros(b, n // u, h, d, dtype=acc_dtype(x.dtype) if accumulate else x.dtype, device=x.device)
-            for x, h in zip(parts, heads)]
+    outs = [torch.zeros(b, n // u, h, x.shape[3], dtype=acc_dtype(x.dtype) if accumulate else x.dtype,
+                        device=x.device) for x, h in zip(parts, heads)]
     post_head_to_seq(cp, parts, ranges, outs, stage, accumulate).wait()
     return [o.to(dt) for o, dt in zip(outs, dtypes)]
 
@@ -184,26 +192,29 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def pack_head_to_seq(parts: list[torch.Tensor], ranges: list[Ranges],
                      u: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """The send buffer of the head -> sequence all-to-all (rank-major tokens, my heads of every part
-    fused), its per-peer sizes, and the per-peer sizes to receive (peer p's heads of each part)."""
-    b, n, _, d = parts[0].shape
+    fused, each part with its own head dim), its per-peer sizes, and the per-peer sizes to receive (peer
+    p's heads of each part)."""
+    b, n = parts[0].shape[:2]
     s = n // u
-    mine = [x.shape[2] for x in parts]
-    send = torch.cat([x.reshape(b, u, s, h, d) for x, h in zip(parts, mine)], dim=3).transpose(0, 1).reshape(-1)
-    sizes_in = [b * s * sum(r[p][1] - r[p][0] for r in ranges) * d for p in range(u)]
-    return send, [b * s * sum(mine) * d] * u, sizes_in
+    widths = [x.shape[2] * x.shape[3] for x in parts]
+    send = torch.cat([x.reshape(b, u, s, w) for x, w in zip(parts, widths)], dim=3).transpose(0, 1).reshape(-1)
+    sizes_in = [b * s * sum((r[p][1] - r[p][0]) * x.shape[3] for x, r in zip(parts, ranges)) for p in range(u)]
+    return send, [b * s * sum(widths)] * u, sizes_in
 
 
 def unpack_head_to_seq_(recv: torch.Tensor, targets: list[torch.Tensor], ranges: list[Ranges],
                         sizes_in: list[int], accumulate: bool) -> None:
-    """Write (or, for replicated KV gradients, add) each peer's heads into targets[i] [B, S, heads, D]."""
-    b, s, _, d = targets[0].shape
+    """Write (or, for replicated KV gradients, add) each peer's heads into targets[i] [B, S, heads, D_i]."""
+    b, s = targets[0].shape[:2]
     offset = 0
     for p, size in enumerate(sizes_in):
-        widths = [r[p][1] - r[p][0] for r in ranges]
-        block = recv[offset:offset + size].view(b, s, sum(widths), d)
+        heads = [r[p][1] - r[p][0] for r in ranges]
+        widths = [h * t.shape[3] for h, t in zip(heads, targets)]
+        block = recv[offset:offset + size].view(b, s, sum(widths))
         offset += size
-        for t, r, piece in zip(targets, ranges, block.split(widths, dim=2)):
+        for t, r, h, piece in zip(targets, ranges, heads, block.split(widths, dim=2)):
             view = t[:, :, r[p][0]:r[p][1]]
+            piece = piece.view(b, s, h, t.shape[3])
             view.add_(piece) if accumulate else view.copy_(piece)
 
 

@@ -15,6 +15,9 @@ mode (short windows) eager also keeps the halo K/V rows received in forward; the
 depends on the plan (for packed rows, on the values in `cu_seqlens`), which a fake cannot know,
 so backward receives them again instead (halo rows are few by construction).
 
+The variants are op arguments too: `softcap` a float, `sinks` an optional tensor whose gradient (this
+rank's share) comes out of the backward op; v's head dim comes from v's shape (the fakes use it).
+
 Objects cannot be op arguments, so the mesh and kernel objects go through a per-process registry
 and the op gets a small integer key (first-use order: the same on every rank of an SPMD program,
 so every rank compiles the same graph). Calls the ops cannot express (a plain local-attention
@@ -96,23 +99,26 @@ def _window(arg: Optional[list[int]]) -> int | tuple[int, int] | None:
 
 
 def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
-              needs_grad: bool) -> tuple[Any, AttentionKernel, Any]:
+              needs_grad: bool, softcap, sinks) -> tuple[Any, AttentionKernel, Any]:
     """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
     head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
-    return checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1, int(needs_grad))
+    return checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1, int(needs_grad),
+                        softcap=softcap, sinks=sinks)
 
 
 def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: torch.device, dtype: torch.dtype,
-          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, checked=None) -> AttentionCall:
+          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, softcap, v_dim: int,
+          checked=None) -> AttentionCall:
     """The call's plan handle (from `checked` = _validate's result, or recomputed without checks in
-    backward: forward already validated the same arguments)."""
+    backward: forward already validated the same arguments). `shape` is q's, `v_dim` v's head dim."""
     if checked is None:
         lay = row_layout(cp, local_len=shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
         window = lay.effective_window(causal, window)
-        kernel = get_kernel(backend, device, dtype, shape[3], needs=kernel_needs(cu_seqlens, window))  # as forward
+        kernel = get_kernel(backend, device, dtype, shape[3],
+                            needs=kernel_needs(cu_seqlens, window, softcap, v_dim != shape[3]))  # as forward
     else:
         lay, kernel, window = checked
-    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device)
+    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device, softcap=softcap)
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
@@ -136,18 +142,19 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
 @torch.library.custom_op("hybrid_cp::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int,
                   backend: str, causal: bool, softmax_scale: Optional[float], seq_len: Optional[int],
-                  window: Optional[list[int]], needs_grad: bool, return_lse: bool
+                  window: Optional[list[int]], needs_grad: bool, return_lse: bool, softcap: Optional[float],
+                  sinks: Optional[torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor]:
     """Validated hybrid attention forward. Returns (out, lse or an empty tensor, and for backward: q, k, v,
-    out [B, u*S, own heads, D] and lse [B, own heads, u*S] in ring-block order)."""
+    out [B, u*S, own heads, D] and lse [B, own heads, u*S] in ring-block order, the sinks merged in)."""
     cp = registered_mesh(mesh)
     kernel_arg = _backend(backend)
     checked = _validate(q, k, v, cp, causal, softmax_scale, kernel_arg, seq_len, cu_seqlens, _window(window),
-                        needs_grad)
+                        needs_grad, softcap, sinks)
     call = _call(cp, tuple(q.shape), k.shape[2], q.device, q.dtype, causal, softmax_scale, kernel_arg, seq_len,
-                 cu_seqlens, None, checked)
-    out, lse, saved = forward(call, q, k, v, want_lse=return_lse)   # backward receives the halo rows again
+                 cu_seqlens, None, softcap, v.shape[3], checked)
+    out, lse, saved = forward(call, q, k, v, want_lse=return_lse, sinks=sinks)   # backward receives the halo rows again
     if lse is None:
         lse = saved.lse_h.new_empty(0)
     return tuple(_unaliased([out, lse, saved.qh, saved.kh, saved.vh, saved.out_h, saved.lse_h], (q, k, v, cu_seqlens)))
@@ -166,15 +173,16 @@ def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad,
-                        return_lse):
+                        return_lse, softcap, sinks):
     cp = registered_mesh(mesh)
     b, s, h, d = q.shape
     nq, nkv = _own_heads(cp, h, k.shape[2])
     n = cp.ulysses_size * s
     acc = acc_dtype(q.dtype)
+    dv = v.shape[3]
     lse = q.new_empty(b, h, s, dtype=acc) if return_lse else q.new_empty(0, dtype=acc)
-    return (torch.empty_like(q, memory_format=torch.contiguous_format), lse, q.new_empty(b, n, nq, d),
-            k.new_empty(b, n, nkv, d), v.new_empty(b, n, nkv, d), q.new_empty(b, n, nq, d),
+    return (q.new_empty(b, s, h, dv), lse, q.new_empty(b, n, nq, d),
+            k.new_empty(b, n, nkv, d), v.new_empty(b, n, nkv, dv), q.new_empty(b, n, nq, dv),
             q.new_empty(b, nq, n, dtype=acc))
 
 
@@ -182,37 +190,42 @@ def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scal
 def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                   lse_h: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int, backend: str, causal: bool,
                   softmax_scale: Optional[float], seq_len: Optional[int], window: Optional[list[int]],
-                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `attention_fwd` w.r.t. q, k, v (eager backward's code, in its order)."""
+                  kv_heads: int, softcap: Optional[float], sinks: Optional[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `attention_fwd` w.r.t. q, k, v and sinks (this rank's share; an empty tensor without
+    sinks), eager backward's code, in its order."""
     cp = registered_mesh(mesh)
-    call = _call(cp, tuple(dout.shape), kv_heads, qh.device, qh.dtype, causal, softmax_scale, _backend(backend),
-                 seq_len, cu_seqlens, _window(window))
-    grads = backward(call, dout, Saved(qh, kh, vh, out_h, lse_h))
-    return tuple(_unaliased(grads, (dout, qh, kh, vh, out_h, lse_h, cu_seqlens)))
+    call = _call(cp, (*dout.shape[:3], qh.shape[3]), kv_heads, qh.device, qh.dtype, causal, softmax_scale,
+                 _backend(backend), seq_len, cu_seqlens, _window(window), softcap, vh.shape[3])
+    *grads, dsinks = backward(call, dout, Saved(qh, kh, vh, out_h, lse_h, sinks=sinks))
+    grads.append(dsinks if dsinks is not None else dout.new_empty(0))
+    return tuple(_unaliased(grads, (dout, qh, kh, vh, out_h, lse_h, cu_seqlens, sinks)))
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len,
-                        window, kv_heads):
-    b, s, _, d = dout.shape
-    return (dout.new_empty(dout.shape, dtype=qh.dtype), kh.new_empty(b, s, kv_heads, d),
-            vh.new_empty(b, s, kv_heads, d))
+                        window, kv_heads, softcap, sinks):
+    b, s, h = dout.shape[:3]
+    return (qh.new_empty(b, s, h, qh.shape[3]), kh.new_empty(b, s, kv_heads, kh.shape[3]),
+            vh.new_empty(b, s, kv_heads, vh.shape[3]), dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad, return_lse = inputs
+    (q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad, return_lse, softcap,
+     sinks) = inputs
     out, lse, qh, kh, vh, out_h, lse_h = output
-    ctx.save_for_backward(qh, kh, vh, out_h, lse_h, cu_seqlens)
-    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2])
+    ctx.save_for_backward(qh, kh, vh, out_h, lse_h, cu_seqlens, sinks)
+    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2], softcap)
     ctx.mark_non_differentiable(lse, qh, kh, vh, out_h, lse_h)
 
 
 def _backward(ctx, dout, *_unused):
-    qh, kh, vh, out_h, lse_h, cu_seqlens = ctx.saved_tensors
-    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads = ctx.args
-    dq, dk, dv = torch.ops.hybrid_cp.attention_bwd(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal,
-                                                   softmax_scale, seq_len, window, kv_heads)
-    return (dq, dk, dv) + (None,) * 9
+    qh, kh, vh, out_h, lse_h, cu_seqlens, sinks = ctx.saved_tensors
+    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads, softcap = ctx.args
+    dq, dk, dv, dsinks = torch.ops.hybrid_cp.attention_bwd(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend,
+                                                           causal, softmax_scale, seq_len, window, kv_heads, softcap,
+                                                           sinks)
+    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks,)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -223,7 +236,7 @@ _WARNED: set[str] = set()
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
                        softmax_scale: float | None = None, return_lse: bool = False, backend: Any = "auto",
                        seq_len: int | None = None, cu_seqlens: Any = None, window: Any = None,
-                       head_chunks: int = 1):
+                       head_chunks: int = 1, sinks: Any = None, softcap: Any = None):
     """`hcp.attention` while dynamo traces (attention() calls this): one `hybrid_cp::attention_fwd` node in
     the graph. Same arguments and results as `hcp.attention`, or None for a call the op cannot express
     (attention() then runs it eagerly outside the graph, which raises eager's error for invalid arguments).
@@ -242,12 +255,13 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
                         "under torch.compile use a kernel backend and head_chunks=1", reason)
     if not isinstance(cp, CPMesh) or not op_expressible(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                           backend_key=backend_arg, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                          head_chunks=head_chunks):
+                          head_chunks=head_chunks, softcap=softcap, sinks=sinks):
         return None
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     out, lse = torch.ops.hybrid_cp.attention_fwd(
         q, k, v, cu_seqlens, _mesh_key(cp), backend_arg, causal,
-        None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse)[:2]
+        None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse,
+        None if softcap is None else float(softcap), sinks)[:2]
     return (out, lse) if return_lse else out

@@ -46,11 +46,11 @@ __all__ = ["HeadChunks", "OVERLAP", "chunk_heads", "chunked_attention"]
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, call: AttentionCall, overlap: bool, want_lse: bool):
+    def forward(ctx, q, k, v, sinks, call: AttentionCall, overlap: bool, want_lse: bool):
         cp, lay, split, chunks = call.cp, call.lay, call.split, call.stages
         kv_flight = post_heads(cp, lay, [k, v], [split.kv, split.kv], "ulysses_fwd")
-        out = q.new_empty(q.shape)
-        lse_seq = torch.empty(q.shape[0], q.shape[1], q.shape[2], 1, dtype=torch.float32, device=q.device) \
+        out = q.new_empty(*q.shape[:3], v.shape[3])
+        lse_seq = torch.empty(q.shape[0], q.shape[1], q.shape[2], 1, dtype=acc_dtype(q.dtype), device=q.device) \
             if want_lse else None
         lses, halos, kv = [], [], []
 
@@ -60,7 +60,7 @@ class _ChunkedAttention(torch.autograd.Function):
         def compute(j, got):
             if not kv:
                 kv.extend(kv_flight.wait())
-            out_h, lse_h, halo = stage_forward(call, j, got.pop(), kv[0], kv[1])
+            out_h, lse_h, halo = stage_forward(call, j, got.pop(), kv[0], kv[1], sinks)
             lses.append(lse_h)
             halos.append(halo)
             landed = [post_home(cp, lay, [out_h], [chunks.q[j]], [out], "ulysses_fwd")]
@@ -71,8 +71,8 @@ class _ChunkedAttention(torch.autograd.Function):
 
         drive(list(range(chunks.count)), post, compute, overlap)
         kh, vh = kv
-        ctx.save_for_backward(q, kh, vh, out, *lses)
-        ctx.args = (call, overlap, halos, k.shape, k.dtype)
+        ctx.save_for_backward(q, kh, vh, out, sinks, *lses)
+        ctx.args = (call, overlap, halos, k.shape, v.shape, k.dtype)
         if want_lse:
             ctx.mark_non_differentiable(lse_seq)
             return out, lse_seq.squeeze(-1).transpose(1, 2).contiguous()
@@ -80,13 +80,14 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_ignored):
-        q, kh, vh, out, *lses = ctx.saved_tensors
-        call, overlap, halos, k_shape, k_dtype = ctx.args
+        q, kh, vh, out, sinks, *lses = ctx.saved_tensors
+        call, overlap, halos, k_shape, v_shape, k_dtype = ctx.args
         cp, lay, split, chunks = call.cp, call.lay, call.split, call.stages
         dout = dout.contiguous()
         acc = acc_dtype(q.dtype)
-        dkv_h = torch.zeros(2, *kh.shape, dtype=acc, device=kh.device)
+        dkv_h = [torch.zeros(x.shape, dtype=acc, device=kh.device) for x in (kh, vh)]
         dq = torch.empty_like(q)
+        dsinks = None if sinks is None else torch.zeros_like(sinks)   # each stage adds its heads' share
 
         def post(j):
             r = chunks.q[j]
@@ -94,8 +95,10 @@ class _ChunkedAttention(torch.autograd.Function):
 
         def compute(j, got):
             qh, oh, doh = got
-            dqh, dkh, dvh = stage_backward(call, j, doh, qh, kh, vh, oh, lses[j], halos[j])
+            dqh, dkh, dvh, ds = stage_backward(call, j, doh, qh, kh, vh, oh, lses[j], halos[j], sinks)
             del qh, oh, doh, got
+            if ds is not None:
+                dsinks.add_(ds)
             lo, hi = chunks.kv_local[j]
             dkv_h[0][:, :, lo:hi] += dkh
             dkv_h[1][:, :, lo:hi] += dvh
@@ -104,9 +107,9 @@ class _ChunkedAttention(torch.autograd.Function):
         drive(list(range(chunks.count)), post, compute, overlap)
         # dK/dV go home once; replicated KV heads (H_kv < u) sum their replicas' gradients in fp32
         dk = torch.zeros(k_shape, dtype=acc, device=kh.device)
-        dv = torch.zeros(k_shape, dtype=acc, device=kh.device)
+        dv = torch.zeros(v_shape, dtype=acc, device=kh.device)
         post_home(cp, lay, [dkv_h[0], dkv_h[1]], [split.kv, split.kv], [dk, dv], "ulysses_bwd", accumulate=True).wait()
-        return dq, dk.to(k_dtype), dv.to(k_dtype), None, None, None
+        return dq, dk.to(k_dtype), dv.to(k_dtype), dsinks, None, None, None
 
 
 OVERLAP = False
@@ -118,9 +121,10 @@ next chunk's all-to-all before this chunk computes, so communication hides behin
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *,
-                      overlap: bool | None = None, return_lse: bool = False):
+                      overlap: bool | None = None, return_lse: bool = False, sinks: torch.Tensor | None = None):
     """The attention pipeline of `hcp.attention` over the head stages of `call` (`head_chunks` of them,
     see the module docstring). Inputs are already validated by `hcp.attention`; returns out (and lse
-    [B, H, S]). `overlap=None` uses `OVERLAP`."""
+    [B, H, S], with the sinks). `sinks` [H]: each stage merges its heads' sinks; their gradient is this
+    rank's share (zero outside its heads). `overlap=None` uses `OVERLAP`."""
     overlap = OVERLAP if overlap is None else bool(overlap)
-    return _ChunkedAttention.apply(q, k, v, call, overlap, return_lse)
+    return _ChunkedAttention.apply(q, k, v, sinks, call, overlap, return_lse)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from .comm import Posted, acc_dtype
 from .heads import head_split
 from .pipeline import (
@@ -52,7 +53,7 @@ __all__ = ["Projected", "pipelined_module_chunks"]
 @dataclass
 class Projected:
     """One module chunk's local Q [B, S, h, D], K/V [B, S, h_kv, D] and the hcp.attention keywords the
-    module's attention call would have used (causal, softmax_scale, seq_len, cu_seqlens, window)."""
+    module's attention call would have used (causal, softmax_scale, seq_len, cu_seqlens, window, softcap)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -75,7 +76,8 @@ class _Chunk:
 
     def __post_init__(self):
         self.q_like = torch.empty(0, dtype=self.x.q.dtype, device=self.x.q.device)   # for late allocations
-        self.q_shape, self.kv_shape = self.x.q.shape, self.x.k.shape
+        self.q_shape, self.kv_shape, self.v_shape = self.x.q.shape, self.x.k.shape, self.x.v.shape
+        self.out_shape = (*self.q_shape[:3], self.v_shape[3])   # the attention output has v's head dim
 
     @property
     def stages(self) -> HeadChunks:
@@ -96,11 +98,16 @@ class _Engine:
     def chunk(self, j: int, x: Projected) -> _Chunk:
         if j not in self.per_chunk:
             c, cp = x.call, self.cp
+            if c.get("sinks") is not None:
+                raise ConfigError("module-level head chunks do not take attention sinks (the sinks' gradient would "
+                                  "have to flow back through the chunk's recomputed projections); use engine-level "
+                                  "head chunks (chunk_projections=False) or head_chunks=1 for models with sinks")
             lay, kernel, window = checked_call(x.q, x.k, x.v, cp, c["causal"], c.get("softmax_scale"), "auto",
                                                c.get("seq_len"), c.get("cu_seqlens"), c.get("window"), 1,
-                                               self.needs_grad)
+                                               self.needs_grad, softcap=c.get("softcap"))
             self.per_chunk[j] = plan_call(cp, lay, kernel, window, c["causal"], c.get("softmax_scale"),
-                                          tuple(x.q.shape), x.k.shape[2], x.q.device, self.engine_chunks)
+                                          tuple(x.q.shape), x.k.shape[2], x.q.device, self.engine_chunks,
+                                          softcap=c.get("softcap"))
         return _Chunk(j, x, self.per_chunk[j])
 
     def stage_count(self, heads: int, kv_heads: int) -> int:
@@ -150,7 +157,7 @@ class _Forward:
         out_h, _, _ = stage_forward(c.call, e, got[0], c.kh, c.vh)
         del got
         if c.out is None:
-            c.out = c.q_like.new_empty(c.q_shape)
+            c.out = c.q_like.new_empty(c.out_shape)
         landed = [post_home(c.call.cp, c.call.lay, [out_h], [c.stages.q[e]], [c.out], "ulysses_fwd")]
         if not c.last(e):
             return landed, None
@@ -186,8 +193,8 @@ class _Backward:
             x = self.project(j, self.tensors)
         c = self.chunks[j] = self.engine.chunk(j, x)
         qa, qb = self.q_ranges[j]
-        d = x.q.shape[-1]
-        c.dout = F.linear(self.dy, self.w_o[:, qa * d:qb * d].t()).view(x.q.shape)
+        d = x.v.shape[-1]   # the output projection reads the attention output, v's head dim
+        c.dout = F.linear(self.dy, self.w_o[:, qa * d:qb * d].t()).view(c.out_shape)
         return c
 
     def post(self, stage) -> Posted:
@@ -206,11 +213,11 @@ class _Backward:
             c.kh, c.vh = got[2], got[3]
         del got
         oh, lse, halo = stage_forward(c.call, e, qh, c.kh, c.vh)   # recomputed
-        dqh, dkh, dvh = stage_backward(c.call, e, doh, qh, c.kh, c.vh, oh, lse, halo)
+        dqh, dkh, dvh, _ = stage_backward(c.call, e, doh, qh, c.kh, c.vh, oh, lse, halo)
         del qh, doh, lse
         dkh, dvh = self._kv_grads(c, e, dkh, dvh)
         if c.out is None:
-            c.out, c.grads["q"] = c.q_like.new_empty(c.q_shape), c.q_like.new_empty(c.q_shape)
+            c.out, c.grads["q"] = c.q_like.new_empty(c.out_shape), c.q_like.new_empty(c.q_shape)
         cp, lay = c.call.cp, c.call.lay
         landed = [post_home(cp, lay, [dqh, oh], [c.stages.q[e]] * 2, [c.grads["q"], c.out], "ulysses_bwd")]
         del dqh, oh
@@ -218,7 +225,8 @@ class _Backward:
             return landed, None
         # dK/dV go home once per module chunk; replicated KV heads (H_kv < u) sum their replicas in fp32
         acc, kv = acc_dtype(dkh.dtype), c.call.split.kv
-        c.grads["k"], c.grads["v"] = (torch.zeros(c.kv_shape, dtype=acc, device=dkh.device) for _ in range(2))
+        c.grads["k"], c.grads["v"] = (torch.zeros(shape, dtype=acc, device=dkh.device)
+                                      for shape in (c.kv_shape, c.v_shape))
         landed.append(post_home(cp, lay, [dkh, dvh], [kv, kv], [c.grads["k"], c.grads["v"]], "ulysses_bwd",
                                 accumulate=True))
         del self.chunks[j], dkh, dvh
@@ -232,7 +240,7 @@ class _Backward:
         if c.stages.count == 1:
             return dkh, dvh
         if "kv_h" not in c.grads:
-            c.grads["kv_h"] = torch.zeros(2, *c.kh.shape, dtype=acc_dtype(dkh.dtype), device=dkh.device)
+            c.grads["kv_h"] = [torch.zeros(x.shape, dtype=acc_dtype(dkh.dtype), device=dkh.device) for x in (c.kh, c.vh)]
         dkv = c.grads["kv_h"]
         lo, hi = c.stages.kv_local[e]
         dkv[0][:, :, lo:hi] += dkh

@@ -26,6 +26,7 @@ from topology.layouts import pieces as _pieces
 
 from .comm import Posted, head_to_seq, post_head_to_seq, post_seq_to_head, seq_to_head
 from .heads import HeadSplit, head_split
+from .kernels.merge import sink_grad
 from .layout import gathered_to_ring_block, ring_block_to_gathered
 from .ring import Plan, block_plan, ring_backward, ring_forward
 
@@ -84,6 +85,7 @@ class AttentionCall:
     plan: Plan
     scale: float
     stages: HeadChunks
+    softcap: float | None = None   # the kernels' logit soft-cap (None: off)
 
     @property
     def kv_index(self) -> list[int]:
@@ -92,13 +94,16 @@ class AttentionCall:
 
 
 def plan_call(cp: "CPMesh", lay: "Layout", kernel: "AttentionKernel", window, causal: bool, softmax_scale,
-              q_shape: tuple[int, ...], kv_heads: int, device: torch.device, head_chunks: int = 1) -> AttentionCall:
-    """The call's head split, block plan, scale and head stages (from the validated layout, kernel and window)."""
+              q_shape: tuple[int, ...], kv_heads: int, device: torch.device, head_chunks: int = 1, *,
+              softcap: float | None = None) -> AttentionCall:
+    """The call's head split, block plan, scale and head stages (from the validated layout, kernel and window;
+    the default scale is 1/sqrt(q's head dim))."""
     heads, head_dim = q_shape[2], q_shape[3]
     split = head_split(heads, kv_heads, cp.ulysses_size)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     return AttentionCall(cp, lay, kernel, split, block_plan(lay, cp.ring_rank, causal, device, window), scale,
-                         chunk_heads(split, head_chunks, cp.ulysses_rank))
+                         chunk_heads(split, head_chunks, cp.ulysses_rank),
+                         None if softcap is None else float(softcap))
 
 
 # --- the exchange in ring-block row order ---------------------------------------------------------------
@@ -132,28 +137,51 @@ def post_home(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: li
 
 # --- the ring over one head stage ------------------------------------------------------------------------
 
-def stage_forward(call: AttentionCall, e: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor):
+def stage_forward(call: AttentionCall, e: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                  sinks: torch.Tensor | None = None):
     """Ring attention of head stage e: qh holds the stage's query heads, kh/vh all of this rank's KV heads
-    (ring-block order). Returns (out, lse, halo) as `ring_forward`."""
+    (ring-block order); `sinks` [H] the sink logits of all H query heads (or None). Returns (out, lse, halo)
+    as `ring_forward` (with the stage's sinks merged in)."""
     lo, hi = call.stages.kv_local[e]
-    return ring_forward(call.cp, call.kernel, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], list(call.stages.kv_index[e]),
-                        call.plan, scale=call.scale)
+    return _ring_forward(call, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], list(call.stages.kv_index[e]),
+                         call.stages.q[e][call.cp.ulysses_rank], sinks)
 
 
 def stage_backward(call: AttentionCall, e: int, doh: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor,
-                   vh: torch.Tensor, oh: torch.Tensor, lse: torch.Tensor, halo):
-    """Gradients of `stage_forward` (dq for the stage's query heads, dk/dv for its KV range `kv_local[e]`)."""
+                   vh: torch.Tensor, oh: torch.Tensor, lse: torch.Tensor, halo, sinks: torch.Tensor | None = None):
+    """Gradients of `stage_forward`: (dq for the stage's query heads, dk/dv for its KV range `kv_local[e]`,
+    d(sinks) [H] (this rank's share, zero outside the stage's heads) or None)."""
     lo, hi = call.stages.kv_local[e]
-    return ring_backward(call.cp, call.kernel, doh, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], oh, lse,
-                         list(call.stages.kv_index[e]), call.plan, halo, scale=call.scale)
+    return _ring_backward_heads(call, doh, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], oh, lse,
+                                list(call.stages.kv_index[e]), call.stages.q[e][call.cp.ulysses_rank], halo, sinks)
+
+
+def _ring_forward(call: AttentionCall, qh, kh, vh, kv_index: list[int], heads: tuple[int, int], sinks):
+    """The ring over query heads `heads` (a range of the H query heads), their sinks merged in."""
+    return ring_forward(call.cp, call.kernel, qh, kh, vh, kv_index, call.plan, scale=call.scale, softcap=call.softcap,
+                        sinks=None if sinks is None else sinks[heads[0]:heads[1]])
+
+
+def _ring_backward_heads(call: AttentionCall, doh, qh, kh, vh, oh, lse, kv_index: list[int], heads: tuple[int, int],
+                         halo, sinks):
+    """`_ring_forward`'s gradients: the ring backward with the final (sink-merged) out and lse is exact for
+    q/k/v; the sinks' gradient is this rank's share, a full [H] tensor that is zero outside `heads` (summed
+    over the cp ranks it is the full gradient, as for every replicated parameter)."""
+    dq, dk, dv = ring_backward(call.cp, call.kernel, doh, qh, kh, vh, oh, lse, kv_index, call.plan, halo,
+                               scale=call.scale, softcap=call.softcap)
+    dsinks = None
+    if sinks is not None:
+        dsinks = torch.zeros_like(sinks)
+        dsinks[heads[0]:heads[1]] = sink_grad(doh, oh, lse, sinks[heads[0]:heads[1]])
+    return dq, dk, dv, dsinks
 
 
 # --- all heads as one stage: eager autograd and the compiled ops -----------------------------------------
 
 @dataclass
 class Saved:
-    """What `backward` needs from `forward`: the exchanged q/k/v, out and lse (ring-block order) and, in
-    halo mode, the K/V rows received from the ring peers (None: received again)."""
+    """What `backward` needs from `forward`: the exchanged q/k/v, out and lse (ring-block order, sinks merged
+    in), in halo mode the K/V rows received from the ring peers (None: received again), and the sinks [H]."""
 
     qh: torch.Tensor
     kh: torch.Tensor
@@ -161,44 +189,46 @@ class Saved:
     out_h: torch.Tensor
     lse_h: torch.Tensor
     halo: list | None = None
+    sinks: torch.Tensor | None = None
 
 
 def forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, want_lse: bool = False,
-            autograd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Saved]:
-    """q [B, S, H, D], k/v [B, S, H_kv, D] (sequence layout) -> (out [B, S, H, D], lse [B, H, S] or None,
-    what `backward` needs): one exchange of q/k/v, the ring over all of this rank's heads, out (and lse)
-    home. With `autograd` each step is its own autograd node (eager: each node frees what it saved as soon
-    as its backward ran); without, the caller keeps `Saved` (the compiled op returns it)."""
+            autograd: bool = False, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Saved]:
+    """q [B, S, H, D], k/v [B, S, H_kv, D] (sequence layout), sinks [H] or None -> (out [B, S, H, D], lse [B, H, S]
+    (with the sinks) or None, what `backward` needs): one exchange of q/k/v, the ring over all of this rank's
+    heads, out (and lse) home. With `autograd` each step is its own autograd node (eager: each node frees what
+    it saved as soon as its backward ran); without, the caller keeps `Saved` (the compiled op returns it)."""
     cp, lay, split = call.cp, call.lay, call.split
     halo = None
     if autograd:
         qh, kh, vh = SeqToHead.apply(cp, split, lay, q, k, v)
-        out_h, lse_h = RingStage.apply(call, qh, kh, vh)
+        out_h, lse_h = RingStage.apply(call, qh, kh, vh, sinks)
         out = HeadToSeq.apply(cp, split, lay, out_h)
     else:
         qh, kh, vh = heads_in(cp, lay, [q, k, v], [split.q, split.kv, split.kv], "ulysses_fwd")
-        out_h, lse_h, halo = ring_forward(cp, call.kernel, qh, kh, vh, call.kv_index, call.plan, scale=call.scale)
+        out_h, lse_h, halo = _ring_forward(call, qh, kh, vh, call.kv_index, split.q[cp.ulysses_rank], sinks)
         (out,) = heads_home(cp, lay, [out_h], [split.q], [split.heads], "ulysses_fwd")
     lse = None
     if want_lse:   # not differentiable
         (lse,) = heads_home(cp, lay, [lse_h.transpose(1, 2).unsqueeze(-1)], [split.q], [split.heads], "ulysses_lse")
         lse = lse.squeeze(-1).transpose(1, 2).contiguous()
-    return out, lse, Saved(qh, kh, vh, out_h, lse_h, halo)
+    return out, lse, Saved(qh, kh, vh, out_h, lse_h, halo, sinks)
 
 
-def backward(call: AttentionCall, dout: torch.Tensor, saved: Saved) -> list[torch.Tensor]:
-    """Gradients of `forward` w.r.t. q, k, v (sequence layout): d(out) over, the ring backward, the
-    gradients home (replicated KV heads sum their replicas' gradients in fp32); what eager's nodes run."""
+def backward(call: AttentionCall, dout: torch.Tensor, saved: Saved) -> list[torch.Tensor | None]:
+    """Gradients of `forward` w.r.t. q, k, v (sequence layout) and sinks (this rank's share, or None): d(out)
+    over, the ring backward, the gradients home (replicated KV heads sum their replicas' gradients in fp32);
+    what eager's nodes run."""
     cp, lay, split = call.cp, call.lay, call.split
     (doh,) = heads_in(cp, lay, [dout.contiguous()], [split.q], "ulysses_bwd")
-    grads = _ring_backward(call, doh, saved)
+    *grads, dsinks = _ring_backward(call, doh, saved)
     del doh
-    return _grads_home(cp, split, lay, grads)
+    return _grads_home(cp, split, lay, grads) + [dsinks]
 
 
-def _ring_backward(call: AttentionCall, doh: torch.Tensor, s: Saved) -> tuple[torch.Tensor, ...]:
-    return ring_backward(call.cp, call.kernel, doh.contiguous(), s.qh, s.kh, s.vh, s.out_h, s.lse_h, call.kv_index,
-                         call.plan, s.halo, scale=call.scale)
+def _ring_backward(call: AttentionCall, doh: torch.Tensor, s: Saved) -> tuple[torch.Tensor | None, ...]:
+    return _ring_backward_heads(call, doh.contiguous(), s.qh, s.kh, s.vh, s.out_h, s.lse_h, call.kv_index,
+                                call.split.q[call.cp.ulysses_rank], s.halo, s.sinks)
 
 
 def _grads_home(cp: "CPMesh", split: HeadSplit, lay: "Layout", grads) -> list[torch.Tensor]:
@@ -221,20 +251,21 @@ class SeqToHead(torch.autograd.Function):
 
 
 class RingStage(torch.autograd.Function):
-    """`forward`'s ring step as an autograd node: (qh, kh, vh) -> (out_h, lse_h), ring-block order."""
+    """`forward`'s ring step as an autograd node: (qh, kh, vh, sinks) -> (out_h, lse_h), ring-block order; its
+    backward returns the sinks' gradient too (this rank's share)."""
 
     @staticmethod
-    def forward(ctx, call: AttentionCall, qh, kh, vh):
-        out_h, lse_h, halo = ring_forward(call.cp, call.kernel, qh, kh, vh, call.kv_index, call.plan,
-                                          scale=call.scale)
-        ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
+    def forward(ctx, call: AttentionCall, qh, kh, vh, sinks):
+        out_h, lse_h, halo = _ring_forward(call, qh, kh, vh, call.kv_index, call.split.q[call.cp.ulysses_rank], sinks)
+        ctx.save_for_backward(qh, kh, vh, out_h, lse_h, sinks)
         ctx.call, ctx.halo = call, halo
         ctx.mark_non_differentiable(lse_h)
         return out_h, lse_h
 
     @staticmethod
     def backward(ctx, doh, _dlse):
-        return (None, *_ring_backward(ctx.call, doh, Saved(*ctx.saved_tensors, ctx.halo)))
+        *saved, sinks = ctx.saved_tensors
+        return (None, *_ring_backward(ctx.call, doh, Saved(*saved, ctx.halo, sinks)))
 
 
 class HeadToSeq(torch.autograd.Function):

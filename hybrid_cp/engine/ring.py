@@ -5,7 +5,8 @@ next exchange is posted before the current block is computed. What each step com
 the call's block plan (`block_plan`), built once from the layout and reused by forward and
 backward: no layout names, no device syncs and no index searches inside the loop. Partial results
 merge with an online softmax in fp32. Backward recomputes every block with the final out/lse;
-dK/dV accumulate in fp32 buffers that travel the ring with K/V and arrive home after r hops.
+dK/dV accumulate in fp32 buffers that travel the ring with K/V and arrive home after r hops. K and V
+(and dK/dV) travel fused in one flat buffer, K's elements then V's, so v's head dim may differ from k's.
 
 Streams (CUDA/NCCL): the exchanges are posted with `batch_isend_irecv` on the ring's own
 communicators, whose operations run on NCCL's internal stream; posting makes that stream wait for
@@ -20,6 +21,7 @@ On gloo (CPU) the same calls return asynchronous handles served by gloo's thread
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -31,7 +33,7 @@ from topology.layouts import Layout, Step
 
 from .comm import RingExchange, acc_dtype, count
 from .heads import HeadMap
-from .kernels.merge import merge_rows_
+from .kernels.merge import merge_rows_, merge_sink_
 from .kernels.varlen import remember_host
 
 if TYPE_CHECKING:
@@ -54,10 +56,13 @@ class Task:
     window: tuple[int, int] | None = None
     varlen: dict | None = None
 
-    def kernel_kwargs(self) -> dict:
+    def kernel_kwargs(self, softcap: float | None = None) -> dict:
+        """The optional kernel keywords of this task (and the call's soft-cap), only those in use."""
         extra = dict(self.varlen or {})
         if self.window is not None:
             extra["window"] = self.window
+        if softcap is not None:
+            extra["softcap"] = softcap
         return extra
 
 
@@ -135,69 +140,95 @@ def _add_rows_(target: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
         target.index_add_(1, rows, value.to(target.dtype))
 
 
-def _kv_buffers(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    kv = torch.empty(2, 2, *k.shape, dtype=k.dtype, device=k.device)  # double buffer of fused K/V
-    kv[0, 0].copy_(k)
-    kv[0, 1].copy_(v)
-    return kv
+def _split_kv(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous K and V views of a fused flat buffer holding K's elements, then V's. One layout for K and V
+    of any head dims (v's may differ from k's, MLA): one send moves both, and each view stays contiguous."""
+    nk = math.prod(k_shape)
+    return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
 
 
-def _halo_fetch(cp: "CPMesh", plan: Plan, kv: torch.Tensor) -> tuple[list, list]:
-    """Send each ring peer the rows of my fused K/V [2, B, L, H, D] that it reads and receive the rows
-    I read from each peer; returns (works, received [2, B, rows, H, D] by ring step distance)."""
+def _fused(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None, rows: int | None = None,
+           double: bool = False, zero: bool = False) -> tuple[torch.Tensor, list]:
+    """A flat K|V buffer shaped like k and v (with `rows` rows instead of theirs), in `dtype` (default k's),
+    zeroed or empty; with `double` two of them ([2, n], the ring's double buffer). Returns (buffer, [(K view,
+    V view)] per buffer)."""
+    k_shape, v_shape = list(k.shape), list(v.shape)
+    if rows is not None:
+        k_shape[1] = v_shape[1] = rows
+    n = math.prod(k_shape) + math.prod(v_shape)
+    make = torch.zeros if zero else torch.empty
+    buf = make((2, n) if double else (n,), dtype=dtype or k.dtype, device=k.device)
+    views = [_split_kv(b, k_shape, v_shape) for b in (buf if double else [buf])]
+    return buf, views
+
+
+def _halo_fetch(cp: "CPMesh", plan: Plan, k: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
+    """Send each ring peer the rows of my K/V that it reads (fused, K then V) and receive the rows I read
+    from each peer; returns (works, received (K rows, V rows) views by ring step distance)."""
     r, me = cp.ring_size, cp.ring_rank
     ops, bufs = [], [None] * r
     for s in range(1, r):
         if plan.send_rows[s] is not None:
-            block = _take(kv, plan.send_rows[s], 2).contiguous()
+            block = torch.cat([_take(k, plan.send_rows[s]).reshape(-1), _take(v, plan.send_rows[s]).reshape(-1)])
             ops.append(dist.P2POp(dist.isend, block, cp.ring_ranks[(me + s) % r], cp.ring_group))
             count(cp, "ring_fwd", block.numel() * block.element_size())
         n = sum(m for _, m in plan.recv_rows[s])
         if n:
-            bufs[s] = kv.new_empty(*kv.shape[:2], n, *kv.shape[3:])
-            ops.append(dist.P2POp(dist.irecv, bufs[s], cp.ring_ranks[(me - s) % r], cp.ring_group))
+            buf, (bufs[s],) = _fused(k, v, rows=n)
+            ops.append(dist.P2POp(dist.irecv, buf, cp.ring_ranks[(me - s) % r], cp.ring_group))
     return (dist.batch_isend_irecv(ops) if ops else []), bufs
 
 
 def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_index: list[int], plan: Plan, *, scale: float):
-    """q [B, L, Hq, D], k/v [B, L, Hkv, D] (this ring rank's block) -> (out in q.dtype, lse fp32,
-    the halo K/V received from each peer (halo mode; kept for backward) or None)."""
+                 kv_index: list[int], plan: Plan, *, scale: float, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None):
+    """q [B, L, Hq, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] (this ring rank's block) -> (out [B, L, Hq, Dv]
+    in q.dtype, lse fp32,
+    the halo K/V received from each peer (halo mode; kept for backward) or None). `softcap`: the
+    kernel's logit soft-cap (None: off), the same in every block. `sinks` [Hq]: one sink logit per
+    query head, merged once after the last block (out and lse include it; `ring_backward` with them
+    gives exact dq/dk/dv, and `kernels.merge.sink_grad` the sinks' gradient)."""
     r = cp.ring_size
-    b, n, hq, d = q.shape
+    b, n, hq, _ = q.shape
     heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
-    out = torch.zeros(b, n, hq, d, dtype=acc, device=q.device)
+    out = torch.zeros(b, n, hq, v.shape[3], dtype=acc, device=q.device)
     lse = torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
 
     def compute(tasks, kb_full, vb_full):
         for task in tasks:
             kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
             o_b, lse_b = kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
-                                        **task.kernel_kwargs())
+                                        **task.kernel_kwargs(softcap))
             merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
 
     if plan.halo:
-        works, halo = _halo_fetch(cp, plan, torch.stack([k, v]))
+        works, halo = _halo_fetch(cp, plan, k, v)
         compute(plan.steps[0], k, v)
         RingExchange.wait(works)
         for s in range(1, r):
             if halo[s] is not None:
                 compute(plan.steps[s], halo[s][0], halo[s][1])
+        if sinks is not None:
+            merge_sink_(out, lse, sinks)
         return out.to(q.dtype), lse, halo
-    kv = _kv_buffers(k, v)
+    kv, kv_views = _fused(k, v, double=True)   # double buffer of fused K/V
+    kv_views[0][0].copy_(k)
+    kv_views[0][1].copy_(v)
     exchange = RingExchange(cp, cp.ring_group, "ring_fwd")
     for step, tasks in enumerate(plan.steps):
-        cur = kv[step % 2]
-        works = exchange.start(cur, kv[(step + 1) % 2]) if step < r - 1 else None
-        compute(tasks, cur[0], cur[1])
+        works = exchange.start(kv[step % 2], kv[(step + 1) % 2]) if step < r - 1 else None
+        compute(tasks, *kv_views[step % 2])
         exchange.wait(works)
+    if sinks is not None:
+        merge_sink_(out, lse, sinks)
     return out.to(q.dtype), lse, None
 
 
 def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_index: list[int], plan: Plan,
-                  halo: list | None, *, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  halo: list | None, *, scale: float,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes). `halo`:
     what `ring_forward` received in halo mode, or None to receive those rows again (the compiled op
     cannot keep them: their count depends on the plan, which its fake does not know)."""
@@ -214,56 +245,64 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
             kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
             dq_b, dk_b, dv_b = kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
                                                _take(lse, rows, 2), causal=task.causal, scale=scale,
-                                               **task.kernel_kwargs())
+                                               **task.kernel_kwargs(softcap))
             _add_rows_(dq, rows, dq_b)
             grads.append((task.k_rows, heads.reduce(dk_b), heads.reduce(dv_b)))
         return grads
 
     def add(dkv, grads) -> None:
+        """Add the tasks' (key rows, dk, dv) into dkv = (dK view, dV view)."""
         for k_rows, dk_b, dv_b in grads:
             _add_rows_(dkv[0], k_rows, dk_b)
             _add_rows_(dkv[1], k_rows, dv_b)
 
     if plan.halo:
-        if halo is None:
-            works, halo = _halo_fetch(cp, plan, torch.stack([k, v]))
-            RingExchange.wait(works)
-        home = torch.zeros(2, *k.shape, dtype=acc, device=k.device)
-        add(home, compute(plan.steps[0], k, v))
-        ops, grads = [], [None] * r
-        for s in range(1, r):
-            if halo[s] is not None:  # my gradients for the rows I read from rank me - s go back to it
-                g = torch.zeros(halo[s].shape, dtype=acc, device=k.device)
-                add(g, compute(plan.steps[s], halo[s][0], halo[s][1]))
-                ops.append(dist.P2POp(dist.isend, g, cp.ring_ranks[(cp.ring_rank - s) % r], cp.ring_group_bwd))
-                count(cp, "ring_bwd", g.numel() * g.element_size())
-            if plan.send_rows[s] is not None:  # gradients of my rows that rank me + s read
-                rows = plan.send_rows[s]
-                n = len(range(k.shape[1])[rows]) if isinstance(rows, slice) else rows.numel()
-                grads[s] = torch.empty(2, k.shape[0], n, *k.shape[2:], dtype=acc, device=k.device)
-                ops.append(dist.P2POp(dist.irecv, grads[s], cp.ring_ranks[(cp.ring_rank + s) % r],
-                                      cp.ring_group_bwd))
-        RingExchange.wait(dist.batch_isend_irecv(ops) if ops else None)
-        for s in range(1, r):
-            if grads[s] is not None:
-                _add_rows_(home[0], plan.send_rows[s], grads[s][0])
-                _add_rows_(home[1], plan.send_rows[s], grads[s][1])
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
-    kv = _kv_buffers(k, v)
-    dkv = torch.zeros(2, 2, *k.shape, dtype=acc, device=k.device)  # travelling fp32 dK/dV
+        return _halo_backward(cp, plan, compute, add, dq, q.dtype, k, v, halo)
+    kv, kv_views = _fused(k, v, double=True)
+    kv_views[0][0].copy_(k)
+    kv_views[0][1].copy_(v)
+    dkv, dkv_views = _fused(k, v, acc, double=True, zero=True)  # travelling fp32 dK/dV
     kv_exchange = RingExchange(cp, cp.ring_group_bwd, "ring_bwd")
     dkv_exchange = RingExchange(cp, cp.ring_group_bwd, "ring_bwd")
     dkv_works = None
     for step, tasks in enumerate(plan.steps):
-        cur = kv[step % 2]
-        kv_works = kv_exchange.start(cur, kv[(step + 1) % 2]) if step < r - 1 else None
-        grads = compute(tasks, cur[0], cur[1])
+        kv_works = kv_exchange.start(kv[step % 2], kv[(step + 1) % 2]) if step < r - 1 else None
+        grads = compute(tasks, *kv_views[step % 2])
         dkv_exchange.wait(dkv_works)  # my travelling buffer for this block has arrived
-        mine = dkv[step % 2]
-        add(mine, grads)
+        add(dkv_views[step % 2], grads)
         if r > 1:
-            dkv_works = dkv_exchange.start(mine, dkv[(step + 1) % 2])
+            dkv_works = dkv_exchange.start(dkv[step % 2], dkv[(step + 1) % 2])
         kv_exchange.wait(kv_works)
     dkv_exchange.wait(dkv_works)
-    home = dkv[r % 2] if r > 1 else dkv[0]
+    home = dkv_views[r % 2] if r > 1 else dkv_views[0]
     return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+
+
+def _halo_backward(cp: "CPMesh", plan: Plan, compute, add, dq: torch.Tensor, q_dtype: torch.dtype, k: torch.Tensor,
+                   v: torch.Tensor, halo: list | None):
+    """`ring_backward` in halo mode: the gradients of the rows read from each peer go back to it (fused
+    dK|dV), and those of my rows the peers read come home and are added."""
+    r, acc = cp.ring_size, dq.dtype
+    if halo is None:
+        works, halo = _halo_fetch(cp, plan, k, v)
+        RingExchange.wait(works)
+    home = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=k.device))
+    add(home, compute(plan.steps[0], k, v))
+    ops, grads = [], [None] * r
+    for s in range(1, r):
+        if halo[s] is not None:  # my gradients for the rows I read from rank me - s go back to it
+            g, (g_views,) = _fused(halo[s][0], halo[s][1], acc, zero=True)
+            add(g_views, compute(plan.steps[s], halo[s][0], halo[s][1]))
+            ops.append(dist.P2POp(dist.isend, g, cp.ring_ranks[(cp.ring_rank - s) % r], cp.ring_group_bwd))
+            count(cp, "ring_bwd", g.numel() * g.element_size())
+        if plan.send_rows[s] is not None:  # gradients of my rows that rank me + s read
+            rows = plan.send_rows[s]
+            n = len(range(k.shape[1])[rows]) if isinstance(rows, slice) else rows.numel()
+            buf, (grads[s],) = _fused(k, v, acc, rows=n)
+            ops.append(dist.P2POp(dist.irecv, buf, cp.ring_ranks[(cp.ring_rank + s) % r], cp.ring_group_bwd))
+    RingExchange.wait(dist.batch_isend_irecv(ops) if ops else None)
+    for s in range(1, r):
+        if grads[s] is not None:
+            _add_rows_(home[0], plan.send_rows[s], grads[s][0])
+            _add_rows_(home[1], plan.send_rows[s], grads[s][1])
+    return dq.to(q_dtype), home[0].to(k.dtype), home[1].to(v.dtype)

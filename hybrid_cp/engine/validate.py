@@ -39,7 +39,7 @@ from ..errors import (
     ShapeError,
 )
 from .comm import comm_guard
-from .kernels import AttentionKernel, get_kernel, kernel_needs, takes_keyword_on
+from .kernels import AttentionKernel, can_on, get_kernel, kernel_needs, kernels_that_can
 from .layout import positions, row_layout
 
 VALIDATE_MODES = (True, "always", "debug", False)
@@ -303,9 +303,13 @@ class AttentionSignature(NamedTuple):
     backend: int = 0        # digest of the kernel's name
     needs_grad: int = 0
     head_chunks: int = 0
+    softcap: int = 0        # digest of the soft-cap (0: none)
+    sinks: int = 0          # digest of the sinks' shape and dtype (and values, validate="always"/"debug"); 0: none
+    v_head_dim: int = 0
 
     labels = ("batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-              "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks")
+              "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks",
+              "softcap (checksum)", "sinks (checksum)", "v head_dim")
 
 
 def _check_qkv(q, k, v, cp) -> None:
@@ -331,11 +335,12 @@ def _check_qkv(q, k, v, cp) -> None:
 
 def _check_shapes(q, k, v, cp, cu_seqlens) -> None:
     b, s, h, d = q.shape
-    if k.shape != v.shape:
-        raise ShapeError(f"k.shape={tuple(k.shape)} != v.shape={tuple(v.shape)}; k and v must match")
+    if k.shape[:3] != v.shape[:3]:
+        raise ShapeError(f"k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} differ in batch, local length or "
+                         f"KV heads; k and v may differ only in the head dim (the last one)")
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
         raise ShapeError(f"k.shape={tuple(k.shape)} does not match q.shape={tuple(q.shape)} in batch, "
-                         f"local length or head_dim; k/v must be [{b}, {s}, H_kv, {d}]")
+                         f"local length or head_dim; k must be [{b}, {s}, H_kv, {d}] (and v [{b}, {s}, H_kv, D_v])")
     hkv = k.shape[2]
     if hkv < 1 or h % hkv:
         raise ShapeError(f"q has {h} heads and k/v have {hkv}: the query heads must be a multiple of the "
@@ -350,7 +355,12 @@ def _check_shapes(q, k, v, cp, cu_seqlens) -> None:
                          f"documents into one row [1, total, ...] and describe them with cu_seqlens")
 
 
-def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window) -> AttentionKernel | None:
+_NEED_ARGUMENT = {"cu_seqlens_q": "cu_seqlens", "window": "window", "softcap": "softcap",
+                  "value_head_dim": "a v head dim that differs from q/k's"}
+
+
+def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window, *,
+                  softcap=None, v_head_dim: int | None = None) -> AttentionKernel | None:
     """The kernel the call runs (None for a plain local-attention callable), after checking it can
     do what the call asks."""
     if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
@@ -363,18 +373,18 @@ def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window) -> At
                               "padding; use a kernel backend, or for dense rows a length divisible by "
                               f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
         return None
-    needs = kernel_needs(cu_seqlens, window)
+    needs = kernel_needs(cu_seqlens, window, softcap, v_head_dim not in (None, q.shape[3]))
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], needs=needs)
     for keyword in needs:
-        if not takes_keyword_on(kernel, keyword, q.device):
-            raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword that "
-                              f"{'cu_seqlens' if keyword == 'cu_seqlens_q' else 'window'} needs; see "
-                              f"hybrid_cp/engine/kernels/__init__.py")
+        if not can_on(kernel, keyword, q.device):
+            raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} does not take the {keyword!r} keyword (or "
+                              f"capability) that {_NEED_ARGUMENT[keyword]} needs on {q.device.type}; kernels that "
+                              f"can: {kernels_that_can(keyword, q.device)}; see hybrid_cp/engine/kernels/__init__.py")
     return kernel
 
 
-def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens,
-                  window) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, *,
+                  softcap=None) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
     """Raise for inputs this rank can judge alone; return (layout, kernel, the window in effect)."""
     require_mesh(cp)
     _check_qkv(q, k, v, cp)
@@ -387,8 +397,61 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
         raise InputTypeError(f"causal={causal!r} must be a bool")
     lay = row_layout(cp, local_len=q.shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
     window = lay.effective_window(causal, window)
-    kernel = _check_kernel(q, cp, lay, causal, backend, cu_seqlens, window)
+    kernel = _check_kernel(q, cp, lay, causal, backend, cu_seqlens, window, softcap=softcap, v_head_dim=v.shape[3])
     return lay, kernel, (None if kernel is None else window)
+
+
+# ---- attention variants: logit soft-cap -----------------------------------------------------------
+
+def is_softcap(value: Any) -> bool:
+    """None (no soft-cap) or a positive finite number that is not a bool."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and math.isfinite(value) and value > 0)
+
+
+def check_variants(backend, softcap, sinks) -> None:
+    """The variant arguments' own rules: `softcap` a positive finite number or None; a plain
+    local-attention callable computes plain softmax attention, so it refuses soft-caps and sinks."""
+    if not is_softcap(softcap):
+        raise ConfigError(f"softcap={softcap!r} must be a positive finite number (scores = softcap * "
+                          f"tanh(scores / softcap), Gemma 2's attn_logit_softcapping, e.g. 50.0) or None for none")
+    plain = callable(backend) and not isinstance(backend, (str, AttentionKernel))
+    for name, value in (("softcap", softcap), ("sinks", sinks)):
+        if plain and value is not None:
+            raise ConfigError(f"{name}= needs a kernel backend: a plain local-attention callable computes plain "
+                              f"softmax attention; use backend='auto' or a registered kernel")
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """`sinks`: None or a floating [H] tensor (one logit per query head, all H heads) on q's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise InputTypeError(f"sinks must be a torch.Tensor [H] (one logit per query head) or None, got "
+                             f"{type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise InputTypeError(f"sinks.dtype={sinks.dtype} is not floating point; pass the sink logits as a float tensor")
+    if tuple(sinks.shape) != (q.shape[2],):
+        raise ShapeError(f"sinks has shape {tuple(sinks.shape)}; it must be [H] = [{q.shape[2]}], one logit per "
+                         f"query head (all heads, the same on every cp rank)")
+    if sinks.device != q.device:
+        raise ConfigError(f"sinks is on {sinks.device} but q is on {q.device}; move sinks to {q.device}")
+
+
+def variant_fields(cp, signature: AttentionSignature, softcap, sinks) -> AttentionSignature:
+    """The signature's variant fields (digests, so that ranks that differ name the field). The sinks' values
+    are compared only under validate="always"/"debug" (a host copy of H numbers per call; under True a
+    learnable parameter's new values every step would defeat the prediction of repeated calls)."""
+    sink_sig = 0
+    if sinks is not None:
+        values = sinks.detach().double().cpu().tolist() if cp.validate in ("always", "debug") else None
+        sink_sig = digest((tuple(sinks.shape), str(sinks.dtype), values))
+    return signature._replace(softcap=0 if softcap is None else digest(float(softcap)), sinks=sink_sig)
+
+
+def v_head_dim_field(signature: AttentionSignature, v: torch.Tensor) -> AttentionSignature:
+    """The value head dim in the signature (q/k's is `head_dim`)."""
+    return signature._replace(v_head_dim=v.shape[3])
 
 
 def attention_signature(q, k, lay: Layout, kernel, backend, causal, window, needs_grad: int,
@@ -418,7 +481,8 @@ def op_window(window: Any) -> tuple[bool, list[int] | None]:
 
 
 def op_expressible(q, k, v, cp, *, causal: Any, softmax_scale: Any, return_lse: Any, backend_key: str,
-                   seq_len: Any, cu_seqlens: Any, window: Any, head_chunks: Any) -> bool:
+                   seq_len: Any, cu_seqlens: Any, window: Any, head_chunks: Any, softcap: Any = None,
+                   sinks: Any = None) -> bool:
     """Whether an `hcp.attention` call's arguments have the types the compiled custom op takes
     (`backend_key`: a kernel name or registry key, "" for anything else). Values are not judged
     here: the op runs `checked_call`, and a call that is not expressible runs eagerly, which raises
@@ -427,13 +491,15 @@ def op_expressible(q, k, v, cp, *, causal: Any, softmax_scale: Any, return_lse: 
             and op_window(window)[0] and isinstance(causal, bool) and isinstance(return_lse, bool)
             and is_int(head_chunks) and head_chunks == 1 and backend_key != ""
             and (softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)))
-            and (seq_len is None or is_int(seq_len))
+            and (seq_len is None or is_int(seq_len)) and is_softcap(softcap)
+            and (sinks is None or isinstance(sinks, torch.Tensor))
             and (cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)
                  or (isinstance(cu_seqlens, (list, tuple)) and all(is_int(x) for x in cu_seqlens))))
 
 
 def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, head_chunks: int,
-                 needs_grad: int) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+                 needs_grad: int, *, softcap=None, sinks=None) -> tuple[Layout, AttentionKernel | None,
+                                                                        tuple | int | None]:
     """Every check of an attention call, before any collective: this rank's own (`_local_checks`), then,
     with `cp.validate`, the cross-rank agreement on the call's `AttentionSignature`, so that a rank that
     failed or differs makes every rank raise. Returns (layout, kernel, the window in effect). `needs_grad`
@@ -441,12 +507,16 @@ def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlen
     error, signature, result = None, AttentionSignature(causal=int(causal) if isinstance(causal, bool) else -1), None
     try:
         positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
-        result = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window)
+        check_variants(backend, softcap, sinks)
+        result = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
+                               softcap=softcap)
+        check_sinks(sinks, q)
         lay, kernel, window = result
         if head_chunks > 1 and kernel is None:
             raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
                               f"local-attention callable runs all heads at once: use head_chunks=1")
         signature = attention_signature(q, k, lay, kernel, backend, causal, window, needs_grad, head_chunks)
+        signature = v_head_dim_field(variant_fields(cp, signature, softcap, sinks), v)
     except (TypeError, ValueError) as exc:
         if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
             exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))

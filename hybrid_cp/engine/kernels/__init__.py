@@ -13,8 +13,11 @@ naming), max_seqlen_q, max_seqlen_k: q is then [1, total_q, H, D], k/v [1, total
 segment i is queries cu_seqlens_q[i]:[i+1] against keys cu_seqlens_k[i]:[i+1] (causal segments are
 square). Sliding windows add `window` = (left, right): flash-attn's bottom-right aligned
 window_size (key j visible to query i iff -left <= j - i - (Sk - Sq) <= right; -1 unbounded).
-Kernels without packed or window support need not take these keywords: the engine passes them
-only when a call needs them, and says so if a kernel refuses them.
+A logit soft-cap adds `softcap` = c > 0: scores = c * tanh(q.k * scale / c), then the mask (Gemma 2;
+math, flash and fa4 take it). Kernels without packed, window or soft-cap support need not take these
+keywords: the engine passes them only when a call needs them, and says so if a kernel refuses them.
+v may have its own head dim Dv (out is then [B, Sq, H, Dv]) only in a kernel that declares the
+"value_head_dim" capability (`capabilities` attribute, protocol.CAPABILITIES; math only).
 `backward` receives the *final* out and lse of the whole attention (not of this block), which is
 what makes a block's gradient exact in ring attention. dk/dv come back with H_kv heads.
 
@@ -36,12 +39,13 @@ from .cudnn import CuDNNKernel
 from .fa4 import FA4Kernel
 from .flash import FlashAttnKernel
 from .math import MathKernel
-from .protocol import AttentionKernel, takes_keyword, takes_keyword_on
+from .protocol import CAPABILITIES, AttentionKernel, can_on, takes_keyword, takes_keyword_on
 from .registry import (
                        CUDA_AUTO_ORDER,
                        available_kernels,
                        get_kernel,
                        kernel_needs,
+                       kernels_that_can,
                        register_kernel,
                        registered_kernels,
                        select_kernel,
@@ -50,7 +54,7 @@ from .sdpa import SDPAKernel
 from .selftest import CHECK_SIZES, SELF_TEST_TOL, kernel_errors, self_test, self_test_results
 from .torch_flash import TorchFlashKernel
 
-__all__ = ["AttentionKernel", "register_kernel", "get_kernel", "available_kernels", "registered_kernels",
+__all__ = ["AttentionKernel", "CAPABILITIES", "can_on", "kernels_that_can", "register_kernel", "get_kernel", "available_kernels", "registered_kernels",
            "kernel_needs", "takes_keyword", "takes_keyword_on", "self_test", "self_test_results", "kernel_errors",
            "CHECK_SIZES", "SELF_TEST_TOL", "select_kernel", "CUDA_AUTO_ORDER", "MathKernel", "SDPAKernel",
            "FlashAttnKernel", "TorchFlashKernel", "CuDNNKernel", "FA4Kernel"]

@@ -10,7 +10,9 @@ return five values where older ones returned two. FA4 compiles each new configur
 Choices (see docs/benchmarks.md, "GPU kernels"): the backward needs sm90 or newer, so the kernel
 requires sm90+. Packed documents run as one call per segment (varlen.py), and sliding windows are
 not taken (no `window` keyword; use torch-flash): in the FA4 source this adapter was written against
-(flash_attn/cute/interface.py, 2026), the sm90 backward asserts on both.
+(flash_attn/cute/interface.py, 2026), the sm90 backward asserts on both. A logit soft-cap
+(`softcap`, Gemma 2) is FA4's own `softcap` argument of `_flash_attn_fwd` (None: off) and
+`_flash_attn_bwd` (0.0: off); not run on a GPU by this package's tests (fake-module tests only).
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ class FA4Kernel:
         return None
 
     @per_segment_forward
-    def forward(self, q, k, v, *, causal: bool, scale: float):
+    def forward(self, q, k, v, *, causal: bool, scale: float, softcap: float | None = None):
         res = _fa4_module()._flash_attn_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-                                            softmax_scale=scale, causal=causal, return_lse=True)
+                                            softmax_scale=scale, causal=causal, softcap=softcap, return_lse=True)
         out, lse = res[0], res[1]
         if lse is None:
             raise RuntimeError("flash-attn-4's _flash_attn_fwd returned no lse despite return_lse=True; this "
@@ -59,9 +61,9 @@ class FA4Kernel:
         return out, lse.float()
 
     @per_segment_backward
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, softcap: float | None = None):
         res = _fa4_module()._flash_attn_bwd(
             q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), dout=dout.contiguous(),
-            lse=lse.float().contiguous(), softmax_scale=scale, causal=causal,
+            lse=lse.float().contiguous(), softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0),
             deterministic=torch.are_deterministic_algorithms_enabled())
         return res[0], res[1], res[2]

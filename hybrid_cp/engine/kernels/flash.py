@@ -3,7 +3,9 @@
 Import-guarded: the package works without flash-attn. flash-attn handles GQA natively, and packed
 segments through its varlen entry points (flash-attn 3: the same entry points with cu_seqlens).
 The private forward/backward entry points changed signature across releases, so arguments are
-passed by name after inspecting the installed version.
+passed by name after inspecting the installed version. A logit soft-cap (`softcap`, Gemma 2) is
+flash-attn's own `softcap` argument of both the forward and the backward (2.6+ and 3; an older
+release without it raises instead of dropping a non-zero soft-cap).
 """
 
 from __future__ import annotations
@@ -82,12 +84,12 @@ class FlashAttnKernel:
         return fa_class_reason("flash-attn", device, dtype, head_dim)
 
     def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=None, max_seqlen_k=None):
+                max_seqlen_q=None, max_seqlen_k=None, softcap: float | None = None):
         mod, version = _flash_module()
         q, k, v = (x.contiguous() for x in (q, k, v))
         left, right = window if window is not None else (-1, -1)
         common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
-                      softcap=0.0, alibi_slopes=None, return_softmax=False)
+                      softcap=float(softcap or 0.0), alibi_slopes=None, return_softmax=False)
         if cu_seqlens_q is None:
             res = _call(mod._flash_attn_forward, q=q, k=k, v=v, **common)
         else:  # packed segments: [1, total, H, D] -> flash-attn's [total, H, D]
@@ -101,13 +103,13 @@ class FlashAttnKernel:
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softcap: float | None = None):
         mod, version = _flash_module()
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         left, right = window if window is not None else (-1, -1)
         common = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
-                      softcap=0.0, alibi_slopes=None, rng_state=None,
+                      softcap=float(softcap or 0.0), alibi_slopes=None, rng_state=None,
                       deterministic=torch.are_deterministic_algorithms_enabled())
         if cu_seqlens_q is None:
             _call(mod._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.contiguous(),

@@ -1,4 +1,5 @@
-"""What a kernel is: the `AttentionKernel` interface and which optional keywords a kernel takes."""
+"""What a kernel is: the `AttentionKernel` interface, which optional keywords a kernel takes, and which
+capabilities it declares (what a call may need that is not a keyword: `CAPABILITIES`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,20 @@ class AttentionKernel(Protocol):
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
                  scale: float, **varlen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+CAPABILITIES = ("value_head_dim",)
+"""Needs a kernel declares in a `capabilities` attribute because no keyword carries them:
+"value_head_dim": v's head dim may differ from q/k's (out has v's; MLA after decompression)."""
+
+
+def can_on(kernel: AttentionKernel, need: str, device: torch.device) -> bool:
+    """Whether the kernel can do `need` on this device type: a capability it declares (less those it
+    `refuses` there), or a keyword it takes (`takes_keyword_on`)."""
+    if need in CAPABILITIES:
+        return need in getattr(kernel, "capabilities", ()) and need not in getattr(kernel, "refuses", {}).get(
+            device.type, ())
+    return takes_keyword_on(kernel, need, device)
 
 
 def takes_keyword_on(kernel: AttentionKernel, name: str, device: torch.device) -> bool:

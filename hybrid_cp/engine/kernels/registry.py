@@ -18,7 +18,7 @@ from .cudnn import CuDNNKernel
 from .fa4 import FA4Kernel
 from .flash import FlashAttnKernel
 from .math import MathKernel
-from .protocol import AttentionKernel, takes_keyword_on
+from .protocol import AttentionKernel, can_on
 from .sdpa import SDPAKernel
 from .selftest import cached_self_test
 from .torch_flash import TorchFlashKernel
@@ -44,9 +44,16 @@ def registered_kernels() -> dict[str, AttentionKernel]:
     return dict(_REGISTRY)
 
 
-def kernel_needs(cu_seqlens, window) -> list[str]:
-    """The kernel keywords a call passes beyond the dense ones (what "auto" must find a kernel for)."""
-    return [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window")) if needed]
+def kernel_needs(cu_seqlens, window, softcap=None, value_head_dim: bool = False) -> list[str]:
+    """The kernel keywords a call passes beyond the dense ones, and the capabilities it needs
+    (protocol.CAPABILITIES): what "auto" must find a kernel for."""
+    return [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window"),
+                                  (softcap is not None, "softcap"), (value_head_dim, "value_head_dim")) if needed]
+
+
+def kernels_that_can(need: str, device: torch.device) -> list[str]:
+    """The registered kernels that take keyword (or declare capability) `need` on this device type."""
+    return [name for name, kernel in sorted(_REGISTRY.items()) if can_on(kernel, need, device)]
 
 
 def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torch.dtype,
@@ -106,9 +113,9 @@ def select_kernel(order: Iterable[str], kernels: Mapping[str, AttentionKernel], 
         kernel = kernels.get(name)
         reason = "not registered" if kernel is None else kernel.supports(device, dtype, head_dim)
         if reason is None:
-            missing = [n for n in needs if not takes_keyword_on(kernel, n, device)]
+            missing = [n for n in needs if not can_on(kernel, n, device)]
             if missing:
-                reason = f"does not take the keyword(s) {missing} this call needs"
+                reason = f"does not take the keyword(s) or capability {missing} this call needs"
         if reason is None and probe is not None:
             try:
                 probe(kernel, device, dtype, head_dim)
