@@ -125,8 +125,10 @@ VARIANT_RUNS = {
     (1, 4): [dict(name=t, kind=t, hkv=None, generic=True) for t in ("gpt_oss", "gemma2", "deepseek_v3", "llama4_text")]
     + [dict(name="llama4_text packed", kind="llama4_text", packed=True)],
     (2, 2): [dict(name="llama4_text packed", kind="llama4_text", packed=True),
-             dict(name="gpt_oss packed", kind="gpt_oss", packed=True),
-             dict(name="gpt_oss fsdp", kind="gpt_oss", hkv=None, generic=True, fsdp=True)],
+             dict(name="gpt_oss packed, head chunks (in hcp.attention: sinks)", kind="gpt_oss", packed=True,
+                  head_chunks=2),
+             dict(name="gpt_oss fsdp", kind="gpt_oss", hkv=None, generic=True, fsdp=True),
+             dict(name="gemma2 packed, module head chunks", kind="gemma2", packed=True, head_chunks=2)],
 }
 
 
