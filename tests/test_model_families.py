@@ -140,3 +140,8 @@ def test_attention_variant_families_match_single_process(pool, mesh):
             assert not errors["missing"], (name, errors)
             assert errors["loss"] <= TOL and errors.get("logits", 0.0) <= TOL, (name, rank, errors)
             assert errors["grad"] <= 10 * TOL, (name, rank, errors)
+
+
+def test_chunked_layers_refuse_module_level_head_chunks(pool):
+    for msg in pool.run("train_cases:chunked_module_chunks", u=1, r=4):
+        assert msg is not None and "chunked-attention layer" in msg and "chunk_projections=False" in msg, msg
