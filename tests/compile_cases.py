@@ -25,10 +25,10 @@ VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
 class TinyModel(nn.Module):
     """embedding -> q/k/v projections -> hcp.attention -> output projection -> MLP -> local loss sum."""
 
-    def __init__(self, cp: hcp.CPMesh, seq_len: int, window=None):
+    def __init__(self, cp: hcp.CPMesh, seq_len: int, window=None, chunk_size=None):
         super().__init__()
         torch.manual_seed(0)
-        self.cp, self.seq_len, self.window = cp, seq_len, window
+        self.cp, self.seq_len, self.window, self.chunk_size = cp, seq_len, window, chunk_size
         self.emb = nn.Embedding(VOCAB, HIDDEN)
         self.q = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
         self.k = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
@@ -45,7 +45,7 @@ class TinyModel(nn.Module):
         k = self.k(x).view(b, s, KV_HEADS, HEAD_DIM)
         v = self.v(x).view(b, s, KV_HEADS, HEAD_DIM)
         a = hcp.attention(q, k, v, self.cp, causal=True, window=self.window, cu_seqlens=cu_seqlens,
-                          seq_len=None if cu_seqlens is not None else self.seq_len)
+                          seq_len=None if cu_seqlens is not None else self.seq_len, chunk_size=self.chunk_size)
         x = x + self.o(a.reshape(b, s, HEADS * HEAD_DIM))
         x = x + self.down(F.gelu(self.up(x)))
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
@@ -74,7 +74,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: bool = False, window=None,
-           seq_len: int = 64) -> dict | None:
+           seq_len: int = 64, chunk_size: int | None = None) -> dict | None:
     """Compile the tiny model (fullgraph) and run `steps` steps with new data against eager: loss and
     gradient errors per step, compiles, graph breaks, whether the custom op is in the graph, and
     timings (first compiled step = compile time; later steps: compiled vs eager)."""
@@ -87,8 +87,8 @@ def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: b
         return None
     torch._dynamo.reset()
     counters.clear()
-    eager = TinyModel(cp, seq_len, window)
-    model = TinyModel(cp, seq_len, window)
+    eager = TinyModel(cp, seq_len, window, chunk_size)
+    model = TinyModel(cp, seq_len, window, chunk_size)
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     rows = []
@@ -105,7 +105,7 @@ def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: b
             g_ref, g = _grads(eager), _grads(model)
             lay = row_layout(cp, local_len=ids.shape[1], seq_len=None if packed else seq_len, cu_seqlens=cu,
                              causal=True)
-            halo = block_plan(lay, cp.ring_rank, True, ids.device, lay.effective_window(True, window)).halo
+            halo = block_plan(lay, cp.ring_rank, True, ids.device, lay.effective_window(True, window), chunk_size).halo
             rows.append({"loss": _rel(loss.detach(), ref.detach()), "halo": halo,
                          "grads": max(_rel(g[n], g_ref[n]) for n in g_ref),
                          "eager_s": t1 - t0, "compiled_s": t2 - t1})

@@ -586,3 +586,22 @@ def test_variant_capabilities_of_each_kernel():
     assert kernels.kernels_that_can("softcap", cpu) == ["fa4", "flash", "math"]
     name, skipped = kernels.select_kernel(["sdpa", "math"], every, cpu, torch.float32, 16, needs=["value_head_dim"])
     assert name == "math" and "value_head_dim" in skipped[0][1]
+
+
+class _IgnoresSoftcap(MathKernel):
+    """Takes the soft-cap keyword but computes plain attention: what the soft-cap self-test must catch."""
+    name = "ignores-softcap"
+
+    def forward(self, q, k, v, *, causal, scale, softcap=None, **kw):
+        return MathKernel.forward(self, q, k, v, causal=causal, scale=scale, **kw)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, softcap=None, **kw):
+        return MathKernel.backward(self, dout, q, k, v, out, lse, causal=causal, scale=scale, **kw)
+
+
+def test_self_test_checks_the_softcap_only_when_a_call_needs_it(fake_ops):
+    cpu = torch.device("cpu")
+    selftest.self_test(_IgnoresSoftcap(), cpu, torch.float32, 16)   # no soft-cap asked: passes
+    with pytest.raises(AssertionError, match="softcap 1 causal"):
+        selftest.self_test(_IgnoresSoftcap(), cpu, torch.float32, 16, needs=("softcap",))
+    selftest.self_test(fa4.FA4Kernel(), cpu, torch.float32, 16, needs=("softcap",))   # passes it on

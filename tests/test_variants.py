@@ -118,3 +118,53 @@ def test_single_device_variants_and_callable_with_dv():
         assert (got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1)
     plain = hcp.attention(q, k, v, mesh_description(1, 1), backend=lambda q, k, v: q[..., :4])
     assert plain.shape == (1, 16, 4, 4)
+
+
+def _module_project(d: int, dv: int, n: int, q_ranges, sinks=None):
+    """project(j, tensors) of a tiny attention module: chunk j's q heads and KV head j from x [1, n, hidden]."""
+    import torch.nn.functional as F
+
+    from hybrid_cp.engine.modulechunk import Projected
+
+    def project(j, tensors):
+        x, wq, wk, wv = tensors[:4]
+        qa, qb = q_ranges[j]
+        q = F.linear(x, wq[qa * d:qb * d]).view(1, n, qb - qa, d)
+        k = F.linear(x, wk[j * d:(j + 1) * d]).view(1, n, 1, d)
+        v = F.linear(x, wv[j * dv:(j + 1) * dv]).view(1, n, 1, dv)
+        return Projected(q, k, v, {"causal": True, "seq_len": n, "softcap": 2.0, "sinks": sinks})
+    return project
+
+
+def test_module_chunks_with_a_value_head_dim_and_softcap():
+    """Module-level head chunks (one process): v's head dim sizes the output and its projection's slices;
+    output and every gradient equal one hcp.attention call over all heads."""
+    import torch.nn.functional as F
+
+    from hybrid_cp.engine.modulechunk import pipelined_module_chunks
+
+    g = torch.Generator().manual_seed(3)
+    h, d, dv, n, hidden, q_ranges = 4, 8, 4, 16, 12, [(0, 2), (2, 4)]
+    x, wq, wk, wv, wo = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_() for s in
+                         ((1, n, hidden), (h * d, hidden), (2 * d, hidden), (2 * dv, hidden), (hidden, h * dv)))
+    cp = mesh_description(1, 1)
+    y = pipelined_module_chunks(_module_project(d, dv, n, q_ranges), q_ranges, [1, 1], cp, 1, [x], [wq, wk, wv],
+                                wo, None)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, wq, wk, wv, wo), dy)
+    q, k, v = (F.linear(x, w).view(1, n, -1, e) for w, e in ((wq, d), (wk, d), (wv, dv)))
+    ref_y = F.linear(hcp.attention(q, k, v, cp, causal=True, softcap=2.0).flatten(2), wo)
+    want = torch.autograd.grad(ref_y, (x, wq, wk, wv, wo), dy)
+    assert (y - ref_y).abs().max() <= 1e-12 * ref_y.abs().max()
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+
+
+def test_module_chunks_refuse_sinks():
+    from hybrid_cp.engine.modulechunk import pipelined_module_chunks
+
+    n, q_ranges = 16, [(0, 2), (2, 4)]
+    x, wq, wk, wv, wo = (torch.randn(*s) for s in ((1, n, 12), (32, 12), (16, 12), (16, 12), (12, 32)))
+    with pytest.raises(hcp.ConfigError, match="module-level head chunks do not take attention sinks"):
+        pipelined_module_chunks(_module_project(8, 8, n, q_ranges, sinks=torch.zeros(4)), q_ranges, [1, 1],
+                                mesh_description(1, 1), 1, [x], [wq, wk, wv], wo, None)

@@ -140,6 +140,7 @@ def comm_bytes(
     window: Any = None,
     ring_rank: int | None = None,
     v_head_dim: int | None = None,
+    chunk_size: int | None = None,
 ) -> dict[str, int]:
     """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
 
@@ -150,7 +151,8 @@ def comm_bytes(
     padding decides the local length, the formulas are the same. With a sliding ``window`` (an int W
     with ``causal``, or ``(left, right)``) short enough for the engine's halo exchange, a rank sends
     each ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring
-    values then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks).
+    values then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks). Attention
+    chunks (``chunk_size``, Llama 4's attention_chunk_size) take the halo exchange the same way.
     ``v_head_dim``: v's head dim when it differs from q/k's ``head_dim`` (MLA; None: the same).
     """
     check_counts(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
@@ -163,7 +165,7 @@ def comm_bytes(
     dv = head_dim if v_head_dim is None else v_head_dim
     unit, unit_v = batch * s * head_dim * dtype_bytes, batch * s * dv * dtype_bytes
     window = lay.effective_window(causal, window)
-    halo = lay.halo(causal, window)
+    halo = lay.halo(causal, window, chunk_size)
     ring_ranks = range(ring) if ring_rank is None else [ring_rank]
     ranks = range(ulysses) if ulysses_rank is None else [ulysses_rank]
     if ulysses_rank is not None and not 0 <= ulysses_rank < ulysses:
@@ -178,8 +180,9 @@ def comm_bytes(
         row = batch * split[i][3] * (head_dim + dv)  # K/V elements of one token row
         if halo:  # rows my peers read from me go out; gradients of rows I read go back
             def sent(j: int) -> tuple[int, int]:
-                out_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows((j + st) % ring, st, causal, window))
-                back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, causal, window))
+                out_rows = sum(n for st in range(1, ring)
+                               for _, n in lay.needed_rows((j + st) % ring, st, causal, window, chunk_size))
+                back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, causal, window, chunk_size))
                 return out_rows * row * dtype_bytes, back_rows * row * GRAD_BYTES
             ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
         else:
@@ -377,10 +380,10 @@ class _Call:
         """Bytes of one head's local rows: what :func:`_a2a_peer_bytes` counts in."""
         return self.batch * self.lay.local_len * self.head_dim * self.e
 
-    def sent_bytes(self, window: Any = None) -> dict[str, int]:
+    def sent_bytes(self, window: Any = None, chunk_size: int | None = None) -> dict[str, int]:
         """:func:`comm_bytes` of this call (the backward's zero for a forward-only call)."""
         nbytes = comm_bytes(self.heads, self.kv_heads, self.head_dim, self.seq_len, self.batch, self.ulysses,
-                            self.ring, self.e, self.layout, causal=self.causal, window=window)
+                            self.ring, self.e, self.layout, causal=self.causal, window=window, chunk_size=chunk_size)
         if not self.backward:
             nbytes.update(ulysses_bwd=0, ring_bwd=0)
         return nbytes
@@ -420,6 +423,7 @@ def estimate(
     causal: bool = True,
     backward: bool = True,
     window: int | None = _MODEL_WINDOW,
+    chunk_size: int | None = None,
 ) -> Estimate:
     """Predict time, bytes and memory of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
@@ -429,8 +433,10 @@ def estimate(
     A model with ``sliding_window`` (causal) is priced as its average layer: ``window_layers`` of
     its ``layers`` with the window (skipped blocks, halo exchange), the rest full; memory is the
     larger of the two. ``window=W`` (or None) prices one layer with that window (or none) instead.
+    ``chunk_size=C`` prices the layers with chunked attention (Llama 4's attention_chunk_size), from
+    the same block plan the engine runs.
     """
-    kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
+    kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, backward=backward, chunk_size=chunk_size)
     if window is not _MODEL_WINDOW:
         return _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
     window = model.sliding_window if causal and (model.sliding_window or 0) < seq_len else None
@@ -458,7 +464,8 @@ def _average_layer(win: Estimate, full: Estimate, share: float, note: str) -> Es
 
 
 def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
-               dtype: Any, layout: str, causal: bool, backward: bool, window: Any) -> Estimate:
+               dtype: Any, layout: str, causal: bool, backward: bool, window: Any,
+               chunk_size: int | None = None) -> Estimate:
     """:func:`estimate` of one layer with ``window`` (or none): the analytic terms, then the measured
     ones where the cluster carries a calibration."""
     check_counts(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
@@ -470,14 +477,18 @@ def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, 
             f"{cluster.world_size} GPUs ({cluster.nodes} x {cluster.gpus_per_node})"
         )
     lay, acc = call.lay, cluster.accelerator
-    window = lay.effective_window(causal, window)
-    halo = lay.halo(causal, window)
-    busiest_share, window_share = _window_shares(lay, causal, window)
-    nbytes = call.sent_bytes(window)
+    window, chunk = lay.effective_window(causal, window), lay.effective_chunk(chunk_size)
+    halo = lay.halo(causal, window, chunk)
+    busiest_share, window_share = _window_shares(lay, causal, window, chunk)
+    nbytes = call.sent_bytes(window, chunk)
     times = _analytic_times(cluster, call, busiest_share, nbytes, halo)
     notes = _analytic_notes(call, acc, window, halo)
+    if chunk is not None:
+        notes.append(f"{chunk}-token attention chunks: blocks in other chunks are skipped"
+                     + ("; only the halo rows are exchanged" if halo else ""))
     if cluster.calibration is not None:
-        times, measured_notes = _calibrated_times(cluster, call, dtype, window, busiest_share, nbytes, times)
+        times, measured_notes = _calibrated_times(cluster, call, dtype, window, busiest_share, nbytes, times,
+                                                  chunk)
         notes += measured_notes
     mem = _memory_breakdown(call, model)
     return Estimate(
@@ -494,12 +505,12 @@ def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, 
 # analytic terms (docs/planner.md, sections 2-3): priced from the cluster's links and accelerator
 
 
-def _window_shares(lay: Any, causal: bool, window: Any) -> tuple[float, float]:
-    """Of the windowless attention work, the share a window keeps on the busiest ring rank (which
-    sets the time) and over all ranks (which sets the useful FLOPs); (1, 1) without a window."""
-    if window is None:
+def _window_shares(lay: Any, causal: bool, window: Any, chunk_size: int | None = None) -> tuple[float, float]:
+    """Of the unmasked attention work, the share a window (and attention chunks) keep on the busiest
+    ring rank (which sets the time) and over all ranks (which sets the useful FLOPs); (1, 1) without."""
+    if window is None and chunk_size is None:
         return 1.0, 1.0
-    with_w, without = lay.work(causal, window), lay.work(causal)
+    with_w, without = lay.work(causal, window, chunk_size), lay.work(causal)
     return max(map(sum, with_w)) / max(map(sum, without)), sum(map(sum, with_w)) / sum(map(sum, without))
 
 
@@ -647,13 +658,13 @@ def _exposed(comm: float, compute: float, overlap: float) -> float:
 
 
 def _calibrated_times(cluster: Cluster, call: _Call, dtype: Any, window: Any, busiest_share: float,
-                      nbytes: dict[str, int], analytic: _Times) -> tuple[_Times, list[str]]:
-    """The analytic times replaced by the measured ones; a window scales the calibrated kernel and
-    ring terms by the work and the ring bytes it keeps."""
+                      nbytes: dict[str, int], analytic: _Times, chunk: int | None = None) -> tuple[_Times, list[str]]:
+    """The analytic times replaced by the measured ones; a window (or attention chunks) scales the
+    calibrated kernel and ring terms by the work and the ring bytes it keeps."""
     parts = _calibrated_parts(cluster.calibration, cluster, call, dtype)
     kernel_fwd, kernel_bwd = parts["kernel_fwd_s"], parts["kernel_bwd_s"]
     ring_comm, ring_exposed = parts["ring_comm_s"], parts["ring_exposed_s"]
-    if window is not None:
+    if window is not None or chunk is not None:
         kernel_fwd, kernel_bwd = kernel_fwd * busiest_share, kernel_bwd * busiest_share
         full = comm_bytes(call.heads, call.kv_heads, call.head_dim, call.seq_len, call.batch, call.ulysses, call.ring,
                           call.e, call.layout, causal=call.causal)

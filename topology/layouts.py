@@ -274,20 +274,33 @@ class Layout:
             return None
         return window if causal else tuple(window)
 
-    def tasks(self, ring_rank: int, step: int, causal: bool, window=None) -> tuple[Step, ...]:
+    def effective_chunk(self, chunk_size: int | None) -> int | None:
+        """`chunk_size` validated, or None when no document is longer than one chunk (then the plain
+        plan is the same attention)."""
+        if chunk_size is None:
+            return None
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1 (positions per attention chunk, "
+                             f"Llama 4's attention_chunk_size) or None for no chunking")
+        return chunk_size if chunk_size < max(self.doc_lens, default=0) else None
+
+    def tasks(self, ring_rank: int, step: int, causal: bool, window=None,
+              chunk_size: int | None = None) -> tuple[Step, ...]:
         """What ring rank `ring_rank` computes at ring step `step` (keys from rank ring_rank - step):
-        one kernel call per mask; empty when the visiting block is invisible. Cached."""
+        one kernel call per mask; empty when the visiting block is invisible. With `chunk_size` C a
+        query at document position i sees only keys j with j // C == i // C. Cached."""
         cache = self.__dict__.setdefault("_task_cache", {})
-        key = (ring_rank, step, causal, tuple(window) if isinstance(window, list) else window)
+        chunk = self.effective_chunk(chunk_size)
+        key = (ring_rank, step, causal, tuple(window) if isinstance(window, list) else window, chunk)
         if key not in cache:
-            cache[key] = self._tasks(ring_rank, step, causal, window)
+            cache[key] = self._tasks(ring_rank, step, causal, window, chunk)
         return cache[key]
 
-    def _tasks(self, ring_rank: int, step: int, causal: bool, window) -> tuple[Step, ...]:
+    def _tasks(self, ring_rank: int, step: int, causal: bool, window, chunk: int | None) -> tuple[Step, ...]:
         src = (ring_rank - step) % self.ring
         queries = {sp.doc: sp for sp in self.spans(ring_rank) if sp.doc != PAD}
         keys = [sp for sp in self.spans(src) if sp.doc in queries]
-        if window is None:  # whole document spans: one pair per document and step
+        if window is None and chunk is None:  # whole document spans: one pair per document and step
             pairs = []
             for sp in keys:
                 q = queries[sp.doc]
@@ -300,12 +313,12 @@ class Layout:
             return (Step(tuple(pairs), causal and src == ring_rank),) if pairs else ()
         lo, hi = band(causal, window)
         groups: dict[tuple, list[list[tuple[int, int, int, int]]]] = {}
-        for sp in keys:  # chunk by chunk: a window's reach depends on document positions
-            q = queries[sp.doc]
-            q_row = q.row
-            for q_pos, nq in q.chunks:
-                k_row = sp.row
-                for k_pos, nk in sp.chunks:
+        for sp in keys:  # run by run: a window's reach and a chunk's bounds depend on document positions
+            by_chunk: dict[int, list[tuple[int, int, int]]] = {}
+            for run in _runs(sp, chunk):  # the visiting runs, by attention chunk
+                by_chunk.setdefault(0 if chunk is None else run[1] // chunk, []).append(run)
+            for q_row, q_pos, nq in _runs(queries[sp.doc], chunk):
+                for k_row, k_pos, nk in by_chunk.get(0 if chunk is None else q_pos // chunk, ()):
                     found = _chunk_pair(q_row, q_pos, nq, k_row, k_pos, nk, lo, hi)
                     if found is not None:
                         pair, is_causal, win = found
@@ -317,8 +330,6 @@ class Layout:
                             calls.append([pair])
                         else:
                             home.append(pair)
-                    k_row += nk
-                q_row += nq
         return tuple(Step(tuple(sorted(c)), mask[0], mask[1]) for mask, calls in sorted(groups.items(), key=str)
                      for c in calls)
 
@@ -327,9 +338,9 @@ class Layout:
         found = self.tasks(ring_rank, step, causal)
         return found[0] if found else None
 
-    def work(self, causal: bool = True, window=None) -> list[list[int]]:
+    def work(self, causal: bool = True, window=None, chunk_size: int | None = None) -> list[list[int]]:
         """Score entries each ring rank evaluates at each step, counted from the same plan the engine runs."""
-        return [[sum(t.work() for t in self.tasks(j, s, causal, window)) for s in range(self.ring)]
+        return [[sum(t.work() for t in self.tasks(j, s, causal, window, chunk_size)) for s in range(self.ring)]
                 for j in range(self.ring)]
 
     def work_imbalance(self, causal: bool = True) -> float:
@@ -338,14 +349,16 @@ class Layout:
         balance causal work (zigzag pairs chunks j and 2r-1-j; packed layouts balance by design)."""
         return 1.0
 
-    def kernel_calls(self, causal: bool = True, window=None) -> list[int]:
+    def kernel_calls(self, causal: bool = True, window=None, chunk_size: int | None = None) -> list[int]:
         """(query, key) segment pairs per ring rank over all steps: what its kernel calls carry."""
-        return [sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window))
+        return [sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window, chunk_size))
                 for j in range(self.ring)]
 
-    def needed_rows(self, ring_rank: int, step: int, causal: bool, window=None) -> list[tuple[int, int]]:
+    def needed_rows(self, ring_rank: int, step: int, causal: bool, window=None,
+                    chunk_size: int | None = None) -> list[tuple[int, int]]:
         """Merged (first row, count) runs of the visiting key block that the step's calls read."""
-        runs = sorted((a, n) for t in self.tasks(ring_rank, step, causal, window) for _, _, a, n in t.pairs)
+        runs = sorted((a, n) for t in self.tasks(ring_rank, step, causal, window, chunk_size)
+                      for _, _, a, n in t.pairs)
         merged: list[list[int]] = []
         for a, n in runs:
             if merged and a <= merged[-1][0] + merged[-1][1]:
@@ -354,14 +367,14 @@ class Layout:
                 merged.append([a, n])
         return [(a, n) for a, n in merged]
 
-    def halo(self, causal: bool, window) -> bool:
+    def halo(self, causal: bool, window, chunk_size: int | None = None) -> bool:
         """Whether exchanging only the key rows each rank reads (the halo) moves fewer rows, for every
         rank, than streaming whole blocks around the ring; decided identically on every rank."""
-        if window is None or self.ring == 1:
+        if (window is None and self.effective_chunk(chunk_size) is None) or self.ring == 1:
             return False
         ring_rows = (self.ring - 1) * self.block_len
-        return all(sum(n for s in range(1, self.ring) for _, n in self.needed_rows(j, s, causal, window)) < ring_rows
-                   for j in range(self.ring))
+        return all(sum(n for s in range(1, self.ring) for _, n in self.needed_rows(j, s, causal, window, chunk_size))
+                   < ring_rows for j in range(self.ring))
 
     def key(self) -> tuple:
         return (self.kind, self.ulysses, self.ring, self.doc_lens, self.block_len)
@@ -375,6 +388,18 @@ class Layout:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(u={self.ulysses}, r={self.ring}, docs={len(self.doc_lens)}, "
                 f"tokens={self.seq_len}, padded={self.padded_len})")
+
+
+def _runs(span: Span, chunk: int | None):
+    """(row, first document position, count) of the span's position runs, each cut at the multiples
+    of `chunk` (an attention chunk's bounds) when given."""
+    row = span.row
+    for pos, n in span.chunks:
+        end = pos + n
+        while pos < end:
+            stop = end if chunk is None else min(end, (pos // chunk + 1) * chunk)
+            yield row, pos, stop - pos
+            row, pos = row + stop - pos, stop
 
 
 def _visible_rectangle(q: Span, k: Span) -> tuple[int, int, int, int] | None:

@@ -34,7 +34,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
               cu_seqlens=None, window: int | tuple[int, int] | None = None, head_chunks: int = 1,
-              sinks: torch.Tensor | None = None, softcap: float | None = None):
+              sinks: torch.Tensor | None = None, softcap: float | None = None, chunk_size: int | None = None):
     """Exact attention over the whole row from this rank's shards.
 
     q is [B, S_local, H, D], k [B, S_local, H_kv, D] and v [B, S_local, H_kv, D_v] (D_v may differ from D:
@@ -48,6 +48,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     (transformers' sliding_window); with causal=False (left, right), query i sees keys i - left ..
     i + right (flash-attn's window_size). Positions count inside each document. Blocks no window
     reaches are skipped, and short windows exchange only the halo rows between ring ranks.
+    `chunk_size` C (Llama 4's attention_chunk_size): query i sees key j only if j // C == i // C
+    (positions inside each document), on the same layout; blocks in other chunks are skipped.
     `backend` is "auto", a registered kernel name, a kernel object, or (ring = 1, dense only) a
     plain callable attn(q, k, v) -> out run on the gathered sequence.
     `head_chunks` > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
@@ -65,18 +67,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
         result = compiled_attention(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                     backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                                    head_chunks=head_chunks, sinks=sinks, softcap=softcap)
+                                    head_chunks=head_chunks, sinks=sinks, softcap=softcap, chunk_size=chunk_size)
         if result is not None:
             return result
         return _outside_graph(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                               backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                              head_chunks=head_chunks, sinks=sinks, softcap=softcap)
+                              head_chunks=head_chunks, sinks=sinks, softcap=softcap, chunk_size=chunk_size)
     lay, kernel, window = checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
-                                       head_chunks, _needs_grad(q, k, v, sinks), softcap=softcap, sinks=sinks)
+                                       head_chunks, _needs_grad(q, k, v, sinks), softcap=softcap, sinks=sinks,
+                                       chunk_size=chunk_size)
     if kernel is None:  # plain local-attention callable (ring = 1)
         return _local_callable(q, k, v, cp, lay, backend)
     call = plan_call(cp, lay, kernel, window, causal, softmax_scale, tuple(q.shape), k.shape[2], q.device,
-                     head_chunks, softcap=softcap)
+                     head_chunks, softcap=softcap, chunk_size=chunk_size)
     if head_chunks > 1:
         from .headchunk import chunked_attention
 

@@ -35,11 +35,11 @@ import torch
 
 from .comm import acc_dtype
 from .heads import head_split
-from .kernels import AttentionKernel, get_kernel, kernel_needs
+from .kernels import AttentionKernel, get_kernel
 from .layout import row_layout
 from .mesh import CPMesh
 from .pipeline import AttentionCall, Saved, backward, forward, plan_call
-from .validate import checked_call, is_int, op_expressible, op_window
+from .validate import checked_call, is_int, kernel_keywords, op_expressible, op_window
 
 log = logging.getLogger("hybrid_cp")
 
@@ -99,26 +99,27 @@ def _window(arg: Optional[list[int]]) -> int | tuple[int, int] | None:
 
 
 def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
-              needs_grad: bool, softcap, sinks) -> tuple[Any, AttentionKernel, Any]:
+              needs_grad: bool, softcap, sinks, chunk_size: int | None = None) -> tuple[Any, AttentionKernel, Any]:
     """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
     head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
     return checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1, int(needs_grad),
-                        softcap=softcap, sinks=sinks)
+                        softcap=softcap, sinks=sinks, chunk_size=chunk_size)
 
 
 def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: torch.device, dtype: torch.dtype,
           causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, softcap, v_dim: int,
-          checked=None) -> AttentionCall:
+          checked=None, chunk_size: int | None = None) -> AttentionCall:
     """The call's plan handle (from `checked` = _validate's result, or recomputed without checks in
     backward: forward already validated the same arguments). `shape` is q's, `v_dim` v's head dim."""
     if checked is None:
         lay = row_layout(cp, local_len=shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
         window = lay.effective_window(causal, window)
-        kernel = get_kernel(backend, device, dtype, shape[3],
-                            needs=kernel_needs(cu_seqlens, window, softcap, v_dim != shape[3]))  # as forward
+        needs = kernel_keywords(lay, cu_seqlens, window, chunk_size, softcap, v_dim != shape[3])
+        kernel = get_kernel(backend, device, dtype, shape[3], needs=needs)  # as forward
     else:
         lay, kernel, window = checked
-    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device, softcap=softcap)
+    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device, softcap=softcap,
+                     chunk_size=chunk_size)
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
@@ -142,8 +143,8 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
 @torch.library.custom_op("hybrid_cp::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int,
                   backend: str, causal: bool, softmax_scale: Optional[float], seq_len: Optional[int],
-                  window: Optional[list[int]], needs_grad: bool, return_lse: bool, softcap: Optional[float],
-                  sinks: Optional[torch.Tensor]
+                  window: Optional[list[int]], needs_grad: bool, return_lse: bool, softcap: Optional[float] = None,
+                  sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor]:
     """Validated hybrid attention forward. Returns (out, lse or an empty tensor, and for backward: q, k, v,
@@ -151,9 +152,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     cp = registered_mesh(mesh)
     kernel_arg = _backend(backend)
     checked = _validate(q, k, v, cp, causal, softmax_scale, kernel_arg, seq_len, cu_seqlens, _window(window),
-                        needs_grad, softcap, sinks)
+                        needs_grad, softcap, sinks, chunk_size)
     call = _call(cp, tuple(q.shape), k.shape[2], q.device, q.dtype, causal, softmax_scale, kernel_arg, seq_len,
-                 cu_seqlens, None, softcap, v.shape[3], checked)
+                 cu_seqlens, None, softcap, v.shape[3], checked, chunk_size)
     out, lse, saved = forward(call, q, k, v, want_lse=return_lse, sinks=sinks)   # backward receives the halo rows again
     if lse is None:
         lse = saved.lse_h.new_empty(0)
@@ -173,7 +174,7 @@ def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad,
-                        return_lse, softcap, sinks):
+                        return_lse, softcap=None, sinks=None, chunk_size=None):
     cp = registered_mesh(mesh)
     b, s, h, d = q.shape
     nq, nkv = _own_heads(cp, h, k.shape[2])
@@ -190,13 +191,13 @@ def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scal
 def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                   lse_h: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int, backend: str, causal: bool,
                   softmax_scale: Optional[float], seq_len: Optional[int], window: Optional[list[int]],
-                  kv_heads: int, softcap: Optional[float], sinks: Optional[torch.Tensor]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kv_heads: int, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                  chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_fwd` w.r.t. q, k, v and sinks (this rank's share; an empty tensor without
     sinks), eager backward's code, in its order."""
     cp = registered_mesh(mesh)
     call = _call(cp, (*dout.shape[:3], qh.shape[3]), kv_heads, qh.device, qh.dtype, causal, softmax_scale,
-                 _backend(backend), seq_len, cu_seqlens, _window(window), softcap, vh.shape[3])
+                 _backend(backend), seq_len, cu_seqlens, _window(window), softcap, vh.shape[3], chunk_size=chunk_size)
     *grads, dsinks = backward(call, dout, Saved(qh, kh, vh, out_h, lse_h, sinks=sinks))
     grads.append(dsinks if dsinks is not None else dout.new_empty(0))
     return tuple(_unaliased(grads, (dout, qh, kh, vh, out_h, lse_h, cu_seqlens, sinks)))
@@ -204,7 +205,7 @@ def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: to
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len,
-                        window, kv_heads, softcap, sinks):
+                        window, kv_heads, softcap=None, sinks=None, chunk_size=None):
     b, s, h = dout.shape[:3]
     return (qh.new_empty(b, s, h, qh.shape[3]), kh.new_empty(b, s, kv_heads, kh.shape[3]),
             vh.new_empty(b, s, kv_heads, vh.shape[3]), dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
@@ -212,20 +213,20 @@ def _attention_bwd_fake(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backen
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad, return_lse, softcap,
-     sinks) = inputs
+     sinks, chunk) = inputs
     out, lse, qh, kh, vh, out_h, lse_h = output
     ctx.save_for_backward(qh, kh, vh, out_h, lse_h, cu_seqlens, sinks)
-    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2], softcap)
+    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2], softcap, chunk)
     ctx.mark_non_differentiable(lse, qh, kh, vh, out_h, lse_h)
 
 
 def _backward(ctx, dout, *_unused):
     qh, kh, vh, out_h, lse_h, cu_seqlens, sinks = ctx.saved_tensors
-    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads, softcap = ctx.args
+    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads, softcap, chunk = ctx.args
     dq, dk, dv, dsinks = torch.ops.hybrid_cp.attention_bwd(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend,
                                                            causal, softmax_scale, seq_len, window, kv_heads, softcap,
-                                                           sinks)
-    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks,)
+                                                           sinks, chunk)
+    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -236,7 +237,7 @@ _WARNED: set[str] = set()
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
                        softmax_scale: float | None = None, return_lse: bool = False, backend: Any = "auto",
                        seq_len: int | None = None, cu_seqlens: Any = None, window: Any = None,
-                       head_chunks: int = 1, sinks: Any = None, softcap: Any = None):
+                       head_chunks: int = 1, sinks: Any = None, softcap: Any = None, chunk_size: int | None = None):
     """`hcp.attention` while dynamo traces (attention() calls this): one `hybrid_cp::attention_fwd` node in
     the graph. Same arguments and results as `hcp.attention`, or None for a call the op cannot express
     (attention() then runs it eagerly outside the graph, which raises eager's error for invalid arguments).
@@ -255,7 +256,7 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
                         "under torch.compile use a kernel backend and head_chunks=1", reason)
     if not isinstance(cp, CPMesh) or not op_expressible(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                           backend_key=backend_arg, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                          head_chunks=head_chunks, softcap=softcap, sinks=sinks):
+                          head_chunks=head_chunks, softcap=softcap, sinks=sinks, chunk_size=chunk_size):
         return None
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
@@ -263,5 +264,5 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
     out, lse = torch.ops.hybrid_cp.attention_fwd(
         q, k, v, cu_seqlens, _mesh_key(cp), backend_arg, causal,
         None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse,
-        None if softcap is None else float(softcap), sinks)[:2]
+        None if softcap is None else float(softcap), sinks, chunk_size)[:2]
     return (out, lse) if return_lse else out

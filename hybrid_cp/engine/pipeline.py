@@ -95,14 +95,14 @@ class AttentionCall:
 
 def plan_call(cp: "CPMesh", lay: "Layout", kernel: "AttentionKernel", window, causal: bool, softmax_scale,
               q_shape: tuple[int, ...], kv_heads: int, device: torch.device, head_chunks: int = 1, *,
-              softcap: float | None = None) -> AttentionCall:
-    """The call's head split, block plan, scale and head stages (from the validated layout, kernel and window;
-    the default scale is 1/sqrt(q's head dim))."""
+              softcap: float | None = None, chunk_size: int | None = None) -> AttentionCall:
+    """The call's head split, block plan, scale and head stages (from the validated layout, kernel, window
+    and chunk size; the default scale is 1/sqrt(q's head dim))."""
     heads, head_dim = q_shape[2], q_shape[3]
     split = head_split(heads, kv_heads, cp.ulysses_size)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    return AttentionCall(cp, lay, kernel, split, block_plan(lay, cp.ring_rank, causal, device, window), scale,
-                         chunk_heads(split, head_chunks, cp.ulysses_rank),
+    plan = block_plan(lay, cp.ring_rank, causal, device, window, chunk_size)
+    return AttentionCall(cp, lay, kernel, split, plan, scale, chunk_heads(split, head_chunks, cp.ulysses_rank),
                          None if softcap is None else float(softcap))
 
 

@@ -109,23 +109,28 @@ def _task(step: Step, device: torch.device, key_runs: list[tuple[int, int]] | No
     return Task(_rows(q, device), _rows(k, device), step.causal, step.window, varlen)
 
 
-def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window=None) -> Plan:
-    """This rank's plan for one call, cached per (layout, rank, mask, window, device): every layer
-    of a model asks for the same one (bounded: packed rows bring a new layout every step). Halo mode
-    when the window makes it move fewer rows."""
-    return _plan(lay, ring_rank, causal, torch.device(device), tuple(window) if isinstance(window, list) else window)
+def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window=None,
+               chunk_size: int | None = None) -> Plan:
+    """This rank's plan for one call, cached per (layout, rank, mask, window, chunk size, device): every
+    layer of a model asks for the same one (bounded: packed rows bring a new layout every step). Halo
+    mode when the window or the attention chunks make it move fewer rows."""
+    return _plan(lay, ring_rank, causal, torch.device(device), tuple(window) if isinstance(window, list) else window,
+                 lay.effective_chunk(chunk_size))
 
 
 @lru_cache(maxsize=256)
-def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window) -> Plan:
+def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window, chunk: int | None) -> Plan:
     r = lay.ring
-    if not lay.halo(causal, window):
-        return Plan(tuple(tuple(_task(t, device) for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r)))
-    recv = [lay.needed_rows(ring_rank, s, causal, window) if s else [] for s in range(r)]
+
+    def tasks(s: int):
+        return lay.tasks(ring_rank, s, causal, window, chunk)
+
+    if not lay.halo(causal, window, chunk):
+        return Plan(tuple(tuple(_task(t, device) for t in tasks(s)) for s in range(r)))
+    recv = [lay.needed_rows(ring_rank, s, causal, window, chunk) if s else [] for s in range(r)]
     send = [None] + [(lambda runs: _rows(runs, device) if runs else None)(
-        lay.needed_rows((ring_rank + s) % r, s, causal, window)) for s in range(1, r)]
-    steps = tuple(tuple(_task(t, device, recv[s] if s else None)
-                        for t in lay.tasks(ring_rank, s, causal, window)) for s in range(r))
+        lay.needed_rows((ring_rank + s) % r, s, causal, window, chunk)) for s in range(1, r)]
+    steps = tuple(tuple(_task(t, device, recv[s] if s else None) for t in tasks(s)) for s in range(r))
     return Plan(steps, True, tuple(tuple(x) for x in recv), tuple(send))
 
 

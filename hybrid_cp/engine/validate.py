@@ -306,10 +306,11 @@ class AttentionSignature(NamedTuple):
     softcap: int = 0        # digest of the soft-cap (0: none)
     sinks: int = 0          # digest of the sinks' shape and dtype (and values, validate="always"/"debug"); 0: none
     v_head_dim: int = 0
+    chunk_size: int = 0     # 0: no chunking
 
     labels = ("batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
               "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks",
-              "softcap (checksum)", "sinks (checksum)", "v head_dim")
+              "softcap (checksum)", "sinks (checksum)", "v head_dim", "chunk_size")
 
 
 def _check_qkv(q, k, v, cp) -> None:
@@ -355,12 +356,12 @@ def _check_shapes(q, k, v, cp, cu_seqlens) -> None:
                          f"documents into one row [1, total, ...] and describe them with cu_seqlens")
 
 
-_NEED_ARGUMENT = {"cu_seqlens_q": "cu_seqlens", "window": "window", "softcap": "softcap",
+_NEED_ARGUMENT = {"cu_seqlens_q": "cu_seqlens (or chunk_size)", "window": "window", "softcap": "softcap",
                   "value_head_dim": "a v head dim that differs from q/k's"}
 
 
-def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window, *,
-                  softcap=None, v_head_dim: int | None = None) -> AttentionKernel | None:
+def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window, *, softcap=None,
+                  v_head_dim: int | None = None, chunk_size=None) -> AttentionKernel | None:
     """The kernel the call runs (None for a plain local-attention callable), after checking it can
     do what the call asks."""
     if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
@@ -368,12 +369,14 @@ def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window, *,
             raise ConfigError(f"a plain local-attention callable works with ring=1 only (got ring="
                               f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
                               f"register one with hcp.register_kernel")
-        if cu_seqlens is not None or window is not None or (lay.padded_len != lay.seq_len and not causal):
-            raise ConfigError("a plain local-attention callable cannot mask document boundaries, windows or (non-causal) "
+        if cu_seqlens is not None or window is not None or lay.effective_chunk(chunk_size) is not None or (
+                lay.padded_len != lay.seq_len and not causal):
+            raise ConfigError("a plain local-attention callable cannot mask document boundaries, windows, attention "
+                              "chunks or (non-causal) "
                               "padding; use a kernel backend, or for dense rows a length divisible by "
                               f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
         return None
-    needs = kernel_needs(cu_seqlens, window, softcap, v_head_dim not in (None, q.shape[3]))
+    needs = kernel_keywords(lay, cu_seqlens, window, chunk_size, softcap, v_head_dim not in (None, q.shape[3]))
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], needs=needs)
     for keyword in needs:
         if not can_on(kernel, keyword, q.device):
@@ -383,8 +386,25 @@ def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window, *,
     return kernel
 
 
+def chunk_size_arg(chunk_size: Any) -> int | None:
+    """`chunk_size` (Llama 4's attention_chunk_size) if it is None or an int >= 1, else ConfigError."""
+    return positive_int("chunk_size", chunk_size, "an int >= 1, the positions of one attention chunk (each query "
+                        "sees the keys of its own chunk, counted from its document's start; Llama 4's "
+                        "attention_chunk_size), or None for no chunking", allow_none=True)
+
+
+def kernel_keywords(lay: Layout, cu_seqlens: Any, window: Any, chunk_size: Any, softcap: Any = None,
+                    value_head_dim: bool = False) -> list[str]:
+    """The keywords (and capabilities) a call needs of its kernel: an attention chunk cuts the rows into
+    varlen segments, also in a dense row."""
+    needs = kernel_needs(cu_seqlens, window, softcap, value_head_dim)
+    if lay.effective_chunk(chunk_size) is not None and "cu_seqlens_q" not in needs:
+        needs.append("cu_seqlens_q")
+    return needs
+
+
 def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, *,
-                  softcap=None) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+                  softcap=None, chunk_size=None) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
     """Raise for inputs this rank can judge alone; return (layout, kernel, the window in effect)."""
     require_mesh(cp)
     _check_qkv(q, k, v, cp)
@@ -397,7 +417,8 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
         raise InputTypeError(f"causal={causal!r} must be a bool")
     lay = row_layout(cp, local_len=q.shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
     window = lay.effective_window(causal, window)
-    kernel = _check_kernel(q, cp, lay, causal, backend, cu_seqlens, window, softcap=softcap, v_head_dim=v.shape[3])
+    kernel = _check_kernel(q, cp, lay, causal, backend, cu_seqlens, window, softcap=softcap, v_head_dim=v.shape[3],
+                           chunk_size=chunk_size)
     return lay, kernel, (None if kernel is None else window)
 
 
@@ -455,13 +476,14 @@ def v_head_dim_field(signature: AttentionSignature, v: torch.Tensor) -> Attentio
 
 
 def attention_signature(q, k, lay: Layout, kernel, backend, causal, window, needs_grad: int,
-                        head_chunks: int) -> AttentionSignature:
+                        head_chunks: int, chunk_size: int | None = None) -> AttentionSignature:
     """The signature of a call that passed this rank's checks."""
     b, s, h, d = q.shape
     left, right = (-1, -1) if window is None else (window, 0) if isinstance(window, int) else window
     name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
     return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(causal), lay.seq_len,
-                              digest(lay.doc_lens), left, right, digest(name), int(needs_grad), head_chunks)
+                              digest(lay.doc_lens), left, right, digest(name), int(needs_grad), head_chunks,
+                              chunk_size=chunk_size or 0)
 
 
 def is_int(value: Any) -> bool:
@@ -482,7 +504,7 @@ def op_window(window: Any) -> tuple[bool, list[int] | None]:
 
 def op_expressible(q, k, v, cp, *, causal: Any, softmax_scale: Any, return_lse: Any, backend_key: str,
                    seq_len: Any, cu_seqlens: Any, window: Any, head_chunks: Any, softcap: Any = None,
-                   sinks: Any = None) -> bool:
+                   sinks: Any = None, chunk_size: Any = None) -> bool:
     """Whether an `hcp.attention` call's arguments have the types the compiled custom op takes
     (`backend_key`: a kernel name or registry key, "" for anything else). Values are not judged
     here: the op runs `checked_call`, and a call that is not expressible runs eagerly, which raises
@@ -492,14 +514,14 @@ def op_expressible(q, k, v, cp, *, causal: Any, softmax_scale: Any, return_lse: 
             and is_int(head_chunks) and head_chunks == 1 and backend_key != ""
             and (softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)))
             and (seq_len is None or is_int(seq_len)) and is_softcap(softcap)
-            and (sinks is None or isinstance(sinks, torch.Tensor))
+            and (sinks is None or isinstance(sinks, torch.Tensor)) and (chunk_size is None or is_int(chunk_size))
             and (cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)
                  or (isinstance(cu_seqlens, (list, tuple)) and all(is_int(x) for x in cu_seqlens))))
 
 
 def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, head_chunks: int,
-                 needs_grad: int, *, softcap=None, sinks=None) -> tuple[Layout, AttentionKernel | None,
-                                                                        tuple | int | None]:
+                 needs_grad: int, *, softcap=None, sinks=None,
+                 chunk_size: Any = None) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
     """Every check of an attention call, before any collective: this rank's own (`_local_checks`), then,
     with `cp.validate`, the cross-rank agreement on the call's `AttentionSignature`, so that a rank that
     failed or differs makes every rank raise. Returns (layout, kernel, the window in effect). `needs_grad`
@@ -508,14 +530,16 @@ def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlen
     try:
         positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
         check_variants(backend, softcap, sinks)
+        chunk_size_arg(chunk_size)
         result = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
-                               softcap=softcap)
+                               softcap=softcap, chunk_size=chunk_size)
         check_sinks(sinks, q)
         lay, kernel, window = result
         if head_chunks > 1 and kernel is None:
             raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
                               f"local-attention callable runs all heads at once: use head_chunks=1")
-        signature = attention_signature(q, k, lay, kernel, backend, causal, window, needs_grad, head_chunks)
+        signature = attention_signature(q, k, lay, kernel, backend, causal, window, needs_grad, head_chunks,
+                                        chunk_size)
         signature = v_head_dim_field(variant_fields(cp, signature, softcap, sinks), v)
     except (TypeError, ValueError) as exc:
         if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type

@@ -7,6 +7,7 @@ keywords, and said once in the "hybrid_cp" log); on CPU it is sdpa, then math.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Iterable, Mapping
 
@@ -137,7 +138,7 @@ def _auto_cuda(device: torch.device, dtype: torch.dtype, head_dim: int, needs: t
     key = (device_index(device), dtype, head_dim, needs)
     if key not in _AUTO:
         name, skipped = select_kernel(CUDA_AUTO_ORDER, _REGISTRY, device, dtype, head_dim,
-                                      probe=cached_self_test, needs=needs)
+                                      probe=functools.partial(cached_self_test, needs=needs), needs=needs)
         _AUTO[key] = name
         failed = any(r.startswith("self-test failed") for _, r in skipped)
         slow = name not in _FLASH_CLASS and dtype in (torch.float16, torch.bfloat16)

@@ -7,6 +7,7 @@ dtype and head_dim: `cached_self_test`); benchmarks/gpu_check.py runs the "large
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 import torch
@@ -147,31 +148,51 @@ def kernel_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dt
         yield from cases.windows()
 
 
-def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
-    """Check `kernel` against fp32 math on the small cases of `kernel_errors`; raise AssertionError
-    naming the first case and output whose relative error exceeds SELF_TEST_TOL[dtype] (or is NaN)."""
+def softcap_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+                   size: str = "small", ref_dtype: torch.dtype = torch.float32) -> Iterator[Case]:
+    """`kernel_errors` for a logit soft-cap (Gemma 2): a causal square block and a rectangular one with
+    softcap=1 (scores of order one, so the cap bends them), against the math kernel's soft-cap."""
+    cases = _Cases(kernel, device, dtype, head_dim, CHECK_SIZES[size], ref_dtype)
+    n, (nq, nk) = cases.cfg["window_sq"], cases.cfg["rect"]
+    yield cases.one_block(f"softcap 1 causal {n}x{n}", n, n, causal=True, softcap=1.0)
+    yield cases.one_block(f"softcap 1 {nq}x{nk} non-causal", nq, nk, causal=False, softcap=1.0)
+
+
+def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+              needs: tuple[str, ...] = ()) -> None:
+    """Check `kernel` against fp32 math on the small cases of `kernel_errors` (and `softcap_errors` when
+    `needs` has "softcap"); raise AssertionError naming the first case and output whose relative error
+    exceeds SELF_TEST_TOL[dtype] (or is NaN)."""
     tol = SELF_TEST_TOL.get(dtype, 3e-2)
     # the caller may be inside autocast (which would run the fp32 reference in bf16) or autograd
     with torch.autocast(device.type, enabled=False), torch.no_grad():
-        for case, errs in kernel_errors(kernel, device, dtype, head_dim):
+        every = kernel_errors(kernel, device, dtype, head_dim)
+        if "softcap" in needs:
+            every = itertools.chain(every, softcap_errors(kernel, device, dtype, head_dim))
+        for case, errs in every:
             for name, err in errs.items():
                 if not err <= tol:  # NaN fails too
                     raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} "
                                          f"({dtype}, D={head_dim})")
 
 
-_SELF_TESTS: dict = {}  # (kernel name, device index, dtype, head_dim) -> None (passed) or the exception
+_SELF_TESTS: dict = {}  # (kernel name, device index, dtype, head_dim[, "softcap"]) -> None (passed) or the exception
 
 
-def cached_self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+def cached_self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+                     needs: tuple[str, ...] = ()) -> None:
     """`self_test` once per (kernel, GPU, dtype, head_dim), raising its error again on every later call;
-    the math kernel is the reference itself."""
+    a call that needs a soft-cap is a separate check with the soft-capped cases added (a kernel whose
+    soft-cap fails stays usable without one). The math kernel is the reference itself."""
     if isinstance(kernel, MathKernel):
         return
     key = (getattr(kernel, "name", type(kernel).__name__), device_index(device), dtype, head_dim)
+    extra = {"needs": ("softcap",)} if "softcap" in needs else {}
+    key += tuple(extra.get("needs", ()))
     if key not in _SELF_TESTS:
         try:
-            self_test(kernel, torch.device("cuda", key[1]) if device.type == "cuda" else device, dtype, head_dim)
+            self_test(kernel, torch.device("cuda", key[1]) if device.type == "cuda" else device, dtype, head_dim,
+                      **extra)
             _SELF_TESTS[key] = None
         except Exception as exc:
             _SELF_TESTS[key] = exc
@@ -180,5 +201,6 @@ def cached_self_test(kernel: AttentionKernel, device: torch.device, dtype: torch
 
 
 def self_test_results() -> dict:
-    """{(kernel name, device index, dtype, head_dim): None (passed) or the exception} of the self-tests run so far."""
+    """{(kernel name, device index, dtype, head_dim[, "softcap"]): None (passed) or the exception} of the
+    self-tests run so far."""
     return dict(_SELF_TESTS)
