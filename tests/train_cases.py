@@ -260,7 +260,8 @@ def error_messages(u: int, r: int) -> dict:
                                      attention_mask=torch.ones(2, 1, local["input_ids"].shape[1], 40)))
     attempt("positions", lambda: model(input_ids=local["input_ids"],
                                        position_ids=torch.arange(local["input_ids"].shape[1])[None]))
-    # options reaching the attention call that it does not implement: refused there, whatever their name
+    # options reaching the attention call that it does not implement, or a softcap / s_aux that is not the
+    # module's own (a Llama's eager attention ignores them): refused there, whatever their name
     attempt("softcap_runtime", lambda: model(input_ids=local["input_ids"], softcap=50.0))
     attempt("sinks_runtime", lambda: model(input_ids=local["input_ids"], s_aux=torch.zeros(4)))
     attempt("unknown_runtime", lambda: model(input_ids=local["input_ids"], attention_temperature=2.0))
