@@ -124,7 +124,8 @@ def test_refused_families_raise_on_every_rank_before_any_collective(pool):
 # task per mesh
 VARIANT_RUNS = {
     (1, 4): [dict(name=t, kind=t, hkv=None, generic=True) for t in ("gpt_oss", "gemma2", "deepseek_v3", "llama4_text")]
-    + [dict(name="llama4_text packed", kind="llama4_text", packed=True)],
+    + [dict(name="llama4_text packed, head chunks (chunked layers in hcp.attention)", kind="llama4_text",
+            packed=True, head_chunks=2)],
     (2, 2): [dict(name="llama4_text packed", kind="llama4_text", packed=True),
              dict(name="gpt_oss packed, head chunks (in hcp.attention: sinks)", kind="gpt_oss", packed=True,
                   head_chunks=2),
@@ -144,7 +145,3 @@ def test_attention_variant_families_match_single_process(pool, mesh):
             # packed rows: attending across the documents would move some gradient by far more than TOL
             assert errors.get("leak") is None or errors["leak"] > 1e3 * TOL, (name, errors)
 
-
-def test_chunked_layers_refuse_module_level_head_chunks(pool):
-    for msg in pool.run("train_cases:chunked_module_chunks", u=1, r=4):
-        assert msg is not None and "chunked-attention layer" in msg and "chunk_projections=False" in msg, msg

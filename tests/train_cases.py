@@ -139,19 +139,6 @@ def family_runs(u: int, r: int, runs: list[dict]) -> dict:
     return out
 
 
-def chunked_module_chunks(u: int, r: int) -> str | None:
-    """Llama 4 with module-level head chunks (apply_context_parallel(head_chunks=2)): its chunked layers refuse
-    them on the first forward (the module chunk pipeline takes no chunk size); returns the message."""
-    cp = mesh(u, r)
-    local = shard_batch(make_batch(7, 2, 40, pad=False), cp)
-    model = apply_context_parallel(tiny_model("llama4_text", None, generic=True), cp, head_chunks=2)
-    try:
-        model(input_ids=local["input_ids"], position_ids=local["position_ids"])
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int = 96, b: int = 2,
                     hkv: int = 2) -> dict:
     """Per-step losses of AdamW training under CP and on one process, same seed and data."""

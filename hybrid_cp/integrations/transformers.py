@@ -166,9 +166,6 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     call.update(_variants(module, kwargs))
     mode = module.__dict__.get(_CAPTURE)
     if mode == "project":   # a module chunk's projections are done: hand them to the chunk pipeline
-        if "chunk_size" in call:
-            raise _unsupported(f"{type(module).__name__} is a chunked-attention layer, which module-level head "
-                               f"chunks do not take; pass apply_context_parallel(..., chunk_projections=False)")
         raise _Captured(Projected(q, k, v, call))
     if mode == "probe":     # the structure check of module chunks: return q itself as the attention output
         module.__dict__[_PROBE_OUT] = q
@@ -316,11 +313,11 @@ class _ModuleChunks:
 def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
     """Make an attention module run its heads in chunks from the projections on (UPipe at the module
     level, `_ModuleChunks`); returns False for modules without separate q/k/v/o projections of
-    `num_attention_heads` x `head_dim`, and for modules with attention sinks, whose gradient the module chunk
-    pipeline does not carry (they keep engine-level chunks)."""
+    `num_attention_heads` x `head_dim`, for modules with attention sinks (the module chunk pipeline does not
+    carry their gradient) and for chunked-attention layers (it takes no chunk size): they keep engine-level chunks."""
     if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in _PROJECTIONS):
         return False
-    if getattr(module, "sinks", None) is not None:
+    if getattr(module, "sinks", None) is not None or _layer_chunk(module) is not None:
         return False
     d = getattr(module, "head_dim", None)
     if not isinstance(d, int) or module.q_proj.out_features % d or module.k_proj.out_features % d:
@@ -358,8 +355,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     chunk's projections and attention recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
     projection and all-to-all overlap chunk i's ring: `hybrid_cp/engine/modulechunk.py`; `module_chunks` says
     how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
-    Modules without separate q/k/v/o projections of `num_attention_heads` heads, or with attention
-    sinks, keep engine-level chunks only (logged); chunked-attention layers raise; a module that does more than o_proj(attention output) after its attention
+    Modules without separate q/k/v/o projections of `num_attention_heads` heads, with attention sinks
+    or chunked attention keep engine-level chunks only (logged); a module that does more than o_proj(attention output) after its attention
     call raises on its first forward. `chunk_projections=False` keeps the projections whole and
     chunks inside `hcp.attention` only. Returns the model.
     """
@@ -390,7 +387,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
 
         logging.getLogger("hybrid_cp").warning(
             "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections of num_attention_heads x "
-            "head_dim, or have attention sinks, and chunk their heads "
+            "head_dim, or have attention sinks or chunked attention, and chunk their heads "
             "inside hcp.attention only (Q/K/V of all heads exist at once there)", head_chunks,
             chunked.count(False), len(chunked))
     old = model.__dict__.get(_HOOK_ATTR)
