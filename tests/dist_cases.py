@@ -11,6 +11,7 @@ import torch.distributed as dist
 import hybrid_cp as hcp
 from hybrid_cp.engine.kernels import get_kernel
 
+MESH_CACHE = 10
 _MESHES: dict = {}
 _REFS: dict = {}
 
@@ -18,11 +19,17 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def mesh(u: int, r: int, layout: str = "zigzag", validate: bool | str = True) -> hcp.CPMesh:
-    """Meshes are cached: building one creates process groups, which must happen once. Cases that
+    """Meshes are cached: building one creates process groups (every rank, in the same order). Cases that
     make one rank call differently use validate="always": under the default (True) a shared mesh's
-    earlier calls decide which calls are checked, and a lone deviation would wait for the timeout."""
+    earlier calls decide which calls are checked, and a lone deviation would wait for the timeout.
+    At most `MESH_CACHE` are kept (the least recently used is destroyed): every live group costs CPU
+    while idle (benchmarks/idle_groups.py), and the suite would otherwise hold hundreds per worker."""
     key = (u, r, layout, validate)
-    if key not in _MESHES:
+    if key in _MESHES:
+        _MESHES[key] = _MESHES.pop(key)   # most recently used last
+    else:
+        while len(_MESHES) >= MESH_CACHE:
+            hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
         _MESHES[key] = hcp.init_cp_mesh(u, r, layout=layout, validate=validate)
     return _MESHES[key]
 
@@ -203,6 +210,34 @@ def callable_backend(u: int, n: int, causal: bool) -> dict:
 
 
 
+def destroyed_mesh(u: int, r: int) -> dict:
+    """hcp.destroy_cp_mesh: the threads the mesh's groups started end, and a destroyed mesh raises SetupError
+    (before any collective) in attention and in the loss."""
+    import gc
+    import os
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    cp = hcp.init_cp_mesh(u, r)
+    q = torch.randn(1, 8, 4, 8)
+    hcp.attention(q, q[:, :, :2], q[:, :, :2], cp, causal=True, seq_len=8 * cp.size)
+    made = threads() - before
+    hcp.destroy_cp_mesh(cp)
+    gc.collect()
+    out = {"made": made, "left": threads() - before}
+    for name, use in {"attention": lambda: hcp.attention(q, q[:, :, :2], q[:, :, :2], cp, causal=True),
+                      "loss": lambda: hcp.cross_entropy(torch.randn(1, 8, 5), torch.zeros(1, 8, dtype=torch.long),
+                                                        cp)}.items():
+        try:
+            use()
+            out[name] = "no error"
+        except hcp.SetupError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def mesh_errors() -> dict:
     """init_cp_mesh's checks, and a mesh built from a planner-like plan object."""
     import types
@@ -226,6 +261,8 @@ def mesh_errors() -> dict:
                          seq_len=65536, world_size=8, dp=1).best
     planned = hcp.init_cp_mesh(plan=best)
     out["planned"] = ((best.ulysses, best.ring, best.dp), (planned.ulysses_size, planned.ring_size, planned.dp_size))
+    hcp.destroy_cp_mesh(cp)
+    hcp.destroy_cp_mesh(planned)
     return out
 
 

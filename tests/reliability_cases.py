@@ -128,6 +128,7 @@ def group_timeouts(seconds: float | None) -> dict:
     got = {name: getattr(cp, name)._get_backend(dev).options._timeout.total_seconds()
            for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group", "check_group")}
     default = hcp.engine.mesh.default_timeout().total_seconds()
+    hcp.destroy_cp_mesh(cp)
     return {"groups": got, "default": default}
 
 
@@ -167,7 +168,10 @@ def learned_validation(u: int, r: int) -> dict:
         first = "no error"
     except hcp.InconsistentRanksError as exc:
         first = str(exc)
-    return {"per_step": per_step, "skipped": validation_history(cp).validation_calls["skipped"], "first_call": first}
+    skipped = validation_history(cp).validation_calls["skipped"]
+    hcp.destroy_cp_mesh(cp)
+    hcp.destroy_cp_mesh(fresh)
+    return {"per_step": per_step, "skipped": skipped, "first_call": first}
 
 
 def nonfinite_debug(u: int, r: int, bad_rank: int, tensor: str) -> str:
@@ -311,7 +315,7 @@ def mesh_logs(local_world_size: int) -> list[tuple[str, str]]:
     logger.setLevel(logging.INFO)
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
     try:
-        hcp.init_cp_mesh(4, 2)
+        hcp.destroy_cp_mesh(hcp.init_cp_mesh(4, 2))
         cp = mesh(2, 2)
         hcp.shard(torch.zeros(1, 9, 2), cp)  # pads 9 tokens to 16: over 10%
     finally:

@@ -24,6 +24,13 @@ def test_mesh_validation_and_plan(pool):
         assert res["planned"][0] == res["planned"][1]        # a topology plan builds its mesh
 
 
+def test_destroyed_mesh_frees_its_groups_and_refuses_use(pool):
+    for res in pool.run("dist_cases:destroyed_mesh", u=2, r=2):
+        assert res["made"] > 0 and res["left"] <= 0, res     # the groups' threads ended with them
+        for use in ("attention", "loss"):
+            assert "destroyed by hcp.destroy_cp_mesh" in res[use], res
+
+
 @pytest.mark.parametrize("kernel,dtype,tol", [(MathKernel(), torch.float64, 1e-12), (MathKernel(), torch.float32, 1e-5),
                                               (SDPAKernel(), torch.float32, 1e-5)], ids=["math64", "math32", "sdpa32"])
 @pytest.mark.parametrize("hkv", [4, 2, 1])

@@ -36,6 +36,7 @@ from ..errors import (
     InconsistentRanksError,
     InputTypeError,
     NonFiniteError,
+    SetupError,
     ShapeError,
 )
 from .comm import comm_guard
@@ -73,9 +74,22 @@ class MeshLike(Protocol):
     validate: bool | str
 
 
+class DestroyedGroup:
+    """Stands in for each process group of a mesh that `hcp.destroy_cp_mesh` destroyed: any use raises (None
+    would silently mean the world group to torch.distributed)."""
+
+    def __getattr__(self, name: str):
+        raise SetupError(DESTROYED)
+
+
+DESTROYED = "this CPMesh was destroyed by hcp.destroy_cp_mesh; build a new one with hcp.init_cp_mesh(...)"
+
+
 def require_mesh(cp: Any) -> None:
     if not isinstance(cp, MeshLike):
         raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+    if type(cp.cp_group) is DestroyedGroup:
+        raise SetupError(DESTROYED)
 
 
 def _validates(cp: Any) -> bool:

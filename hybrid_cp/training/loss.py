@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..engine.validate import require_mesh
 from ..errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class GroupReduced(torch.autograd.Function):
 def reduction_group(cp: "CPMesh", include_dp: bool):
     """(process group, its size) a loss is reduced over: the cp group, or with `include_dp` every rank
     of the mesh (its flattened dp x ring x ulysses dimension)."""
+    require_mesh(cp)
     if include_dp:
         return cp.dp_cp_group, cp.size * cp.dp_size
     return cp.cp_group, cp.size
