@@ -17,15 +17,16 @@ from hybrid_cp.training.loss import cross_entropy
 VOCAB = 256
 
 
-def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, generic: bool = False, **overrides):
+def tiny_model(kind: str = "llama", hkv: int | None = 2, seed: int = 0, generic: bool = False, **overrides):
     """A tiny model of `kind`: the hand-made configurations below, or (`generic`, or any other model type)
-    the family's default configuration made tiny by `hybrid_cp.testing.families`."""
+    the family's default configuration made tiny by `hybrid_cp.testing.families` (`hkv=None`: its kv heads)."""
     import transformers
 
     from hybrid_cp.testing import families
 
     if generic:
-        return families.tiny_model(kind, seed=seed, **{"num_key_value_heads": hkv, **overrides})
+        heads = {} if hkv is None else {"num_key_value_heads": hkv}
+        return families.tiny_model(kind, seed=seed, **{**heads, **overrides})
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=hkv, max_position_embeddings=1024,
@@ -48,9 +49,6 @@ def tiny_model(kind: str = "llama", hkv: int = 2, seed: int = 0, generic: bool =
         config = transformers.Gemma3TextConfig(**{"head_dim": 8, "sliding_window": 16, "layer_types": [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)], **common})
         cls = transformers.Gemma3ForCausalLM
-    elif kind == "gemma2":  # attention logit soft-capping
-        config = transformers.Gemma2Config(**{"head_dim": 8, **common})
-        cls = transformers.Gemma2ForCausalLM
     else:
         return tiny_model(kind, hkv, seed, generic=True, **overrides)
     torch.manual_seed(seed)
@@ -98,7 +96,7 @@ def _full_grad(p):
     return g.full_tensor() if hasattr(g, "full_tensor") else g
 
 
-def model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False, b: int = 2, s: int = 100,
+def model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp: bool = False, b: int = 2, s: int = 100,
                  pad: bool = True, checkpoint: bool = False, config: dict | None = None, generic: bool = False) -> dict:
     """logits / loss / every parameter gradient under CP vs one process (fp32); `config`
     overrides the tiny model's configuration (e.g. a sliding window); `generic` builds any family's
@@ -128,6 +126,17 @@ def model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool =
     return {"logits": _rel(full_logits[keep], ref_logits[keep]), "loss": abs(loss.item() - ref_loss.item()) /
             abs(ref_loss.item()), "grad": grad_errs[worst], "worst_param": worst,
             "missing": sorted(set(ref_grads) ^ set(grads))}
+
+
+def family_runs(u: int, r: int, runs: list[dict]) -> dict:
+    """Several parity runs in one pool task (one mesh): {name: model_parity(...) or, with packed=True,
+    packed_model_parity(...)}, each run's other keys its arguments."""
+    out = {}
+    for run in runs:
+        run = dict(run)
+        name, packed = run.pop("name"), run.pop("packed", False)
+        out[name] = (packed_model_parity if packed else model_parity)(u, r, **run)
+    return out
 
 
 def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int = 96, b: int = 2,
@@ -238,8 +247,8 @@ def error_messages(u: int, r: int) -> dict:
                                      attention_mask=torch.ones(2, 1, local["input_ids"].shape[1], 40)))
     attempt("positions", lambda: model(input_ids=local["input_ids"],
                                        position_ids=torch.arange(local["input_ids"].shape[1])[None]))
-    attempt("softcap", lambda: apply_context_parallel(tiny_model("gemma2"), cp))
-    # options reaching the attention call that it does not implement: refused there, whatever their name
+    # options reaching the attention call that it does not implement, or a softcap / s_aux that is not the
+    # module's own (a Llama's eager attention ignores them): refused there, whatever their name
     attempt("softcap_runtime", lambda: model(input_ids=local["input_ids"], softcap=50.0))
     attempt("sinks_runtime", lambda: model(input_ids=local["input_ids"], s_aux=torch.zeros(4)))
     attempt("unknown_runtime", lambda: model(input_ids=local["input_ids"], attention_temperature=2.0))
@@ -329,7 +338,7 @@ def packed_reference(model, batch: dict, doc_lens=PACKED_DOC_LENS):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int = 2, fsdp: bool = False,
+def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp: bool = False,
                         explicit_cu: bool = False, tiled_loss: bool = False, checkpoint: bool = False,
                         doc_lens: tuple = PACKED_DOC_LENS, head_chunks: int = 1) -> dict:
     """Loss and every parameter gradient of one packed-row step under CP vs the per-document reference

@@ -28,6 +28,9 @@ from ..errors import ConfigError
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
 DENSE = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"
 MOE = "Attention DecoderLayer Experts ForCausalLM Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"
+# ... and of a DeepSeek-V3-like family (multi-head latent attention, dense first layers, routed + shared experts)
+MLA_MOE = "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding TopkRouter"
+GEMMA2 = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding TextScaledWordEmbedding"
 
 # model_type -> (class-name stem, the classes after the stem) of every transformers module the
 # family's verified tiny model contains. Some families reuse another's classes (exaone: Llama's).
@@ -37,6 +40,7 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "arcee": ("Arcee", DENSE),
     "aria_text": ("Aria", "Experts SharedExpertsMLP TextAttention TextDecoderLayer TextForCausalLM "
                           "TextMoELayer TextModel TextRMSNorm TextRotaryEmbedding TextTopKRouter"),
+    "axk1": ("AXK1", MLA_MOE),
     "beam": ("Beam", DENSE),
     "bitnet": ("BitNet", DENSE),
     "cohere": ("Cohere", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
@@ -44,6 +48,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "cohere2_moe": ("Cohere2Moe", "Attention DecoderLayer Experts ForCausalLM "
                                   "LayerNorm Model RotaryEmbedding SparseMoeBlock TopKRouter"),
     "cwm": ("Cwm", DENSE),
+    "deepseek_v2": ("DeepseekV2", "Attention DecoderLayer Experts ForCausalLM MLP Model Moe RMSNorm RotaryEmbedding "
+                                  "TopkRouter"),
+    "deepseek_v3": ("DeepseekV3", MLA_MOE),
     "diffllama": ("DiffLlama", DENSE),
     "ernie4_5": ("Ernie4_5", DENSE),
     "exaone": ("Llama", DENSE),
@@ -51,19 +58,26 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "exaone_moe": ("ExaoneMoe", "Attention DecoderLayer Experts ForCausalLM MLP "
                                 "Model RMSNorm RotaryEmbedding SparseMoEBlock TopkRouter"),
     "flex_olmo": ("FlexOlmo", MOE),
+    "flint": ("Flint", DENSE),
     "gemma": ("Gemma", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding TextScaledWordEmbedding"),
     "gemma3_text": ("Gemma3", "Attention DecoderLayer ForCausalLM MLP "
                               "RMSNorm RotaryEmbedding TextModel TextScaledWordEmbedding"),
+    "gemma2": ("Gemma2", GEMMA2),
     "glm": ("Glm", DENSE),
     "glm4": ("Glm4", DENSE),
     "glm4_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                             "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
+    "glm4_moe_lite": ("Glm4MoeLite", MLA_MOE),
     "gpt_neox": ("GPTNeoX", "Attention ForCausalLM Layer MLP Model RotaryEmbedding"),
+    "gpt_oss": ("GptOss", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding TopKRouter"),
     "granite": ("Granite", DENSE),
+    "granite_swa": ("GraniteSWA", DENSE),
     "granitemoe": ("GraniteMoe", "Attention DecoderLayer Experts ForCausalLM "
                                  "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
     "granitemoeshared": ("GraniteMoeShared", "Attention DecoderLayer Experts ForCausalLM "
                                              "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
+    "granitemoe_swa": ("GraniteMoeSWA", "Attention DecoderLayer Experts ForCausalLM MoE Model RMSNorm "
+                                         "RotaryEmbedding TopKRouter"),
     "helium": ("Helium", DENSE),
     "hunyuan_v1_dense": ("HunYuanDenseV1", DENSE),
     "hunyuan_v1_moe": ("HunYuanMoEV1", "Attention DecoderLayer Experts ForCausalLM Gate "
@@ -78,10 +92,17 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "kolibri1": ("Kolibri1", "Attention DecoderLayer Experts ForCausalLM MLP "
                              "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
     "llama": ("Llama", DENSE),
+    "llama4_text": ("Llama4", "ForCausalLM Router TextAttention TextDecoderLayer TextExperts TextL2Norm TextMLP "
+                              "TextMoe TextModel TextRMSNorm TextRotaryEmbedding"),
+    "longcat_flash": ("LongcatFlash", "DecoderLayer Experts ForCausalLM MLA MLP MoE Model RMSNorm RotaryEmbedding "
+                                      "TopkRouter"),
     "mellum": ("Mellum", MOE),
+    "mimo_v2_flash": ("MiMoV2Flash", MLA_MOE),
     "minimax_m2": ("MiniMaxM2", MOE),
     "minimax_m3_vl_text": ("MiniMaxM3VL", "Attention DecoderLayer DenseMLP Experts ForCausalLM "
                                           "RMSNorm RotaryEmbedding SparseMoeBlock TextModel TopKRouter"),
+    "minicpm3": ("MiniCPM3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding "
+                             "ScaledWordEmbedding"),
     "ministral": ("Ministral", DENSE),
     "ministral3": ("Ministral3", DENSE),
     "mistral": ("Mistral", DENSE),
@@ -102,12 +123,15 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                               "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
     "qwen3": ("Qwen3", DENSE),
     "qwen3_moe": ("Qwen3Moe", MOE),
+    "sarvam_mla": ("DeepseekV3", MLA_MOE),
     "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                               "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "smollm3": ("SmolLM3", DENSE),
     "solar_open": ("SolarOpen", "Attention DecoderLayer Experts ForCausalLM MLP "
                                 "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "starcoder2": ("Starcoder2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+    "vaultgemma": ("VaultGemma", GEMMA2),
+    "youtu": ("Youtu", DENSE),
 }
 
 # torch modules that act on each token on its own (containers hold modules that are checked themselves)
@@ -118,21 +142,23 @@ TOKENWISE_MODULES = ("transformers.activations",)   # elementwise activation fun
 TOKENWISE_CONV1D = ("Conv1D", "transformers.pytorch_utils")   # GPT-2's linear layer, despite its name
 
 # the layer kinds of `config.layer_types` that are attention the engine computes exactly
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 # what a module that mixes tokens outside the attention function is, by its class name (for the message:
 # the allow-list refuses them whether or not a pattern matches)
 _MIXERS = ((re.compile(r"Mamba|Mixer|SSM|Ssm"), "a state-space (Mamba) layer"),
            (re.compile(r"DeltaNet|LinearAttention|Lightning|DeltaAttention|LinearAttn"), "linear attention"),
            (re.compile(r"ShortConv|CausalConv"), "a token-mixing convolution"),
-           (re.compile(r"Rglru|Recurrent|LSTM|Rwkv|RWKV"), "a recurrence"))
+           (re.compile(r"Rglru|Recurrent|LSTM|Rwkv|RWKV"), "a recurrence"),
+           (re.compile(r"Indexer"), "a sparse-attention indexer (it scores every earlier key for each query "
+                                    "outside the attention function and picks the keys attention may use)"))
 
 # classes named like a mixer that hold one (a Mamba decoder layer) or act per token (a gated RMSNorm)
 _CONTAINER = re.compile(r"Norm|ForCausalLM$|Model$|Layer$|Block$|Embedding")
 
 # keyword arguments of the attention function: implemented by `hybrid_cp_attention_forward` ...
 IMPLEMENTED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "cu_seq_lens_q",
-                                "cu_seq_lens_k", "max_length_q", "max_length_k"})
+                                "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "softcap"})
 # ... or with no effect on the attention output (position_ids: the model applied them before the call;
 # the forward pre-hook checks them). The falsy-only ones change what the model returns when true.
 NEUTRAL_KWARGS = frozenset({"position_ids"})
@@ -203,25 +229,17 @@ def _settings_refused(where: str, cfg: Any) -> list[str]:
     drop = _field(cfg, "attention_dropout", 0.0) or 0.0
     if drop > 0:
         found.append(f"{where}.attention_dropout={drop}: set it to 0.0 for context-parallel training")
-    cap = _field(cfg, "attn_logit_softcapping")
-    if cap is not None:
-        found.append(f"{where}.attn_logit_softcapping={cap} (attention logit soft-capping) is not implemented "
-                     f"under context parallelism; set it to None or {_WHAT_TO_DO}")
     chunk = _field(cfg, "attention_chunk_size")
-    if chunk is not None:
-        found.append(f"{where}.attention_chunk_size={chunk} (chunked attention) is not implemented under "
-                     f"context parallelism; {_WHAT_TO_DO}")
-    lora = _field(cfg, "kv_lora_rank")
-    if lora is not None:
-        found.append(f"{where}.kv_lora_rank={lora} (multi-head latent attention, value head dim "
-                     f"v_head_dim={_field(cfg, 'v_head_dim')} unlike the query/key head dim) is not implemented "
-                     f"under context parallelism; {_WHAT_TO_DO}")
+    kinds = _field(cfg, "layer_types") or []
+    if chunk is not None and not kinds:
+        found.append(f"{where}.attention_chunk_size={chunk} without config.layer_types: which layers are chunked "
+                     f"is not said where the attention function reads it (Llama 4 names them "
+                     f"'chunked_attention' in layer_types); {_WHAT_TO_DO}")
     if _field(cfg, "output_router_logits", False):
         found.append(f"{where}.output_router_logits=True: the MoE router's auxiliary loss would be computed "
                      f"per rank on its shard, not over the sequence; set it to False")
     if _field(cfg, "is_encoder_decoder", False):
         found.append(f"{where}.is_encoder_decoder=True: only decoder-only causal LMs are supported")
-    kinds = _field(cfg, "layer_types") or []
     other = [(i, t) for i, t in enumerate(kinds) if t not in ATTENTION_LAYER_TYPES]
     if other:
         i, t = other[0]
@@ -231,15 +249,13 @@ def _settings_refused(where: str, cfg: Any) -> list[str]:
     return found
 
 
-def _module_refusals(model: torch.nn.Module, verified: set[str]) -> tuple[list[str], list[str], list[str]]:
-    """(sequence mixers, modules with attention sinks, other modules outside the allow-list), as
-    'name (Class)'; a mixer is named at its outermost level (the Mamba mixer, not its convolution)."""
-    mixers, sinks, unverified = {}, [], []
+def _module_refusals(model: torch.nn.Module, verified: set[str]) -> tuple[list[str], list[str]]:
+    """(sequence mixers, other modules outside the allow-list), as 'name (Class)'; a mixer is named at its
+    outermost level (the Mamba mixer, not its convolution)."""
+    mixers, unverified = {}, []
     for name, module in model.named_modules():
         cls = _own_class(module)
         where = f"{name or '<model>'} ({cls.__name__})"
-        if any(n in ("sinks", "s_aux") for n, _ in module.named_parameters(recurse=False)):
-            sinks.append(where)
         if _tokenwise(cls) or cls.__name__ in verified:
             continue
         kind = _mixer_kind(cls)
@@ -248,7 +264,7 @@ def _module_refusals(model: torch.nn.Module, verified: set[str]) -> tuple[list[s
         else:
             unverified.append(where)
     outer = [text for name, text in mixers.items() if not any(name.startswith(f"{other}.") for other in mixers)]
-    return outer, sinks, unverified
+    return outer, unverified
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -260,16 +276,13 @@ def check_model(model: torch.nn.Module) -> None:
     model_type = getattr(config, "model_type", None)
     family = VERIFIED_FAMILIES.get(model_type)
     verified = set() if family is None else {family[0] + rest for rest in family[1].split()}
-    mixers, sinks, unverified = _module_refusals(model, verified)
+    mixers, unverified = _module_refusals(model, verified)
     reasons = []
     if mixers:
         more = f" (and {len(mixers) - 1} more such modules)" if len(mixers) > 1 else ""
         reasons.append(f"module {mixers[0]}{more}: it mixes tokens along the sequence outside the attention "
                        f"function that hybrid-cp replaces, so under context parallelism each rank would run it over "
                        f"its own shard as if it were the whole sequence (silently wrong gradients); {_WHAT_TO_DO}")
-    if sinks:
-        reasons.append(f"module {sinks[0]} has attention sinks (a learned logit per head in every softmax), which "
-                       f"are not implemented under context parallelism; {_WHAT_TO_DO}")
     if not getattr(type(model), "_supports_attention_backend", True):
         reasons.append(f"{type(model).__name__} does not dispatch attention through transformers' attention "
                        f"registry (_supports_attention_backend=False), so hybrid-cp cannot replace its attention; "
@@ -296,8 +309,8 @@ def check_attention_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> N
         if name in NEUTRAL_WHEN_FALSE_KWARGS and not value:
             continue
         shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-        hint = {"softcap": " (attention logit soft-capping, config.attn_logit_softcapping)",
-                "s_aux": " (attention sinks)", "sinks": " (attention sinks)"}.get(name, "")
+        hint = {"sinks": " (attention sinks; hybrid-cp takes a module's own sinks as s_aux)",
+                "indices": " (sparse attention: the keys an indexer selected)"}.get(name, "")
         raise ConfigError(f"{type(module).__name__} passed {name}={shown}{hint} to the attention function; "
                           f"hybrid-cp's attention does not implement it, and running without it would compute "
                           f"something else. Remove the option, or {_WHAT_TO_DO}")

@@ -18,6 +18,11 @@ A forward pre-hook on the model makes the call contract hard to get wrong:
   flash-attention keywords ``cu_seq_lens_q``/``cu_seq_lens_k``; they reach every attention layer,
   and position ids must be the per-document positions of this rank's tokens;
 - KV caches (generation) are refused.
+
+The attention function passes what the module gives it and what its layer is: attention sinks
+(``s_aux``), the logit soft-cap (``softcap``), the value head dim (from ``value``), the chunk size of
+a chunked layer (read from the config: transformers hands a custom attention function no mask), and
+for Llama 4's temperature-tuned NoPE layers it rescales the queries to the tokens' own positions.
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ import torch.nn.functional as F
 from topology.layouts import module_chunks
 
 from ..engine.attention import attention as _cp_attention
-from ..engine.layout import boundaries, row_layout
+from ..engine.layout import boundaries, positions, row_layout
 from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
-from ..engine.validate import is_positive_int, model_inputs, positive_int
+from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from .model_support import check_attention_kwargs, check_model
 
@@ -56,16 +61,77 @@ class _MeshRef:
 
 def _unsupported(msg: str) -> ConfigError:
     return ConfigError(msg + " (hybrid_cp.integrations.transformers supports causal attention, with sliding "
-                            "windows, right padding or packed documents; no dropout, attention sinks or "
-                            "logit soft-capping)")
+                            "windows, chunked layers, attention sinks, logit soft-capping, right padding or packed "
+                            "documents; no dropout)")
+
+
+def _layer_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4: `config.layer_types[layer_idx] ==
+    "chunked_attention"`, `config.attention_chunk_size`). transformers builds that layer's mask from the
+    config and hands this attention function none, so the size is read where the model reads it."""
+    config = getattr(module, "config", None)
+    kinds = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" not in kinds:
+        return None
+    i = getattr(module, "layer_idx", None)
+    if not is_int(i) or not 0 <= i < len(kinds):
+        raise _unsupported(f"{type(module).__name__} has layer_idx={i!r}, so which of config.layer_types (with "
+                           f"chunked_attention layers) it is cannot be told; its attention would be computed wrong")
+    if kinds[i] != "chunked_attention":
+        return None
+    size = getattr(config, "attention_chunk_size", None)
+    if not is_positive_int(size):
+        raise _unsupported(f"{type(module).__name__} (layer {i}) is a chunked_attention layer but "
+                           f"config.attention_chunk_size={size!r}; expected a positive int")
+    return size
+
+
+def _variants(module: torch.nn.Module, kwargs: dict) -> dict:
+    """hcp.attention's `sinks`, `softcap` and `chunk_size` for this call, those that are set: `s_aux`
+    (attention sinks, gpt-oss) and `softcap` (Gemma 2) only when they are the module's own (`module.sinks`,
+    `module.attn_logit_softcapping`): the eager attention of a family without them ignores such a keyword
+    from the caller, so computing it would differ; the chunk size of a chunked layer (`_layer_chunk`)."""
+    out = {}
+    sinks, cap = kwargs.get("s_aux"), kwargs.get("softcap")
+    if sinks is not None:
+        if sinks is not getattr(module, "sinks", None):
+            raise _unsupported(f"{type(module).__name__} received s_aux (attention sinks) that is not its own "
+                               f"`sinks` parameter; pass no s_aux to the model")
+        out["sinks"] = sinks
+    if cap is not None:
+        if cap != getattr(module, "attn_logit_softcapping", None):
+            raise _unsupported(f"{type(module).__name__} received softcap={cap!r} (attention logit soft-capping) but "
+                               f"its config.attn_logit_softcapping is {getattr(module, 'attn_logit_softcapping', None)!r}"
+                               f"; pass no softcap to the model")
+        out["softcap"] = cap
+    chunk = _layer_chunk(module)
+    if chunk is not None:
+        out["chunk_size"] = chunk
+    return out
+
+
+def _temperature(module: torch.nn.Module, q: torch.Tensor, cp: CPMesh, lay, cu: Any) -> torch.Tensor:
+    """Llama 4's NoPE layers (`attn_temperature_tuning`) scale each query by
+    log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, with p = arange(tokens the module got): under CP the
+    local index, not the token's position. Rescale q [B, S_local, H, D] to the token's own position (global in
+    a dense row, inside its document in a packed row: what one process computes for the unpacked sequence)."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return q
+
+    def scale(p: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((p.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    own = positions(None if cu is not None else lay.seq_len, cp, q.device, cu_seqlens=cu)
+    ratio = scale(own) / scale(torch.arange(q.shape[1], device=q.device))
+    return (q * ratio.view(1, -1, 1, 1)).to(q.dtype)
 
 
 def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
                                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query [B, H, S_local, D], key/value [B, H_kv, S_local, D].
+    """transformers attention function: query/key [B, H or H_kv, S_local, D], value [B, H_kv, S_local, Dv].
 
-    Returns (attn_output [B, S_local, H, D], None).
+    Returns (attn_output [B, S_local, H, Dv], None).
     """
     ref = getattr(module, "_hybrid_cp_mesh", None)
     if ref is None:
@@ -92,11 +158,12 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if window is not None and not is_positive_int(window):
         raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
                            f"number of keys each query sees, itself included)")
-    q = query.transpose(1, 2).contiguous()
+    q = _temperature(module, query.transpose(1, 2), cp, lay, cu).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
     call = dict(causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len, cu_seqlens=cu,
                 window=window)
+    call.update(_variants(module, kwargs))
     mode = module.__dict__.get(_CAPTURE)
     if mode == "project":   # a module chunk's projections are done: hand them to the chunk pipeline
         raise _Captured(Projected(q, k, v, call))
@@ -246,8 +313,11 @@ class _ModuleChunks:
 def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
     """Make an attention module run its heads in chunks from the projections on (UPipe at the module
     level, `_ModuleChunks`); returns False for modules without separate q/k/v/o projections of
-    `num_attention_heads` x `head_dim` (they keep engine-level chunks)."""
+    `num_attention_heads` x `head_dim`, for modules with attention sinks (the module chunk pipeline does not
+    carry their gradient) and for chunked-attention layers (it takes no chunk size): they keep engine-level chunks."""
     if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in _PROJECTIONS):
+        return False
+    if getattr(module, "sinks", None) is not None or _layer_chunk(module) is not None:
         return False
     d = getattr(module, "head_dim", None)
     if not isinstance(d, int) or module.q_proj.out_features % d or module.k_proj.out_features % d:
@@ -275,15 +345,18 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, OLMo 2, GLM-4, ... with GQA/MQA and their MoE blocks)
     and raises ConfigError, on every rank before any collective, for every other model and for
     settings it would get wrong (`model_support.check_model`: sequence mixers such as linear
-    attention or Mamba layers, attention dropout, soft-capping, sinks, chunked attention, MLA).
+    attention or Mamba layers, attention dropout, router auxiliary losses).
     Sliding-window layers (``sliding_window``, or ``layer_types`` that mix window and full layers)
-    get their window in every layer; non-causal attention and masks other than right padding raise. `head_chunks` > 1 runs each attention module's heads in about that many chunks
+    get their window in every layer, chunked layers (Llama 4) their ``attention_chunk_size``, and
+    attention sinks (gpt-oss), logit soft-capping (Gemma 2) and value head dims other than the
+    query/key one (multi-head latent attention: DeepSeek-V3) reach `hcp.attention`; non-causal
+    attention and masks other than right padding raise. `head_chunks` > 1 runs each attention module's heads in about that many chunks
     starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
     chunk's projections and attention recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
     projection and all-to-all overlap chunk i's ring: `hybrid_cp/engine/modulechunk.py`; `module_chunks` says
     how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
-    Modules without separate q/k/v/o projections of `num_attention_heads` heads keep engine-level
-    chunks only (logged); a module that does more than o_proj(attention output) after its attention
+    Modules without separate q/k/v/o projections of `num_attention_heads` heads, with attention sinks
+    or chunked attention keep engine-level chunks only (logged); a module that does more than o_proj(attention output) after its attention
     call raises on its first forward. `chunk_projections=False` keeps the projections whole and
     chunks inside `hcp.attention` only. Returns the model.
     """
@@ -314,7 +387,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
 
         logging.getLogger("hybrid_cp").warning(
             "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections of num_attention_heads x "
-            "head_dim and chunk their heads "
+            "head_dim, or have attention sinks or chunked attention, and chunk their heads "
             "inside hcp.attention only (Q/K/V of all heads exist at once there)", head_chunks,
             chunked.count(False), len(chunked))
     old = model.__dict__.get(_HOOK_ATTR)

@@ -20,6 +20,24 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
             attention_dropout=0.0, tie_word_embeddings=False)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+# multi-head latent attention (any config with kv_lora_rank): query/key head dim 16 + 8, value head dim 16;
+# the decompressed keys have every query head (transformers' eager attention needs kv heads = heads), and
+# head_dim is the rotary part (what MLA configs derive it as)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           head_dim=8, v_head_dim=16)
+# what makes the attention variants of these families matter inside a test's 100 tokens (2 layers, one of
+# each kind): a window and a chunk much shorter than the row, a temperature scale that grows inside it, soft-caps
+# at which tanh bends the scores, routed experts next to a dense MLP
+VARIANTS = {
+    "gpt_oss": dict(sliding_window=16),   # sliding / full layers, each with its sinks
+    "gemma2": dict(sliding_window=16, query_pre_attn_scalar=1, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=5.0),
+    "deepseek_v3": dict(first_k_dense_replace=1,   # layer 0 dense, layer 1 MoE; YaRN's mscale in the scaling
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                                             mscale_all_dim=1.0, original_max_position_embeddings=256)),
+    "llama4_text": dict(attention_chunk_size=16, no_rope_layers=[1, 0], floor_scale=8, attn_scale=0.5,
+                        moe_layers=[1], intermediate_size_mlp=128),   # chunked + RoPE, full + NoPE + temperature
+}
 
 
 def causal_lm_types() -> list[str]:
@@ -30,12 +48,15 @@ def causal_lm_types() -> list[str]:
 
 
 def tiny_config(model_type: str, **overrides):
-    """The family's default configuration with every size field it has made tiny, token ids inside the
-    tiny vocabulary. Raises whatever transformers raises when the family rejects the tiny sizes."""
+    """The family's default configuration with every size field it has made tiny (and `VARIANTS`), token ids
+    inside the tiny vocabulary. Raises whatever transformers raises when the family rejects the tiny sizes."""
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
     kwargs = {k: v for k, v in TINY.items() if hasattr(base, k)}
+    if getattr(base, "kv_lora_rank", None) is not None:
+        kwargs.update({k: v for k, v in MLA.items() if hasattr(base, k)})
+    kwargs.update(VARIANTS.get(model_type, {}))
     for i, name in enumerate(_TOKEN_IDS):
         value = getattr(base, name, None)
         if isinstance(value, int) and value >= VOCAB:
