@@ -4,6 +4,7 @@ independently of the package's kernels. tests/test_variants.py asserts on them."
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -84,9 +85,7 @@ def variant_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         cp = mesh(u, r, c.get("layout", "zigzag"))
         packed = "docs" in c
         lens = c["docs"] if packed else [c["n"]]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
+        cu = [0, *itertools.accumulate(lens)]
         kw = {"cu_seqlens": cu} if packed else {}
         d, dv = c["d"], c.get("dv", c["d"])
         window = c.get("window")
