@@ -114,3 +114,47 @@ def test_cost_model_prices_the_chunked_plan():
                                                          chunk_size=8192)
     assert chunked.bytes_per_rank["ring_fwd"] < 0.01 * full.bytes_per_rank["ring_fwd"]
     assert any("8192-token attention chunks" in note for note in chunked.notes)
+
+
+def _shape(**kw) -> topology.ModelShape:
+    return topology.ModelShape(heads=32, kv_heads=8, head_dim=128, hidden=4096, layers=32, **kw)
+
+
+def test_a_model_with_chunked_layers_is_priced_as_its_average_layer():
+    cluster = topology.Cluster.preset("dgx-h100", nodes=2)
+    n = 1 << 17
+    full = topology.estimate(cluster, _shape(), n, 8, 2)
+    chunked = topology.estimate(cluster, _shape(), n, 8, 2, chunk_size=8192)
+    model = topology.estimate(cluster, _shape(attention_chunk_size=8192, chunked_layers=24), n, 8, 2)
+    assert model.time_s == pytest.approx(0.75 * chunked.time_s + 0.25 * full.time_s, rel=1e-9)
+    assert chunked.time_s < full.time_s
+    assert any("24 of 32 layers attend in 8192-token chunks" in note for note in model.notes)
+    # three kinds: window, chunked and full layers, each priced from its own plan
+    mix = topology.estimate(cluster, _shape(sliding_window=1024, window_layers=8, attention_chunk_size=8192,
+                                            chunked_layers=16), n, 8, 2)
+    win = topology.estimate(cluster, _shape(), n, 8, 2, window=1024)
+    assert mix.time_s == pytest.approx(0.25 * win.time_s + 0.5 * chunked.time_s + 0.25 * full.time_s, rel=1e-9)
+    # a chunk reaching the whole sequence is full attention
+    assert topology.estimate(cluster, _shape(attention_chunk_size=n), n, 8, 2).time_s == pytest.approx(full.time_s)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(attention_chunk_size=8192, chunked_layers=40), "chunked_layers=40 exceeds layers=32"),
+    (dict(attention_chunk_size=8192, sliding_window=1024), "needs window_layers and chunked_layers"),
+    (dict(attention_chunk_size=8192, chunked_layers=20, sliding_window=1024, window_layers=20), "exceeds layers=32"),
+])
+def test_model_shape_chunk_checks(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _shape(**kw)
+
+
+def test_plan_cli_takes_chunked_layers(capsys):
+    from hybrid_cp.cli.plan import main
+
+    args = ["--preset", "dgx-h100", "--nodes", "4", "--heads", "40", "--kv-heads", "8", "--head-dim", "128",
+            "--layers", "48", "--seq-len", "1M", "--top", "1"]
+    assert main(args) == 0
+    full = capsys.readouterr().out
+    assert main([*args, "--attention-chunk-size", "8K", "--chunked-layers", "36"]) == 0
+    chunked = capsys.readouterr().out
+    assert "36 of 48 layers attend in 8192-token chunks" in chunked and "chunks" not in full

@@ -56,12 +56,23 @@ class ModelShape(BaseModel):
     vocab: int = Field(default=0, ge=0, description="embedding + LM head size, for model-state memory")
     sliding_window: int | None = Field(default=None, ge=1, description="keys each query sees in window layers")
     window_layers: int | None = Field(default=None, ge=0, description="layers with the window (default: all)")
+    attention_chunk_size: int | None = Field(
+        default=None, ge=1, description="positions of one attention chunk in chunked layers (Llama 4)")
+    chunked_layers: int | None = Field(default=None, ge=0, description="layers with chunked attention (default: all)")
     name: str = "custom"
 
     @model_validator(mode="after")
     def _check(self) -> "ModelShape":
-        if self.window_layers is not None and self.window_layers > self.layers:
-            raise ValueError(f"window_layers={self.window_layers} exceeds layers={self.layers}")
+        for name in ("window_layers", "chunked_layers"):
+            if (getattr(self, name) or 0) > self.layers:
+                raise ValueError(f"{name}={getattr(self, name)} exceeds layers={self.layers}")
+        if self.sliding_window and self.attention_chunk_size:
+            if self.window_layers is None or self.chunked_layers is None:
+                raise ValueError("a model with both sliding_window and attention_chunk_size needs window_layers and "
+                                 "chunked_layers: how many layers of each kind")
+            if self.window_layers + self.chunked_layers > self.layers:
+                raise ValueError(f"window_layers={self.window_layers} + chunked_layers={self.chunked_layers} exceeds "
+                                 f"layers={self.layers}")
         kv = self.kv_heads or self.heads
         if kv > self.heads or self.heads % kv:
             raise ValueError(
@@ -430,37 +441,48 @@ def estimate(
     Ranks ``0 .. dp*ulysses*ring - 1`` of ``cluster`` are used, placed as in
     :func:`topology.placement.mesh_ranks` (ulysses innermost). See the module docstring for the model.
     ``backward=False`` prices a forward pass only (inference, or forward-only benchmarks).
-    A model with ``sliding_window`` (causal) is priced as its average layer: ``window_layers`` of
-    its ``layers`` with the window (skipped blocks, halo exchange), the rest full; memory is the
-    larger of the two. ``window=W`` (or None) prices one layer with that window (or none) instead.
-    ``chunk_size=C`` prices the layers with chunked attention (Llama 4's attention_chunk_size), from
-    the same block plan the engine runs.
+    A model with ``sliding_window`` (causal) or ``attention_chunk_size`` is priced as its average
+    layer: ``window_layers`` of its ``layers`` with the window (skipped blocks, halo exchange),
+    ``chunked_layers`` in chunks (Llama 4), the rest full; memory is the largest of the kinds.
+    ``window=W`` (or None) or ``chunk_size=C`` prices one layer with that window or chunk size
+    (from the same block plan the engine runs) instead.
     """
-    kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, backward=backward, chunk_size=chunk_size)
-    if window is not _MODEL_WINDOW:
-        return _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
+    kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
+    if window is not _MODEL_WINDOW or chunk_size is not None:
+        window = None if window is _MODEL_WINDOW else window
+        return _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, chunk_size=chunk_size, **kw)
+    kinds = _layer_kinds(model, seq_len, causal)
+    layers = [(n, _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=w, chunk_size=c, **kw), what)
+              for n, w, c, what in kinds]
+    if len(layers) == 1:
+        return layers[0][1]
+    note = ", ".join(f"{n} of {model.layers} layers {what}" for n, _, what in layers) + "; the figures are the average layer"
+    return _average_layer([(n / model.layers, est) for n, est, _ in layers], note)
+
+
+def _layer_kinds(model: ModelShape, seq_len: int, causal: bool) -> list[tuple[int, Any, Any, str]]:
+    """(layer count, window, chunk size, description) of each kind of layer the model has, those with
+    layers: window layers, chunked layers, full-attention layers (a window or chunk reaching the whole
+    sequence is full attention)."""
     window = model.sliding_window if causal and (model.sliding_window or 0) < seq_len else None
-    n_win = model.layers if model.window_layers is None else model.window_layers
-    win = _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, **kw)
-    if window is None or n_win == model.layers:
-        return win
-    full = _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=None, **kw)
-    note = f"{n_win} of {model.layers} layers use the {window}-token window; the figures are the average layer"
-    return _average_layer(win, full, n_win / model.layers, note)
+    chunk = model.attention_chunk_size if (model.attention_chunk_size or 0) < seq_len else None
+    n_win = 0 if window is None else model.layers if model.window_layers is None else model.window_layers
+    n_chunk = 0 if chunk is None else model.layers if model.chunked_layers is None else model.chunked_layers
+    kinds = [(n_win, window, None, f"use the {window}-token window"),
+             (n_chunk, None, chunk, f"attend in {chunk}-token chunks"),
+             (model.layers - n_win - n_chunk, None, None, "attend in full")]
+    return [kind for kind in kinds if kind[0] > 0]
 
 
-def _average_layer(win: Estimate, full: Estimate, share: float, note: str) -> Estimate:
-    """A model whose ``share`` of layers has the window: times, FLOPs and bytes averaged over its
-    layers, memory the larger of the two layer kinds."""
-
-    def mix(x, y):
-        return share * x + (1 - share) * y
-
+def _average_layer(layers: list[tuple[float, Estimate]], note: str) -> Estimate:
+    """A model with several kinds of layer (``layers``: each kind's share of the layers and its estimate):
+    times, FLOPs and bytes averaged over its layers, memory the largest of the kinds."""
     times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops")
-    return replace(win, **{f: mix(getattr(win, f), getattr(full, f)) for f in times},
-                   bytes_per_rank={k: round(mix(win.bytes_per_rank[k], full.bytes_per_rank[k]))
-                                   for k in win.bytes_per_rank},
-                   memory_bytes=max(win.memory_bytes, full.memory_bytes), notes=win.notes + (note,))
+    first = layers[0][1]
+    return replace(first, **{f: sum(share * getattr(e, f) for share, e in layers) for f in times},
+                   bytes_per_rank={k: round(sum(share * e.bytes_per_rank[k] for share, e in layers))
+                                   for k in first.bytes_per_rank},
+                   memory_bytes=max(e.memory_bytes for _, e in layers), notes=first.notes + (note,))
 
 
 def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,

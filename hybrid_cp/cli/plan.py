@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--intermediate", type=int, help="MLP width (default 4 x hidden, plain MLP)")
     m.add_argument("--sliding-window", type=parse_count, help="keys each query sees in window layers (e.g. 4K)")
     m.add_argument("--window-layers", type=int, help="how many layers use the window (default: all)")
+    m.add_argument("--attention-chunk-size", type=parse_count,
+                   help="positions of one attention chunk in chunked layers (Llama 4, e.g. 8K)")
+    m.add_argument("--chunked-layers", type=int, help="how many layers attend in chunks (default: all)")
     w = p.add_argument_group("workload")
     w.add_argument("--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)")
     w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
@@ -91,7 +94,8 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 def _model(args: argparse.Namespace) -> ModelShape:
     base = dict(MODEL_PRESETS[args.model], name=args.model) if args.model else {}
-    for key in ("heads", "kv_heads", "head_dim", "hidden", "layers", "intermediate", "sliding_window", "window_layers"):
+    for key in ("heads", "kv_heads", "head_dim", "hidden", "layers", "intermediate", "sliding_window", "window_layers",
+                "attention_chunk_size", "chunked_layers"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
     missing = [f"--{k.replace('_', '-')}" for k in ("heads", "head_dim") if k not in base]
