@@ -150,7 +150,7 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
 def destroy_cp_mesh(cp: CPMesh) -> None:
     """Destroy the process groups `cp` created (every rank of the world calls it; the mesh must not be used
     afterwards; the default group stays). Why: every group keeps threads and sockets for the life of the
-    process (gloo: three threads that wake up periodically, measured at about 0.5 ms of CPU per group and
+    process (gloo: three threads that wake up periodically, measured at 0.4-0.8 ms of CPU per group and
     second while idle, benchmarks/idle_groups.py), so a program that builds meshes again and again (a test
     harness, re-meshing after a lost worker) should destroy those it no longer uses."""
     default = dist.distributed_c10d._get_default_group()
