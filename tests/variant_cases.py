@@ -104,9 +104,8 @@ def variant_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
                for name, dim, rf, gt in zip(TENSORS[:5], [1, 2, 1, 1, 1], ref, got)}
         err["dsinks"] = 0.0 if ref[5] is None else _rel(got[5], ref[5])
         err["out_dim_ok"] = got[0].shape[-1] == dv
-        # the cost model's bytes, v's head dim included, are what was sent (fp32: the model's gradients are fp32,
-        # while fp64 inputs send fp64 dK/dV; head chunks send q/out again in backward)
-        if c.get("head_chunks", 1) == 1 and dtype == torch.float32:
+        # the cost model's bytes, v's head dim included, are what was sent (head chunks send q/out again in backward)
+        if c.get("head_chunks", 1) == 1:
             want = topology.comm_bytes(c["h"], c["hkv"], d, cu[-1], 1 if packed else 2, u, r, dtype.itemsize,
                                        layout=cp.layout, ulysses_rank=cp.ulysses_rank, ring_rank=cp.ring_rank,
                                        cu_seqlens=cu if packed else None, causal=c["causal"], window=window,

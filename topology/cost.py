@@ -33,6 +33,11 @@ __all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "h
 
 Layout = Literal["zigzag", "contiguous"]
 GRAD_BYTES = FP32_BYTES  # dK/dV travel the ring in fp32 (the engine's default: gradients accumulate in fp32)
+
+
+def grad_bytes(dtype_bytes: int) -> int:
+    """Bytes of one accumulated gradient element: fp32, or fp64 for fp64 inputs (the engine's acc_dtype)."""
+    return max(GRAD_BYTES, dtype_bytes)
 MODEL_STATE_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + 2 fp32 Adam moments (ZeRO-3/FSDP)
 
 
@@ -194,12 +199,12 @@ def comm_bytes(
                 out_rows = sum(n for st in range(1, ring)
                                for _, n in lay.needed_rows((j + st) % ring, st, causal, window, chunk_size))
                 back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, causal, window, chunk_size))
-                return out_rows * row * dtype_bytes, back_rows * row * GRAD_BYTES
+                return out_rows * row * dtype_bytes, back_rows * row * grad_bytes(dtype_bytes)
             ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
         else:
             kv_block = (ulysses * s) * row  # elements of one K/V block
             ring_fwd = (ring - 1) * kv_block * dtype_bytes
-            ring_bwd = ring_fwd + ring * kv_block * GRAD_BYTES if ring > 1 else 0
+            ring_bwd = ring_fwd + ring * kv_block * grad_bytes(dtype_bytes) if ring > 1 else 0
         for key, val in (("ulysses_fwd", fwd), ("ulysses_bwd", bwd), ("ring_fwd", ring_fwd), ("ring_bwd", ring_bwd)):
             out[key] = max(out[key], val)
     return out
@@ -595,7 +600,8 @@ def _streamed_ring_s(xfer: Callable[[float], float], call: _Call, step_fwd_s: fl
     r - 1 backward hops carrying K/V and the travelling fp32 dK/dV, each hidden behind its step's
     kernels by ``overlap``, and the last dK/dV hop home, which nothing is left to hide."""
     kv, e, ring = call.kv_block, call.e, call.ring
-    c_fwd, c_bwd, c_home = xfer(kv * e), xfer(kv * (e + GRAD_BYTES)), xfer(kv * GRAD_BYTES)
+    g = grad_bytes(e)
+    c_fwd, c_bwd, c_home = xfer(kv * e), xfer(kv * (e + g)), xfer(kv * g)
     comm = (ring - 1) * c_fwd
     exposed = (ring - 1) * _exposed(c_fwd, step_fwd_s, overlap)
     if call.backward:
@@ -655,14 +661,14 @@ def _memory_breakdown(call: _Call, model: ModelShape) -> dict[str, int]:
     b, s, e, D = call.batch, call.lay.local_len, call.e, call.head_dim
     H, Hkv, (c_max, k_max) = call.heads, call.kv_heads, call.busiest_heads
     us = call.ulysses * s
-    kv_blk = call.kv_block
+    kv_blk, g = call.kv_block, grad_bytes(call.e)
     return {
         "model_states": MODEL_STATE_BYTES_PER_PARAM * model.params // call.world,
         "checkpointed_inputs": model.layers * b * s * model.d_model * e,
         "attention_local_io": b * s * (H + 2 * Hkv + H) * D * e,  # q,k,v,out before/after all-to-all
         "attention_heads": b * us * D * (3 * c_max * e + 2 * k_max * e) + b * c_max * us * 4,
-        "attention_grads_fp32": (b * us * c_max * D * GRAD_BYTES + kv_blk * GRAD_BYTES) if call.backward else 0,
-        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * GRAD_BYTES * call.backward + b * us * c_max * D * 4)
+        "attention_grads_fp32": (b * us * c_max * D * g + kv_blk * g) if call.backward else 0,
+        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * g * call.backward + b * us * c_max * D * 4)
         if call.ring > 1
         else 0,
         "mlp_recompute": b * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
