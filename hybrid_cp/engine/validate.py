@@ -473,31 +473,28 @@ def check_sinks(sinks, q: torch.Tensor) -> None:
         raise ConfigError(f"sinks is on {sinks.device} but q is on {q.device}; move sinks to {q.device}")
 
 
-def variant_fields(cp, signature: AttentionSignature, softcap, sinks) -> AttentionSignature:
-    """The signature's variant fields (digests, so that ranks that differ name the field). The sinks' values
-    are compared only under validate="always"/"debug" (a host copy of H numbers per call; under True a
-    learnable parameter's new values every step would defeat the prediction of repeated calls)."""
-    sink_sig = 0
-    if sinks is not None:
-        values = sinks.detach().double().cpu().tolist() if cp.validate in ("always", "debug") else None
-        sink_sig = digest((tuple(sinks.shape), str(sinks.dtype), values))
-    return signature._replace(softcap=0 if softcap is None else digest(float(softcap)), sinks=sink_sig)
+def _sinks_digest(cp, sinks) -> int:
+    """The sinks' shape and dtype (0: none); their values only under validate="always"/"debug" (a host copy
+    of H numbers per call; under True a learnable parameter's new values every step would defeat the
+    prediction of repeated calls)."""
+    if sinks is None:
+        return 0
+    values = sinks.detach().double().cpu().tolist() if cp.validate in ("always", "debug") else None
+    return digest((tuple(sinks.shape), str(sinks.dtype), values))
 
 
-def v_head_dim_field(signature: AttentionSignature, v: torch.Tensor) -> AttentionSignature:
-    """The value head dim in the signature (q/k's is `head_dim`)."""
-    return signature._replace(v_head_dim=v.shape[3])
-
-
-def attention_signature(q, k, lay: Layout, kernel, backend, causal, window, needs_grad: int,
-                        head_chunks: int, chunk_size: int | None = None) -> AttentionSignature:
-    """The signature of a call that passed this rank's checks."""
+def attention_signature(cp, q, k, v, lay: Layout, kernel, backend, causal, window, needs_grad: int,
+                        head_chunks: int, *, softcap=None, sinks=None, chunk_size: int | None = None
+                        ) -> AttentionSignature:
+    """The signature of a call that passed this rank's checks (variants as digests, so that ranks that
+    differ name the field)."""
     b, s, h, d = q.shape
     left, right = (-1, -1) if window is None else (window, 0) if isinstance(window, int) else window
     name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
     return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(causal), lay.seq_len,
                               digest(lay.doc_lens), left, right, digest(name), int(needs_grad), head_chunks,
-                              chunk_size=chunk_size or 0)
+                              softcap=0 if softcap is None else digest(float(softcap)),
+                              sinks=_sinks_digest(cp, sinks), v_head_dim=v.shape[3], chunk_size=chunk_size or 0)
 
 
 def is_int(value: Any) -> bool:
@@ -552,9 +549,8 @@ def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlen
         if head_chunks > 1 and kernel is None:
             raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
                               f"local-attention callable runs all heads at once: use head_chunks=1")
-        signature = attention_signature(q, k, lay, kernel, backend, causal, window, needs_grad, head_chunks,
-                                        chunk_size)
-        signature = v_head_dim_field(variant_fields(cp, signature, softcap, sinks), v)
+        signature = attention_signature(cp, q, k, v, lay, kernel, backend, causal, window, needs_grad, head_chunks,
+                                        softcap=softcap, sinks=sinks, chunk_size=chunk_size)
     except (TypeError, ValueError) as exc:
         if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
             exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
