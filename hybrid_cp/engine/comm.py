@@ -246,3 +246,38 @@ class RingExchange:
                 f"a peer rank died, hung, or raised on its own. Backend said: "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Look for the first error on "
                 f"the other ranks; set init_cp_mesh(timeout=...) to fail sooner") from exc
+
+
+class _GatherSummaries(torch.autograd.Function):
+    """All-gather over the cp group; the backward sums every rank's gradient of my rows
+    (reduce-scatter). Both directions are counted: (P - 1) x my rows' bytes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cp: "CPMesh", stage: str) -> torch.Tensor:
+        ctx.cp, ctx.stage = cp, stage
+        x = x.contiguous()
+        out = x.new_empty(cp.size * x.shape[0], *x.shape[1:])
+        count(cp, stage + "_fwd", (cp.size - 1) * x.numel() * x.element_size())
+        with comm_guard(cp, f"the summary all-gather ({stage})"):
+            dist.all_gather_single(out, x, group=cp.cp_group)
+        return out.view(cp.size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cp = ctx.cp
+        grad = grad.contiguous().flatten(0, 1)
+        mine = grad.new_empty(grad.shape[0] // cp.size, *grad.shape[1:])
+        count(cp, ctx.stage + "_bwd", (cp.size - 1) * mine.numel() * mine.element_size())
+        with comm_guard(cp, f"the summary reduce-scatter ({ctx.stage})"):
+            dist.reduce_scatter_single(mine, grad, group=cp.cp_group)
+        return mine, None, None
+
+
+def gather_summaries(cp: "CPMesh", x: torch.Tensor, stage: str) -> torch.Tensor:
+    """[cp.size, *x.shape]: every cp rank's `x` (small per-segment summaries of a linear recurrence or
+    a convolution's halo), differentiable; stages `<stage>_fwd` / `<stage>_bwd` in `comm_bytes`.
+    Under grad mode the result always requires grad, so that the backward's collective runs on every rank,
+    also on one whose own rows are constants (nothing of it is needed elsewhere)."""
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()
+    return _GatherSummaries.apply(x, cp, stage)

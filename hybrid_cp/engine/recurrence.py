@@ -1,0 +1,284 @@
+"""Linear recurrences (Gated DeltaNet, Mamba2) and causal short convolutions under context parallelism.
+
+One mechanism, written once (docs/linear.md). A rank's local rows are *runs* of the global sequence
+(`Layout.token_runs`: under zigzag two chunks per rank, packed rows several documents or pieces of
+them), and a run never crosses a document. A linear recurrence is affine in the state it receives,
+so over a run S_out = M S_in + E (M the run's transition, E its final state from zero). Each rank
+
+1. runs its runs from a zero state; a run that *continues* a document started elsewhere is run once
+   with the transition probed alongside (the kind's `probe`), a run that starts its document plainly;
+2. all-gathers (M, E) of every run that *exports* (its document goes on after it), one collective
+   over the cp group with the summaries of every rank (`comm.gather_summaries`);
+3. composes locally, in global order, the state each of its continuing runs receives (a few small
+   products per run, no serial chain of whole-shard computations across ranks), and
+4. corrects those runs' outputs by the true incoming state (the kind's `correct`).
+
+The backward is autograd through the same steps; the gather's backward is a reduce-scatter, so
+each rank gets the gradient of its summaries from every rank that used them. A document start
+resets the state: a run that starts its document neither receives a state nor exports a
+transition (only E). Padding rows are their own documents (zero output).
+
+Causal depthwise convolutions of kernel K need the K - 1 pre-conv tokens before each continuing
+run: the exporting runs' last K - 1 rows travel by the same all-gather (`causal_conv`), and a
+document start pads with zeros.
+
+The kinds take the kernel they run on a run as an argument with fla's signature (transformers'
+torch reference functions have it too): the engine stays free of any model library.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from topology.layouts import PAD, Layout
+
+from .comm import gather_summaries
+
+if TYPE_CHECKING:
+    from .mesh import CPMesh
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive local rows of one document: `start` (local row), `n`, `tok` (global index of the
+    first token, or PAD), `continues` (the document started before it), `exports` (it goes on after)."""
+
+    start: int
+    n: int
+    tok: int
+    continues: bool
+    exports: bool
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """The runs of every cp rank, and the exporting runs as gather slots: `slots` per rank (the
+    largest count), `slot_of[(rank, run index)]` = (rank, slot), `pred[(rank, run index)]` the slot of
+    the run before a continuing run, `slot_pred` the same between slots, `order` the slots in global
+    token order, `lens[(rank, slot)]` their lengths."""
+
+    runs: tuple[tuple[Run, ...], ...]
+    slots: int
+    slot_of: dict
+    pred: dict
+    slot_pred: dict
+    order: tuple
+    lens: dict
+
+
+@lru_cache(maxsize=256)
+def scan_plan(lay: Layout, size: int) -> ScanPlan:
+    """Runs and gather slots of `lay` on `size` cp ranks (torch-free, the same on every rank)."""
+    starts, lens_of_doc = lay.doc_starts, lay.doc_lens
+    runs, slot_of, by_end, slot_tok, lens = [], {}, {}, {}, {}
+    for rank in range(size):
+        mine, local, nslot = [], 0, 0
+        for tok, pos, n in lay.token_runs(rank):
+            if tok == PAD:
+                mine.append(Run(local, n, PAD, False, False))
+            else:
+                doc = bisect.bisect_right(starts, tok) - 1
+                run = Run(local, n, tok, pos > 0, pos + n < lens_of_doc[doc])
+                if run.exports:
+                    slot_of[(rank, len(mine))] = (rank, nslot)
+                    by_end[tok + n] = (rank, nslot)
+                    slot_tok[(rank, nslot)] = tok
+                    lens[(rank, nslot)] = n
+                    nslot += 1
+                mine.append(run)
+            local += n
+        runs.append(tuple(mine))
+    pred = {}
+    for rank, mine in enumerate(runs):
+        for i, run in enumerate(mine):
+            if run.continues:
+                pred[(rank, i)] = by_end[run.tok]
+    slot_pred = {slot_of[key]: p for key, p in pred.items() if key in slot_of}
+    return ScanPlan(tuple(runs), max((sum(r.exports for r in m) for m in runs), default=0), slot_of, pred,
+                    slot_pred, tuple(sorted(slot_tok, key=slot_tok.get)), lens)
+
+
+class RecurrenceKind(Protocol):
+    """One kind of linear recurrence over a run of tokens (inputs [B, n, ...], sequence dim 1)."""
+
+    def shapes(self, inputs: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(transition M, state E) shapes, batch first."""
+
+    def plain(self, xs: Sequence[torch.Tensor], final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, final state or None) from a zero state."""
+
+    def probe(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output from zero, E, M, what `correct` needs)."""
+
+    def apply(self, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """M applied to a state."""
+
+    def correct(self, out: torch.Tensor, aux: torch.Tensor, s_in: torch.Tensor) -> torch.Tensor:
+        """The output of a run that receives `s_in`, from its zero-state output."""
+
+    def empty(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The output of padding rows (zeros)."""
+
+
+def state_dtype(x: torch.Tensor) -> torch.dtype:
+    """Summaries travel and compose in fp32 (fp64 for fp64 inputs): bf16 transitions lose the state."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gathered_states(cp: "CPMesh", plan: ScanPlan, kind: RecurrenceKind, inputs: Sequence[torch.Tensor],
+                     exports: dict, stage: str) -> tuple[dict, torch.Tensor]:
+    """All-gather (M, E) of every exporting run and compose, in global order, the state after each."""
+    m_shape, e_shape = kind.shapes(inputs)
+    dtype = state_dtype(inputs[0])
+    m_numel, e_numel = _numel(m_shape), _numel(e_shape)
+    rows = [inputs[0].new_zeros(m_numel + e_numel, dtype=dtype) for _ in range(plan.slots)]
+    for slot, (m, e) in exports.items():
+        m = torch.zeros(m_shape, dtype=dtype, device=e.device) if m is None else m
+        rows[slot] = torch.cat([m.to(dtype).reshape(-1), e.to(dtype).reshape(-1)])
+    gathered = gather_summaries(cp, torch.stack(rows), stage)
+    after = {}
+    for key in plan.order:
+        m, e = gathered[key].split([m_numel, e_numel])
+        prev = plan.slot_pred.get(key)
+        after[key] = e.view(e_shape) if prev is None else kind.apply(m.view(m_shape), after[prev]) + e.view(e_shape)
+    return after, gathered
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def linear_scan(cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequence[torch.Tensor],
+                stage: str = "linear_state") -> torch.Tensor:
+    """The recurrence `kind` over the whole (global) sequence, for this rank's rows of `inputs`
+    ([B, local rows, ...] each): exact, documents reset the state; see the module docstring."""
+    plan = scan_plan(lay, cp.size)
+    outs, probes, exports = [], {}, {}
+    for i, run in enumerate(plan.runs[cp.rank]):
+        xs = [x.narrow(1, run.start, run.n) for x in inputs]
+        if run.tok == PAD:
+            outs.append(kind.empty(xs))
+            continue
+        if run.continues:
+            out, final, trans, probes[i] = kind.probe(xs)
+        else:
+            (out, final), trans = kind.plain(xs, final=run.exports), None
+        outs.append(out)
+        if run.exports:
+            exports[plan.slot_of[(cp.rank, i)][1]] = (trans, final)
+    if plan.slots:
+        after, gathered = _gathered_states(cp, plan, kind, inputs, exports, stage)
+        for i, aux in probes.items():
+            outs[i] = kind.correct(outs[i], aux, after[plan.pred[(cp.rank, i)]])
+        if not probes:   # the gather's backward (a collective) must run on every rank
+            outs[0] = outs[0] + (gathered.sum() * 0).to(outs[0].dtype)
+    return torch.cat(outs, dim=1)
+
+
+def _halo(plan: ScanPlan, gathered: torch.Tensor, key: tuple, width: int) -> list[torch.Tensor]:
+    """The last `width` rows before a continuing run, walking back over the runs before it (a run
+    shorter than the halo takes rows from the one before it), oldest first."""
+    parts, need = [], width
+    while key is not None and need > 0:
+        take = min(need, plan.lens[key])
+        parts.insert(0, gathered[key][:, width - take:])
+        need -= take
+        key = plan.slot_pred.get(key)
+    return parts
+
+
+def causal_conv(cp: "CPMesh", lay: Layout, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                stage: str = "linear_halo") -> torch.Tensor:
+    """The depthwise causal convolution (weight [C, K], x [B, local rows, C]) of the global sequence
+    at this rank's rows, documents starting from zeros; no activation. The K - 1 rows before each
+    continuing run come from the ranks that hold them (one all-gather of every exporting run's tail)."""
+    plan = scan_plan(lay, cp.size)
+    width, (b, _, c) = weight.shape[-1] - 1, x.shape
+    mine, halos, gathered = plan.runs[cp.rank], {}, None
+    if plan.slots and width:
+        tails = [x.new_zeros(b, width, c) for _ in range(plan.slots)]
+        for i, run in enumerate(mine):
+            if run.exports:
+                take = min(width, run.n)
+                tail = x.narrow(1, run.start + run.n - take, take)
+                tails[plan.slot_of[(cp.rank, i)][1]] = F.pad(tail, (0, 0, width - take, 0))
+        gathered = gather_summaries(cp, torch.stack(tails), stage)
+        for i, run in enumerate(mine):
+            if run.continues:
+                parts = _halo(plan, gathered, plan.pred[(cp.rank, i)], width)
+                have = sum(p.shape[1] for p in parts)
+                halos[i] = torch.cat([x.new_zeros(b, width - have, c)] + parts, dim=1)
+    outs = []
+    for i, run in enumerate(mine):
+        if run.tok == PAD:   # padding rows: zero output, like the recurrences
+            outs.append(x.new_zeros(b, run.n, c))
+            continue
+        pre = halos.get(i)
+        pre = x.new_zeros(b, width, c) if pre is None else pre
+        xe = torch.cat([pre, x.narrow(1, run.start, run.n)], dim=1).transpose(1, 2)
+        outs.append(F.conv1d(xe, weight.unsqueeze(1), bias, groups=c).transpose(1, 2))
+    out = torch.cat(outs, dim=1)
+    if gathered is not None and not halos:   # the gather's backward must run on every rank
+        out = out + gathered.sum() * 0
+    return out
+
+
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class GatedDelta:
+    """The gated delta rule (Gated DeltaNet): inputs (q, k [B, n, Hk, dk], v [B, n, Hv, dv], g, beta
+    [B, n, Hv]); state [B, Hv, dk, dv], S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T.
+
+    `kernel` has fla's `chunk_gated_delta_rule` signature (q, k, v, g=, beta=, initial_state=,
+    output_final_state=, use_qk_l2norm_in_kernel=). The probe runs it once on [v | 0] from [0 | I]: the
+    state columns of I evolve as P_t I (M at the end) and their outputs are P_t^T q_t, so the true
+    output is o_t + S_in^T (P_t^T q_t): one kernel call per run, then a small GEMM."""
+
+    def __init__(self, kernel: Kernel, use_qk_l2norm_in_kernel: bool = True):
+        self.kernel, self.l2 = kernel, use_qk_l2norm_in_kernel
+
+    def _call(self, xs, v, initial, final):
+        q, k, _, g, beta = xs
+        return self.kernel(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=final,
+                           use_qk_l2norm_in_kernel=self.l2)
+
+    def shapes(self, inputs):
+        b, _, hv, dv = inputs[2].shape
+        dk = inputs[1].shape[-1]
+        return (b, hv, dk, dk), (b, hv, dk, dv)
+
+    def plain(self, xs, final):
+        out, state = self._call(xs, xs[2], None, final)
+        return out, state
+
+    def probe(self, xs):
+        v = xs[2]
+        b, n, hv, dv = v.shape
+        dk = xs[1].shape[-1]
+        dtype = state_dtype(v)
+        eye = torch.eye(dk, dtype=dtype, device=v.device).expand(b, hv, dk, dk)
+        initial = torch.cat([torch.zeros(b, hv, dk, dv, dtype=dtype, device=v.device), eye], dim=-1)
+        out, state = self._call(xs, torch.cat([v, v.new_zeros(b, n, hv, dk)], dim=-1), initial, True)
+        return out[..., :dv], state[..., :dv], state[..., dv:], out[..., dv:]
+
+    def apply(self, m, s):
+        return m @ s
+
+    def correct(self, out, aux, s_in):
+        return out + torch.einsum("bthk,bhkv->bthv", aux.to(s_in.dtype), s_in).to(out.dtype)
+
+    def empty(self, xs):
+        return torch.zeros_like(xs[2])
+
+
+__all__ = ["Run", "ScanPlan", "scan_plan", "RecurrenceKind", "linear_scan", "causal_conv", "GatedDelta", "state_dtype"]

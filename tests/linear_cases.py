@@ -1,0 +1,136 @@
+"""Worker-side cases for the linear recurrences and short convolutions under context parallelism (run on
+every rank of the session pool, see conftest.py); they return errors and the tests assert on them.
+
+The references are written here from the definitions, independent of the engine: the gated delta rule
+token by token, the convolution as a padded conv1d, both over the full sequence (dense) or each
+document on its own (packed), in fp64."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import hybrid_cp as hcp
+from dist_cases import mesh
+from hybrid_cp.engine.layout import row_layout
+from hybrid_cp.engine.recurrence import GatedDelta, causal_conv, linear_scan
+
+
+def naive_gated_delta(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, **_):
+    """The gated delta rule token by token, in the inputs' dtype (fla's signature)."""
+    hv, dk = v.shape[2], k.shape[-1]
+    q, k = (x.repeat_interleave(hv // x.shape[2], dim=2) for x in (q, k))
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * dk ** -0.5
+    b, n, _, dv = v.shape
+    s = v.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.to(v.dtype)
+    outs = []
+    for t in range(n):
+        s = s * g[:, t].exp()[..., None, None]
+        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], s)
+        s = s + torch.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - pred) * beta[:, t, :, None])
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+    return torch.stack(outs, 1), (s if output_final_state else None)
+
+
+def _kernel(name: str):
+    if name == "naive":
+        return naive_gated_delta
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    return torch_chunk_gated_delta_rule
+
+
+def _per_document(fn, tensors, docs):
+    """fn over each document on its own (packed) or the whole row (docs None), concatenated."""
+    if docs is None:
+        return fn(*tensors)
+    outs, pos = [], 0
+    for n in docs:
+        if n:
+            outs.append(fn(*(x[:, pos:pos + n] for x in tensors)))
+        pos += n
+    return torch.cat(outs, 1)
+
+
+def _gdn_inputs(seed: int, b: int, n: int):
+    gen = torch.Generator().manual_seed(seed)
+    hk, hv, dk, dv = 2, 4, 8, 6
+    q, k = (torch.randn(b, n, hk, dk, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, n, hv, dv, generator=gen, dtype=torch.float64)
+    g = -F.softplus(torch.randn(b, n, hv, generator=gen, dtype=torch.float64)) * 0.3
+    beta = torch.rand(b, n, hv, generator=gen, dtype=torch.float64)
+    dout = torch.randn(b, n, hv, dv, generator=gen, dtype=torch.float64)
+    return (q, k, v, g, beta), dout
+
+
+def _conv_inputs(seed: int, b: int, n: int, c: int = 5, width: int = 4):
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(b, n, c, generator=gen, dtype=torch.float64)
+    w = torch.randn(c, width, generator=gen, dtype=torch.float64)
+    bias = torch.randn(c, generator=gen, dtype=torch.float64)
+    return x, w, bias, torch.randn(b, n, c, generator=gen, dtype=torch.float64)
+
+
+def _grads(fn, inputs, dout):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    (out * dout).sum().backward()
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def _errors(cp, got, ref, cu) -> list[float]:
+    """max |cp - reference| over this rank's rows, relative to the reference's largest magnitude."""
+    out = []
+    for a, b in zip(got, ref):
+        local = hcp.shard(b, cp, dim=1, cu_seqlens=cu)
+        out.append(((a.double() - local).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+    return out
+
+
+def _conv_ref(x, w, bias):
+    return F.conv1d(x.transpose(1, 2), w.unsqueeze(1), bias, padding=w.shape[-1] - 1,
+                    groups=x.shape[-1])[..., :x.shape[1]].transpose(1, 2)
+
+
+def scan_parity(u: int, r: int, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int = 45,
+                b: int = 2) -> dict:
+    """Errors (forward, then the gradient of each input) of the gated delta rule and the causal conv
+    against the fp64 references; kernel "naive" runs in fp64, "hf" (transformers' chunked torch
+    function) in fp32."""
+    cp = mesh(u, r, layout)
+    cu = None
+    if docs is not None:
+        b, n = 1, sum(docs)
+        cu = [0]
+        for d in docs:
+            cu.append(cu[-1] + d)
+    lay = row_layout(cp, seq_len=None if cu else n, cu_seqlens=cu)
+    dtype = torch.float64 if kernel == "naive" else torch.float32
+    inputs, dout = _gdn_inputs(17 + n, b, n)
+    kind = GatedDelta(_kernel(kernel))
+
+    def ref_gdn(*xs):
+        return _per_document(lambda *t: naive_gated_delta(*t, use_qk_l2norm_in_kernel=True)[0], xs, docs)
+
+    def cp_gdn(*xs):
+        return linear_scan(cp, lay, kind, xs)
+
+    ref = _grads(ref_gdn, inputs, dout)
+    local = [hcp.shard(x.to(dtype), cp, dim=1, cu_seqlens=cu) for x in inputs]
+    got = _grads(cp_gdn, local, hcp.shard(dout.to(dtype), cp, dim=1, cu_seqlens=cu))
+    x, w, bias, dconv = _conv_inputs(n, b, n)
+    conv_ref = _grads(lambda xx, ww, bb: _per_document(lambda t: _conv_ref(t, ww, bb), (xx,), docs), (x, w, bias),
+                      dconv)
+    xl = hcp.shard(x.to(dtype), cp, dim=1, cu_seqlens=cu)
+    conv_got = _grads(lambda xx, ww, bb: causal_conv(cp, lay, xx, ww, bb), (xl, w.to(dtype), bias.to(dtype)),
+                      hcp.shard(dconv.to(dtype), cp, dim=1, cu_seqlens=cu))
+    # weight and bias gradients are partial sums over this rank's rows: sum them over the cp group
+    for t in conv_got[2:]:
+        torch.distributed.all_reduce(t, group=cp.cp_group)
+    conv_err = _errors(cp, conv_got[:2], conv_ref[:2], cu)
+    conv_err += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(conv_got[2:], conv_ref[2:])]
+    return {"gdn": dict(zip(("out", "dq", "dk", "dv", "dg", "dbeta"), _errors(cp, got, ref, cu))),
+            "conv": dict(zip(("out", "dx", "dw", "dbias"), conv_err))}

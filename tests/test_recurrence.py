@@ -1,0 +1,46 @@
+"""Linear recurrences and causal short convolutions under context parallelism equal the single-device
+computation over the full sequence (each document on its own for packed rows): forward and the
+gradient of every input, on meshes up to 8 ranks, zigzag and contiguous, dense and packed rows."""
+
+import pytest
+
+from hybrid_cp.engine.recurrence import scan_plan
+from topology.layouts import layout_of
+
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (8, 1)]
+# a length-1 document, documents shorter than the cp degree, a long one among short ones
+DOCS = (1, 3, 29, 2, 1, 7)
+
+
+def _check(row, tol, what):
+    for part, errs in row.items():
+        for name, err in errs.items():
+            assert err <= tol, (what, part, name, err)
+
+
+@pytest.mark.parametrize("u,r", MESHES)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("rows", ["dense", "packed"])
+def test_gated_delta_and_conv_fp64_exact(pool, u, r, layout, rows):
+    docs = DOCS if rows == "packed" else None
+    for row in pool.run("linear_cases:scan_parity", u=u, r=r, layout=layout, docs=docs, kernel="naive"):
+        _check(row, 1e-10, (u, r, layout, rows))
+
+
+@pytest.mark.parametrize("u,r,layout,rows", [(2, 2, "zigzag", "dense"), (4, 2, "zigzag", "packed"),
+                                             (1, 4, "contiguous", "packed"), (8, 1, "zigzag", "dense")])
+def test_gated_delta_transformers_kernel_fp32(pool, u, r, layout, rows):
+    docs = DOCS if rows == "packed" else None
+    for row in pool.run("linear_cases:scan_parity", u=u, r=r, layout=layout, docs=docs, kernel="hf"):
+        _check(row, 1e-5, (u, r, layout, rows))
+
+
+def test_plan_resets_at_documents_and_chains_zigzag():
+    plan = scan_plan(layout_of("zigzag", 2, 2, seq_len=32), 4)
+    # zigzag: every chunk but the first continues; the last (ring rank 0's second chunk) exports nothing
+    assert [run.continues for runs in plan.runs for run in runs] == [False, True] + [True] * 6
+    assert sum(run.exports for runs in plan.runs for run in runs) == 7
+    packed = scan_plan(layout_of("zigzag", 2, 2, cu_seqlens=[0, 1, 3, 20]), 4)
+    for runs in packed.runs:
+        for run in runs:
+            assert run.tok < 0 or run.continues == (run.tok not in (0, 1, 3))
