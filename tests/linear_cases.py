@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-import hybrid_cp as hcp
 from dist_cases import mesh
-from hybrid_cp.engine.layout import row_layout
+
+from hybrid_cp.engine.layout import shard_tokens
 from hybrid_cp.engine.recurrence import GatedDelta, causal_conv, linear_scan
+from topology.layouts import layout_of
 
 
 def naive_gated_delta(q, k, v, g, beta, initial_state=None, output_final_state=False,
@@ -81,11 +81,11 @@ def _grads(fn, inputs, dout):
     return [out.detach()] + [x.grad for x in leaves]
 
 
-def _errors(cp, got, ref, cu) -> list[float]:
+def _errors(cp, lay, got, ref) -> list[float]:
     """max |cp - reference| over this rank's rows, relative to the reference's largest magnitude."""
     out = []
     for a, b in zip(got, ref):
-        local = hcp.shard(b, cp, dim=1, cu_seqlens=cu)
+        local = shard_tokens(b, cp, 1, lay)
         out.append(((a.double() - local).abs().max() / b.abs().max().clamp_min(1e-30)).item())
     return out
 
@@ -95,42 +95,46 @@ def _conv_ref(x, w, bias):
                     groups=x.shape[-1])[..., :x.shape[1]].transpose(1, 2)
 
 
-def scan_parity(u: int, r: int, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int = 45,
-                b: int = 2) -> dict:
+def scan_parity(u: int, r: int, cases: list[tuple[str, tuple[int, ...] | None, str]]) -> list[dict]:
+    """`scan_case` for each (layout, documents or None, kernel) on one mesh (the layouts are computed, not
+    the mesh's: one mesh serves both)."""
+    cp = mesh(u, r)
+    return [scan_case(cp, *case) for case in cases]
+
+
+def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int = 37, b: int = 2) -> dict:
     """Errors (forward, then the gradient of each input) of the gated delta rule and the causal conv
     against the fp64 references; kernel "naive" runs in fp64, "hf" (transformers' chunked torch
     function) in fp32."""
-    cp = mesh(u, r, layout)
     cu = None
     if docs is not None:
         b, n = 1, sum(docs)
         cu = [0]
         for d in docs:
             cu.append(cu[-1] + d)
-    lay = row_layout(cp, seq_len=None if cu else n, cu_seqlens=cu)
+    lay = layout_of(layout, cp.ulysses_size, cp.ring_size, seq_len=None if cu else n, cu_seqlens=cu)
     dtype = torch.float64 if kernel == "naive" else torch.float32
+
+    def local(x):
+        return shard_tokens(x.to(dtype), cp, 1, lay)
+
     inputs, dout = _gdn_inputs(17 + n, b, n)
     kind = GatedDelta(_kernel(kernel))
 
     def ref_gdn(*xs):
         return _per_document(lambda *t: naive_gated_delta(*t, use_qk_l2norm_in_kernel=True)[0], xs, docs)
 
-    def cp_gdn(*xs):
-        return linear_scan(cp, lay, kind, xs)
-
     ref = _grads(ref_gdn, inputs, dout)
-    local = [hcp.shard(x.to(dtype), cp, dim=1, cu_seqlens=cu) for x in inputs]
-    got = _grads(cp_gdn, local, hcp.shard(dout.to(dtype), cp, dim=1, cu_seqlens=cu))
+    got = _grads(lambda *xs: linear_scan(cp, lay, kind, xs), [local(x) for x in inputs], local(dout))
     x, w, bias, dconv = _conv_inputs(n, b, n)
     conv_ref = _grads(lambda xx, ww, bb: _per_document(lambda t: _conv_ref(t, ww, bb), (xx,), docs), (x, w, bias),
                       dconv)
-    xl = hcp.shard(x.to(dtype), cp, dim=1, cu_seqlens=cu)
-    conv_got = _grads(lambda xx, ww, bb: causal_conv(cp, lay, xx, ww, bb), (xl, w.to(dtype), bias.to(dtype)),
-                      hcp.shard(dconv.to(dtype), cp, dim=1, cu_seqlens=cu))
+    conv_got = _grads(lambda xx, ww, bb: causal_conv(cp, lay, xx, ww, bb), (local(x), w.to(dtype), bias.to(dtype)),
+                      local(dconv))
     # weight and bias gradients are partial sums over this rank's rows: sum them over the cp group
     for t in conv_got[2:]:
         torch.distributed.all_reduce(t, group=cp.cp_group)
-    conv_err = _errors(cp, conv_got[:2], conv_ref[:2], cu)
+    conv_err = _errors(cp, lay, conv_got[:2], conv_ref[:2])
     conv_err += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(conv_got[2:], conv_ref[2:])]
-    return {"gdn": dict(zip(("out", "dq", "dk", "dv", "dg", "dbeta"), _errors(cp, got, ref, cu))),
+    return {"gdn": dict(zip(("out", "dq", "dk", "dv", "dg", "dbeta"), _errors(cp, lay, got, ref))),
             "conv": dict(zip(("out", "dx", "dw", "dbias"), conv_err))}

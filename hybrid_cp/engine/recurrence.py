@@ -16,7 +16,8 @@ so over a run S_out = M S_in + E (M the run's transition, E its final state from
 The backward is autograd through the same steps; the gather's backward is a reduce-scatter, so
 each rank gets the gradient of its summaries from every rank that used them. A document start
 resets the state: a run that starts its document neither receives a state nor exports a
-transition (only E). Padding rows are their own documents (zero output).
+transition (only E). Padding rows are their own documents: zero output, and zero gradients (not
+missing ones, which a rank holding only padding would otherwise give FSDP's gradient reduction).
 
 Causal depthwise convolutions of kernel K need the K - 1 pre-conv tokens before each continuing
 run: the exporting runs' last K - 1 rows travel by the same all-gather (`causal_conv`), and a
@@ -122,9 +123,6 @@ class RecurrenceKind(Protocol):
     def correct(self, out: torch.Tensor, aux: torch.Tensor, s_in: torch.Tensor) -> torch.Tensor:
         """The output of a run that receives `s_in`, from its zero-state output."""
 
-    def empty(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The output of padding rows (zeros)."""
-
 
 def state_dtype(x: torch.Tensor) -> torch.dtype:
     """Summaries travel and compose in fp32 (fp64 for fp64 inputs): bf16 transitions lose the state."""
@@ -165,8 +163,8 @@ def linear_scan(cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequenc
     outs, probes, exports = [], {}, {}
     for i, run in enumerate(plan.runs[cp.rank]):
         xs = [x.narrow(1, run.start, run.n) for x in inputs]
-        if run.tok == PAD:
-            outs.append(kind.empty(xs))
+        if run.tok == PAD:   # zero output, but every input gets a (zero) gradient on every rank
+            outs.append(kind.plain(xs, final=False)[0] * 0)
             continue
         if run.continues:
             out, final, trans, probes[i] = kind.probe(xs)
@@ -219,13 +217,11 @@ def causal_conv(cp: "CPMesh", lay: Layout, x: torch.Tensor, weight: torch.Tensor
                 halos[i] = torch.cat([x.new_zeros(b, width - have, c)] + parts, dim=1)
     outs = []
     for i, run in enumerate(mine):
-        if run.tok == PAD:   # padding rows: zero output, like the recurrences
-            outs.append(x.new_zeros(b, run.n, c))
-            continue
         pre = halos.get(i)
         pre = x.new_zeros(b, width, c) if pre is None else pre
         xe = torch.cat([pre, x.narrow(1, run.start, run.n)], dim=1).transpose(1, 2)
-        outs.append(F.conv1d(xe, weight.unsqueeze(1), bias, groups=c).transpose(1, 2))
+        out = F.conv1d(xe, weight.unsqueeze(1), bias, groups=c).transpose(1, 2)
+        outs.append(out * 0 if run.tok == PAD else out)   # padding: zero output, zero (not missing) gradients
     out = torch.cat(outs, dim=1)
     if gathered is not None and not halos:   # the gather's backward must run on every rank
         out = out + gathered.sum() * 0
@@ -276,9 +272,6 @@ class GatedDelta:
 
     def correct(self, out, aux, s_in):
         return out + torch.einsum("bthk,bhkv->bthv", aux.to(s_in.dtype), s_in).to(out.dtype)
-
-    def empty(self, xs):
-        return torch.zeros_like(xs[2])
 
 
 __all__ = ["Run", "ScanPlan", "scan_plan", "RecurrenceKind", "linear_scan", "causal_conv", "GatedDelta", "state_dtype"]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .linear_layers import GATED_DELTANET_CLASSES
 
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
 DENSE = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"
@@ -123,6 +124,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                               "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
     "qwen3": ("Qwen3", DENSE),
     "qwen3_moe": ("Qwen3Moe", MOE),
+    # hybrid: Gated DeltaNet blocks routed by `linear_layers` (docs/linear.md), gated attention every 4th layer
+    "qwen3_next": ("Qwen3Next", "Attention DecoderLayer Experts ForCausalLM GatedDeltaNet MLP Model RMSNorm "
+                                "RMSNormGated RotaryEmbedding SparseMoeBlock TopKRouter"),
     "sarvam_mla": ("DeepseekV3", MLA_MOE),
     "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                               "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
@@ -143,6 +147,15 @@ TOKENWISE_CONV1D = ("Conv1D", "transformers.pytorch_utils")   # GPT-2's linear l
 
 # the layer kinds of `config.layer_types` that are attention the engine computes exactly
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# ... and the linear-attention kind, whose blocks `linear_layers` routes (a family's blocks count only once
+# the family is verified: the module check refuses the mixers of every other family)
+ROUTED_LAYER_TYPES = ("linear_attention",)
+# families whose attention modules call ALL_ATTENTION_FUNCTIONS.get_interface although their model class
+# leaves `_supports_attention_backend` False (read in their modeling code; the parity test proves it)
+REGISTRY_DISPATCH = ("qwen3_next",)
+# mixers whose token mixing `linear_layers` makes context parallel (their submodules, e.g. the short
+# convolution, are covered by it)
+ROUTED_MIXERS = GATED_DELTANET_CLASSES
 
 # what a module that mixes tokens outside the attention function is, by its class name (for the message:
 # the allow-list refuses them whether or not a pattern matches)
@@ -240,7 +253,7 @@ def _settings_refused(where: str, cfg: Any) -> list[str]:
                      f"per rank on its shard, not over the sequence; set it to False")
     if _field(cfg, "is_encoder_decoder", False):
         found.append(f"{where}.is_encoder_decoder=True: only decoder-only causal LMs are supported")
-    other = [(i, t) for i, t in enumerate(kinds) if t not in ATTENTION_LAYER_TYPES]
+    other = [(i, t) for i, t in enumerate(kinds) if t not in ATTENTION_LAYER_TYPES + ROUTED_LAYER_TYPES]
     if other:
         i, t = other[0]
         found.append(f"{where}.layer_types[{i}]={t!r} ({len(other)} of {len(kinds)} layers are not "
@@ -252,10 +265,15 @@ def _settings_refused(where: str, cfg: Any) -> list[str]:
 def _module_refusals(model: torch.nn.Module, verified: set[str]) -> tuple[list[str], list[str]]:
     """(sequence mixers, other modules outside the allow-list), as 'name (Class)'; a mixer is named at its
     outermost level (the Mamba mixer, not its convolution)."""
-    mixers, unverified = {}, []
+    mixers, unverified, routed = {}, [], []
     for name, module in model.named_modules():
         cls = _own_class(module)
         where = f"{name or '<model>'} ({cls.__name__})"
+        if any(name.startswith(f"{r}.") for r in routed):
+            continue
+        if cls.__name__ in ROUTED_MIXERS and cls.__name__ in verified:
+            routed.append(name)
+            continue
         if _tokenwise(cls) or cls.__name__ in verified:
             continue
         kind = _mixer_kind(cls)
@@ -283,7 +301,7 @@ def check_model(model: torch.nn.Module) -> None:
         reasons.append(f"module {mixers[0]}{more}: it mixes tokens along the sequence outside the attention "
                        f"function that hybrid-cp replaces, so under context parallelism each rank would run it over "
                        f"its own shard as if it were the whole sequence (silently wrong gradients); {_WHAT_TO_DO}")
-    if not getattr(type(model), "_supports_attention_backend", True):
+    if not getattr(type(model), "_supports_attention_backend", True) and model_type not in REGISTRY_DISPATCH:
         reasons.append(f"{type(model).__name__} does not dispatch attention through transformers' attention "
                        f"registry (_supports_attention_backend=False), so hybrid-cp cannot replace its attention; "
                        f"{_WHAT_TO_DO}")

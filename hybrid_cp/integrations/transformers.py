@@ -40,6 +40,7 @@ from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
 from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from .linear_layers import route_linear_layers
 from .model_support import check_attention_kwargs, check_model
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -374,6 +375,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks (docs/linear.md)
     ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref

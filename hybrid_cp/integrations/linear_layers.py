@@ -1,0 +1,84 @@
+"""The linear-attention mixers of hybrid models under context parallelism (docs/linear.md).
+
+`route_linear_layers(model, cp)` gives every Gated DeltaNet block of a verified family (Qwen3-Next) a
+forward that keeps the module's own projections, gates, norm and output projection, and replaces only
+the two parts that mix tokens: the short causal convolution (`recurrence.causal_conv`, with the halo
+from the rank before) and the gated delta rule (`recurrence.linear_scan` over `GatedDelta`, exact
+across ranks and documents). The rule runs on transformers' own torch function of the model's module
+(`torch_chunk_gated_delta_rule`, its reference path: the hub/fla kernel it may dispatch to is not
+verified here, there is no GPU in our CI), which takes an initial state as fla's kernel does.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.layout import row_layout
+from ..engine.mesh import CPMesh
+from ..engine.recurrence import GatedDelta, causal_conv, linear_scan
+from ..errors import ConfigError
+
+# the Gated DeltaNet classes whose forward `_GatedDeltaNetForward` reproduces (verified by a parity test)
+GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet",)
+
+
+def _model_class(module: torch.nn.Module) -> type | None:
+    """The module's Gated DeltaNet class (also under FSDP2, which swaps in a subclass), or None."""
+    return next((c for c in type(module).__mro__ if c.__name__ in GATED_DELTANET_CLASSES), None)
+
+
+def _reference_kernel(module: torch.nn.Module):
+    """transformers' torch gated delta rule of the module's model, without the hub-kernel dispatch."""
+    fn = getattr(sys.modules[_model_class(module).__module__], "torch_chunk_gated_delta_rule")
+    return getattr(fn, "__wrapped__", fn)
+
+
+class _GatedDeltaNetForward:
+    """The block's forward with the convolution and the recurrence made context parallel."""
+
+    def __init__(self, module: torch.nn.Module, cp: CPMesh):
+        self.module, self.cp = module, cp
+        self.kind = GatedDelta(_reference_kernel(module), use_qk_l2norm_in_kernel=True)
+
+    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
+                 **kwargs: Any) -> torch.Tensor:
+        from transformers.activations import ACT2FN
+
+        m = self.module
+        if cache is not None or kwargs.get("cache_params") is not None:
+            raise ConfigError(f"{type(m).__name__} received a cache: generation is not supported under context "
+                              f"parallelism; run it on one device")
+        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                         causal=True, what=type(m).__name__)
+        if attention_mask is not None:   # what the block does itself (the pre-hook drops right-padding masks)
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hidden_states), m.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+        weight = m.conv1d.weight.squeeze(1)
+        mixed = ACT2FN[m.activation](causal_conv(self.cp, lay, mixed.to(weight.dtype), weight, m.conv1d.bias))
+        q, k, v = mixed.to(hidden_states.dtype).split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        shape = (q.shape[0], q.shape[1], -1)
+        q, k = q.reshape(*shape, m.head_k_dim), k.reshape(*shape, m.head_k_dim)
+        v = v.reshape(*shape, m.head_v_dim)
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        core = linear_scan(self.cp, lay, self.kind, (q, k, v, g, b.sigmoid()))
+        out = m.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
+        return m.out_proj(out.reshape(z.shape).reshape(z.shape[0], z.shape[1], -1))
+
+
+def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
+    """Route every Gated DeltaNet block of `model` through the context-parallel forward; returns how
+    many were routed (the guard, `model_support.check_model`, has refused every other mixer)."""
+    routed = 0
+    for module in model.modules():
+        if _model_class(module) is not None:
+            module.__dict__["forward"] = _GatedDeltaNetForward(module, cp)
+            routed += 1
+    return routed
+
+
+__all__ = ["GATED_DELTANET_CLASSES", "route_linear_layers"]
