@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from dist_cases import mesh
 
+import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
 from hybrid_cp.engine.recurrence import GatedDelta, causal_conv, linear_scan
+from topology.cost import linear_layer_bytes
 from topology.layouts import layout_of
 
 
@@ -120,6 +122,7 @@ def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int
 
     inputs, dout = _gdn_inputs(17 + n, b, n)
     kind = GatedDelta(_kernel(kernel))
+    hcp.reset_comm_bytes(cp)
 
     def ref_gdn(*xs):
         return _per_document(lambda *t: naive_gated_delta(*t, use_qk_l2norm_in_kernel=True)[0], xs, docs)
@@ -134,7 +137,51 @@ def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int
     # weight and bias gradients are partial sums over this rank's rows: sum them over the cp group
     for t in conv_got[2:]:
         torch.distributed.all_reduce(t, group=cp.cp_group)
+    sent = hcp.comm_bytes(cp)
+    hv, dk, dv = inputs[2].shape[2], inputs[1].shape[-1], inputs[2].shape[-1]
+    size = torch.finfo(dtype).bits // 8
+    predicted = linear_layer_bytes(lay, cp.size, b, hv * dk * (dk + dv), w.shape[-1] - 1, x.shape[-1], size, size)
     conv_err = _errors(cp, lay, conv_got[:2], conv_ref[:2])
     conv_err += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(conv_got[2:], conv_ref[2:])]
     return {"gdn": dict(zip(("out", "dq", "dk", "dv", "dg", "dbeta"), _errors(cp, lay, got, ref))),
-            "conv": dict(zip(("out", "dx", "dw", "dbias"), conv_err))}
+            "conv": dict(zip(("out", "dx", "dw", "dbias"), conv_err)), "bytes": (sent, predicted)}
+
+
+# ---- hybrid models: one training step under CP equals one process -------------------------------------------------
+
+QWEN3_NEXT = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                  linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2)
+HYBRIDS = {"qwen3_next": QWEN3_NEXT}
+
+
+def hybrid_parity(u: int, r: int, kind: str = "qwen3_next", fsdp: bool = False) -> dict:
+    """train_cases.model_parity (right-padded dense rows, logits, loss, every gradient) for a hybrid family."""
+    from train_cases import model_parity
+
+    return model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=HYBRIDS[kind])
+
+
+def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tuple = (9, 1, 23, 4, 61, 2, 14)) -> dict:
+    """One packed-row step under CP vs each document run on its own in one process: loss and every gradient."""
+    from train_cases import packed_reference, packed_row, tiny_model
+
+    from hybrid_cp.integrations.fsdp import average_gradients
+    from hybrid_cp.integrations.transformers import apply_context_parallel
+    from hybrid_cp.training.batch import shard_batch
+
+    cp = mesh(u, r)
+    batch = packed_row(4321, doc_lens)
+    ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **HYBRIDS[kind]), batch, doc_lens)
+    model = apply_context_parallel(tiny_model(kind, 2, generic=True, **HYBRIDS[kind]), cp)
+    local = shard_batch(batch, cp)
+    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                   cu_seq_lens_q=local["cu_seq_lens_q"], cu_seq_lens_k=local["cu_seq_lens_k"],
+                   max_length_q=local["max_length_q"], max_length_k=local["max_length_k"]).logits
+    loss = hcp.cross_entropy(logits, local["labels"], cp)
+    loss.backward()
+    average_gradients(model)
+    errs = {n: ((p.grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-30)).item()
+            for n, p in model.named_parameters()}
+    worst = max(errs, key=errs.get)
+    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": errs[worst],
+            "worst_param": worst, "bad": {n: e for n, e in errs.items() if e > 1e-4}}

@@ -48,7 +48,6 @@ def test_walk_accepts_exactly_the_verified_families():
 # name (module or config field)
 REFUSED = [
     ("deepseek_v32", {}, "DeepseekV32Indexer"),
-    ("qwen3_next", {}, "Qwen3NextGatedDeltaNet"),
     ("qwen3_5_text", {}, "Qwen3_5GatedDeltaNet"),
     ("falcon_h1", {}, "FalconH1Mixer"),
     ("nemotron_h", {}, "NemotronHMamba2Mixer"),
@@ -96,7 +95,12 @@ def _window(model_type: str) -> dict:
     return {"sliding_window": 16} if getattr(families.tiny_config(model_type), "sliding_window", None) else {}
 
 
-@pytest.mark.parametrize("model_type", sorted(VERIFIED_FAMILIES))
+# hybrid families have their own parity tests (tests/test_hybrid_models.py: linear-layer sizes of their own,
+# logits within 1e-4 since the chunked fp32 recurrence rounds differently on other chunk boundaries)
+HYBRID_FAMILIES = {"qwen3_next"}
+
+
+@pytest.mark.parametrize("model_type", sorted(set(VERIFIED_FAMILIES) - HYBRID_FAMILIES))
 def test_verified_family_matches_single_process(pool, model_type):
     if model_type not in walk():
         pytest.skip(f"model_type {model_type!r} is not in the installed transformers")
@@ -110,7 +114,7 @@ def test_verified_family_matches_single_process(pool, model_type):
 
 
 def test_refused_families_raise_on_every_rank_before_any_collective(pool):
-    types = ["qwen3_next", "deepseek_v32", "bloom", "falcon_h1"]
+    types = ["qwen3_5_text", "deepseek_v32", "bloom", "falcon_h1"]
     for row in pool.run("train_cases:guard_on_every_rank", model_types=types):
         assert row["collectives"] == 0, row
         for model_type in types:

@@ -13,6 +13,8 @@ DOCS = (1, 3, 19, 2, 1, 7)
 
 
 def _check(row, tol, what):
+    sent, predicted = row.pop("bytes")
+    assert sent == predicted, (what, sent, predicted)   # the counter equals the cost model, stage by stage
     for part, errs in row.items():
         for name, err in errs.items():
             assert err <= tol, (what, part, name, err)

@@ -17,6 +17,7 @@ FLOPs per sequence (half of the dense ``4 N^2 D H``); backward costs 2.5x forwar
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal
 
@@ -807,3 +808,35 @@ def engine_known_s(cal: Any, ulysses: int, ring: int, seq_len: int, heads: int, 
     call = _Call(heads, kv_heads, head_dim, seq_len, 1, ulysses, ring, e)
     p = _calibrated_parts(cal, None, call, None, kernels=False)
     return p["merge_s"] + p["a2a_s"] + p["ring_exposed_s"], p["sent_bytes"]
+
+
+# ---- linear-attention / state-space layers (hybrid models; docs/linear.md) ------------------------------------------
+
+def exporting_runs(lay: Any, size: int) -> int:
+    """Gather slots of a linear layer's summary exchange: the most runs of one document on a rank that
+    the document continues after (the engine's `recurrence.scan_plan(...).slots`, tested equal)."""
+    starts, lens = lay.doc_starts, lay.doc_lens
+    return max(sum(tok >= 0 and pos + n < lens[bisect.bisect_right(starts, tok) - 1]
+                   for tok, pos, n in lay.token_runs(rank)) for rank in range(size))
+
+
+def linear_layer_bytes(lay: Any, size: int, batch: int, state_numel: int, halo_rows: int = 0, channels: int = 0,
+                       act_bytes: int = 2, state_bytes: int = FP32_BYTES) -> dict[str, int]:
+    """Bytes one rank sends per linear layer, forward and backward: the all-gather of every exporting
+    run's summary (`state_numel` numbers per batch row: Gated DeltaNet Hv*dk*(dk+dv) for M and E,
+    Mamba2 H*(1+P*N)) in fp32, and of its last `halo_rows` pre-convolution rows of `channels`; each
+    direction (P - 1) x this rank's slots. Keys as `hcp.comm_bytes` reports them."""
+    if size == 1:
+        return {}
+    slots = exporting_runs(lay, size)
+    if not slots:
+        return {}
+    state = (size - 1) * slots * batch * state_numel * state_bytes
+    out = {"linear_state_fwd": state, "linear_state_bwd": state}
+    if halo_rows and channels:
+        halo = (size - 1) * slots * batch * halo_rows * channels * act_bytes
+        out.update(linear_halo_fwd=halo, linear_halo_bwd=halo)
+    return out
+
+
+__all__ += ["exporting_runs", "linear_layer_bytes"]

@@ -1,0 +1,31 @@
+"""Hybrid models (linear-attention blocks + softmax attention) train one step under context parallelism
+equal to one process: tiny Qwen3-Next (Gated DeltaNet + gated attention), dense right-padded rows on
+three meshes, with FSDP2, and a packed row against each document run on its own."""
+
+import pytest
+
+from hybrid_cp.errors import ConfigError
+from hybrid_cp.integrations.model_support import VERIFIED_FAMILIES, check_model
+from hybrid_cp.testing.families import build, tiny_config
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True)])
+def test_qwen3_next_step_matches_one_process(pool, u, r, fsdp):
+    for row in pool.run("linear_cases:hybrid_parity", u=u, r=r, fsdp=fsdp):
+        assert not row["missing"], row
+        assert row["logits"] <= 1e-4 and row["loss"] <= 1e-5 and row["grad"] <= 1e-4, (u, r, fsdp, row)
+
+
+def test_qwen3_next_packed_row_matches_per_document_reference(pool):
+    for row in pool.run("linear_cases:hybrid_packed_parity", u=2, r=2):
+        assert row["loss"] <= 1e-5 and row["grad"] <= 1e-4, row
+
+
+def test_guard_accepts_qwen3_next_and_refuses_unverified_hybrids():
+    assert "qwen3_next" in VERIFIED_FAMILIES
+    check_model(build(tiny_config("qwen3_next"), "meta"))
+    for model_type in ("qwen3_5_text", "falcon_h1", "nemotron_h", "bamba"):
+        with pytest.raises(ConfigError, match="mixes tokens along the sequence"):
+            check_model(build(tiny_config(model_type), "meta"))
