@@ -151,7 +151,7 @@ def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int
 
 QWEN3_NEXT = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                   linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2)
-HYBRIDS = {"qwen3_next": QWEN3_NEXT}
+HYBRIDS = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT}
 
 
 def hybrid_parity(u: int, r: int, kind: str = "qwen3_next", fsdp: bool = False) -> dict:

@@ -23,9 +23,20 @@ def test_qwen3_next_packed_row_matches_per_document_reference(pool):
         assert row["loss"] <= 1e-5 and row["grad"] <= 1e-4, row
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_qwen3_5_step_matches_one_process(pool, packed):
+    # Qwen3.5's text model: the same rule, separate q|k|v, z, b, a projections
+    rows = pool.run("linear_cases:hybrid_packed_parity" if packed else "linear_cases:hybrid_parity", u=2, r=2,
+                    kind="qwen3_5_text")
+    for row in rows:
+        assert row["loss"] <= 1e-5 and row["grad"] <= 1e-4, row
+        assert packed or (row["logits"] <= 1e-4 and not row["missing"]), row
+
+
 def test_guard_accepts_qwen3_next_and_refuses_unverified_hybrids():
-    assert "qwen3_next" in VERIFIED_FAMILIES
-    check_model(build(tiny_config("qwen3_next"), "meta"))
-    for model_type in ("qwen3_5_text", "falcon_h1", "nemotron_h", "bamba"):
+    for model_type in ("qwen3_next", "qwen3_5_text"):
+        assert model_type in VERIFIED_FAMILIES
+        check_model(build(tiny_config(model_type), "meta"))
+    for model_type in ("qwen3_5_moe_text", "falcon_h1", "nemotron_h", "bamba"):
         with pytest.raises(ConfigError, match="mixes tokens along the sequence"):
             check_model(build(tiny_config(model_type), "meta"))

@@ -29,7 +29,7 @@ def walk() -> dict[str, tuple[str, str]]:
 
 # model types whose causal-LM class is a verified family's model: AutoModelForCausalLM on a Llama4Config
 # builds the text-only Llama4ForCausalLM (config.model_type 'llama4_text')
-BUILDS_VERIFIED = {"llama4": "llama4_text"}
+BUILDS_VERIFIED = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text"}
 
 
 def test_walk_accepts_exactly_the_verified_families():
@@ -48,7 +48,6 @@ def test_walk_accepts_exactly_the_verified_families():
 # name (module or config field)
 REFUSED = [
     ("deepseek_v32", {}, "DeepseekV32Indexer"),
-    ("qwen3_5_text", {}, "Qwen3_5GatedDeltaNet"),
     ("falcon_h1", {}, "FalconH1Mixer"),
     ("nemotron_h", {}, "NemotronHMamba2Mixer"),
     ("bamba", {}, "BambaMixer"),
@@ -97,7 +96,7 @@ def _window(model_type: str) -> dict:
 
 # hybrid families have their own parity tests (tests/test_hybrid_models.py: linear-layer sizes of their own,
 # logits within 1e-4 since the chunked fp32 recurrence rounds differently on other chunk boundaries)
-HYBRID_FAMILIES = {"qwen3_next"}
+HYBRID_FAMILIES = {"qwen3_next", "qwen3_5_text"}
 
 
 @pytest.mark.parametrize("model_type", sorted(set(VERIFIED_FAMILIES) - HYBRID_FAMILIES))
@@ -114,7 +113,7 @@ def test_verified_family_matches_single_process(pool, model_type):
 
 
 def test_refused_families_raise_on_every_rank_before_any_collective(pool):
-    types = ["qwen3_5_text", "deepseek_v32", "bloom", "falcon_h1"]
+    types = ["nemotron_h", "deepseek_v32", "bloom", "falcon_h1"]
     for row in pool.run("train_cases:guard_on_every_rank", model_types=types):
         assert row["collectives"] == 0, row
         for model_type in types:

@@ -23,7 +23,7 @@ from ..engine.recurrence import GatedDelta, causal_conv, linear_scan
 from ..errors import ConfigError
 
 # the Gated DeltaNet classes whose forward `_GatedDeltaNetForward` reproduces (verified by a parity test)
-GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet",)
+GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
 
 
 def _model_class(module: torch.nn.Module) -> type | None:
@@ -56,8 +56,7 @@ class _GatedDeltaNetForward:
                          causal=True, what=type(m).__name__)
         if attention_mask is not None:   # what the block does itself (the pre-hook drops right-padding masks)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hidden_states), m.in_proj_ba(hidden_states))
-        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+        mixed, z, b, a = _projections(m, hidden_states)
         weight = m.conv1d.weight.squeeze(1)
         mixed = ACT2FN[m.activation](causal_conv(self.cp, lay, mixed.to(weight.dtype), weight, m.conv1d.bias))
         q, k, v = mixed.to(hidden_states.dtype).split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
@@ -68,6 +67,16 @@ class _GatedDeltaNetForward:
         core = linear_scan(self.cp, lay, self.kind, (q, k, v, g, b.sigmoid()))
         out = m.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
         return m.out_proj(out.reshape(z.shape).reshape(z.shape[0], z.shape[1], -1))
+
+
+def _projections(m: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The block's own input projections: (q|k|v before the convolution [B, S, 2 key_dim + value_dim],
+    the gate z [B, S, Hv, dv], b and a [B, S, Hv]), for Qwen3-Next's fused and Qwen3.5's separate ones."""
+    if hasattr(m, "in_proj_qkvz"):   # Qwen3-Next: fused projections, interleaved per key head
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
+        return torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1), z, b, a
+    z = m.in_proj_z(h)
+    return m.in_proj_qkv(h), z.reshape(z.shape[0], z.shape[1], -1, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
 
 
 def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:

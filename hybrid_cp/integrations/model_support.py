@@ -127,6 +127,8 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     # hybrid: Gated DeltaNet blocks routed by `linear_layers` (docs/linear.md), gated attention every 4th layer
     "qwen3_next": ("Qwen3Next", "Attention DecoderLayer Experts ForCausalLM GatedDeltaNet MLP Model RMSNorm "
                                 "RMSNormGated RotaryEmbedding SparseMoeBlock TopKRouter"),
+    "qwen3_5_text": ("Qwen3_5", "Attention DecoderLayer ForCausalLM GatedDeltaNet MLP RMSNorm RMSNormGated TextModel "
+                                "TextRotaryEmbedding"),
     "sarvam_mla": ("DeepseekV3", MLA_MOE),
     "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                               "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
@@ -152,7 +154,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 ROUTED_LAYER_TYPES = ("linear_attention",)
 # families whose attention modules call ALL_ATTENTION_FUNCTIONS.get_interface although their model class
 # leaves `_supports_attention_backend` False (read in their modeling code; the parity test proves it)
-REGISTRY_DISPATCH = ("qwen3_next",)
+REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text")
 # mixers whose token mixing `linear_layers` makes context parallel (their submodules, e.g. the short
 # convolution, are covered by it)
 ROUTED_MIXERS = GATED_DELTANET_CLASSES
