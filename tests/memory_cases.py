@@ -185,3 +185,31 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
         rows[kc] = errs
     rows["ref_bytes"] = ref[3]
     return rows
+
+
+def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: bool = True) -> float:
+    """Attention forwards per layer in one training step with module-level head chunks: the ring forwards
+    of a step divided by those of one forward pass (no gradients)."""
+    from hybrid_cp.engine import modulechunk
+
+    cp = mesh(u, r)
+    model = apply_context_parallel(tiny_model("llama", 2, num_attention_heads=8), cp, head_chunks=head_chunks)
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    local = shard_batch(make_batch(3, 1, 64, pad=False), cp)
+    calls = [0]
+    original = modulechunk.stage_forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    modulechunk.stage_forward = counted
+    try:
+        with torch.no_grad():
+            lm_loss(model, local, cp)
+        one_pass, calls[0] = calls[0], 0
+        lm_loss(model, local, cp).backward()
+    finally:
+        modulechunk.stage_forward = original
+    return calls[0] / one_pass

@@ -184,3 +184,13 @@ def test_tiled_norm_keeps_no_fp32_copy():
     # element of the whole input for the stock norm
     assert res[True][1] <= 32 * chunk * hidden < res[False][1] / 10, (res[True][1], res[False][1])
     assert torch.equal(res[True][2], res[False][2])   # d(input): each token's own arithmetic, bitwise
+
+
+# ---- module-level head chunks: attention forwards per layer ----
+
+@pytest.mark.parametrize("checkpoint,expected", [(True, 2), (False, 1)])
+def test_module_chunks_run_attention_forward_once_per_layer_pass(pool, checkpoint, expected):
+    """The chunk pipeline keeps each stage's output and lse: its backward runs no attention forward, so a
+    checkpointed layer runs attention twice (forward, recomputation) and an unchecked one once."""
+    for count in pool.run("memory_cases:attention_forward_counts", u=2, r=2, head_chunks=2, checkpoint=checkpoint):
+        assert count == expected, count
