@@ -77,6 +77,8 @@ class MemoryOptions:
     tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
     fsdp: bool = True                 # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
     fused_norm: bool = False          # a fused RMSNorm (keeps its input and rstd only; not part of hcp)
+    tiled_norm: bool = False          # hcp's tiled RMSNorm: keeps only its input, the fp32 upcast lives for one
+                                      # token tile at a time (no full-length fp32 copies)
     foreach_optimizer: bool = True    # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
                                       # parameter at once; False (CPU default): per tensor, the largest twice
 
@@ -89,6 +91,10 @@ class MemoryOptions:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 0:
             raise ValueError(f"tiled_mlp={self.tiled_mlp!r} must be a token count >= 1, or 0 for off")
+        if not isinstance(self.tiled_norm, bool):
+            raise ValueError(f"tiled_norm={self.tiled_norm!r} must be True or False")
+        if self.tiled_norm and self.fused_norm:
+            raise ValueError("tiled_norm=True and fused_norm=True both replace the RMSNorm: pick one")
         if self.offload_checkpoints and not self.checkpoint:
             raise ValueError("offload_checkpoints=True needs checkpoint=True (only checkpointed inputs are offloaded)")
 
@@ -103,6 +109,8 @@ class MemoryOptions:
             parts.append("replicated weights")
         if self.fused_norm:
             parts.append("fused RMSNorm")
+        if self.tiled_norm:
+            parts.append("tiled RMSNorm")
         return ", ".join(parts)
 
 
