@@ -59,7 +59,7 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
 def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_loss: bool = True,
                        mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2,
                        head_chunks: int = 1, heads: int = 4, chunk_projections: bool = True, kind: str = "llama",
-                       overlap: bool = True) -> dict:
+                       overlap: bool = True, offload: bool = False, norm_chunk: int | None = None) -> dict:
     """A tiny model under CP with lm_loss(tiled), tile_mlp and head_chunks (`overlap`: the head-chunk
     pipeline's schedule) vs the plain single-process run."""
     from hybrid_cp.engine import headchunk
@@ -72,8 +72,12 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
                                       if head_chunks != 1 else {}))
     if mlp_chunk:
         tile_mlp(model, mlp_chunk)
+    if norm_chunk:
+        hcp.tile_norm(model, norm_chunk)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        hcp.offload_checkpoints(model, prefetch=True)
     if fsdp:
         shard_model(model, cp)
     widths = set()  # query heads x head_dim each q projection produced (forward and recomputation)

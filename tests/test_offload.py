@@ -194,3 +194,11 @@ def test_module_chunks_run_attention_forward_once_per_layer_pass(pool, checkpoin
     checkpointed layer runs attention twice (forward, recomputation) and an unchecked one once."""
     for count in pool.run("memory_cases:attention_forward_counts", u=2, r=2, head_chunks=2, checkpoint=checkpoint):
         assert count == expected, count
+
+
+def test_every_runtime_option_on_a_mesh_trains_like_single_process(pool):
+    """Offload + tiled norm + tiled MLP + tiled loss + module head chunks + FSDP2 + checkpointing on u=2 x r=2."""
+    for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=2, heads=8, head_chunks=2,
+                                        fsdp=True, checkpoint=True, offload=True, norm_chunk=7, overlap=False)):
+        assert not row["missing"], row
+        assert row["loss"] <= 1e-5 and row["grad"] <= 1e-5, (rank, row)
