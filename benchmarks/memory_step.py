@@ -324,7 +324,12 @@ OPTION_ROWS = [
     ("checkpointing + tiled loss + MLP", dict(checkpoint=True, tiled_loss=True, tiled_mlp=512)),
 ]
 HEADS_TOKENS = 8192
-RUNTIME_TOKENS, RUNTIME_LAYERS = 8192, 4
+RUNTIME_TOKENS, RUNTIME_LAYERS = 16384, 8
+# few parameters for the tokens (hidden 128, SwiGLU 256, vocabulary 1024): with replicated weights each
+# layer's gradient appears in backward as its input goes; where a layer's gradient outweighs its input
+# the step's peak is the first layer's backward (all gradients, no inputs left) and offload cannot lower it
+RUNTIME_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=16)
 MODULE_TOKENS = 32768  # long enough that activations, not the fixed weight-sized gradients, dominate
 HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
 
@@ -386,16 +391,18 @@ RUNTIME_ROWS = [
 def runtime_table(pool, raw: dict) -> Iterator[str]:
     """The runtime options (offloaded checkpoints, tiled norm, head chunks) on top of checkpointing and
     tiled loss + MLP: device-resident and host peaks measured beside the estimate's device peak and host bytes."""
-    yield (f"### Every option, u=2 x r=2 (dp=2), {RUNTIME_TOKENS} tokens, {RUNTIME_LAYERS} layers, fp32, AdamW "
-           "(exact live storage, MiB per rank, worst rank; host = the offload's host buffers)")
+    yield (f"### Every option, u=2 x r=2 (dp=2), {RUNTIME_TOKENS} tokens, {RUNTIME_LAYERS} layers, hidden 128, 8/2 heads "
+           "of 16, SwiGLU 256, vocabulary 1024, fp32, AdamW (exact live storage, MiB per rank, worst rank; device = all "
+           "but the offload's host buffers, host = those buffers)")
     yield ""
 
     def rows():
         for name, kw in RUNTIME_ROWS:
-            res = pool.run("memory_step:measure", u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600, **kw)
+            res = pool.run("memory_step:measure", u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600,
+                           shape=RUNTIME_SHAPE, **kw)
             worst = max(res, key=lambda x: x["device_peak"])
             host = max(x["host_peak"] for x in res)
-            est = _estimate(2, 2, RUNTIME_TOKENS, kw)
+            est = _estimate(2, 2, RUNTIME_TOKENS, kw, RUNTIME_SHAPE)
             raw[f"runtime/{name}"] = {"measured": worst, "host": host, "estimate": est.to_dict()}
             st = worst["stages"]
             host_err = f"{est.host / host - 1:+.1%}" if host else ("0" if not est.host else "-")
