@@ -75,6 +75,8 @@ class MemoryOptions:
     offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (hcp.offload_checkpoints)
     prefetch: bool = True             # with offload: the previous layer's input comes back while this layer runs
                                       # backward (the CUDA default): one more layer input on the device
+    pin_memory: bool = True           # with offload: pinned host buffers (the CUDA default), which PyTorch's
+                                      # host allocator rounds up to a power of two; False: pageable, exact
     head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
     chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
                                       # default); False: inside hcp.attention only
@@ -121,6 +123,8 @@ class MemoryOptions:
             parts.append("tiled RMSNorm")
         if self.offload_checkpoints and not self.prefetch:
             parts.append("no prefetch")
+        if self.offload_checkpoints and not self.pin_memory:
+            parts.append("pageable host buffers")
         return ", ".join(parts)
 
 
@@ -302,13 +306,16 @@ def _activations(model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: 
 
 def host_bytes(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, batch: int = 1,
                options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag") -> int:
-    """Host memory one rank needs for its offloaded checkpoints: every layer's input (the first one
-    included: the runtime offloads them all), 0 without offload."""
+    """Host memory one rank needs for its offloaded checkpoints: one buffer per layer input (the first
+    one included: the runtime offloads them all), 0 without offload. Pinned buffers come from PyTorch's
+    caching host allocator, which rounds each request up to a power of two (ATen/core/
+    CachingHostAllocator.h, by default for every size): 5 GiB layer inputs take 8 GiB buffers."""
     o = options or MemoryOptions()
     if not o.offload_checkpoints:
         return 0
     T = batch * make_layout(layout, ulysses, ring, seq_len=seq_len).local_len
-    return model.layers * T * model.d_model * dtype_bytes(dtype)
+    one = T * model.d_model * dtype_bytes(dtype)
+    return model.layers * (1 << (one - 1).bit_length() if o.pin_memory else one)
 
 
 def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
@@ -403,12 +410,14 @@ class MaxSeq:
 def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: MemoryOptions | None = None, *,
                 heads_bound: bool = True, dtype: Any = "bf16", layout: str = "zigzag", dp: int = 1,
                 splits: list[tuple[int, int]] | None = None, granularity: int = 1024,
-                host_memory: float | None = None) -> MaxSeq | None:
+                host_memory: float | None = None, pins: tuple[bool, ...] | None = None) -> MaxSeq | None:
     """Longest sequence (a multiple of ``granularity`` tokens) whose :func:`step_memory` peak fits
     ``memory_budget`` bytes per rank (the budget as given: no further margin) and whose offloaded
     checkpoints fit ``host_memory`` bytes of host RAM per rank (None: unbounded), over every (ulysses,
     ring) split of ``world // dp`` ranks (or ``splits``). ``options.head_chunks`` is an upper bound: every
-    k <= it that the heads allow is tried. Returns None when not even ``granularity`` tokens fit."""
+    k <= it that the heads allow is tried; with offload and ``options.pin_memory``, pageable host buffers
+    too (pinned ones win a tie; ``pins`` fixes the choices). Returns None when not even ``granularity``
+    tokens fit."""
     o = options or MemoryOptions()
     if world % dp:
         raise ValueError(f"dp={dp} must divide world={world}")
@@ -419,8 +428,9 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
     for u, r in splits:
         c = head_split(model.heads, model.n_kv, u)[0][0]
         chunk_options = sorted({min(hc, c) for hc in range(1, o.head_chunks + 1)})
-        for hc in chunk_options:
-            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc})
+        tried = pins or ((True, False) if o.offload_checkpoints and o.pin_memory else (o.pin_memory,))
+        for hc, pin in [(hc, pin) for hc in chunk_options for pin in tried]:
+            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
 
             def fits(n: int) -> bool:
                 if host_memory is not None and \
