@@ -6,6 +6,7 @@ allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/
 8 gloo processes (`--cp u,r`) for head-chunked attention.
 
     python benchmarks/memory_step.py --table options        # tiled loss / tiled MLP / checkpointing
+    python benchmarks/memory_step.py --table runtime         # + offload, tiled norm, head chunks (device and host)
     python benchmarks/memory_step.py --table heads           # head_chunks in 1, 2, 4, 8 on 8 gloo ranks
     python benchmarks/memory_step.py --table all --out benchmarks/results/memory_cpu.md
 """
@@ -115,8 +116,9 @@ class _engine_stage:
 
 def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_loss: bool = False,
             loss_chunk: int | None = 512, tiled_mlp: int = 0, checkpoint: bool = False, head_chunks: int = 1,
-            device: str = "cpu", shape: dict | None = None) -> dict:
-    """One measured training step (the second: Adam's state exists) on this rank; returns bytes.
+            device: str = "cpu", shape: dict | None = None, offload: bool = False, tiled_norm: int = 0) -> dict:
+    """One measured training step (the second: Adam's state exists) on this rank; returns bytes (`peak`:
+    all live storage; `device_peak` and `host_peak`: outside and inside the offload's host buffers).
 
     Runs inside a worker of `hybrid_cp.testing.WorkerPool` (gloo is initialised): the model is a
     transformers Llama with `apply_context_parallel` on a (u, r) mesh, replicated weights, AdamW.
@@ -133,8 +135,12 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
     apply_context_parallel(model, cp, **kwargs)
     if tiled_mlp:
         hcp.tile_mlp(model, tiled_mlp)
+    if tiled_norm:
+        hcp.tile_norm(model, tiled_norm)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        hcp.offload_checkpoints(model, prefetch=True)   # the CUDA default; on CPU the same order, synchronous
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -166,14 +172,19 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         tracker = StorageTracker()
         with tracker, _engine_stage(tracker):
             tracker.track(list(model.parameters()), [list(s.values()) for s in opt.state.values()], local)
+            if offload:   # the host buffers the first step left in the pool: held from the start
+                from hybrid_cp.training.offload import offloader_of
+
+                tracker.track(offloader_of(model).pool.free)
             base = tracker.live
             handles = mark_stages(model, tracker)
             one_step(model, local, cp, tracker, tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt)
         peak = tracker.peak
+    split = {"device_peak": getattr(tracker, "device_peak", peak), "host_peak": getattr(tracker, "host_peak", 0)}
     for h in handles:
         h.remove()
     dist.barrier()
-    return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report()}
+    return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report(), **split}
 
 
 def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16, kv_heads: int = 4,
@@ -313,6 +324,7 @@ OPTION_ROWS = [
     ("checkpointing + tiled loss + MLP", dict(checkpoint=True, tiled_loss=True, tiled_mlp=512)),
 ]
 HEADS_TOKENS = 8192
+RUNTIME_TOKENS, RUNTIME_LAYERS = 8192, 4
 MODULE_TOKENS = 32768  # long enough that activations, not the fixed weight-sized gradients, dominate
 HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
 
@@ -327,7 +339,8 @@ def _estimate(u, r, seq_len, kw, shape=None):
                        vocab=cfg["vocab_size"])
     opts = MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), loss_chunk=512,
                          tiled_mlp=kw.get("tiled_mlp", 0), head_chunks=kw.get("head_chunks", 1), fsdp=False,
-                         foreach_optimizer=False)
+                         foreach_optimizer=False, offload_checkpoints=kw.get("offload", False),
+                         tiled_norm=bool(kw.get("tiled_norm", 0)))
     return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype="fp32")
 
 
@@ -358,6 +371,39 @@ def options_table(pool, raw: dict) -> Iterator[str]:
 
     yield from table_lines(["options", "tokens", "measured peak", "estimate", "error", "attention fwd / bwd",
                             "MLP fwd / bwd", "loss fwd / bwd"], rows(), markdown=True)
+    yield ""
+
+
+RUNTIME_BASE = dict(checkpoint=True, tiled_loss=True, tiled_mlp=512, layers=RUNTIME_LAYERS)
+RUNTIME_ROWS = [
+    ("checkpointing + tiled loss + MLP", RUNTIME_BASE),
+    ("+ offload", dict(RUNTIME_BASE, offload=True)),
+    ("+ offload + tiled norm", dict(RUNTIME_BASE, offload=True, tiled_norm=512)),
+    ("+ offload + tiled norm + head chunks 2 (everything)", dict(RUNTIME_BASE, offload=True, tiled_norm=512, head_chunks=2)),
+]
+
+
+def runtime_table(pool, raw: dict) -> Iterator[str]:
+    """The runtime options (offloaded checkpoints, tiled norm, head chunks) on top of checkpointing and
+    tiled loss + MLP: device-resident and host peaks measured beside the estimate's device peak and host bytes."""
+    yield (f"### Every option, u=2 x r=2 (dp=2), {RUNTIME_TOKENS} tokens, {RUNTIME_LAYERS} layers, fp32, AdamW "
+           "(exact live storage, MiB per rank, worst rank; host = the offload's host buffers)")
+    yield ""
+
+    def rows():
+        for name, kw in RUNTIME_ROWS:
+            res = pool.run("memory_step:measure", u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600, **kw)
+            worst = max(res, key=lambda x: x["device_peak"])
+            host = max(x["host_peak"] for x in res)
+            est = _estimate(2, 2, RUNTIME_TOKENS, kw)
+            raw[f"runtime/{name}"] = {"measured": worst, "host": host, "estimate": est.to_dict()}
+            st = worst["stages"]
+            host_err = f"{est.host / host - 1:+.1%}" if host else ("0" if not est.host else "-")
+            yield [name, mib(worst["device_peak"]), mib(est.peak), f"{est.peak / worst['device_peak'] - 1:+.1%}",
+                   mib(host), mib(est.host), host_err, mib(st.get("attention.bwd", {}).get("transient", 0))]
+
+    yield from table_lines(["options", "device peak", "estimate", "error", "host peak", "host estimate", "error",
+                            "attention bwd"], rows(), markdown=True)
     yield ""
 
 
@@ -462,7 +508,8 @@ def overlap_tables(pool, raw: dict, u: int, r: int, repeats: int) -> Iterator[st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", choices=("options", "heads", "module", "engine", "overlap", "all"), default="all")
+    p.add_argument("--table", choices=("options", "runtime", "heads", "module", "engine", "overlap", "all"),
+                   default="all")
     p.add_argument("--out", help="also write the markdown tables here")
     p.add_argument("--json", help="write the raw measurements here")
     p.add_argument("--overlap-mesh", default="2,1", help="u,r of the overlap timing (its own u*r processes)")
@@ -480,8 +527,8 @@ def main(argv=None) -> int:
             lines.append(line)
 
     with WorkerPool(8, extra_paths=[here]) if args.table != "overlap" else contextlib.nullcontext() as pool:
-        for name, section in (("options", options_table), ("heads", heads_table), ("module", module_table),
-                              ("engine", engine_table)):
+        for name, section in (("options", options_table), ("runtime", runtime_table), ("heads", heads_table),
+                              ("module", module_table), ("engine", engine_table)):
             if args.table in (name, "all"):
                 show(section(pool, raw))
     if args.table in ("overlap", "all"):

@@ -58,6 +58,11 @@ def parse_args(argv=None):
                         "memory; each chunk is recomputed in backward)")
     p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
                    help="run each MLP over chunks of TOKENS tokens with recomputation (hcp.tile_mlp; 0: off)")
+    p.add_argument("--offload-checkpoints", action="store_true",
+                   help="keep each checkpointed layer's input in host memory (hcp.offload_checkpoints; needs "
+                        "--checkpoint-activations)")
+    p.add_argument("--tiled-norm", type=int, default=0, metavar="TOKENS",
+                   help="run each RMSNorm over chunks of TOKENS tokens with recomputation (hcp.tile_norm; 0: off)")
     p.add_argument("--no-fsdp", action="store_true", help="replicate the weights and average gradients instead of FSDP2")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
@@ -66,7 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.offload_checkpoints and not args.checkpoint_activations:
+        p.error("--offload-checkpoints moves what checkpointing keeps: add --checkpoint-activations")
+    return args
 
 
 def setup(args):
@@ -114,6 +122,10 @@ def main(argv=None) -> int:
     apply_context_parallel(model, cp, head_chunks=args.head_chunks)            # CP: attention -> hcp.attention
     if args.tiled_mlp:
         hcp.tile_mlp(model, args.tiled_mlp)                                    # MLP one token chunk at a time
+    if args.tiled_norm:
+        hcp.tile_norm(model, args.tiled_norm)                                  # RMSNorm one token chunk at a time
+    if args.offload_checkpoints:
+        hcp.offload_checkpoints(model)                                         # layer inputs in host memory
     if args.no_fsdp:
         model.to(DTYPES[args.dtype])
     else:
@@ -130,7 +142,8 @@ def main(argv=None) -> int:
         print(f"{cp} world={dist.get_world_size()} params={n_params / 1e6:.2f}M seq_len={args.seq_len} "
               f"batch={args.batch}/replica dtype={args.dtype} fsdp={not args.no_fsdp} "
               f"checkpoint_activations={args.checkpoint_activations} "
-              f"tiled_loss={args.tiled_loss is not None} tiled_mlp={args.tiled_mlp or 'off'} head_chunks={args.head_chunks}", flush=True)
+              f"tiled_loss={args.tiled_loss is not None} tiled_mlp={args.tiled_mlp or 'off'} head_chunks={args.head_chunks} "
+              f"offload_checkpoints={args.offload_checkpoints} tiled_norm={args.tiled_norm or 'off'}", flush=True)
 
     progress = contextlib.nullcontext()
     bar = None
