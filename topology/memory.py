@@ -155,11 +155,14 @@ class MemoryEstimate:
 def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
     """Bytes per hidden unit one RMSNorm adds to the saved tensors. Stock (Hugging Face): its input upcast
     to fp32, the normalised value cast back to the compute dtype, and the output (which the next projection
-    keeps as its input): 4 + 2e. Fused or tiled: its compute-dtype input and the output, 2e; the tiled norm's
-    input is the layer input when ``input_kept`` (a checkpointed layer's first norm: counted once, there)."""
+    keeps as its input): 4 + 2e. Fused or tiled: its compute-dtype input and the output, 2e. ``input_kept``:
+    the input is counted elsewhere (a checkpointed layer's first norm, whose input the checkpoint keeps),
+    so the tiled norm adds e, and so does the stock one's upcast in fp32, where it is the input itself."""
     if o.tiled_norm:
         return e if input_kept else 2 * e
-    return 2 * e if o.fused_norm else 4 + 2 * e
+    if o.fused_norm:
+        return 2 * e
+    return (0 if input_kept and e == 4 else 4) + 2 * e
 
 
 def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ring: int, rank: int | None, T: int,
@@ -209,12 +212,14 @@ def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
 def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[dict[str, int], dict[str, int]]:
     """Model-state bytes held through the step, then the gradients that appear in backward: one block's
     unsharded gradient and its fp32 reduce-scatter input (``block``), the LM head's gradient alive through
-    the layers' backward (``lm_head``), the root's at the end of backward (``root_end``: both root
-    gradients and their fp32 reduce-scatter input) and, without FSDP, all of them (``all``)."""
+    the layers' backward (``lm_head``), those alive in the first layer's backward (``first_layer``: without
+    FSDP every gradient but the embedding's has accumulated by then), the root's at the end of backward
+    (``root_end``: both root gradients and their fp32 reduce-scatter input) and, without FSDP, all of
+    them (``all``)."""
     P, lp, root, head = model.params, model.layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
     if not fsdp:  # every rank holds all of it in fp32; the gradients appear in backward (the LM head's first)
         return ({"params": MASTER * P, "adam": ADAM_STATE * P},
-                {"block": 0, "lm_head": GRAD * head, "root_end": 0, "all": GRAD * P})
+                {"block": 0, "lm_head": GRAD * head, "first_layer": GRAD * (P - head), "root_end": 0, "all": GRAD * P})
     persistent = {
         "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,  # fp32 master weights are the shards
         "unsharded_root": root * e if world > 1 else 0,
@@ -224,6 +229,7 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[di
     # final norm) reduces once, after the embedding's backward, the last
     grads = {"block": lp * max(e, GRAD) if world > 1 else 0, "lm_head": head * e if world > 1 else 0,
              "root_end": root * (e + GRAD) if world > 1 else 0, "all": 0}
+    grads["first_layer"] = grads["lm_head"]  # the blocks' gradients are reduce-scattered as each block finishes
     return persistent, grads
 
 
@@ -362,7 +368,8 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
 def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, persistent: dict[str, int],
             grads: dict[str, int], acts: dict[str, int], stages: dict[str, int], mlp_saved: int) -> dict[str, int]:
     """The candidate peaks: the last layer's forward, the loss, the last layer's backward (the first in
-    backward: the most activations alive), the root's gradients at the end of backward, the optimizer."""
+    backward: the most activations alive), the first layer's (the most gradients alive), the root's
+    gradients at the end of backward, the optimizer."""
     E, V, inter = model.d_model, model.vocab, model.intermediate or 4 * model.d_model
     base = sum(persistent.values())
     shards = world if o.fsdp else 1
@@ -382,6 +389,9 @@ def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, per
         "loss": base + before_norm + final + (0 if o.tiled_loss else T * V * 4) + max(stages["loss_fwd"],
                                                                                       stages["loss_bwd"]),
         "last_layer_backward": base + inputs + fetched + grads["lm_head"] + layer_bwd,
+        # the first layer's backward: its own input only (nothing left to prefetch), the gradients so far
+        "first_layer_backward": base + acts["rotary"] + (T * E * e if o.checkpoint and not o.offload_checkpoints
+                                                         else 0) + grads["first_layer"] + layer_bwd,
         "optimizer": base + grads["all"] + (optimizer_temp if o.foreach_optimizer else 2 * 4 * largest),
     }
     if grads["root_end"]:
