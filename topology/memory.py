@@ -75,6 +75,8 @@ class MemoryOptions:
     offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (hcp.offload_checkpoints)
     prefetch: bool = True             # with offload: the previous layer's input comes back while this layer runs
                                       # backward (the CUDA default): one more layer input on the device
+    pin_memory: bool = True           # with offload: pinned host buffers (the CUDA default), which PyTorch's
+                                      # host allocator rounds up to a power of two; False: pageable, exact
     head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
     chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
                                       # default); False: inside hcp.attention only
@@ -121,6 +123,8 @@ class MemoryOptions:
             parts.append("tiled RMSNorm")
         if self.offload_checkpoints and not self.prefetch:
             parts.append("no prefetch")
+        if self.offload_checkpoints and not self.pin_memory:
+            parts.append("pageable host buffers")
         return ", ".join(parts)
 
 
@@ -151,11 +155,14 @@ class MemoryEstimate:
 def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
     """Bytes per hidden unit one RMSNorm adds to the saved tensors. Stock (Hugging Face): its input upcast
     to fp32, the normalised value cast back to the compute dtype, and the output (which the next projection
-    keeps as its input): 4 + 2e. Fused or tiled: its compute-dtype input and the output, 2e; the tiled norm's
-    input is the layer input when ``input_kept`` (a checkpointed layer's first norm: counted once, there)."""
+    keeps as its input): 4 + 2e. Fused or tiled: its compute-dtype input and the output, 2e. ``input_kept``:
+    the input is counted elsewhere (a checkpointed layer's first norm, whose input the checkpoint keeps),
+    so the tiled norm adds e, and so does the stock one's upcast in fp32, where it is the input itself."""
     if o.tiled_norm:
         return e if input_kept else 2 * e
-    return 2 * e if o.fused_norm else 4 + 2 * e
+    if o.fused_norm:
+        return 2 * e
+    return (0 if input_kept and e == 4 else 4) + 2 * e
 
 
 def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ring: int, rank: int | None, T: int,
@@ -205,12 +212,14 @@ def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
 def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[dict[str, int], dict[str, int]]:
     """Model-state bytes held through the step, then the gradients that appear in backward: one block's
     unsharded gradient and its fp32 reduce-scatter input (``block``), the LM head's gradient alive through
-    the layers' backward (``lm_head``), the root's at the end of backward (``root_end``: both root
-    gradients and their fp32 reduce-scatter input) and, without FSDP, all of them (``all``)."""
+    the layers' backward (``lm_head``), those alive in the first layer's backward (``first_layer``: without
+    FSDP every gradient but the embedding's has accumulated by then), the root's at the end of backward
+    (``root_end``: both root gradients and their fp32 reduce-scatter input) and, without FSDP, all of
+    them (``all``)."""
     P, lp, root, head = model.params, model.layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
     if not fsdp:  # every rank holds all of it in fp32; the gradients appear in backward (the LM head's first)
         return ({"params": MASTER * P, "adam": ADAM_STATE * P},
-                {"block": 0, "lm_head": GRAD * head, "root_end": 0, "all": GRAD * P})
+                {"block": 0, "lm_head": GRAD * head, "first_layer": GRAD * (P - head), "root_end": 0, "all": GRAD * P})
     persistent = {
         "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,  # fp32 master weights are the shards
         "unsharded_root": root * e if world > 1 else 0,
@@ -220,6 +229,7 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[di
     # final norm) reduces once, after the embedding's backward, the last
     grads = {"block": lp * max(e, GRAD) if world > 1 else 0, "lm_head": head * e if world > 1 else 0,
              "root_end": root * (e + GRAD) if world > 1 else 0, "all": 0}
+    grads["first_layer"] = grads["lm_head"]  # the blocks' gradients are reduce-scattered as each block finishes
     return persistent, grads
 
 
@@ -302,13 +312,16 @@ def _activations(model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: 
 
 def host_bytes(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, batch: int = 1,
                options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag") -> int:
-    """Host memory one rank needs for its offloaded checkpoints: every layer's input (the first one
-    included: the runtime offloads them all), 0 without offload."""
+    """Host memory one rank needs for its offloaded checkpoints: one buffer per layer input (the first
+    one included: the runtime offloads them all), 0 without offload. Pinned buffers come from PyTorch's
+    caching host allocator, which rounds each request up to a power of two (ATen/core/
+    CachingHostAllocator.h, by default for every size): 5 GiB layer inputs take 8 GiB buffers."""
     o = options or MemoryOptions()
     if not o.offload_checkpoints:
         return 0
     T = batch * make_layout(layout, ulysses, ring, seq_len=seq_len).local_len
-    return model.layers * T * model.d_model * dtype_bytes(dtype)
+    one = T * model.d_model * dtype_bytes(dtype)
+    return model.layers * (1 << (one - 1).bit_length() if o.pin_memory else one)
 
 
 def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
@@ -355,7 +368,8 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
 def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, persistent: dict[str, int],
             grads: dict[str, int], acts: dict[str, int], stages: dict[str, int], mlp_saved: int) -> dict[str, int]:
     """The candidate peaks: the last layer's forward, the loss, the last layer's backward (the first in
-    backward: the most activations alive), the root's gradients at the end of backward, the optimizer."""
+    backward: the most activations alive), the first layer's (the most gradients alive), the root's
+    gradients at the end of backward, the optimizer."""
     E, V, inter = model.d_model, model.vocab, model.intermediate or 4 * model.d_model
     base = sum(persistent.values())
     shards = world if o.fsdp else 1
@@ -375,6 +389,9 @@ def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, per
         "loss": base + before_norm + final + (0 if o.tiled_loss else T * V * 4) + max(stages["loss_fwd"],
                                                                                       stages["loss_bwd"]),
         "last_layer_backward": base + inputs + fetched + grads["lm_head"] + layer_bwd,
+        # the first layer's backward: its own input only (nothing left to prefetch), the gradients so far
+        "first_layer_backward": base + acts["rotary"] + (T * E * e if o.checkpoint and not o.offload_checkpoints
+                                                         else 0) + grads["first_layer"] + layer_bwd,
         "optimizer": base + grads["all"] + (optimizer_temp if o.foreach_optimizer else 2 * 4 * largest),
     }
     if grads["root_end"]:
@@ -403,12 +420,14 @@ class MaxSeq:
 def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: MemoryOptions | None = None, *,
                 heads_bound: bool = True, dtype: Any = "bf16", layout: str = "zigzag", dp: int = 1,
                 splits: list[tuple[int, int]] | None = None, granularity: int = 1024,
-                host_memory: float | None = None) -> MaxSeq | None:
+                host_memory: float | None = None, pins: tuple[bool, ...] | None = None) -> MaxSeq | None:
     """Longest sequence (a multiple of ``granularity`` tokens) whose :func:`step_memory` peak fits
     ``memory_budget`` bytes per rank (the budget as given: no further margin) and whose offloaded
     checkpoints fit ``host_memory`` bytes of host RAM per rank (None: unbounded), over every (ulysses,
     ring) split of ``world // dp`` ranks (or ``splits``). ``options.head_chunks`` is an upper bound: every
-    k <= it that the heads allow is tried. Returns None when not even ``granularity`` tokens fit."""
+    k <= it that the heads allow is tried; with offload and ``options.pin_memory``, pageable host buffers
+    too (pinned ones win a tie; ``pins`` fixes the choices). Returns None when not even ``granularity``
+    tokens fit."""
     o = options or MemoryOptions()
     if world % dp:
         raise ValueError(f"dp={dp} must divide world={world}")
@@ -419,8 +438,9 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
     for u, r in splits:
         c = head_split(model.heads, model.n_kv, u)[0][0]
         chunk_options = sorted({min(hc, c) for hc in range(1, o.head_chunks + 1)})
-        for hc in chunk_options:
-            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc})
+        tried = pins or ((True, False) if o.offload_checkpoints and o.pin_memory else (o.pin_memory,))
+        for hc, pin in [(hc, pin) for hc in chunk_options for pin in tried]:
+            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
 
             def fits(n: int) -> bool:
                 if host_memory is not None and \

@@ -188,6 +188,11 @@ def add_max_seq_arguments(parser: Any) -> None:
                    help="offloaded checkpoints without prefetch (one layer input fewer on the device)")
 
 
+def _pinned(options: Any) -> str:
+    """The ladder's pinned column: whether offloaded checkpoints use pinned host buffers."""
+    return ("yes" if options.pin_memory else "no") if options.offload_checkpoints else "-"
+
+
 def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
     """`hybrid-cp plan --max-seq`: print (or --json) the ladder of `topology.memory.max_seq_table`."""
     world = args.world_size or cluster.world_size
@@ -214,13 +219,13 @@ def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
           f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
           f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU, host memory {host_text}")
     print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9} {'host GiB':>9} "
-          f"{'attn fwd':>8}  peak at")
+          f"{'pinned':>6} {'attn fwd':>8}  peak at")
     for name, b in rows:
         if b is None:
             print(f"{name:<36} {'none fits':>6}")
             continue
         e = b.estimate
         print(f"{name:<36} {b.seq_len / 2**20:>5.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
-              f"{e.peak / GiB:>9.1f} {e.host / GiB:>9.1f} {attention_forwards(model, b.ulysses, b.options):>8}  "
-              f"{e.peak_phase}")
+              f"{e.peak / GiB:>9.1f} {e.host / GiB:>9.1f} {_pinned(b.options):>6} "
+              f"{attention_forwards(model, b.ulysses, b.options):>8}  {e.peak_phase}")
     return 0
