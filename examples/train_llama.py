@@ -162,14 +162,38 @@ def setup(args):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10),
-                            **({"device_id": device} if use_cuda else {}))
+    timeout = datetime.timedelta(minutes=10)
+    store = restart_store(timeout)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
+                            **({"device_id": device} if use_cuda else {}),
+                            **({"store": store, "rank": int(os.environ["RANK"]),
+                                "world_size": int(os.environ["WORLD_SIZE"])} if store is not None else {}))
     world = dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ulysses = args.ulysses or max(d for d in range(1, min(per_node, args.heads) + 1)
                                   if per_node % d == 0 and args.heads % d == 0)
     ring = args.ring or world // ulysses
     return device, ulysses, ring
+
+
+def restart_store(timeout: datetime.timedelta):
+    """Under torchrun on one node, torchrun's store seen through a prefix of this restart attempt.
+
+    torchrun's agent keeps one TCPStore for every attempt (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+    so a restarted group would read the dead group's connection keys and fail to connect. On several
+    nodes the agents count restarts separately (pytorch#135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    there instead (a fresh store per attempt); this returns None then, and outside torchrun.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.environ.get("RANK") == "0":
+            print("warning: restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                  "environment (docs/training.md, Checkpoints and restarts)", file=sys.stderr, flush=True)
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def main(argv=None) -> int:

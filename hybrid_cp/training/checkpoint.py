@@ -117,6 +117,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _dcp(fn: Any, state: dict, path: Path, world: int) -> None:
+    """`dcp.save`/`dcp.load`; without a process group DCP warns that it assumes one process: we mean that."""
+    with warnings.catch_warnings():
+        if world == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, checkpoint_id=path, no_dist=world == 1)
+
+
 def _file_sizes(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
             if p.is_file() and p.name != MARKER}
@@ -182,7 +190,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
     if world > 1:
         dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=world == 1)
+    _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, world)
     rngs = _all_gather(_rng_state())
     if rank == 0:
         torch.save({"rng": rngs, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / TRAIN_STATE)
@@ -296,7 +304,7 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     rank, world = _world()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=info.path, no_dist=world == 1)
+    _dcp(dcp.load, state, info.path, world)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     saved = torch.load(info.path / TRAIN_STATE, weights_only=True)
     if scheduler is not None and saved["scheduler"] is not None:
