@@ -9,7 +9,14 @@ from .engine.layout import granularity, padded_length, positions, shard, unshard
 from .engine.mesh import CPMesh, destroy_cp_mesh, init_cp_mesh
 from .errors import *  # noqa: F403 (the error classes: errors.__all__)
 from .training.batch import shard_batch, shift_labels
-from .training.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, prune_checkpoints, replica_samples, save_checkpoint
+from .training.checkpoint import (
+           CheckpointInfo,
+           latest_checkpoint,
+           load_checkpoint,
+           prune_checkpoints,
+           replica_samples,
+           save_checkpoint,
+)
 from .training.loss import cross_entropy
 from .training.tiled import lm_loss, tile_mlp, tiled_cross_entropy, untile_mlp
 
