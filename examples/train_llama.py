@@ -81,7 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                    help="learning rate after the warmup: constant, or cosine down to lr/10 at --steps")
     add_checkpoint_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.resume and not args.save_dir:
+        p.error("--resume continues from the newest checkpoint in --save-dir DIR: pass --save-dir")
+    if args.save_every < 0 or (args.keep is not None and args.keep < 1):
+        p.error(f"--save-every {args.save_every} / --keep {args.keep}: --save-every >= 0, --keep >= 1")
+    return args
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -120,7 +125,7 @@ def replica_batch(corpus: torch.Tensor, step: int, args, cp) -> dict:
 
 def resume(args, model, opt, scheduler, cp) -> int:
     """The optimizer steps already done: those of the newest checkpoint with --resume, else 0."""
-    if not (args.resume and args.save_dir):
+    if not args.resume:
         return 0
     info = load_checkpoint(args.save_dir, model, opt, cp, scheduler=scheduler, global_batch=args.batch * cp.dp_size)
     if info is None:

@@ -40,7 +40,14 @@ def _launch(folder: Path, name: str, nproc: int, ulysses: int, ring: int, batch:
            str(ROOT / "examples" / "train_llama.py"), *MODEL, "--ulysses", str(ulysses), "--ring", str(ring),
            "--batch", str(batch), "--save-dir", str(folder / name), "--save-every", str(EVERY),
            "--metrics", str(folder / f"{name}.jsonl")]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)   # its own process group: one killpg ends all of it
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -77,11 +84,16 @@ def _worker_pids(parent: int) -> dict[int, int]:
     return found
 
 
-def _kill_after_checkpoint(proc: subprocess.Popen, checkpoint: Path, record: dict) -> None:
-    """SIGKILL worker rank 1 as soon as `checkpoint` is published (the steps after it are then lost)."""
-    deadline = time.monotonic() + 200
+def _wait_for(checkpoint: Path, proc: subprocess.Popen, timeout: float = 200) -> None:
+    """Until `checkpoint` is published (renamed into place), the run ended, or `timeout` passed."""
+    deadline = time.monotonic() + timeout
     while not checkpoint.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
+
+
+def _kill_after_checkpoint(proc: subprocess.Popen, checkpoint: Path, record: dict) -> None:
+    """SIGKILL worker rank 1 as soon as `checkpoint` is published (the steps after it are then lost)."""
+    _wait_for(checkpoint, proc)
     for parent in [proc.pid, *_proc_children(proc.pid)]:   # torchrun's agent starts the workers
         pid = _worker_pids(parent).get(1)
         if pid:
@@ -97,24 +109,28 @@ def _proc_children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One uninterrupted 4-rank run (u2 x r2) and, side by side with it, the restart run; then two runs
-    that resume its step-3 checkpoint on 2 ranks (u2 x r1, and dp=2 with half the batch per replica)."""
+    """One uninterrupted 4-rank run (u2 x r2) and, side by side with it, the restart run; once the first
+    has published its step-3 checkpoint, two runs that resume it on 2 ranks (u2 x r1, and dp=2 with
+    half the batch per replica)."""
     folder = tmp_path_factory.mktemp("ckpt")
     t0 = time.monotonic()
-    reference = _launch(folder, "ref", 4, 2, 2, 2)
-    restart = _launch(folder, "restart", 4, 2, 2, 2, "--max-restarts", "1")
+    procs = {"ref": _launch(folder, "ref", 4, 2, 2, 2),
+             "restart": _launch(folder, "restart", 4, 2, 2, 2, "--max-restarts", "1")}
     record: dict = {}
-    killer = threading.Thread(target=_kill_after_checkpoint, args=(restart, folder / "restart" / "step-00000003",
-                                                                   record))
+    killer = threading.Thread(target=_kill_after_checkpoint,
+                              args=(procs["restart"], folder / "restart" / "step-00000003", record))
     killer.start()
-    out = {"ref": _finish(reference)}
-    for name in ("other_mesh", "other_dp"):
-        (folder / name).mkdir()
-        shutil.copytree(folder / "ref" / "step-00000003", folder / name / "step-00000003")
-    other = {"other_mesh": _launch(folder, "other_mesh", 2, 2, 1, 2), "other_dp": _launch(folder, "other_dp", 2, 1, 1, 1)}
-    out.update({name: _finish(p) for name, p in other.items()})
-    out["restart"] = _finish(restart)
-    killer.join()
+    try:
+        _wait_for(folder / "ref" / "step-00000003", procs["ref"])
+        for name, (nproc, ulysses, ring, batch) in {"other_mesh": (2, 2, 1, 2), "other_dp": (2, 1, 1, 1)}.items():
+            (folder / name).mkdir()
+            shutil.copytree(folder / "ref" / "step-00000003", folder / name / "step-00000003")
+            procs[name] = _launch(folder, name, nproc, ulysses, ring, batch)
+        out = {name: _finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            _kill_group(proc)
+        killer.join()
     losses = {name: _losses(folder / f"{name}.jsonl") for name in out}
     return {"folder": folder, "out": out, "losses": losses, "record": record, "wall": time.monotonic() - t0}
 
