@@ -130,10 +130,10 @@ def _file_sizes(folder: Path) -> dict[str, int]:
             if p.is_file() and p.name != MARKER}
 
 
-def _write_marker(folder: Path, content: dict[str, Any]) -> None:
-    path = folder / MARKER
-    with open(path, "w") as f:
-        json.dump(content, f, indent=1)
+def _write_durably(path: Path, write: Any, mode: str = "wb") -> None:
+    """Write and fsync: the marker must not reach the disk before what it describes."""
+    with open(path, mode) as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -193,8 +193,10 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
     _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, world)
     rngs = _all_gather(_rng_state())
     if rank == 0:
-        torch.save({"rng": rngs, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / TRAIN_STATE)
-        _write_marker(tmp, _marker_content(step, cp, global_batch, extra or {}, tmp))
+        train_state = {"rng": rngs, "scheduler": scheduler.state_dict() if scheduler is not None else None}
+        _write_durably(tmp / TRAIN_STATE, lambda f: torch.save(train_state, f))
+        marker = _marker_content(step, cp, global_batch, extra or {}, tmp)
+        _write_durably(tmp / MARKER, lambda f: json.dump(marker, f, indent=1), "w")
         _publish(tmp, final)
         if keep is not None:
             prune_checkpoints(directory, keep)
