@@ -43,7 +43,7 @@ from hybrid_cp.cli.demo import sample_batch, stdlib_corpus
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
 from hybrid_cp.training.batch import shard_batch
-from hybrid_cp.training.checkpoint import load_checkpoint, replica_samples, save_checkpoint
+from hybrid_cp.training.checkpoint import load_checkpoint, replica_samples, restart_store, save_checkpoint
 from hybrid_cp.training.loss import cross_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -168,7 +168,7 @@ def setup(args):
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     timeout = datetime.timedelta(minutes=10)
-    store = restart_store(timeout)
+    store = restart_store(timeout)   # torchrun restarts on one node: a store prefix per attempt
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
                             **({"device_id": device} if use_cuda else {}),
                             **({"store": store, "rank": int(os.environ["RANK"]),
@@ -179,26 +179,6 @@ def setup(args):
                                   if per_node % d == 0 and args.heads % d == 0)
     ring = args.ring or world // ulysses
     return device, ulysses, ring
-
-
-def restart_store(timeout: datetime.timedelta):
-    """Under torchrun on one node, torchrun's store seen through a prefix of this restart attempt.
-
-    torchrun's agent keeps one TCPStore for every attempt (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
-    so a restarted group would read the dead group's connection keys and fail to connect. On several
-    nodes the agents count restarts separately (pytorch#135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    there instead (a fresh store per attempt); this returns None then, and outside torchrun.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.environ.get("RANK") == "0":
-            print("warning: restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-                  "environment (docs/training.md, Checkpoints and restarts)", file=sys.stderr, flush=True)
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,7 @@ from .training.checkpoint import (
            load_checkpoint,
            prune_checkpoints,
            replica_samples,
+           restart_store,
            save_checkpoint,
 )
 from .training.loss import cross_entropy
@@ -26,5 +27,5 @@ __all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "attentio
            "cross_entropy", "init_cp_mesh", "destroy_cp_mesh", "CPMesh", "shard", "unshard", "positions", "granularity", "padded_length", "comm_bytes", "reset_comm_bytes", "head_split", "AttentionKernel",
            "register_kernel", "get_kernel", "available_kernels"]
 __all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "replica_samples",
-            "CheckpointInfo"]
+            "restart_store", "CheckpointInfo"]
 __all__ += errors.__all__

@@ -265,3 +265,27 @@ def test_data_order_depends_on_the_global_step_only(global_batch):
 
 def _with_dp(dp: int, rank: int):
     return dataclasses.replace(CP1, dp_size=dp, dp_rank=rank)
+
+
+def test_restart_store_gives_each_torchrun_attempt_its_own_keys(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    for key in ("TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(key, raising=False)
+    assert ckpt.restart_store() is None   # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        assert ckpt.restart_store() is None   # several nodes: the agents' restart counts may differ
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=20))
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    ckpt.restart_store(datetime.timedelta(seconds=20)).set("rank_0", "here")
+    assert server.get("attempt-2/rank_0") == b"here" and not server.check(["rank_0"])

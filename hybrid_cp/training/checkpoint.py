@@ -19,6 +19,7 @@ folder must be on a filesystem every rank sees (as DCP's file writer requires).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -317,5 +318,29 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     return info
 
 
-__all__ = ["CheckpointInfo", "MARKER", "replica_samples", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+def restart_store(timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Any:
+    """For `init_process_group(store=..., rank=RANK, world_size=WORLD_SIZE)` under torchrun restarts: None
+    when not needed (outside torchrun, several nodes, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+
+    torchrun's agent keeps one TCPStore for every restart attempt unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so a restarted group reads the dead group's connection keys
+    and creating its process groups fails ("Connection refused"). On one node this returns the
+    agent's store behind a prefix per attempt (TORCHELASTIC_RESTART_COUNT). On several nodes the
+    agents count restarts separately (pytorch#135712), so a prefix could differ between nodes:
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun there (warned about on rank 0).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if env.get("GROUP_WORLD_SIZE", "1") != "1":
+        if int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and env.get("RANK") == "0":
+            warnings.warn("torchrun restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                          "environment (docs/training.md, Checkpoints and restarts)", stacklevel=2)
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+__all__ = ["restart_store", "CheckpointInfo", "MARKER", "replica_samples", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
            "prune_checkpoints"]
