@@ -128,17 +128,17 @@ def resume(args, model, opt, scheduler, cp) -> int:
     if not args.resume:
         return 0
     info = load_checkpoint(args.save_dir, model, opt, cp, scheduler=scheduler, global_batch=args.batch * cp.dp_size)
-    if info is None:
-        return 0
+    start = info.step if info is not None else 0
     if dist.get_rank() == 0:
-        print(f"resumed from {info.path} (step {info.step}, written on dp={info.dp} ulysses={info.ulysses} "
-              f"ring={info.ring})", flush=True)
-        if args.metrics and os.path.exists(args.metrics):   # steps after the checkpoint are done again
+        if info is not None:
+            print(f"resumed from {info.path} (step {info.step}, written on dp={info.dp} ulysses={info.ulysses} "
+                  f"ring={info.ring})", flush=True)
+        if args.metrics and os.path.exists(args.metrics):   # the steps after `start` are trained again
             with open(args.metrics) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= info.step]
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
             with open(args.metrics, "w") as f:
                 f.writelines(kept)
-    return info.step
+    return start
 
 
 def after_step(args, done: int, value: float, lr: float, model, opt, scheduler, cp) -> None:
