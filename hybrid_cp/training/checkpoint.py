@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, InconsistentRanksError
+from ..errors import ConfigError, InconsistentRanksError, SetupError
 
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
@@ -181,19 +181,15 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
     if global_batch is not None:
         replica_samples(step, global_batch, cp)   # a bad global batch raises here, before any collective
     json.dumps(extra or {})                       # and so does an extra that JSON cannot hold
-    rank, world = _world()
+    world = _world()[1]
     step = _agreed_step(step, "before saving")
     final = Path(directory) / f"step-{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
+    def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    if world > 1:
-        dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, world)
-    rngs = _all_gather(_rng_state())
-    if rank == 0:
+
+    def publish() -> None:
         train_state = {"rng": rngs, "scheduler": scheduler.state_dict() if scheduler is not None else None}
         _write_durably(tmp / TRAIN_STATE, lambda f: torch.save(train_state, f))
         marker = _marker_content(step, cp, global_batch, extra or {}, tmp)
@@ -201,9 +197,34 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
         _publish(tmp, final)
         if keep is not None:
             prune_checkpoints(directory, keep)
-    if world > 1:
-        dist.barrier()   # nobody goes on (or exits) before the checkpoint is visible
+
+    _on_rank0(prepare, f"create {tmp}")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, world)
+    rngs = _all_gather(_rng_state())
+    _on_rank0(publish, f"publish {final}")   # nobody goes on (or exits) before the checkpoint is visible
     return final
+
+
+def _on_rank0(work: Any, what: str) -> None:
+    """Run `work` on rank 0; every rank returns after it, or raises if it failed (instead of waiting
+    for rank 0 in the next collective until the timeout)."""
+    rank, world = _world()
+    failure = [None]
+    if rank == 0:
+        try:
+            work()
+        except Exception as exc:
+            if world == 1:
+                raise
+            failure = [f"{type(exc).__name__}: {exc}"]
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    if world > 1:
+        dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise SetupError(f"rank 0 could not {what}: {failure[0]}; check that the folder is writable and on a "
+                         "filesystem every rank sees")
 
 
 def _read_marker(folder: Path) -> CheckpointInfo | str:
