@@ -298,9 +298,17 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
 def _broadcast_choice(directory: str | os.PathLike) -> CheckpointInfo | None:
     """Rank 0 looks the newest checkpoint up, every rank loads that one (a shared filesystem may lag)."""
     rank, world = _world()
-    choice = [latest_checkpoint(directory) if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(choice, src=0)
+    if world == 1:
+        return latest_checkpoint(directory)
+    choice: list[Any] = [None]
+    if rank == 0:
+        try:
+            choice = [latest_checkpoint(directory)]
+        except Exception as exc:   # told to every rank, not left for them to wait on
+            choice = [f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], str):
+        raise SetupError(f"rank 0 could not look for checkpoints in {directory}: {choice[0]}")
     return choice[0]
 
 
