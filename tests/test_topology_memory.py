@@ -53,6 +53,17 @@ def test_stock_rmsnorm_keeps_an_fp32_copy_and_the_model_counts_it():
     # per layer two norms; the tiled norm keeps its bf16 input and output only: 2 x (4 + 2e - 2e) bytes less
     assert est.activations["layer"] - tiled.activations["layer"] == 2 * 4 * T * E
     assert est.activations["final_norm"] == per_unit * T * E and tiled.activations["final_norm"] == 4 * T * E
+    # hcp.tile_norm: the norm keeps its (tracked) input only; what is left is its output, which q_proj keeps
+    import hybrid_cp as hcp
+
+    hcp.tile_norm(model, 512)
+    t = StorageTracker()
+    with t:
+        t.track(x, list(model.parameters()))
+        before = t.live
+        y = proj(norm(x))
+        kept = t.live - before - y.numel() * y.element_size()
+    assert kept == T * E * 2, kept   # the model's tiled first norm of a checkpointed layer: e per hidden unit
 
 
 def test_final_norm_is_freed_before_the_last_layer_backward():
