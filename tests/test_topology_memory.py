@@ -37,7 +37,7 @@ def test_stock_rmsnorm_keeps_an_fp32_copy_and_the_model_counts_it():
     upcast, normalised value, output): the model's stock norm term; fused/tiled norms keep 2e."""
     model = _tiny_llama()
     norm, proj = model.model.layers[0].input_layernorm, model.model.layers[0].self_attn.q_proj
-    T, E = 4096, TINY["hidden_size"]
+    T, E = 2048, TINY["hidden_size"]
     x = torch.randn(1, T, E, dtype=torch.bfloat16, requires_grad=True)
     t = StorageTracker()
     with t:
@@ -72,7 +72,7 @@ def test_final_norm_is_freed_before_the_last_layer_backward():
     tensors: the model's `inputs + rotary` term plus those two, and `final_norm` only in the loss phase."""
     model = _tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    T, E, V, D, L = 4096, TINY["hidden_size"], TINY["vocab_size"], TINY["head_dim"], TINY["num_hidden_layers"]
+    T, E, V, D, L = 2048, TINY["hidden_size"], TINY["vocab_size"], TINY["head_dim"], TINY["num_hidden_layers"]
     ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(0))
     seen = {}
     t = StorageTracker()
