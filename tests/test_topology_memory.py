@@ -213,3 +213,18 @@ def test_offloaded_inputs_leave_the_device_as_the_model_says(pool):
     # the cut is small here: with replicated weights the first layer's backward, where the gradients have
     # accumulated, becomes the peak once the inputs are gone (the `first_layer_backward` phase)
     assert est_off.peak_phase == "first_layer_backward" and est_plain.peak_phase == "last_layer_backward"
+
+
+@pytest.mark.parametrize("world,u,r,head_chunks,check", [
+    (8, 8, 1, 1, lambda mi: abs(mi / 3 - 1) <= 0.10),      # Ulysses (same offload, tiled MLP/norm): 3M
+    (8, 8, 1, 8, lambda mi: abs(mi / 5 - 1) <= 0.05),      # UPipe, 4 head stages: 5Mi, the largest point tried
+    (16, 8, 2, 8, lambda mi: 7.5 <= mi < 9),               # UPipe on 16: 7.5Mi ran, 9Mi (the next point) did not
+])
+def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, check):
+    """UPipe's runs (arXiv 2602.21196, its run scripts' grids) at their own split, every option, 80e9 bytes
+    per GPU and the DGX's host memory: docs/memory.md's comparison table."""
+    c = Cluster.preset("dgx-h100", nodes=world // 8)
+    o = MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=head_chunks, offload_checkpoints=True,
+                      tiled_norm=True)
+    best = max_seq_len(LLAMA8B, world, 80e9, o, splits=[(u, r)], host_memory=c.host_memory_per_gpu)
+    assert check(best.seq_len / 2**20), best.explain()
