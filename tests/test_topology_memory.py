@@ -8,7 +8,6 @@ from hybrid_cp.training.memory import StorageTracker
 from topology import Cluster
 from topology.cost import ModelShape, estimate
 from topology.memory import (
-    MODULE_CHUNKS_KEEP_OUTPUT,
     MemoryOptions,
     attention_forwards,
     host_bytes,
@@ -128,7 +127,17 @@ def test_attention_forwards_per_layer_and_their_time():
     chunked = MemoryOptions(head_chunks=4)
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(checkpoint=False)) == 1
     assert attention_forwards(LLAMA8B, 8, MemoryOptions()) == 2
-    assert attention_forwards(LLAMA8B, 8, chunked) == (2 if MODULE_CHUNKS_KEEP_OUTPUT else 3)
+    assert attention_forwards(LLAMA8B, 8, chunked) == 2                      # the runtime's default
+    assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, keep_attention_output=False)) == 3
+    assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, checkpoint=False)) == 2
+    assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, checkpoint=False,
+                                                        keep_attention_output=True)) == 1
+    # keeping the outputs costs one [tokens, heads x head_dim] tensor (+ fp32 lse) in the recomputed layer
+    base = dict(tiled_loss=True, tiled_mlp=8192, head_chunks=4)
+    kept, not_kept = (step_memory(LLAMA8B, 1 << 20, 8, 1, 1, 1, MemoryOptions(**base, keep_attention_output=k))
+                      for k in (None, False))
+    T = kept.local_tokens
+    assert kept.activations["layer"] - not_kept.activations["layer"] == T * (32 * 128 * 2 + 8 * 4 * 4)
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, chunk_projections=False)) == 2
     c = Cluster.preset("dgx-h100")
     one, two = estimate(c, LLAMA8B, 1 << 20, 8, 1), estimate(c, LLAMA8B, 1 << 20, 8, 1, attention_forwards=2)
