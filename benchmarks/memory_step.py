@@ -285,19 +285,21 @@ def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, he
     return res
 
 
-def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8)) -> dict:
+def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8),
+                  keep: bool | None = None) -> dict:
     """Exact memory of one attention module (Q/K/V projections, rotary, hcp.attention, output projection) of
     the HEADS_SHAPE model, forward then backward, per head_chunks as `apply_context_parallel` runs them
     (module-level chunks): what forward leaves alive for backward, and the peak over forward and
     backward, both above the module's inputs; with the sizes of its output, d(input) and the weight
-    gradients, which every k allocates alike. Runs in a WorkerPool worker."""
+    gradients, which every k allocates alike. `keep`: apply_context_parallel's keep_attention_output (the
+    module alone is in no checkpointed layer: None keeps nothing). Runs in a WorkerPool worker."""
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
     cp = _mesh(u, r)
     res = {}
     for kc, overlap, name in _schedules(chunks):
         model = build_model("cpu", torch.float32, num_hidden_layers=1, **HEADS_SHAPE)
-        apply_context_parallel(model, cp, head_chunks=kc)
+        apply_context_parallel(model, cp, head_chunks=kc, keep_attention_output=keep)
         attn = model.model.layers[0].self_attn
         n_local = seq_len // cp.size
         g = torch.Generator().manual_seed(cp.rank)
@@ -324,7 +326,12 @@ OPTION_ROWS = [
     ("checkpointing + tiled loss + MLP", dict(checkpoint=True, tiled_loss=True, tiled_mlp=512)),
 ]
 HEADS_TOKENS = 8192
-RUNTIME_TOKENS, RUNTIME_LAYERS = 8192, 4
+RUNTIME_TOKENS, RUNTIME_LAYERS = 16384, 8
+# few parameters for the tokens (hidden 128, SwiGLU 256, vocabulary 1024): with replicated weights each
+# layer's gradient appears in backward as its input goes; where a layer's gradient outweighs its input
+# the step's peak is the first layer's backward (all gradients, no inputs left) and offload cannot lower it
+RUNTIME_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=16)
 MODULE_TOKENS = 32768  # long enough that activations, not the fixed weight-sized gradients, dominate
 HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
 
@@ -386,16 +393,18 @@ RUNTIME_ROWS = [
 def runtime_table(pool, raw: dict) -> Iterator[str]:
     """The runtime options (offloaded checkpoints, tiled norm, head chunks) on top of checkpointing and
     tiled loss + MLP: device-resident and host peaks measured beside the estimate's device peak and host bytes."""
-    yield (f"### Every option, u=2 x r=2 (dp=2), {RUNTIME_TOKENS} tokens, {RUNTIME_LAYERS} layers, fp32, AdamW "
-           "(exact live storage, MiB per rank, worst rank; host = the offload's host buffers)")
+    yield (f"### Every option, u=2 x r=2 (dp=2), {RUNTIME_TOKENS} tokens, {RUNTIME_LAYERS} layers, hidden 128, 8/2 heads "
+           "of 16, SwiGLU 256, vocabulary 1024, fp32, AdamW (exact live storage, MiB per rank, worst rank; device = all "
+           "but the offload's host buffers, host = those buffers)")
     yield ""
 
     def rows():
         for name, kw in RUNTIME_ROWS:
-            res = pool.run("memory_step:measure", u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600, **kw)
+            res = pool.run("memory_step:measure", u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600,
+                           shape=RUNTIME_SHAPE, **kw)
             worst = max(res, key=lambda x: x["device_peak"])
             host = max(x["host_peak"] for x in res)
-            est = _estimate(2, 2, RUNTIME_TOKENS, kw)
+            est = _estimate(2, 2, RUNTIME_TOKENS, kw, RUNTIME_SHAPE)
             raw[f"runtime/{name}"] = {"measured": worst, "host": host, "estimate": est.to_dict()}
             st = worst["stages"]
             host_err = f"{est.host / host - 1:+.1%}" if host else ("0" if not est.host else "-")
@@ -435,9 +444,9 @@ def heads_table(pool, raw: dict) -> Iterator[str]:
     yield ""
 
 
-def module_table(pool, raw: dict) -> Iterator[str]:
+def module_table(pool, raw: dict, keep: bool | None = None) -> Iterator[str]:
     """The attention module alone, by head_chunks and schedule."""
-    res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, timeout=3600)
+    res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, keep=keep, timeout=3600)
     raw["module"] = res
     yield (f"### The attention module alone (projections, rotary, hcp.attention, output projection; chunks from "
            f"the projections on), u=4 x r=2, {MODULE_TOKENS} tokens, 32/8 heads, head_dim 16, hidden 512, fp32 (exact MiB "
@@ -514,6 +523,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the raw measurements here")
     p.add_argument("--overlap-mesh", default="2,1", help="u,r of the overlap timing (its own u*r processes)")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats of the overlap table")
+    p.add_argument("--keep-attention-output", action="store_true",
+                   help="module table: keep the chunks' attention outputs (apply_context_parallel keep_attention_output=True)")
     args = p.parse_args(argv)
     from hybrid_cp.testing import WorkerPool
 
@@ -530,7 +541,8 @@ def main(argv=None) -> int:
         for name, section in (("options", options_table), ("runtime", runtime_table), ("heads", heads_table),
                               ("module", module_table), ("engine", engine_table)):
             if args.table in (name, "all"):
-                show(section(pool, raw))
+                keep = {"keep": True} if name == "module" and args.keep_attention_output else {}
+                show(section(pool, raw, **keep))
     if args.table in ("overlap", "all"):
         u, r = (int(x) for x in args.overlap_mesh.split(","))
         with WorkerPool(u * r, extra_paths=[here]) as pool:

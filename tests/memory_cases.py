@@ -191,15 +191,14 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
     return rows
 
 
-def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: bool = True) -> float:
-    """Attention forwards per layer in one training step with module-level head chunks: the ring forwards
-    of a step divided by those of one forward pass (no gradients)."""
+def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: bool = True,
+                             keep: bool | None = None) -> dict:
+    """Attention forwards per layer in one training step with module-level head chunks (the ring forwards
+    of a step divided by those of one forward pass without gradients), and the largest gradient
+    difference to the same step with keep_attention_output=False (recomputed attention)."""
     from hybrid_cp.engine import modulechunk
 
     cp = mesh(u, r)
-    model = apply_context_parallel(tiny_model("llama", 2, num_attention_heads=8), cp, head_chunks=head_chunks)
-    if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     local = shard_batch(make_batch(3, 1, 64, pad=False), cp)
     calls = [0]
     original = modulechunk.stage_forward
@@ -208,12 +207,22 @@ def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: b
         calls[0] += 1
         return original(*args, **kwargs)
 
+    grads = []
     modulechunk.stage_forward = counted
     try:
-        with torch.no_grad():
-            lm_loss(model, local, cp)
-        one_pass, calls[0] = calls[0], 0
-        lm_loss(model, local, cp).backward()
+        for keep_output in (keep, False):
+            model = apply_context_parallel(tiny_model("llama", 2, num_attention_heads=8), cp, head_chunks=head_chunks,
+                                           keep_attention_output=keep_output)
+            if checkpoint:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            calls[0] = 0
+            with torch.no_grad():
+                lm_loss(model, local, cp)
+            one_pass, calls[0] = calls[0], 0
+            lm_loss(model, local, cp).backward()
+            grads.append([p.grad for p in model.parameters()])
+            if len(grads) == 1:
+                count = calls[0] / one_pass
     finally:
         modulechunk.stage_forward = original
-    return calls[0] / one_pass
+    return {"count": count, "diff": max((a - b).abs().max().item() for a, b in zip(*grads))}

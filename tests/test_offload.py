@@ -188,12 +188,16 @@ def test_tiled_norm_keeps_no_fp32_copy():
 
 # ---- module-level head chunks: attention forwards per layer ----
 
-@pytest.mark.parametrize("checkpoint,expected", [(True, 2), (False, 1)])
-def test_module_chunks_run_attention_forward_once_per_layer_pass(pool, checkpoint, expected):
-    """The chunk pipeline keeps each stage's output and lse: its backward runs no attention forward, so a
-    checkpointed layer runs attention twice (forward, recomputation) and an unchecked one once."""
-    for count in pool.run("memory_cases:attention_forward_counts", u=2, r=2, head_chunks=2, checkpoint=checkpoint):
-        assert count == expected, count
+@pytest.mark.parametrize("checkpoint,keep,expected", [(True, None, 2), (False, True, 1), (False, None, 2),
+                                                      (True, False, 3)])
+def test_module_chunks_attention_forwards_per_layer(pool, checkpoint, keep, expected):
+    """The chunk pipeline keeps each stage's output and lse (by default inside checkpointed layers): its
+    backward then runs no attention forward, so a checkpointed layer runs attention twice (forward,
+    recomputation) and, with keep_attention_output=True, an unchecked one once; the gradients are
+    bitwise those of recomputing attention."""
+    for row in pool.run("memory_cases:attention_forward_counts", u=2, r=2, head_chunks=2, checkpoint=checkpoint,
+                        keep=keep):
+        assert row["count"] == expected and row["diff"] == 0, row
 
 
 def test_every_runtime_option_on_a_mesh_trains_like_single_process(pool):

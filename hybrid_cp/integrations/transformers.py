@@ -238,11 +238,21 @@ class _ModuleChunks:
     the attention call; the output projection's columns of the chunk's heads are applied inside."""
 
     def __init__(self, module: torch.nn.Module, original, cp: CPMesh, kv_ranges: list[tuple[int, int]],
-                 engine_chunks: int, group: int, head_dim: int):
+                 engine_chunks: int, group: int, head_dim: int, layer=None, keep_output: bool | None = None):
         self.module, self.original, self.cp, self.engine_chunks = module, original, cp, engine_chunks
         self.kv_ranges, self.group, self.d = kv_ranges, group, head_dim
         self.q_ranges = [(a * group, b * group) for a, b in kv_ranges]
         self.checked = False
+        self.layer, self.keep_output = layer, keep_output   # layer: a weakref to the enclosing decoder layer
+
+    def _keep(self) -> bool:
+        """Keep the attention outputs for backward: by default only inside a checkpointed layer (free there:
+        its first forward keeps nothing, its recomputation saves a forward); unchecked layers would keep
+        one output-sized tensor each through the whole forward."""
+        if self.keep_output is not None:
+            return self.keep_output
+        layer = self.layer() if self.layer is not None else None
+        return bool(layer is not None and getattr(layer, "gradient_checkpointing", False) and layer.training)
 
     def _cut(self, name: str, p: torch.Tensor, j: int) -> torch.Tensor:
         a, b = self.kv_ranges[j]
@@ -307,10 +317,12 @@ class _ModuleChunks:
 
         o = self.module.o_proj
         return pipelined_module_chunks(project, self.q_ranges, [b - a for a, b in self.kv_ranges], self.cp,
-                                       self.engine_chunks, [leaves[i] for i in at], params, o.weight, o.bias), None
+                                       self.engine_chunks, [leaves[i] for i in at], params, o.weight, o.bias,
+                                       keep_output=self._keep()), None
 
 
-def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
+def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=None,
+                  keep_output: bool | None = None) -> bool:
     """Make an attention module run its heads in chunks from the projections on (UPipe at the module
     level, `_ModuleChunks`); returns False for modules without separate q/k/v/o projections of
     `num_attention_heads` x `head_dim`, for modules with attention sinks (the module chunk pipeline does not
@@ -331,12 +343,12 @@ def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool
     module.__dict__.pop("forward", None)
     if len(ranges) > 1:
         module.__dict__["forward"] = _ModuleChunks(module, type(module).forward, cp, ranges, engine,
-                                                   heads // kv_heads, d)
+                                                   heads // kv_heads, d, layer, keep_output)
     return True
 
 
 def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1,
-                           chunk_projections: bool = True) -> torch.nn.Module:
+                           chunk_projections: bool = True, keep_attention_output: bool | None = None) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
@@ -358,9 +370,16 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     Modules without separate q/k/v/o projections of `num_attention_heads` heads, with attention sinks
     or chunked attention keep engine-level chunks only (logged); a module that does more than o_proj(attention output) after its attention
     call raises on its first forward. `chunk_projections=False` keeps the projections whole and
-    chunks inside `hcp.attention` only. Returns the model.
+    chunks inside `hcp.attention` only. `keep_attention_output` (module chunks): keep each chunk's
+    attention output and lse for backward instead of running its attention forward again there; None
+    (default): inside layers under activation checkpointing only (attention forward twice per layer
+    instead of three times, at one output-sized tensor in the recomputed layer), True: also in unchecked
+    layers (once instead of twice, one output-sized tensor per layer kept through forward). Returns the model.
     """
     positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
+    if keep_attention_output is not None and not isinstance(keep_attention_output, bool):
+        raise ConfigError(f"keep_attention_output={keep_attention_output!r}: pass True, False or None (None: keep "
+                          f"inside checkpointed layers only)")
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)
@@ -377,8 +396,13 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
-    attention_modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
-    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1) for m in attention_modules]
+    import weakref
+
+    named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
+    attention_modules = [m for _, m in named]
+    layers = [weakref.ref(model.get_submodule(name.rpartition(".")[0])) if "." in name else None for name, _ in named]
+    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1, layer, keep_attention_output)
+               for m, layer in zip(attention_modules, layers)]
     if not chunk_projections:
         for m in attention_modules:
             m.__dict__["_hybrid_cp_engine_chunks"] = head_chunks
