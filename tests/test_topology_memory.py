@@ -8,7 +8,6 @@ from hybrid_cp.training.memory import StorageTracker
 from topology import Cluster
 from topology.cost import ModelShape, estimate
 from topology.memory import (
-    MODULE_CHUNKS_KEEP_OUTPUT,
     MemoryOptions,
     attention_forwards,
     host_bytes,
@@ -37,7 +36,7 @@ def test_stock_rmsnorm_keeps_an_fp32_copy_and_the_model_counts_it():
     upcast, normalised value, output): the model's stock norm term; fused/tiled norms keep 2e."""
     model = _tiny_llama()
     norm, proj = model.model.layers[0].input_layernorm, model.model.layers[0].self_attn.q_proj
-    T, E = 4096, TINY["hidden_size"]
+    T, E = 2048, TINY["hidden_size"]
     x = torch.randn(1, T, E, dtype=torch.bfloat16, requires_grad=True)
     t = StorageTracker()
     with t:
@@ -53,6 +52,17 @@ def test_stock_rmsnorm_keeps_an_fp32_copy_and_the_model_counts_it():
     # per layer two norms; the tiled norm keeps its bf16 input and output only: 2 x (4 + 2e - 2e) bytes less
     assert est.activations["layer"] - tiled.activations["layer"] == 2 * 4 * T * E
     assert est.activations["final_norm"] == per_unit * T * E and tiled.activations["final_norm"] == 4 * T * E
+    # hcp.tile_norm: the norm keeps its (tracked) input only; what is left is its output, which q_proj keeps
+    import hybrid_cp as hcp
+
+    hcp.tile_norm(model, 512)
+    t = StorageTracker()
+    with t:
+        t.track(x, list(model.parameters()))
+        before = t.live
+        y = proj(norm(x))
+        kept = t.live - before - y.numel() * y.element_size()
+    assert kept == T * E * 2, kept   # the model's tiled first norm of a checkpointed layer: e per hidden unit
 
 
 def test_final_norm_is_freed_before_the_last_layer_backward():
@@ -61,7 +71,7 @@ def test_final_norm_is_freed_before_the_last_layer_backward():
     tensors: the model's `inputs + rotary` term plus those two, and `final_norm` only in the loss phase."""
     model = _tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    T, E, V, D, L = 4096, TINY["hidden_size"], TINY["vocab_size"], TINY["head_dim"], TINY["num_hidden_layers"]
+    T, E, V, D, L = 2048, TINY["hidden_size"], TINY["vocab_size"], TINY["head_dim"], TINY["num_hidden_layers"]
     ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(0))
     seen = {}
     t = StorageTracker()
@@ -117,7 +127,17 @@ def test_attention_forwards_per_layer_and_their_time():
     chunked = MemoryOptions(head_chunks=4)
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(checkpoint=False)) == 1
     assert attention_forwards(LLAMA8B, 8, MemoryOptions()) == 2
-    assert attention_forwards(LLAMA8B, 8, chunked) == (2 if MODULE_CHUNKS_KEEP_OUTPUT else 3)
+    assert attention_forwards(LLAMA8B, 8, chunked) == 2                      # the runtime's default
+    assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, keep_attention_output=False)) == 3
+    assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, checkpoint=False)) == 2
+    assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, checkpoint=False,
+                                                        keep_attention_output=True)) == 1
+    # keeping the outputs costs one [tokens, heads x head_dim] tensor (+ fp32 lse) in the recomputed layer
+    base = dict(tiled_loss=True, tiled_mlp=8192, head_chunks=4)
+    kept, not_kept = (step_memory(LLAMA8B, 1 << 20, 8, 1, 1, 1, MemoryOptions(**base, keep_attention_output=k))
+                      for k in (None, False))
+    T = kept.local_tokens
+    assert kept.activations["layer"] - not_kept.activations["layer"] == T * (32 * 128 * 2 + 8 * 4 * 4)
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, chunk_projections=False)) == 2
     c = Cluster.preset("dgx-h100")
     one, two = estimate(c, LLAMA8B, 1 << 20, 8, 1), estimate(c, LLAMA8B, 1 << 20, 8, 1, attention_forwards=2)
@@ -202,3 +222,18 @@ def test_offloaded_inputs_leave_the_device_as_the_model_says(pool):
     # the cut is small here: with replicated weights the first layer's backward, where the gradients have
     # accumulated, becomes the peak once the inputs are gone (the `first_layer_backward` phase)
     assert est_off.peak_phase == "first_layer_backward" and est_plain.peak_phase == "last_layer_backward"
+
+
+@pytest.mark.parametrize("world,u,r,head_chunks,check", [
+    (8, 8, 1, 1, lambda mi: abs(mi / 3 - 1) <= 0.10),      # Ulysses (same offload, tiled MLP/norm): 3M
+    (8, 8, 1, 8, lambda mi: abs(mi / 5 - 1) <= 0.05),      # UPipe, 4 head stages: 5Mi, the largest point tried
+    (16, 8, 2, 8, lambda mi: 7.5 <= mi < 9),               # UPipe on 16: 7.5Mi ran, 9Mi (the next point) did not
+])
+def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, check):
+    """UPipe's runs (arXiv 2602.21196, its run scripts' grids) at their own split, every option, 80e9 bytes
+    per GPU and the DGX's host memory: docs/memory.md's comparison table."""
+    c = Cluster.preset("dgx-h100", nodes=world // 8)
+    o = MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=head_chunks, offload_checkpoints=True,
+                      tiled_norm=True)
+    best = max_seq_len(LLAMA8B, world, 80e9, o, splits=[(u, r)], host_memory=c.host_memory_per_gpu)
+    assert check(best.seq_len / 2**20), best.explain()

@@ -36,7 +36,7 @@ from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
-           "attention_forwards", "module_chunked"]
+           "attention_forwards", "module_chunked", "keeps_output"]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -60,11 +60,6 @@ OVERLAP_IN_FLIGHT = 1.65
 # 31d64fe) without a written derivation; its check is docs/memory.md's step table, whose tiled-MLP rows
 # put the estimate within -1.3% .. +1.0% of the measured peak.
 TILED_MLP_BWD_CHUNKS = 6.5
-# Module-level head chunks (hybrid_cp.engine.modulechunk) keep each chunk's attention output and fp32 lse from
-# the forward that saves tensors (the layer's recomputation under checkpointing), so a chunk's backward
-# re-projects Q/K/V but does not run attention forward again (UPipe's schedule): one output-sized tensor
-# per layer in exchange for one attention forward.
-MODULE_CHUNKS_KEEP_OUTPUT = True
 
 
 @dataclass(frozen=True)
@@ -89,6 +84,9 @@ class MemoryOptions:
     fused_norm: bool = False          # a fused RMSNorm (keeps its input and rstd only; not part of hcp)
     tiled_norm: bool = False          # hcp's tiled RMSNorm: keeps only its input, the fp32 upcast lives for one
                                       # token tile at a time (no full-length fp32 copies)
+    keep_attention_output: bool | None = None  # module-level chunks keep each chunk's attention output and lse
+                                      # (apply_context_parallel's keep_attention_output): None, its default,
+                                      # inside checkpointed layers only; True also without checkpointing
     foreach_optimizer: bool = True    # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
                                       # parameter at once; False (CPU default): per tensor, the largest twice
 
@@ -101,6 +99,8 @@ class MemoryOptions:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 0:
             raise ValueError(f"tiled_mlp={self.tiled_mlp!r} must be a token count >= 1, or 0 for off")
+        if self.keep_attention_output not in (None, True, False):
+            raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be None, True or False")
         if not isinstance(self.tiled_norm, bool):
             raise ValueError(f"tiled_norm={self.tiled_norm!r} must be True or False")
         if self.tiled_norm and self.fused_norm:
@@ -251,8 +251,17 @@ def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: i
     attn_fwd = int(in_flight * fwd_m) + T * E * e
     attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
     c = head_split(H, Hkv, ulysses)[rank][0]
-    kept = H * D * e + ulysses * c * FP32_BYTES if MODULE_CHUNKS_KEEP_OUTPUT else 0  # every chunk's output, lse
-    return kept, attn_fwd, attn_bwd, engine_fwd, engine_bwd
+    kept = H * D * e + ulysses * c * FP32_BYTES if keeps_output(o) else 0  # every chunk's output and lse
+    # the module holds them all until it returns (forward and recomputation alike)
+    return kept, attn_fwd + T * kept, attn_bwd, engine_fwd, engine_bwd
+
+
+def keeps_output(o: MemoryOptions) -> bool:
+    """Whether module-level chunks keep each chunk's attention output and lse from the forward that saves
+    tensors (the layer's recomputation under checkpointing), so that a chunk's backward re-projects its
+    Q/K/V but runs no attention forward (UPipe's schedule): one output-sized tensor per layer in exchange
+    for one attention forward."""
+    return o.keep_attention_output is True or (o.keep_attention_output is None and o.checkpoint)
 
 
 def module_chunked(model: ModelShape, ulysses: int, o: MemoryOptions) -> bool:
@@ -263,8 +272,9 @@ def module_chunked(model: ModelShape, ulysses: int, o: MemoryOptions) -> bool:
 
 def attention_forwards(model: ModelShape, ulysses: int, o: MemoryOptions) -> int:
     """Attention forwards per layer and step: the forward, the checkpointed layer's recomputation, and with
-    module-level chunks that do not keep their output one more in each chunk's backward."""
-    return 1 + int(o.checkpoint) + int(module_chunked(model, ulysses, o) and not MODULE_CHUNKS_KEEP_OUTPUT)
+    module-level chunks that do not keep their output (:func:`keeps_output`) one more in each chunk's
+    backward: 2 with checkpointing, 1 without (2 with module chunks that keep nothing)."""
+    return 1 + int(o.checkpoint) + int(module_chunked(model, ulysses, o) and not keeps_output(o))
 
 
 def _mlp_stage(T: int, E: int, inter: int, n_mlp: int, e: int, tiled_mlp: int) -> tuple[int, int]:
