@@ -161,7 +161,7 @@ IMPLEMENTED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_caus
                                 "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "softcap"})
 # ... or with no effect on the attention output (position_ids: the model applied them before the call;
 # the forward pre-hook checks them). The falsy-only ones change what the model returns when true.
-NEUTRAL_KWARGS = frozenset({"position_ids"})
+NEUTRAL_KWARGS = frozenset({"position_ids", "shift_labels", "num_items_in_batch"})  # loss inputs, passed down
 NEUTRAL_WHEN_FALSE_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits"})
 
 _WHAT_TO_DO = ("train it without context parallelism, or use a family in "

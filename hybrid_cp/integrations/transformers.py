@@ -10,8 +10,10 @@ exact and refuses every model with a module that mixes tokens outside the attent
 
 A forward pre-hook on the model makes the call contract hard to get wrong:
 - missing `position_ids` are filled in with the global positions of this rank's tokens;
-- `labels` are refused (the model's own loss would shift labels inside the shard and average per
-  rank): use `hcp.cross_entropy` with the labels from `hcp.shard_batch`;
+- `labels` come with `shift_labels` (both from `hcp.shard_batch`: next-token targets shifted on the full
+  sequence); the model's `loss_function` is replaced by `hcp.cross_entropy` over the cp group, so
+  `model(**shard).loss` is the group's token mean (or its token sum over `num_items_in_batch`, the
+  Trainer's convention); `labels` alone raise (the model would shift them inside the shard);
 - a 2-D `attention_mask` must be right padding over the whole sequence (checked across the cp
   group), and is then dropped: causal attention is exact for the real tokens; anything else raises;
 - packed rows (from `hcp.shard_batch`) carry the global document boundaries as transformers'
@@ -40,6 +42,7 @@ from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
 from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from ..training.loss import cross_entropy
 from .model_support import check_attention_kwargs, check_model
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -173,6 +176,33 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     out = _cp_attention(q, k, v, cp, **call,
                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks))
     return out, None
+
+
+class _CPLoss:
+    """The model's `loss_function` under context parallelism (transformers calls it with this rank's logits and
+    the `labels`/`shift_labels`/`num_items_in_batch` the model got): `hcp.cross_entropy` on the already shifted
+    targets, so `model(**hcp.shard_batch(batch, cp)).loss` is the token mean over the whole cp group; with
+    `num_items_in_batch` (the Trainer's count over the accumulated batch) the group's token sum divided by it,
+    as transformers' own loss does on one process. Gradients follow `hcp.cross_entropy`'s convention."""
+
+    def __init__(self, ref: _MeshRef):
+        self.ref = ref
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
+                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        targets = shift_labels if shift_labels is not None else labels
+        if targets is None:  # the forward pre-hook refuses labels without shift_labels
+            raise ConfigError("the context-parallel loss needs shift_labels= (hcp.shard_batch's labels)")
+        if num_items_in_batch is None:
+            return cross_entropy(logits, targets.to(logits.device), self.ref.cp, ignore_index)
+        total = cross_entropy(logits, targets.to(logits.device), self.ref.cp, ignore_index, reduction="sum")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
 
 
 def _register() -> None:
@@ -377,6 +407,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
+    if hasattr(type(model), "loss_function"):
+        model.loss_function = _CPLoss(ref)
     attention_modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
     chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1) for m in attention_modules]
     if not chunk_projections:

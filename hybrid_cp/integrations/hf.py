@@ -1,0 +1,234 @@
+"""Context parallelism behind the Hugging Face `Trainer` and TRL's `SFTTrainer`.
+
+`CPTrainerMixin` turns any `transformers.Trainer` subclass into a context-parallel one: world =
+dp x (ring x ulysses), the ranks of one cp group see the same batches (the dataloader is split per dp
+replica, not per process), each batch is sharded with `hcp.shard_batch` after it reaches the device,
+and the model runs through `apply_context_parallel`, whose loss is `hcp.cross_entropy` over the cp group.
+Everything else (optimizer, schedule, clipping, gradient accumulation, DDP over all ranks, logging,
+checkpoints) is the stock Trainer's. The few places where the stock code assumes that every process
+holds distinct samples are overridden, each for one reason (docs/training.md):
+
+- `get_cp_size`: the Trainer divides its count of label tokens (`num_items_in_batch`, summed over all
+  processes) by it, so the count is that of the global batch once, not cp times;
+- `_get_dataloader`: accelerate's batch sampler shard is told dp (replicas), not the world size;
+- `compute_loss`: the batch is sharded with `hcp.shard_batch` (after the Trainer counted its label
+  tokens); the stock code multiplies the loss by the world size (DDP averages gradients over it), but
+  the model's loss already sums over the cp group, so the factor is dp;
+- `prediction_step` / `evaluation_loop`: losses only (logits are shards), gathered once per dp replica.
+
+Arguments whose handling under context parallelism is not verified raise `ConfigError` on every rank in
+the constructor, before any collective. `CPSFTTrainer` (TRL) is built on first use: `trl` is imported
+only then.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine.mesh import CPMesh, init_cp_mesh
+from ..errors import ConfigError, SetupError
+from ..training.batch import shard_batch
+from .transformers import apply_context_parallel
+
+log = logging.getLogger("hybrid_cp")
+
+# constructor arguments of the stock Trainer that would see this rank's shard where they expect the whole
+# sequence (logits for metrics) or compute a loss of their own on it
+_REFUSED_ARGUMENTS = {
+    "model_init": "pass model= (an instantiated model): the mesh is applied to it before training",
+    "compute_loss_func": "drop it: the model's own loss is replaced by the cp group's cross entropy",
+    "compute_metrics": "drop it: logits are per-rank shards under context parallelism (eval_loss is exact)",
+    "preprocess_logits_for_metrics": "drop it: logits are per-rank shards under context parallelism",
+}
+
+
+def _refuse(name: str, value: Any, fix: str) -> ConfigError:
+    return ConfigError(f"{name}={value!r} is not supported by the context-parallel trainer (hybrid_cp."
+                       f"integrations.hf): {fix}")
+
+
+def check_training_arguments(args: Any) -> None:
+    """Raise ConfigError for TrainingArguments whose effect under context parallelism is not verified."""
+    checks = [
+        ("label_smoothing_factor", lambda v: v not in (0, 0.0, None), "set it to 0"),
+        ("parallelism_config", lambda v: v is not None,
+         "drop it: hybrid-cp builds its own mesh from ulysses=/ring= (see hybrid_cp.integrations.hf.cp_mesh_from_"
+         "accelerator for accelerate's cp dimension)"),
+        ("deepspeed", lambda v: bool(v), "drop it: DeepSpeed is not verified with hybrid-cp (use DDP)"),
+        ("fsdp", lambda v: bool(v), "drop it: FSDP through the Trainer is not verified; the trainer runs DDP over "
+                                    "all dp x cp ranks"),
+        ("train_sampling_strategy", lambda v: v == "group_by_length",
+         "use \"random\" or \"sequential\": the length-grouped batch sampler is built per process, not per dp "
+         "replica"),
+        ("n_gpu", lambda v: v > 1, "launch one process per device (torchrun), not torch.nn.DataParallel"),
+        ("torch_compile", lambda v: bool(v), "set it to False (not verified through the Trainer)"),
+    ]
+    for name, bad, fix in checks:
+        value = getattr(args, name, None)
+        if bad(value):
+            raise _refuse(f"TrainingArguments.{name}", value, fix)
+    acc = getattr(args, "accelerator_config", None)
+    for name in ("split_batches", "dispatch_batches"):
+        value = getattr(acc, name, None)
+        if value:
+            raise _refuse(f"TrainingArguments.accelerator_config.{name}", value,
+                          "leave it unset: every process loads its dp replica's batches itself")
+
+
+def _check_constructor(bound: inspect.BoundArguments) -> None:
+    """The stock constructor's arguments, checked before anything is built."""
+    given = bound.arguments
+    for name, fix in _REFUSED_ARGUMENTS.items():
+        if given.get(name) is not None:
+            raise _refuse(name, type(given[name]).__name__, fix)
+    if given.get("model") is None:
+        raise _refuse("model", None, _REFUSED_ARGUMENTS["model_init"])
+    for name in ("train_dataset", "eval_dataset"):
+        data = given.get(name)
+        sets = data.values() if isinstance(data, dict) else [data]
+        if any(isinstance(d, torch.utils.data.IterableDataset) for d in sets):
+            raise _refuse(name, "an IterableDataset", "use a map-style dataset (datasets.Dataset or a list): "
+                                                       "its batches are split per dp replica by index")
+
+
+def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, layout: str,
+                 validate: bool | str) -> CPMesh:
+    """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise SetupError("the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
+                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)")
+    if ulysses == "auto" or ring == "auto":
+        from .hf_plan import auto_degrees
+
+        ulysses, ring = auto_degrees(model, ulysses, ring, dist.get_world_size())
+    return init_cp_mesh(ulysses, ring, layout=layout, validate=validate)
+
+
+class CPTrainerMixin:
+    """Context parallelism for a `transformers.Trainer` subclass: `class MyTrainer(CPTrainerMixin, Trainer)`.
+
+    Takes every argument of the Trainer it is mixed into plus `ulysses`, `ring` (ints, or "auto": the
+    planner's split for this world size and model, logged), `layout` (the mesh's token layout) and
+    `cp_validate` (`init_cp_mesh(validate=...)`). `self.cp` is the mesh.
+    """
+
+    def __init__(self, *args: Any, ulysses: int | str = "auto", ring: int | str = "auto", layout: str = "zigzag",
+                 cp_validate: bool | str = True, **kwargs: Any):
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        _check_constructor(bound)
+        training_args = bound.arguments.get("args")
+        if training_args is not None:
+            check_training_arguments(training_args)
+            training_args.device  # noqa: B018  (sets up torch.distributed under torchrun / accelerate launch)
+        model = bound.arguments["model"]
+        if isinstance(model, str):
+            raise _refuse("model", model, "pass an instantiated model (from_pretrained), not a name")
+        self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate)
+        apply_context_parallel(model, self.cp)
+        super().__init__(*args, **kwargs)
+        if training_args is None:
+            check_training_arguments(self.args)
+
+    def get_cp_size(self) -> int:
+        """Ranks that see the same batch: the Trainer divides its global label-token count by it."""
+        return self.cp.size
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any):
+        """The stock dataloader, with accelerate's batch sampler shard split over dp replicas, not processes."""
+        loader = super()._get_dataloader(*args, **kwargs)
+        shard = getattr(loader, "batch_sampler", None)
+        if not (hasattr(shard, "num_processes") and hasattr(shard, "process_index")):
+            raise ConfigError(f"the dataloader is a {type(loader).__name__} with batch sampler "
+                              f"{type(shard).__name__}: the context-parallel trainer splits batches per dp replica "
+                              f"through accelerate's BatchSamplerShard; use a map-style dataset and leave "
+                              f"accelerator_config.dispatch_batches unset")
+        shard.num_processes = self.cp.dp_size
+        shard.process_index = self.cp.dp_rank
+        return loader
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None):
+        """The stock loss on this rank's shard of the batch. Sharding happens here, after the Trainer has
+        counted the batch's label tokens (`num_items_in_batch`, training and evaluation alike). Where the
+        stock code scales the loss by the world size for DDP's gradient average, the factor is dp: the
+        model's loss already sums over the cp group, each rank's share of the gradient once."""
+        out = super().compute_loss(model, self.shard(inputs), return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        scaled = (self.args.average_tokens_across_devices and num_items_in_batch is not None
+                  and (self.model_accepts_loss_kwargs or self.compute_loss_func))
+        if not scaled:
+            return out
+        if return_outputs:
+            return out[0] / self.cp.size, out[1]
+        return out / self.cp.size
+
+    def shard(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shard of a batch of whole rows (`hcp.shard_batch`: labels shifted on the whole sequence)."""
+        has_labels = inputs.get("labels") is not None or inputs.get("shift_labels") is not None
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        out = shard_batch(inputs, self.cp, pad_token_id=pad if isinstance(pad, int) else 0)
+        if not has_labels:
+            out.pop("labels")
+            out.pop("shift_labels")
+        return out
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """Losses only: logits and labels are this rank's shards."""
+        return super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """The stock loop with losses gathered from one rank per dp replica (the cp ranks repeat them)."""
+        self.gather_function = self._gather_replicas
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_replicas(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
+        full = self.accelerator.gather(tensor)
+        world = self.cp.size * self.cp.dp_size
+        grid = self.cp.device_mesh.mesh.reshape(self.cp.dp_size, -1)
+        leaders = grid[:, 0].tolist()   # cp rank 0 of each dp replica, in dp order
+        out = full.reshape(world, -1, *tensor.shape[1:])[leaders].reshape(-1, *tensor.shape[1:])
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            out = out[:state.remainder]   # the samples the last batches repeated to stay even
+        return out
+
+
+def _trainer_class():
+    from transformers import Trainer
+
+    class CPTrainer(CPTrainerMixin, Trainer):
+        """`transformers.Trainer` with context parallelism (`CPTrainerMixin`): add ulysses=, ring=."""
+
+    CPTrainer.__module__ = __name__
+    return CPTrainer
+
+
+def _sft_trainer_class():
+    from trl import SFTTrainer
+
+    class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
+        """TRL's `SFTTrainer` with context parallelism (`CPTrainerMixin`): add ulysses=, ring=."""
+
+    CPSFTTrainer.__module__ = __name__
+    return CPSFTTrainer
+
+
+_LAZY = {"CPTrainer": _trainer_class, "CPSFTTrainer": _sft_trainer_class}
+
+
+def __getattr__(name: str):
+    """`CPTrainer` and `CPSFTTrainer` are built on first access, so transformers and trl load only then."""
+    if name in _LAZY:
+        cls = _LAZY[name]()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CPTrainerMixin", "CPTrainer", "CPSFTTrainer", "check_training_arguments", "resolve_mesh"]  # noqa: F822 (lazy)

@@ -1,0 +1,76 @@
+"""CPTrainer on 4 gloo ranks (torchrun) against the stock Trainer on one process (tests/hf_cases.py).
+
+One torchrun launch trains every case in the same 4 processes (startup is most of the cost); the
+stock references run at the same time in one plain process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MESHES = [(2, 2), (1, 4), (2, 1)]   # (ulysses, ring) on 4 ranks: dp = 1, 1, 2
+KINDS = ["dense", "packed"]
+CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mistral:packed:2:2"]
+
+
+def _dp(u: int, r: int) -> int:
+    return 4 // (u * r)
+
+
+REF_CASES = sorted({f"{c.rsplit(':', 2)[0]}:1:1:{_dp(*map(int, c.split(':')[2:]))}" for c in CP_CASES})
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("hf"))
+    script = os.path.join(HERE, "hf_cases.py")
+    cp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           script, out, "cp", *CP_CASES], env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    ref = subprocess.run([sys.executable, script, out, "ref", *REF_CASES], env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    cp_log = cp.communicate(timeout=600)[0]
+    assert ref.returncode == 0, ref.stdout[-4000:] + ref.stderr[-4000:]
+    assert cp.returncode == 0, cp_log[-8000:]
+    return out
+
+
+def _load(out: str, name: str) -> dict:
+    return torch.load(os.path.join(out, name + ".pt"), weights_only=False)
+
+
+def _rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("case", CP_CASES)
+def test_cp_trainer_matches_stock_trainer(results, case):
+    model, kind, u, r = case.split(":")
+    got = _load(results, f"cp-{model}_{kind}_{u}_{r}")
+    want = _load(results, f"ref-{model}_{kind}_1_1_dp{_dp(int(u), int(r))}")
+    assert len(got["loss"]) == len(want["loss"]) >= 4
+    assert _rel(got["loss"], want["loss"]) < 1e-5, (got["loss"], want["loss"])
+    assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-4, (got["grad_norm"], want["grad_norm"])
+    assert got["lr"] == want["lr"]
+    assert _rel(got["eval_loss"], want["eval_loss"]) < 1e-5, (got["eval_loss"], want["eval_loss"])
+    assert got["weights"].keys() == want["weights"].keys()
+    worst = max(_rel(got["weights"][k], want["weights"][k] - 0) for k in want["weights"])
+    assert worst < 1e-4, worst
