@@ -11,10 +11,10 @@ holds distinct samples are overridden, each for one reason (docs/training.md):
 - `get_cp_size`: the Trainer divides its count of label tokens (`num_items_in_batch`, summed over all
   processes) by it, so the count is that of the global batch once, not cp times;
 - `_get_dataloader`: accelerate's batch sampler shard is told dp (replicas), not the world size;
-- `compute_loss`: the batch is sharded with `hcp.shard_batch` (after the Trainer counted its label
-  tokens); the stock code multiplies the loss by the world size (DDP averages gradients over it), but
-  the model's loss already sums over the cp group, so the factor is dp;
-- `prediction_step` / `evaluation_loop`: losses only (logits are shards), gathered once per dp replica.
+- `compute_loss`: the batch is sharded with `hcp.shard_batch` after the Trainer counted its label tokens;
+  each rank's loss is then its own tokens' share of the global mean, as on a DDP rank, so the stock
+  world-size factor and DDP's gradient average over all dp x cp ranks hold as they are;
+- `prediction_step` / `evaluation_loop`: losses only (logits are shards), gathered per dp replica.
 
 Arguments whose handling under context parallelism is not verified raise `ConfigError` on every rank in
 the constructor, before any collective. `CPSFTTrainer` (TRL) is built on first use: `trl` is imported
@@ -67,6 +67,8 @@ def check_training_arguments(args: Any) -> None:
          "replica"),
         ("n_gpu", lambda v: v > 1, "launch one process per device (torchrun), not torch.nn.DataParallel"),
         ("torch_compile", lambda v: bool(v), "set it to False (not verified through the Trainer)"),
+        ("average_tokens_across_devices", lambda v: v is False,
+         "set it to True (the default): each rank's loss is its share of the global token mean"),
     ]
     for name, bad, fix in checks:
         value = getattr(args, name, None)
@@ -153,19 +155,14 @@ class CPTrainerMixin:
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
-        """The stock loss on this rank's shard of the batch. Sharding happens here, after the Trainer has
-        counted the batch's label tokens (`num_items_in_batch`, training and evaluation alike). Where the
-        stock code scales the loss by the world size for DDP's gradient average, the factor is dp: the
-        model's loss already sums over the cp group, each rank's share of the gradient once."""
-        out = super().compute_loss(model, self.shard(inputs), return_outputs=return_outputs,
-                                   num_items_in_batch=num_items_in_batch)
-        scaled = (self.args.average_tokens_across_devices and num_items_in_batch is not None
-                  and (self.model_accepts_loss_kwargs or self.compute_loss_func))
-        if not scaled:
-            return out
-        if return_outputs:
-            return out[0] / self.cp.size, out[1]
-        return out / self.cp.size
+        """The stock loss on this rank's shard of the batch. Sharding happens here, after the Trainer has counted
+        the label tokens of the whole batch (`num_items_in_batch`); where a caller passed no count (TRL's
+        evaluation) it is counted here, so every rank's loss is its own tokens' share of the global mean, as
+        on a DDP rank (the stock world-size factor and DDP's gradient average then hold as they are)."""
+        if num_items_in_batch is None and (inputs.get("labels") is not None or inputs.get("shift_labels") is not None):
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        return super().compute_loss(model, self.shard(inputs), return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
 
     def shard(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """This rank's shard of a batch of whole rows (`hcp.shard_batch`: labels shifted on the whole sequence)."""
@@ -188,14 +185,16 @@ class CPTrainerMixin:
         return super().evaluation_loop(*args, **kwargs)
 
     def _gather_replicas(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
+        """Per-rank losses of every process -> one per dp replica (the sum of its cp ranks' shares, over cp: each
+        rank's share carries the world-size factor), in dp order, without the samples the last batches repeated."""
         full = self.accelerator.gather(tensor)
-        world = self.cp.size * self.cp.dp_size
-        grid = self.cp.device_mesh.mesh.reshape(self.cp.dp_size, -1)
-        leaders = grid[:, 0].tolist()   # cp rank 0 of each dp replica, in dp order
-        out = full.reshape(world, -1, *tensor.shape[1:])[leaders].reshape(-1, *tensor.shape[1:])
+        grid = self.cp.device_mesh.mesh.reshape(self.cp.dp_size, self.cp.size)   # [dp, cp] -> global rank
+        per_rank = full.reshape(grid.numel(), -1, *tensor.shape[1:])
+        out = per_rank[grid.flatten().tolist()].reshape(self.cp.dp_size, self.cp.size, *per_rank.shape[1:])
+        out = out.to(torch.float64).mean(1).to(tensor.dtype).reshape(-1, *tensor.shape[1:])
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
-            out = out[:state.remainder]   # the samples the last batches repeated to stay even
+            out = out[:state.remainder]
         return out
 
 

@@ -12,8 +12,9 @@ A forward pre-hook on the model makes the call contract hard to get wrong:
 - missing `position_ids` are filled in with the global positions of this rank's tokens;
 - `labels` come with `shift_labels` (both from `hcp.shard_batch`: next-token targets shifted on the full
   sequence); the model's `loss_function` is replaced by `hcp.cross_entropy` over the cp group, so
-  `model(**shard).loss` is the group's token mean (or its token sum over `num_items_in_batch`, the
-  Trainer's convention); `labels` alone raise (the model would shift them inside the shard);
+  `model(**shard).loss` is the group's token mean (with `num_items_in_batch`, the Trainer's global count,
+  this rank's token sum over it, as on a DDP rank); `labels` alone raise (the model would shift them
+  inside the shard);
 - a 2-D `attention_mask` must be right padding over the whole sequence (checked across the cp
   group), and is then dropped: causal attention is exact for the real tokens; anything else raises;
 - packed rows (from `hcp.shard_batch`) carry the global document boundaries as transformers'
@@ -180,10 +181,14 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
 
 class _CPLoss:
     """The model's `loss_function` under context parallelism (transformers calls it with this rank's logits and
-    the `labels`/`shift_labels`/`num_items_in_batch` the model got): `hcp.cross_entropy` on the already shifted
-    targets, so `model(**hcp.shard_batch(batch, cp)).loss` is the token mean over the whole cp group; with
-    `num_items_in_batch` (the Trainer's count over the accumulated batch) the group's token sum divided by it,
-    as transformers' own loss does on one process. Gradients follow `hcp.cross_entropy`'s convention."""
+    the `labels`/`shift_labels`/`num_items_in_batch` the model got), on the already shifted targets:
+
+    - without `num_items_in_batch`: `hcp.cross_entropy`, so `model(**hcp.shard_batch(batch, cp)).loss` is the
+      token mean over the whole cp group (its gradient convention: average the ranks' gradients);
+    - with `num_items_in_batch` (the Trainer's count of label tokens over the whole global batch): this rank's
+      share, the sum over its own tokens divided by that count, which is what transformers' loss is on each
+      DDP rank; the shares of all ranks sum to the global token mean, and the Trainer's world-size factor and
+      DDP's gradient average make the update the single-process one. No communication."""
 
     def __init__(self, ref: _MeshRef):
         self.ref = ref
@@ -197,12 +202,13 @@ class _CPLoss:
         targets = shift_labels if shift_labels is not None else labels
         if targets is None:  # the forward pre-hook refuses labels without shift_labels
             raise ConfigError("the context-parallel loss needs shift_labels= (hcp.shard_batch's labels)")
+        targets = targets.to(logits.device)
         if num_items_in_batch is None:
-            return cross_entropy(logits, targets.to(logits.device), self.ref.cp, ignore_index)
-        total = cross_entropy(logits, targets.to(logits.device), self.ref.cp, ignore_index, reduction="sum")
+            return cross_entropy(logits, targets, self.ref.cp, ignore_index)
+        own = cross_entropy(logits, targets, self.ref.cp, ignore_index, reduction="none").sum()
         if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
+            num_items_in_batch = num_items_in_batch.to(own.device)
+        return own / num_items_in_batch
 
 
 def _register() -> None:
