@@ -108,10 +108,115 @@ def run_case(case: str, role: str, out: str) -> dict:
     return result
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def direct_case() -> dict:
+    """`model(**hcp.shard_batch(batch, cp)).loss` on mesh (2, 2) in fp64 against the stock model on the whole
+    batch (one process, per-document attention): loss and the cp-averaged parameter gradients, per input kind."""
+    import copy
+
+    import torch.distributed as dist
+
+    import hybrid_cp as hcp
+    from hybrid_cp.integrations.transformers import apply_context_parallel
+
+    cp = hcp.init_cp_mesh(2, 2)
+    out = {}
+    for kind in ("dense", "packed"):
+        feats = rows(3, seed=5)
+        batch = collator(kind)(feats)
+        base = model_for("llama", cache=False).double()
+        ref = copy.deepcopy(base)
+        want = ref(**batch).loss
+        want.backward()
+        stock_cached = copy.deepcopy(base)
+        stock_cached.config.use_cache = True   # the stock pitfall: a packed row attends across its documents
+        with torch.no_grad():
+            pitfall = _rel(stock_cached(**batch).loss, want.detach())
+        model = copy.deepcopy(base)
+        model.config.use_cache = True          # the default config: ours is per-document whatever the setting
+        model = apply_context_parallel(model, cp)
+        got = model(**hcp.shard_batch(batch, cp)).loss
+        got.backward()
+        worst = 0.0
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g, group=cp.cp_group)
+            worst = max(worst, _rel(g / cp.size, q.grad))
+        out[kind] = {"forward": _rel(got.detach(), want.detach()), "backward": worst, "stock_use_cache": pitfall}
+    hcp.destroy_cp_mesh(cp)
+    return out
+
+
+def _refusal(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as exc:   # the test asserts the type and the message on every rank
+        return type(exc).__name__, str(exc)
+    return "nothing raised", ""
+
+
+def errors_case() -> dict:
+    """Unsupported settings, each tried on every rank: what each raised (before any step or collective)."""
+    import hybrid_cp as hcp
+    from hybrid_cp.integrations.hf import CPTrainer
+    from hybrid_cp.integrations.transformers import apply_context_parallel
+
+    data = rows(8, seed=1)
+
+    def trainer(u=2, r=2, **extra):
+        with tempfile.TemporaryDirectory() as tmp:
+            args = training_args(tmp, 2, 1, **{k: v for k, v in extra.items() if k in _ARGS})
+            kwargs = {k: v for k, v in extra.items() if k not in _ARGS}
+            kwargs.setdefault("train_dataset", data)
+            CPTrainer(model=model_for("llama"), args=args, data_collator=pad_collate, ulysses=u, ring=r, **kwargs)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(data)
+
+    cp = hcp.init_cp_mesh(2, 2)
+    model = apply_context_parallel(model_for("llama"), cp)
+    packed = hcp.shard_batch(collator("packed")(rows(3, seed=5)), cp)
+    dense = hcp.shard_batch(pad_collate(rows(2, seed=5)), cp)
+    cases = {
+        "label_smoothing_factor": lambda: trainer(label_smoothing_factor=0.1),
+        "train_sampling_strategy": lambda: trainer(train_sampling_strategy="group_by_length"),
+        "average_tokens_across_devices": lambda: trainer(average_tokens_across_devices=False),
+        "compute_metrics": lambda: trainer(compute_metrics=lambda p: {}),
+        "train_dataset": lambda: trainer(train_dataset=Stream()),
+        "ulysses": lambda: trainer(u=3, r=1),
+        "labels": lambda: model(input_ids=dense["input_ids"], position_ids=dense["position_ids"],
+                                labels=dense["labels"]),
+        "cu_seq_lens_q": lambda: model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]),
+    }
+    out = {name: _refusal(fn) for name, fn in cases.items()}
+    hcp.destroy_cp_mesh(cp)
+    return out
+
+
+_ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices")
+CHECKS = {"direct": direct_case, "errors": errors_case}
+
+
 def main(argv: list[str]) -> None:
     out, role, cases = argv[0], argv[1], argv[2:]
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
+    checks = [c for c in cases if c in CHECKS]
+    if checks:   # every rank's answers, gathered to rank 0
+        import torch.distributed as dist
+        from accelerate import PartialState
+
+        PartialState(cpu=True)   # the process group, set up as the Trainer's arguments do
+        mine = {name: CHECKS[name]() for name in checks}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            torch.save(every, os.path.join(out, "checks.pt"))
+        cases = [c for c in cases if c not in CHECKS]
     for case in cases:
         if role == "ref":
             os.environ["HF_CASES_DP"] = case.split(":")[4] if case.count(":") == 4 else "1"
