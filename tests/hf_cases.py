@@ -21,6 +21,10 @@ import torch
 STEPS = 4
 ACCUMULATION = 2
 PACKED_BATCH = 3   # documents flattened into one packed row
+# AdamW turns a gradient entry that is zero in exact arithmetic but rounding noise in fp32 (seen: one embedding
+# row in the TRL packing case, 1e-4 apart after 4 steps) into a step of lr * g / (|g| + eps), large next to the
+# noise; eps 1e-6 instead of 1e-8 keeps such steps below the weights' tolerance (both runs use the same optimizer)
+ADAM_EPS = 1e-6
 
 
 def model_for(name: str, cache: bool = True):
@@ -67,7 +71,7 @@ def training_args(out: str, accumulation: int, batch: int, eval_batch: int = 1, 
     base = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=eval_batch,
                 gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=5e-3, logging_steps=1,
                 max_grad_norm=0.5, warmup_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
+                adam_epsilon=ADAM_EPS, disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
     base.update(extra)
     return TrainingArguments(**base)
 
@@ -201,6 +205,49 @@ _ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_ac
 CHECKS = {"direct": direct_case, "errors": errors_case}
 
 
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer built on the machine (no download): id 0 is pad and eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    first = next(c for c, i in vocab.items() if i == 0)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=first, pad_token=first)
+
+
+def run_sft(case: str, role: str, out: str) -> dict:
+    """TRL: CPSFTTrainer (cp) or SFTTrainer (ref) with packing=True (bfd) or padding_free=True."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hybrid_cp.integrations.hf import CPSFTTrainer
+
+    _, kind, u, r = case.split(":")
+    u, r = int(u), int(r)
+    dp = int(os.environ.get("WORLD_SIZE", "1")) // (u * r) if role == "cp" else int(os.environ.get("HF_CASES_DP", "1"))
+    batch = 1 if kind == "packing" else PACKED_BATCH
+    accumulation = ACCUMULATION if role == "cp" else ACCUMULATION * dp
+    data = Dataset.from_list(rows(STEPS * ACCUMULATION * 2 * batch * 3, seed=3))
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=1 if role == "cp"
+                     else dp, gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=5e-3,
+                     logging_steps=1, max_grad_norm=0.5, warmup_steps=1, adam_epsilon=ADAM_EPS,
+                     save_strategy="no", report_to=[],
+                     use_cpu=True, seed=0, disable_tqdm=True, max_length=96 if kind == "packing" else None,
+                     packing=kind == "packing",
+                     padding_free=kind == "padding_free", bf16=False)
+    common = dict(model=model_for("llama", cache=role == "cp"), args=args, train_dataset=data,
+                  eval_dataset=Dataset.from_list(rows(8, seed=4)), processing_class=byte_tokenizer())
+    trainer = CPSFTTrainer(**common, ulysses=u, ring=r) if role == "cp" else SFTTrainer(**common)
+    trainer.train()
+    result = history(trainer)
+    result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    result["weights"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return result
+
+
 def main(argv: list[str]) -> None:
     out, role, cases = argv[0], argv[1], argv[2:]
     torch.set_num_threads(1)
@@ -222,7 +269,7 @@ def main(argv: list[str]) -> None:
             os.environ["HF_CASES_DP"] = case.split(":")[4] if case.count(":") == 4 else "1"
             case = ":".join(case.split(":")[:4])
         with tempfile.TemporaryDirectory() as tmp:
-            result = run_case(case, role, tmp)
+            result = (run_sft if case.startswith("sft:") else run_case)(case, role, tmp)
         if rank == 0:
             torch.save(result, os.path.join(out, f"{role}-{case.replace(':', '_')}"
                                                  f"{'_dp' + os.environ['HF_CASES_DP'] if role == 'ref' else ''}.pt"))
