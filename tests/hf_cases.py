@@ -205,6 +205,27 @@ _ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_ac
 CHECKS = {"direct": direct_case, "errors": errors_case}
 
 
+def run_resume(case: str, role: str, out: str) -> dict:
+    """CPTrainer saving every 2 steps, `save_model` into OUT/saved-<case>, then a second trainer resuming from
+    the step-2 checkpoint: the losses and weights of both runs."""
+    from hybrid_cp.integrations.hf import CPTrainer
+
+    _, kind, u, r = case.split(":")
+    batch = 1 if kind == "dense" else PACKED_BATCH
+    data = rows(STEPS * ACCUMULATION * 2 * batch, seed=1)
+    result = {}
+    for run in ("full", "resumed"):
+        args = training_args(out, ACCUMULATION, batch, save_strategy="steps", save_steps=2)
+        trainer = CPTrainer(model=model_for("llama"), args=args, train_dataset=data, data_collator=collator(kind),
+                            ulysses=int(u), ring=int(r))
+        trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if run == "resumed" else None)
+        result[run] = history(trainer)
+        result[run]["weights"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        if run == "full":
+            trainer.save_model(os.path.join(os.environ["HF_CASES_OUT"], f"saved-{case.replace(':', '_')}"))
+    return result
+
+
 def byte_tokenizer():
     """A 256-token byte-level tokenizer built on the machine (no download): id 0 is pad and eos."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -250,6 +271,7 @@ def run_sft(case: str, role: str, out: str) -> dict:
 
 def main(argv: list[str]) -> None:
     out, role, cases = argv[0], argv[1], argv[2:]
+    os.environ["HF_CASES_OUT"] = out
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     checks = [c for c in cases if c in CHECKS]
@@ -268,8 +290,8 @@ def main(argv: list[str]) -> None:
         if role == "ref":
             os.environ["HF_CASES_DP"] = case.split(":")[4] if case.count(":") == 4 else "1"
             case = ":".join(case.split(":")[:4])
-        with tempfile.TemporaryDirectory() as tmp:
-            result = (run_sft if case.startswith("sft:") else run_case)(case, role, tmp)
+        runner = {"sft": run_sft, "resume": run_resume}.get(case.split(":")[0], run_case)
+        result = runner(case, role, os.path.join(out, f"work-{role}-{case.replace(':', '_')}"))  # shared by ranks
         if rank == 0:
             torch.save(result, os.path.join(out, f"{role}-{case.replace(':', '_')}"
                                                  f"{'_dp' + os.environ['HF_CASES_DP'] if role == 'ref' else ''}.pt"))

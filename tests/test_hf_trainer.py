@@ -23,6 +23,7 @@ KINDS = ["dense", "packed"]
 CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mistral:packed:2:2",
                                                                             "sft:packing:2:2", "sft:padding_free:2:1"]
 CHECKS = ["direct", "errors"]
+RESUME = "resume:packed:2:2"
 
 
 def _dp(u: int, r: int) -> int:
@@ -46,7 +47,7 @@ def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf"))
     script = os.path.join(HERE, "hf_cases.py")
     cp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           script, out, "cp", *CHECKS, *CP_CASES], env=_env(), stdout=subprocess.PIPE,
+                           script, out, "cp", *CHECKS, *CP_CASES, RESUME], env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     ref = subprocess.run([sys.executable, script, out, "ref", *REF_CASES], env=_env(), capture_output=True,
                          text=True, timeout=600)
@@ -100,3 +101,27 @@ def test_unsupported_settings_raise_on_every_rank(results):
         for name, (kind, message) in rank["errors"].items():
             assert kind == "ConfigError", (name, kind, message)
             assert name in message, (name, message)
+
+
+def test_resume_from_checkpoint_continues_with_the_same_losses(results):
+    got = _load(results, "cp-" + RESUME.replace(":", "_"))
+    assert len(got["full"]["loss"]) == 4
+    assert got["resumed"]["loss"] == got["full"]["loss"]   # steps 1-2 from the checkpoint's state, 3-4 trained again
+    assert got["resumed"]["grad_norm"] == got["full"]["grad_norm"]
+    for k, w in got["full"]["weights"].items():
+        assert torch.equal(got["resumed"]["weights"][k], w), k
+
+
+def test_save_model_loads_on_one_process(results):
+    """trainer.save_model() writes an ordinary checkpoint: from_pretrained on one process, default attention."""
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(results, "saved-" + RESUME.replace(":", "_"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config._attn_implementation != "hybrid_cp"
+    trained = _load(results, "cp-" + RESUME.replace(":", "_"))["full"]["weights"]
+    for k, w in model.state_dict().items():
+        assert torch.equal(w, trained[k]), k
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(1, 17)[None], labels=torch.arange(1, 17)[None])
+    assert torch.isfinite(out.loss)
