@@ -201,8 +201,58 @@ def errors_case() -> dict:
     return out
 
 
+def auto_case() -> dict:
+    """CPTrainer(ulysses="auto", ring="auto") and (ulysses="auto", ring=2): the degrees the planner chose and
+    the log line that says why."""
+    import logging
+
+    from hybrid_cp.integrations.hf import CPTrainer
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("hybrid_cp")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    out = {}
+    try:
+        for name, ring in (("both", "auto"), ("ring=2", 2)):
+            with tempfile.TemporaryDirectory() as tmp:
+                trainer = CPTrainer(model=model_for("llama"), args=training_args(tmp, 2, 1), train_dataset=rows(4, 1),
+                                    data_collator=pad_collate, ulysses="auto", ring=ring, cp_seq_len=4096)
+            cp = trainer.cp
+            out[name] = (cp.ulysses_size, cp.ring_size, cp.dp_size, [m for m in records if "planner" in m])
+            records.clear()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return out
+
+
+def mesh_case() -> dict:
+    """`cp_mesh_from_device_mesh` on DeviceMeshes shaped as accelerate builds them (dp_shard, cp): the cp mesh's
+    groups (ranks) and the refusal of cp groups that are not consecutive ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybrid_cp.integrations.hf import cp_mesh_from_device_mesh
+
+    out = {}
+    for dp, cp_size, u in ((1, 4, 2), (2, 2, 2), (1, 4, 1)):
+        mesh = init_device_mesh("cpu", (dp, cp_size), mesh_dim_names=("dp_shard", "cp"))
+        cp = cp_mesh_from_device_mesh(mesh, u)
+        out[(dp, cp_size, u)] = {
+            "accelerate_cp": dist.get_process_group_ranks(mesh["cp"].get_group()),
+            "cp": dist.get_process_group_ranks(cp.cp_group), "ulysses": dist.get_process_group_ranks(cp.ulysses_group),
+            "ring": dist.get_process_group_ranks(cp.ring_group), "degrees": (cp.ulysses_size, cp.ring_size, cp.dp_size)}
+    outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp_shard"))
+    out["strided"] = _refusal(lambda: cp_mesh_from_device_mesh(outer, 2))
+    return out
+
+
 _ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices")
-CHECKS = {"direct": direct_case, "errors": errors_case}
+CHECKS = {"direct": direct_case, "errors": errors_case, "auto": auto_case, "mesh": mesh_case}
 
 
 def run_resume(case: str, role: str, out: str) -> dict:

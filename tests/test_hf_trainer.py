@@ -22,7 +22,7 @@ MESHES = [(2, 2), (1, 4), (2, 1)]   # (ulysses, ring) on 4 ranks: dp = 1, 1, 2
 KINDS = ["dense", "packed"]
 CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mistral:packed:2:2",
                                                                             "sft:packing:2:2", "sft:padding_free:2:1"]
-CHECKS = ["direct", "errors"]
+CHECKS = ["direct", "errors", "auto", "mesh"]
 RESUME = "resume:packed:2:2"
 
 
@@ -125,3 +125,24 @@ def test_save_model_loads_on_one_process(results):
     with torch.no_grad():
         out = model(input_ids=torch.arange(1, 17)[None], labels=torch.arange(1, 17)[None])
     assert torch.isfinite(out.loss)
+
+
+def test_auto_split_comes_from_the_planner_and_is_logged(results):
+    for rank in _load(results, "checks"):
+        both, ring2 = rank["auto"]["both"], rank["auto"]["ring=2"]
+        assert both[0] * both[1] * both[2] == 4 and ring2[1] == 2 and ring2[0] * ring2[2] == 2
+        assert both[:3] == _load(results, "checks")[0]["auto"]["both"][:3]   # every rank chose the same
+        for u, r, dp, lines in (both, ring2):
+            assert len(lines) == 1 and f"ulysses={u} ring={r} dp={dp}" in lines[0] and "fastest feasible" in lines[0]
+
+
+def test_mesh_from_accelerate_device_mesh(results):
+    """accelerate's (dp_shard, cp) mesh -> CPMesh with the same cp groups, cp = ring x ulysses, ulysses innermost."""
+    for rank, got in enumerate(r["mesh"] for r in _load(results, "checks")):
+        for (dp, cp_size, u), groups in ((k, v) for k, v in got.items() if k != "strided"):
+            assert groups["cp"] == groups["accelerate_cp"]
+            assert groups["degrees"] == (u, cp_size // u, dp)
+            first = rank - rank % u
+            assert groups["ulysses"] == list(range(first, first + u))   # consecutive ranks
+            assert len(groups["ring"]) == cp_size // u and rank in groups["ring"]
+        assert got["strided"][0] == "ConfigError" and "consecutive" in got["strided"][1]

@@ -98,29 +98,106 @@ def _check_constructor(bound: inspect.BoundArguments) -> None:
                                                        "its batches are split per dp replica by index")
 
 
+def model_shape(config: Any) -> Any:
+    """The planner's `ModelShape` of a transformers config (windowed layers counted from `layer_types`)."""
+    from topology.cost import ModelShape
+
+    heads = config.num_attention_heads
+    kinds = list(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    return ModelShape(heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                      hidden=config.hidden_size, layers=config.num_hidden_layers,
+                      intermediate=getattr(config, "intermediate_size", None), vocab=config.vocab_size,
+                      sliding_window=window or None,
+                      window_layers=kinds.count("sliding_attention") if window and kinds else None,
+                      name=getattr(config, "model_type", "custom"))
+
+
+def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, seq_len: int,
+                 cp_size: int | None = None) -> tuple[int, int]:
+    """(ulysses, ring) from the planner (`topology.planner.plan`) for the detected cluster and the model's shape,
+    honouring a degree that was given (and `cp_size`, a fixed ulysses x ring); logs the choice and why."""
+    from topology.discovery import discover
+    from topology.planner import plan
+
+    for name, value in (("ulysses", ulysses), ("ring", ring)):
+        if value != "auto" and not (isinstance(value, int) and value >= 1):
+            raise ConfigError(f"{name}={value!r}: expected a positive int or \"auto\"")
+    if not (isinstance(seq_len, int) and seq_len >= 1):
+        raise ConfigError(f"cp_seq_len={seq_len!r}: \"auto\" needs the training sequence length (a positive int) "
+                          f"to plan for; pass cp_seq_len=... or explicit ulysses= and ring=")
+    cluster = discover()
+    plans = plan(cluster, model_shape(config), seq_len, world_size=world,
+                 dp=None if cp_size is None else world // cp_size)
+    fits = [p for p in plans if (ulysses == "auto" or p.ulysses == ulysses) and (ring == "auto" or p.ring == ring)]
+    if not fits:
+        raise ConfigError(f"ulysses={ulysses!r}, ring={ring!r}: the planner found no feasible split of {world} ranks "
+                          f"with that degree for seq_len={seq_len}:\n{plans.explain(top=8)}")
+    best = fits[0]
+    log.info("hybrid_cp: ulysses=%r ring=%r resolved by the planner to ulysses=%d ring=%d dp=%d for seq_len=%d on "
+             "%s: the fastest feasible split (time per layer / dp, ties to more ulysses)\n%s", ulysses, ring,
+             best.ulysses, best.ring, best.dp, seq_len, cluster.name, best.explain())
+    return best.ulysses, best.ring
+
+
 def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, layout: str,
-                 validate: bool | str) -> CPMesh:
+                 validate: bool | str, seq_len: int | None = None) -> CPMesh:
     """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"."""
     if not dist.is_available() or not dist.is_initialized():
         raise SetupError("the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
                          "launch (on CPU with TrainingArguments(use_cpu=True): gloo)")
     if ulysses == "auto" or ring == "auto":
-        from .hf_plan import auto_degrees
-
-        ulysses, ring = auto_degrees(model, ulysses, ring, dist.get_world_size())
+        ulysses, ring = auto_degrees(model.config, ulysses, ring, dist.get_world_size(), seq_len)
     return init_cp_mesh(ulysses, ring, layout=layout, validate=validate)
+
+
+def cp_mesh_from_device_mesh(mesh: Any, ulysses: int | str, *, config: Any = None, seq_len: int | None = None,
+                             layout: str = "zigzag", validate: bool | str = True) -> CPMesh:
+    """A `CPMesh` whose cp groups are the "cp" groups of `mesh` (accelerate's DeviceMesh), that dimension
+    unflattened into (ring, ulysses) with ulysses innermost (consecutive ranks: inside a node). `ulysses` is
+    an int dividing the cp size, or "auto" (the planner, for the model `config` and `seq_len`)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "cp" not in names:
+        raise ConfigError(f"the device mesh has dimensions {names} and no 'cp': configure "
+                          f"ParallelismConfig(cp_size=...) (accelerate) or build the mesh with hcp.init_cp_mesh")
+    for other in ("tp", "sp"):
+        if other in names and mesh[other].size() > 1:
+            raise ConfigError(f"the device mesh has {other}={mesh[other].size()}: hybrid-cp does not combine with "
+                              f"accelerate's {other} dimension; set {other}_size=1")
+    cp_size = mesh["cp"].size()
+    grid = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, cp_size)
+    if not torch.equal(grid, torch.arange(grid.numel()).reshape(-1, cp_size)):
+        raise ConfigError(f"the device mesh's cp groups {grid.tolist()} are not consecutive ranks in order; hybrid-cp "
+                          f"puts dp outermost and ulysses innermost (accelerate's order with tp = sp = 1)")
+    if ulysses == "auto":
+        ulysses, _ = auto_degrees(config, "auto", "auto", grid.numel(), seq_len, cp_size=cp_size)
+    if not (isinstance(ulysses, int) and ulysses >= 1 and cp_size % ulysses == 0):
+        raise ConfigError(f"ulysses={ulysses!r} must be a positive int dividing the mesh's cp size {cp_size}")
+    return init_cp_mesh(ulysses, cp_size // ulysses, dp=grid.shape[0], layout=layout, validate=validate)
+
+
+def cp_mesh_from_accelerator(accelerator: Any, ulysses: int | str, **kwargs: Any) -> CPMesh:
+    """`cp_mesh_from_device_mesh` for `accelerate.Accelerator(parallelism_config=ParallelismConfig(cp_size=...))`:
+    its `torch_device_mesh`. (accelerate builds that mesh only with FSDP2 or on GPUs: not run on CPU here.)"""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None:
+        raise ConfigError("the accelerator has no device mesh: create it with "
+                          "Accelerator(parallelism_config=ParallelismConfig(cp_size=...))")
+    return cp_mesh_from_device_mesh(mesh, ulysses, **kwargs)
 
 
 class CPTrainerMixin:
     """Context parallelism for a `transformers.Trainer` subclass: `class MyTrainer(CPTrainerMixin, Trainer)`.
 
     Takes every argument of the Trainer it is mixed into plus `ulysses`, `ring` (ints, or "auto": the
-    planner's split for this world size and model, logged), `layout` (the mesh's token layout) and
-    `cp_validate` (`init_cp_mesh(validate=...)`). `self.cp` is the mesh.
+    planner's split for this world size, the model's shape and `cp_seq_len`, by default TRL's `max_length`
+    or the model's `max_position_embeddings`; logged with the reason), `layout` (the mesh's token layout)
+    and `cp_validate` (`init_cp_mesh(validate=...)`). `self.cp` is the mesh.
     """
 
     def __init__(self, *args: Any, ulysses: int | str = "auto", ring: int | str = "auto", layout: str = "zigzag",
-                 cp_validate: bool | str = True, **kwargs: Any):
+                 cp_validate: bool | str = True, cp_seq_len: int | None = None, **kwargs: Any):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         _check_constructor(bound)
         training_args = bound.arguments.get("args")
@@ -130,7 +207,10 @@ class CPTrainerMixin:
         model = bound.arguments["model"]
         if isinstance(model, str):
             raise _refuse("model", model, "pass an instantiated model (from_pretrained), not a name")
-        self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate)
+        if cp_seq_len is None:   # what "auto" plans for: TRL's max_length, else the model's context
+            cp_seq_len = getattr(training_args, "max_length", None) or \
+                getattr(model.config, "max_position_embeddings", None)
+        self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate, cp_seq_len)
         apply_context_parallel(model, self.cp)
         super().__init__(*args, **kwargs)
         if training_args is None:
@@ -230,4 +310,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CPTrainerMixin", "CPTrainer", "CPSFTTrainer", "check_training_arguments", "resolve_mesh"]  # noqa: F822 (lazy)
+__all__ = ["CPTrainerMixin", "CPTrainer", "CPSFTTrainer",  # noqa: F822 (the two trainers: built on first access)
+           "check_training_arguments", "resolve_mesh", "auto_degrees", "model_shape", "cp_mesh_from_device_mesh",
+           "cp_mesh_from_accelerator"]
