@@ -108,8 +108,14 @@ def run_case(case: str, role: str, out: str) -> dict:
     trainer.train()
     result = history(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
-    result["weights"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    result["weights"] = full_weights(trainer.model)
     return result
+
+
+def full_weights(model) -> dict:
+    """The whole weights on every rank (FSDP2's DTensors gathered: a collective, called on all ranks)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -150,6 +156,9 @@ def direct_case() -> dict:
             dist.all_reduce(g, group=cp.cp_group)
             worst = max(worst, _rel(g / cp.size, q.grad))
         out[kind] = {"forward": _rel(got.detach(), want.detach()), "backward": worst, "stock_use_cache": pitfall}
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):   # fp32 weights, bf16 autocast
+            ref32, model32 = copy.deepcopy(ref).float(), copy.deepcopy(model).float()
+            out[kind]["autocast_bf16"] = _rel(model32(**hcp.shard_batch(batch, cp)).loss, ref32(**batch).loss)
     hcp.destroy_cp_mesh(cp)
     return out
 
@@ -189,6 +198,7 @@ def errors_case() -> dict:
         "label_smoothing_factor": lambda: trainer(label_smoothing_factor=0.1),
         "train_sampling_strategy": lambda: trainer(train_sampling_strategy="group_by_length"),
         "average_tokens_across_devices": lambda: trainer(average_tokens_across_devices=False),
+        "fsdp": lambda: trainer(fsdp="full_shard", fsdp_config={"version": 2}),
         "compute_metrics": lambda: trainer(compute_metrics=lambda p: {}),
         "train_dataset": lambda: trainer(train_dataset=Stream()),
         "ulysses": lambda: trainer(u=3, r=1),
@@ -251,7 +261,7 @@ def mesh_case() -> dict:
     return out
 
 
-_ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices")
+_ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "fsdp_config")
 CHECKS = {"direct": direct_case, "errors": errors_case, "auto": auto_case, "mesh": mesh_case}
 
 

@@ -31,7 +31,7 @@ def _dp(u: int, r: int) -> int:
 
 
 REF_CASES = sorted({f"{c.rsplit(':', 2)[0]}:1:1:{_dp(*map(int, c.split(':')[2:]))}" for c in CP_CASES})
-REFUSED = {"label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "compute_metrics",
+REFUSED = {"label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "compute_metrics",
            "train_dataset", "ulysses", "labels", "cu_seq_lens_q"}
 
 
@@ -77,7 +77,7 @@ def test_cp_trainer_matches_stock_trainer(results, case):
     assert got["lr"] == want["lr"]
     assert _rel(got["eval_loss"], want["eval_loss"]) < 1e-5, (got["eval_loss"], want["eval_loss"])
     assert got["weights"].keys() == want["weights"].keys()
-    worst = max(_rel(got["weights"][k], want["weights"][k] - 0) for k in want["weights"])
+    worst = max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"])
     assert worst < 1e-4, worst
 
 
@@ -89,6 +89,7 @@ def test_model_loss_is_the_global_token_mean(results, kind):
     for rank in _load(results, "checks"):
         got = rank["direct"][kind]
         assert got["forward"] < 1e-6 and got["backward"] < 1e-10, got
+        assert got["autocast_bf16"] < 2e-2, got   # fp32 weights under bf16 autocast (Trainer bf16=True): bf16 round-off
     if kind == "packed":   # the pitfall our classes do not inherit: stock with use_cache=True mixes documents
         assert got["stock_use_cache"] > 1e-3, got
 

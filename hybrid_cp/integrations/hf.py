@@ -60,8 +60,10 @@ def check_training_arguments(args: Any) -> None:
          "drop it: hybrid-cp builds its own mesh from ulysses=/ring= (see hybrid_cp.integrations.hf.cp_mesh_from_"
          "accelerator for accelerate's cp dimension)"),
         ("deepspeed", lambda v: bool(v), "drop it: DeepSpeed is not verified with hybrid-cp (use DDP)"),
-        ("fsdp", lambda v: bool(v), "drop it: FSDP through the Trainer is not verified; the trainer runs DDP over "
-                                    "all dp x cp ranks"),
+        ("fsdp", lambda v: bool(v),
+         "drop it: FSDP through the Trainer is not verified (accelerate applies it only on accelerators; on CPU it "
+         "silently runs DDP instead, so no test here covers it); the trainer runs DDP over all dp x cp ranks. For "
+         "FSDP2 over dp x cp use the training loop with hybrid_cp.integrations.fsdp.shard_model (docs/training.md)"),
         ("train_sampling_strategy", lambda v: v == "group_by_length",
          "use \"random\" or \"sequential\": the length-grouped batch sampler is built per process, not per dp "
          "replica"),

@@ -162,6 +162,9 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if window is not None and not is_positive_int(window):
         raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
                            f"number of keys each query sees, itself included)")
+    if torch.is_autocast_enabled(query.device.type):   # fp32 weights under autocast (Trainer bf16=True): the
+        dt = torch.get_autocast_dtype(query.device.type)   # projections give bf16, rotary fp32; eager's matmuls
+        query, key, value = (x.to(dt) for x in (query, key, value))   # would run all three in the autocast dtype
     q = _temperature(module, query.transpose(1, 2), cp, lay, cu).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
