@@ -4,7 +4,8 @@ one process, on the same tiny models and data, recording what the tests compare.
     torchrun --standalone --nproc-per-node 4 tests/hf_cases.py OUT cp CASE...     # every CASE on 4 ranks
     python tests/hf_cases.py OUT ref CASE...                                      # the stock references
 
-A CASE is "model:kind:ulysses:ring" (model "llama" or "mistral", kind "dense" or "packed"); dp is
+A CASE is "model:kind:ulysses:ring" (model "llama", "mistral", "llama+gc": gradient checkpointing; kind "dense"
+or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume:kind:u:r"; dp is
 world // (ulysses * ring). The reference of a CASE is the stock Trainer with gradient accumulation
 2 * dp over the same sampler order (accelerate gives dp replica d the batches d, d + dp, ...).
 Results are written by rank 0 as OUT/<role>-<CASE>.pt.
@@ -98,8 +99,9 @@ def run_case(case: str, role: str, out: str) -> dict:
     evaluation = rows(2 * 4, seed=2) if kind == "dense" else rows(2 * 4, seed=2)
     # the reference needs per-document attention: stock transformers with use_cache=True attends across the
     # documents of a position-ids-only packed row (docs/training.md); our trainer does not, whatever the setting
-    model = model_for(name, cache=role == "cp")
-    common = dict(model=model, args=training_args(out, accumulation, batch, 1 if role == "cp" else dp), train_dataset=data,
+    model = model_for(name.removesuffix("+gc"), cache=role == "cp")
+    extra = dict(gradient_checkpointing=True) if name.endswith("+gc") else {}   # layers recomputed in backward
+    common = dict(model=model, args=training_args(out, accumulation, batch, 1 if role == "cp" else dp, **extra), train_dataset=data,
                   eval_dataset=evaluation, data_collator=collator(kind))
     if role == "cp":
         trainer = CPTrainer(**common, ulysses=u, ring=r)

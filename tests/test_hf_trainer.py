@@ -21,7 +21,8 @@ ROOT = os.path.dirname(HERE)
 MESHES = [(2, 2), (1, 4), (2, 1)]   # (ulysses, ring) on 4 ranks: dp = 1, 1, 2
 KINDS = ["dense", "packed"]
 CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mistral:packed:2:2",
-                                                                            "sft:packing:2:2", "sft:padding_free:2:1"]
+                                                                            "sft:packing:2:2", "sft:padding_free:2:1",
+                                                                            "llama+gc:packed:1:4"]
 CHECKS = ["direct", "errors", "auto", "mesh"]
 RESUME = "resume:packed:2:2"
 
