@@ -10,8 +10,11 @@ exact and refuses every model with a module that mixes tokens outside the attent
 
 A forward pre-hook on the model makes the call contract hard to get wrong:
 - missing `position_ids` are filled in with the global positions of this rank's tokens;
-- `labels` are refused (the model's own loss would shift labels inside the shard and average per
-  rank): use `hcp.cross_entropy` with the labels from `hcp.shard_batch`;
+- `labels` come with `shift_labels` (both from `hcp.shard_batch`: next-token targets shifted on the full
+  sequence); the model's `loss_function` is replaced by `hcp.cross_entropy` over the cp group, so
+  `model(**shard).loss` is the group's token mean (with `num_items_in_batch`, the Trainer's global count,
+  this rank's token sum over it, as on a DDP rank); `labels` alone raise (the model would shift them
+  inside the shard);
 - a 2-D `attention_mask` must be right padding over the whole sequence (checked across the cp
   group), and is then dropped: causal attention is exact for the real tokens; anything else raises;
 - packed rows (from `hcp.shard_batch`) carry the global document boundaries as transformers'
@@ -27,6 +30,7 @@ for Llama 4's temperature-tuned NoPE layers it rescales the queries to the token
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
 from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from ..training.loss import cross_entropy
 from .model_support import check_attention_kwargs, check_model
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -158,6 +163,9 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if window is not None and not is_positive_int(window):
         raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
                            f"number of keys each query sees, itself included)")
+    if torch.is_autocast_enabled(query.device.type):   # fp32 weights under autocast (Trainer bf16=True): the
+        dt = torch.get_autocast_dtype(query.device.type)   # projections give bf16, rotary fp32; eager's matmuls
+        query, key, value = (x.to(dt) for x in (query, key, value))   # would run all three in the autocast dtype
     q = _temperature(module, query.transpose(1, 2), cp, lay, cu).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
@@ -173,6 +181,38 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     out = _cp_attention(q, k, v, cp, **call,
                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks))
     return out, None
+
+
+class _CPLoss:
+    """The model's `loss_function` under context parallelism (transformers calls it with this rank's logits and
+    the `labels`/`shift_labels`/`num_items_in_batch` the model got), on the already shifted targets:
+
+    - without `num_items_in_batch`: `hcp.cross_entropy`, so `model(**hcp.shard_batch(batch, cp)).loss` is the
+      token mean over the whole cp group (its gradient convention: average the ranks' gradients);
+    - with `num_items_in_batch` (the Trainer's count of label tokens over the whole global batch): this rank's
+      share, the sum over its own tokens divided by that count, which is what transformers' loss is on each
+      DDP rank; the shares of all ranks sum to the global token mean, and the Trainer's world-size factor and
+      DDP's gradient average make the update the single-process one. No communication."""
+
+    def __init__(self, ref: _MeshRef):
+        self.ref = ref
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
+                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        targets = shift_labels if shift_labels is not None else labels
+        if targets is None:  # the forward pre-hook refuses labels without shift_labels
+            raise ConfigError("the context-parallel loss needs shift_labels= (hcp.shard_batch's labels)")
+        targets = targets.to(logits.device)
+        if num_items_in_batch is None:
+            return cross_entropy(logits, targets, self.ref.cp, ignore_index)
+        own = cross_entropy(logits, targets, self.ref.cp, ignore_index, reduction="none").sum()
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(own.device)
+        return own / num_items_in_batch
 
 
 def _register() -> None:
@@ -396,8 +436,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
-    import weakref
-
+    if hasattr(type(model), "loss_function"):
+        model.loss_function = _CPLoss(ref)
     named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
     attention_modules = [m for _, m in named]
     layers = [weakref.ref(model.get_submodule(name.rpartition(".")[0])) if "." in name else None for name, _ in named]
