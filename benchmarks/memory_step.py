@@ -6,6 +6,7 @@ allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/
 8 gloo processes (`--cp u,r`) for head-chunked attention.
 
     python benchmarks/memory_step.py --table options        # tiled loss / tiled MLP / checkpointing
+    python benchmarks/memory_step.py --table runtime         # + offload, tiled norm, head chunks (device and host)
     python benchmarks/memory_step.py --table heads           # head_chunks in 1, 2, 4, 8 on 8 gloo ranks
     python benchmarks/memory_step.py --table all --out benchmarks/results/memory_cpu.md
 """
@@ -115,8 +116,9 @@ class _engine_stage:
 
 def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_loss: bool = False,
             loss_chunk: int | None = 512, tiled_mlp: int = 0, checkpoint: bool = False, head_chunks: int = 1,
-            device: str = "cpu", shape: dict | None = None) -> dict:
-    """One measured training step (the second: Adam's state exists) on this rank; returns bytes.
+            device: str = "cpu", shape: dict | None = None, offload: bool = False, tiled_norm: int = 0) -> dict:
+    """One measured training step (the second: Adam's state exists) on this rank; returns bytes (`peak`:
+    all live storage; `device_peak` and `host_peak`: outside and inside the offload's host buffers).
 
     Runs inside a worker of `hybrid_cp.testing.WorkerPool` (gloo is initialised): the model is a
     transformers Llama with `apply_context_parallel` on a (u, r) mesh, replicated weights, AdamW.
@@ -133,8 +135,12 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
     apply_context_parallel(model, cp, **kwargs)
     if tiled_mlp:
         hcp.tile_mlp(model, tiled_mlp)
+    if tiled_norm:
+        hcp.tile_norm(model, tiled_norm)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        hcp.offload_checkpoints(model, prefetch=True)   # the CUDA default; on CPU the same order, synchronous
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -166,14 +172,19 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         tracker = StorageTracker()
         with tracker, _engine_stage(tracker):
             tracker.track(list(model.parameters()), [list(s.values()) for s in opt.state.values()], local)
+            if offload:   # the host buffers the first step left in the pool: held from the start
+                from hybrid_cp.training.offload import offloader_of
+
+                tracker.track(offloader_of(model).pool.free)
             base = tracker.live
             handles = mark_stages(model, tracker)
             one_step(model, local, cp, tracker, tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt)
         peak = tracker.peak
+    split = {"device_peak": getattr(tracker, "device_peak", peak), "host_peak": getattr(tracker, "host_peak", 0)}
     for h in handles:
         h.remove()
     dist.barrier()
-    return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report()}
+    return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report(), **split}
 
 
 def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16, kv_heads: int = 4,
@@ -274,19 +285,21 @@ def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, he
     return res
 
 
-def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8)) -> dict:
+def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8),
+                  keep: bool | None = None) -> dict:
     """Exact memory of one attention module (Q/K/V projections, rotary, hcp.attention, output projection) of
     the HEADS_SHAPE model, forward then backward, per head_chunks as `apply_context_parallel` runs them
     (module-level chunks): what forward leaves alive for backward, and the peak over forward and
     backward, both above the module's inputs; with the sizes of its output, d(input) and the weight
-    gradients, which every k allocates alike. Runs in a WorkerPool worker."""
+    gradients, which every k allocates alike. `keep`: apply_context_parallel's keep_attention_output (the
+    module alone is in no checkpointed layer: None keeps nothing). Runs in a WorkerPool worker."""
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
     cp = _mesh(u, r)
     res = {}
     for kc, overlap, name in _schedules(chunks):
         model = build_model("cpu", torch.float32, num_hidden_layers=1, **HEADS_SHAPE)
-        apply_context_parallel(model, cp, head_chunks=kc)
+        apply_context_parallel(model, cp, head_chunks=kc, keep_attention_output=keep)
         attn = model.model.layers[0].self_attn
         n_local = seq_len // cp.size
         g = torch.Generator().manual_seed(cp.rank)
@@ -313,6 +326,12 @@ OPTION_ROWS = [
     ("checkpointing + tiled loss + MLP", dict(checkpoint=True, tiled_loss=True, tiled_mlp=512)),
 ]
 HEADS_TOKENS = 8192
+RUNTIME_TOKENS, RUNTIME_LAYERS = 16384, 8
+# few parameters for the tokens (hidden 128, SwiGLU 256, vocabulary 1024): with replicated weights each
+# layer's gradient appears in backward as its input goes; where a layer's gradient outweighs its input
+# the step's peak is the first layer's backward (all gradients, no inputs left) and offload cannot lower it
+RUNTIME_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=16)
 MODULE_TOKENS = 32768  # long enough that activations, not the fixed weight-sized gradients, dominate
 HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
 
@@ -327,7 +346,8 @@ def _estimate(u, r, seq_len, kw, shape=None):
                        vocab=cfg["vocab_size"])
     opts = MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), loss_chunk=512,
                          tiled_mlp=kw.get("tiled_mlp", 0), head_chunks=kw.get("head_chunks", 1), fsdp=False,
-                         foreach_optimizer=False)
+                         foreach_optimizer=False, offload_checkpoints=kw.get("offload", False),
+                         tiled_norm=bool(kw.get("tiled_norm", 0)))
     return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype="fp32")
 
 
@@ -361,6 +381,41 @@ def options_table(pool, raw: dict) -> Iterator[str]:
     yield ""
 
 
+RUNTIME_BASE = dict(checkpoint=True, tiled_loss=True, tiled_mlp=512, layers=RUNTIME_LAYERS)
+RUNTIME_ROWS = [
+    ("checkpointing + tiled loss + MLP", RUNTIME_BASE),
+    ("+ offload", dict(RUNTIME_BASE, offload=True)),
+    ("+ offload + tiled norm", dict(RUNTIME_BASE, offload=True, tiled_norm=512)),
+    ("+ offload + tiled norm + head chunks 2 (everything)", dict(RUNTIME_BASE, offload=True, tiled_norm=512, head_chunks=2)),
+]
+
+
+def runtime_table(pool, raw: dict) -> Iterator[str]:
+    """The runtime options (offloaded checkpoints, tiled norm, head chunks) on top of checkpointing and
+    tiled loss + MLP: device-resident and host peaks measured beside the estimate's device peak and host bytes."""
+    yield (f"### Every option, u=2 x r=2 (dp=2), {RUNTIME_TOKENS} tokens, {RUNTIME_LAYERS} layers, hidden 128, 8/2 heads "
+           "of 16, SwiGLU 256, vocabulary 1024, fp32, AdamW (exact live storage, MiB per rank, worst rank; device = all "
+           "but the offload's host buffers, host = those buffers)")
+    yield ""
+
+    def rows():
+        for name, kw in RUNTIME_ROWS:
+            res = pool.run("memory_step:measure", u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600,
+                           shape=RUNTIME_SHAPE, **kw)
+            worst = max(res, key=lambda x: x["device_peak"])
+            host = max(x["host_peak"] for x in res)
+            est = _estimate(2, 2, RUNTIME_TOKENS, kw, RUNTIME_SHAPE)
+            raw[f"runtime/{name}"] = {"measured": worst, "host": host, "estimate": est.to_dict()}
+            st = worst["stages"]
+            host_err = f"{est.host / host - 1:+.1%}" if host else ("0" if not est.host else "-")
+            yield [name, mib(worst["device_peak"]), mib(est.peak), f"{est.peak / worst['device_peak'] - 1:+.1%}",
+                   mib(host), mib(est.host), host_err, mib(st.get("attention.bwd", {}).get("transient", 0))]
+
+    yield from table_lines(["options", "device peak", "estimate", "error", "host peak", "host estimate", "error",
+                            "attention bwd"], rows(), markdown=True)
+    yield ""
+
+
 def heads_table(pool, raw: dict) -> Iterator[str]:
     """head_chunks in 1, 2, 4, 8 on u=4 x r=2, measured beside the estimate."""
     yield (f"### Head chunks, u=4 x r=2, 32 heads / 8 KV heads (head_dim 16), {HEADS_TOKENS} tokens, fp32, tiled loss + "
@@ -389,9 +444,9 @@ def heads_table(pool, raw: dict) -> Iterator[str]:
     yield ""
 
 
-def module_table(pool, raw: dict) -> Iterator[str]:
+def module_table(pool, raw: dict, keep: bool | None = None) -> Iterator[str]:
     """The attention module alone, by head_chunks and schedule."""
-    res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, timeout=3600)
+    res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, keep=keep, timeout=3600)
     raw["module"] = res
     yield (f"### The attention module alone (projections, rotary, hcp.attention, output projection; chunks from "
            f"the projections on), u=4 x r=2, {MODULE_TOKENS} tokens, 32/8 heads, head_dim 16, hidden 512, fp32 (exact MiB "
@@ -462,11 +517,14 @@ def overlap_tables(pool, raw: dict, u: int, r: int, repeats: int) -> Iterator[st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", choices=("options", "heads", "module", "engine", "overlap", "all"), default="all")
+    p.add_argument("--table", choices=("options", "runtime", "heads", "module", "engine", "overlap", "all"),
+                   default="all")
     p.add_argument("--out", help="also write the markdown tables here")
     p.add_argument("--json", help="write the raw measurements here")
     p.add_argument("--overlap-mesh", default="2,1", help="u,r of the overlap timing (its own u*r processes)")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats of the overlap table")
+    p.add_argument("--keep-attention-output", action="store_true",
+                   help="module table: keep the chunks' attention outputs (apply_context_parallel keep_attention_output=True)")
     args = p.parse_args(argv)
     from hybrid_cp.testing import WorkerPool
 
@@ -480,10 +538,11 @@ def main(argv=None) -> int:
             lines.append(line)
 
     with WorkerPool(8, extra_paths=[here]) if args.table != "overlap" else contextlib.nullcontext() as pool:
-        for name, section in (("options", options_table), ("heads", heads_table), ("module", module_table),
-                              ("engine", engine_table)):
+        for name, section in (("options", options_table), ("runtime", runtime_table), ("heads", heads_table),
+                              ("module", module_table), ("engine", engine_table)):
             if args.table in (name, "all"):
-                show(section(pool, raw))
+                keep = {"keep": True} if name == "module" and args.keep_attention_output else {}
+                show(section(pool, raw, **keep))
     if args.table in ("overlap", "all"):
         u, r = (int(x) for x in args.overlap_mesh.split(","))
         with WorkerPool(u * r, extra_paths=[here]) as pool:

@@ -2,6 +2,7 @@
 # Multi-node launch of examples/train_llama.py with torchrun under SLURM.
 #
 #   sbatch --nodes 2 examples/slurm_train.sh --seq-len 262144 --dtype bf16 --checkpoint-activations
+#   MAX_RESTARTS=3 sbatch --nodes 2 examples/slurm_train.sh --save-dir /shared/ckpt --save-every 100 --resume
 #
 # One torchrun per node (srun --ntasks-per-node 1); torchrun starts one process per GPU. The mesh
 # puts ulysses inside a node (NVLink all-to-all) and ring across nodes: by default
@@ -28,6 +29,10 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # export NCCL_SOCKET_IFNAME=ib0
 # export NCCL_IB_HCA=mlx5
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+# Restarts (docs/training.md "Checkpoints and restarts"): torchrun restarts the group up to MAX_RESTARTS
+# times; with --save-dir DIR --resume the job continues from the newest complete checkpoint. A fresh
+# rendezvous store per attempt keeps a restarted group from reading the dead group's keys.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 echo "hybrid-cp: ${NNODES} nodes x ${GPUS_PER_NODE} GPUs, rendezvous ${HEAD_NODE}:${PORT}"
 
@@ -35,6 +40,7 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     torchrun \
         --nnodes "${NNODES}" \
         --nproc_per_node "${GPUS_PER_NODE}" \
+        --max-restarts "${MAX_RESTARTS:-${PET_MAX_RESTARTS:-0}}" \
         --rdzv_id "${SLURM_JOB_ID:-hybrid-cp}" \
         --rdzv_backend c10d \
         --rdzv_endpoint "${HEAD_NODE}:${PORT}" \

@@ -59,7 +59,7 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
 def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_loss: bool = True,
                        mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2,
                        head_chunks: int = 1, heads: int = 4, chunk_projections: bool = True, kind: str = "llama",
-                       overlap: bool = True) -> dict:
+                       overlap: bool = True, offload: bool = False, norm_chunk: int | None = None) -> dict:
     """A tiny model under CP with lm_loss(tiled), tile_mlp and head_chunks (`overlap`: the head-chunk
     pipeline's schedule) vs the plain single-process run."""
     from hybrid_cp.engine import headchunk
@@ -72,8 +72,12 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
                                       if head_chunks != 1 else {}))
     if mlp_chunk:
         tile_mlp(model, mlp_chunk)
+    if norm_chunk:
+        hcp.tile_norm(model, norm_chunk)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        hcp.offload_checkpoints(model, prefetch=True)
     if fsdp:
         shard_model(model, cp)
     widths = set()  # query heads x head_dim each q projection produced (forward and recomputation)
@@ -185,3 +189,40 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
         rows[kc] = errs
     rows["ref_bytes"] = ref[3]
     return rows
+
+
+def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: bool = True,
+                             keep: bool | None = None) -> dict:
+    """Attention forwards per layer in one training step with module-level head chunks (the ring forwards
+    of a step divided by those of one forward pass without gradients), and the largest gradient
+    difference to the same step with keep_attention_output=False (recomputed attention)."""
+    from hybrid_cp.engine import modulechunk
+
+    cp = mesh(u, r)
+    local = shard_batch(make_batch(3, 1, 64, pad=False), cp)
+    calls = [0]
+    original = modulechunk.stage_forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    grads = []
+    modulechunk.stage_forward = counted
+    try:
+        for keep_output in (keep, False):
+            model = apply_context_parallel(tiny_model("llama", 2, num_attention_heads=8), cp, head_chunks=head_chunks,
+                                           keep_attention_output=keep_output)
+            if checkpoint:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            calls[0] = 0
+            with torch.no_grad():
+                lm_loss(model, local, cp)
+            one_pass, calls[0] = calls[0], 0
+            lm_loss(model, local, cp).backward()
+            grads.append([p.grad for p in model.parameters()])
+            if len(grads) == 1:
+                count = calls[0] / one_pass
+    finally:
+        modulechunk.stage_forward = original
+    return {"count": count, "diff": max((a - b).abs().max().item() for a, b in zip(*grads))}

@@ -129,7 +129,7 @@ def test_plan_max_seq_cli(capsys):
     assert main(["--preset", "dgx-h100", "--nodes", "1", "--model", "llama3-8b", "--max-seq", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     seqs = [r["seq_len"] for r in rows]
-    assert len(rows) == 5 and all(s > 0 for s in seqs)
+    assert len(rows) == 6 and all(s > 0 for s in seqs)
     assert seqs == sorted(seqs) and seqs[-1] > 4 * seqs[0], seqs   # each option adds length
     assert all(r["memory"]["peak"] <= 0.9 * 80e9 for r in rows)
     assert main(["--preset", "dgx-h100", "--nodes", "2", "--model", "llama3-8b", "--max-seq"]) == 0

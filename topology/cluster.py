@@ -171,6 +171,8 @@ class Cluster(_Strict):
     socket_gpus: int | None = Field(default=None, ge=1, description="GPUs behind one CPU root complex")
     cross_socket: LinkSpec | None = None
     backend: Literal["nccl", "gloo"] = "nccl"
+    host_memory_gb: float | None = Field(
+        default=None, gt=0, description="host RAM per node, GB (1e9 bytes): bounds offloaded checkpoints")
     sources: list[str] = Field(default_factory=list, description="where the figures come from")
     calibration: Calibration | None = Field(
         default=None, description="rates measured by `hybrid-cp calibrate`; the cost model prefers them when set"
@@ -261,6 +263,11 @@ class Cluster(_Strict):
     def link_between(self, a: int, b: int) -> LinkSpec:
         """The link a message from global rank ``a`` to ``b`` travels over."""
         return self.tier_link(self.tier(a, b))
+
+    @property
+    def host_memory_per_gpu(self) -> float | None:
+        """Bytes of host RAM per GPU (``host_memory_gb`` shared by the node's GPUs), None when unknown."""
+        return None if self.host_memory_gb is None else self.host_memory_gb * 1e9 / self.gpus_per_node
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -414,9 +421,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         # NVLink 4 via NVSwitch: 900 GB/s bidirectional per GPU -> 450 GB/s per direction.
         "intra_node": {"kind": "nvlink", "bandwidth_gb_s": 450.0, "latency_us": 3.0},
         "inter_node": _IB_NDR,  # DGX H100: 8x ConnectX-7 400 Gb/s NDR (one per GPU)
+        "host_memory_gb": 2048.0,
         "sources": [
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5 BF16 1,979 TFLOPS sparse = 989 dense, NVLink 900 GB/s)",
-            "NVIDIA DGX H100 datasheet (8x ConnectX-7 400 Gb/s)",
+            "NVIDIA DGX H100 datasheet (8x ConnectX-7 400 Gb/s, 2 TB system memory)",
         ],
     },
     "dgx-h200": {
@@ -425,9 +433,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "accelerator": {**_H100, "name": "H200-SXM-141GB", "memory_gb": 141.0, "hbm_gb_s": 4800.0},
         "intra_node": {"kind": "nvlink", "bandwidth_gb_s": 450.0, "latency_us": 3.0},
         "inter_node": _IB_NDR,
+        "host_memory_gb": 2048.0,
         "sources": [
             "NVIDIA H200 datasheet (SXM BF16 1,979 TFLOPS sparse = 989 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s)",
-            "NVIDIA DGX H200 datasheet (8x ConnectX-7 400 Gb/s)",
+            "NVIDIA DGX H200 datasheet (8x ConnectX-7 400 Gb/s, 2 TB system memory)",
         ],
     },
     "gb200-nvl72": {

@@ -441,6 +441,7 @@ def estimate(
     backward: bool = True,
     window: int | None = _MODEL_WINDOW,
     chunk_size: int | None = None,
+    attention_forwards: int = 1,
 ) -> Estimate:
     """Predict time, bytes and memory of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
@@ -452,7 +453,18 @@ def estimate(
     ``chunked_layers`` in chunks (Llama 4), the rest full; memory is the largest of the kinds.
     ``window=W`` (or None) or ``chunk_size=C`` prices one layer with that window or chunk size
     (from the same block plan the engine runs) instead.
+    ``attention_forwards`` is how often attention runs forward per layer and step (1 plain; 2 with
+    activation checkpointing, whose recomputation repeats it; ``topology.memory.attention_forwards``):
+    each extra one adds a forward pass's attention kernels, ring steps and exchanges (not useful FLOPs).
     """
+    if backward and attention_forwards > 1:
+        return _recomputed(estimate(cluster, model, seq_len, ulysses, ring, dp, batch, dtype=dtype, layout=layout,
+                                    causal=causal, window=window, chunk_size=chunk_size),
+                           estimate(cluster, model, seq_len, ulysses, ring, dp, batch, dtype=dtype, layout=layout,
+                                    causal=causal, backward=False, window=window, chunk_size=chunk_size),
+                           attention_forwards - 1)
+    if not isinstance(attention_forwards, int) or attention_forwards < 1 or (attention_forwards > 1 and not backward):
+        raise ValueError(f"attention_forwards={attention_forwards!r} must be an integer >= 1 (1 without backward)")
     kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
     if window is not _MODEL_WINDOW or chunk_size is not None:
         window = None if window is _MODEL_WINDOW else window
@@ -464,6 +476,14 @@ def estimate(
         return layers[0][1]
     note = ", ".join(f"{n} of {model.layers} layers {what}" for n, _, what in layers) + "; the figures are the average layer"
     return _average_layer([(n / model.layers, est) for n, est, _ in layers], note)
+
+
+def _recomputed(step: Estimate, forward: Estimate, extra: int) -> Estimate:
+    """``step`` (forward + backward) with ``extra`` more attention forwards (``forward``'s attention-side
+    terms: kernels, ring steps, all-to-all, ring transfers); the rest of the layer and the useful FLOPs stay."""
+    terms = ("attention_s", "ring_overhead_s", "a2a_s", "ring_comm_s", "ring_exposed_s")
+    return replace(step, **{f: getattr(step, f) + extra * getattr(forward, f) for f in terms},
+                   notes=step.notes + (f"{1 + extra} attention forwards per layer (recomputation)",))
 
 
 def _layer_kinds(model: ModelShape, seq_len: int, causal: bool) -> list[tuple[int, Any, Any, str]]:

@@ -35,7 +35,8 @@ from .cost import ModelShape
 from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
-__all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq"]
+__all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
+           "attention_forwards", "module_chunked", "keeps_output"]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -66,7 +67,11 @@ class MemoryOptions:
     """Training options that change memory: what `hcp` offers and what the step does."""
 
     checkpoint: bool = True           # activation checkpointing of every decoder layer
-    offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (ALST, FPDT)
+    offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (hcp.offload_checkpoints)
+    prefetch: bool = True             # with offload: the previous layer's input comes back while this layer runs
+                                      # backward (the CUDA default): one more layer input on the device
+    pin_memory: bool = True           # with offload: pinned host buffers (the CUDA default), which PyTorch's
+                                      # host allocator rounds up to a power of two; False: pageable, exact
     head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
     chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
                                       # default); False: inside hcp.attention only
@@ -77,6 +82,11 @@ class MemoryOptions:
     tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
     fsdp: bool = True                 # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
     fused_norm: bool = False          # a fused RMSNorm (keeps its input and rstd only; not part of hcp)
+    tiled_norm: bool = False          # hcp's tiled RMSNorm: keeps only its input, the fp32 upcast lives for one
+                                      # token tile at a time (no full-length fp32 copies)
+    keep_attention_output: bool | None = None  # module-level chunks keep each chunk's attention output and lse
+                                      # (apply_context_parallel's keep_attention_output): None, its default,
+                                      # inside checkpointed layers only; True also without checkpointing
     foreach_optimizer: bool = True    # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
                                       # parameter at once; False (CPU default): per tensor, the largest twice
 
@@ -89,6 +99,12 @@ class MemoryOptions:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 0:
             raise ValueError(f"tiled_mlp={self.tiled_mlp!r} must be a token count >= 1, or 0 for off")
+        if self.keep_attention_output not in (None, True, False):
+            raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be None, True or False")
+        if not isinstance(self.tiled_norm, bool):
+            raise ValueError(f"tiled_norm={self.tiled_norm!r} must be True or False")
+        if self.tiled_norm and self.fused_norm:
+            raise ValueError("tiled_norm=True and fused_norm=True both replace the RMSNorm: pick one")
         if self.offload_checkpoints and not self.checkpoint:
             raise ValueError("offload_checkpoints=True needs checkpoint=True (only checkpointed inputs are offloaded)")
 
@@ -103,6 +119,12 @@ class MemoryOptions:
             parts.append("replicated weights")
         if self.fused_norm:
             parts.append("fused RMSNorm")
+        if self.tiled_norm:
+            parts.append("tiled RMSNorm")
+        if self.offload_checkpoints and not self.prefetch:
+            parts.append("no prefetch")
+        if self.offload_checkpoints and not self.pin_memory:
+            parts.append("pageable host buffers")
         return ", ".join(parts)
 
 
@@ -117,6 +139,8 @@ class MemoryEstimate:
     phases: dict[str, int]
     local_tokens: int
     notes: tuple[str, ...] = field(default=())
+    host: int = 0                     # host bytes per rank (the offloaded checkpoints)
+    activations: dict[str, int] = field(default_factory=dict)  # the activation terms (see _activations)
 
     @property
     def peak_phase(self) -> str:
@@ -124,14 +148,21 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak": self.peak, "peak_phase": self.peak_phase, "persistent": dict(self.persistent),
-                "stages": dict(self.stages), "phases": dict(self.phases), "local_tokens": self.local_tokens}
+                "stages": dict(self.stages), "phases": dict(self.phases), "local_tokens": self.local_tokens,
+                "host": self.host, "activations": dict(self.activations)}
 
 
-def _norm(e: int, fused: bool = False) -> int:
-    """Bytes per hidden unit a (Hugging Face) RMSNorm keeps: its input upcast to fp32 (the input itself
-    in fp32), the normalised value cast back to the compute dtype, and the output (which the next
-    projection keeps as its input). A fused kernel keeps only its input and the output."""
-    return 2 * e if fused else 4 + 2 * e
+def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
+    """Bytes per hidden unit one RMSNorm adds to the saved tensors. Stock (Hugging Face): its input upcast
+    to fp32, the normalised value cast back to the compute dtype, and the output (which the next projection
+    keeps as its input): 4 + 2e. Fused or tiled: its compute-dtype input and the output, 2e. ``input_kept``:
+    the input is counted elsewhere (a checkpointed layer's first norm, whose input the checkpoint keeps),
+    so the tiled norm adds e, and so does the stock one's upcast in fp32, where it is the input itself."""
+    if o.tiled_norm:
+        return e if input_kept else 2 * e
+    if o.fused_norm:
+        return 2 * e
+    return (0 if input_kept and e == 4 else 4) + 2 * e
 
 
 def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ring: int, rank: int | None, T: int,
@@ -178,20 +209,28 @@ def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
     return max(range(len(split)), key=lambda j: (split[j][0], split[j][3]))
 
 
-def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[dict[str, int], int, int, int]:
-    """Model-state bytes held through the step, then those that appear in backward: (persistent, one
-    block's unsharded gradient, the root's unsharded gradient, all unsharded gradients)."""
-    P, lp, root = model.params, model.layer_params, 2 * model.vocab * model.d_model
+def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Model-state bytes held through the step, then the gradients that appear in backward: one block's
+    unsharded gradient and its fp32 reduce-scatter input (``block``), the LM head's gradient alive through
+    the layers' backward (``lm_head``), those alive in the first layer's backward (``first_layer``: without
+    FSDP every gradient but the embedding's has accumulated by then), the root's at the end of backward
+    (``root_end``: both root gradients and their fp32 reduce-scatter input) and, without FSDP, all of
+    them (``all``)."""
+    P, lp, root, head = model.params, model.layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
     if not fsdp:  # every rank holds all of it in fp32; the gradients appear in backward (the LM head's first)
-        return {"params": MASTER * P, "adam": ADAM_STATE * P}, 0, 0, GRAD * P
+        return ({"params": MASTER * P, "adam": ADAM_STATE * P},
+                {"block": 0, "lm_head": GRAD * head, "first_layer": GRAD * (P - head), "root_end": 0, "all": GRAD * P})
     persistent = {
         "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,  # fp32 master weights are the shards
         "unsharded_root": root * e if world > 1 else 0,
         "unsharded_blocks": 2 * lp * e if world > 1 else 0,  # the current block and the prefetched one
     }
-    grad_block = lp * max(e, GRAD) if world > 1 else 0
-    grad_root = root * max(e, GRAD) if world > 1 else 0
-    return persistent, grad_block, grad_root, 0
+    # FSDP2's unsharded gradients are in the compute dtype (the parameters'); the root (embedding, LM head,
+    # final norm) reduces once, after the embedding's backward, the last
+    grads = {"block": lp * max(e, GRAD) if world > 1 else 0, "lm_head": head * e if world > 1 else 0,
+             "root_end": root * (e + GRAD) if world > 1 else 0, "all": 0}
+    grads["first_layer"] = grads["lm_head"]  # the blocks' gradients are reduce-scattered as each block finishes
+    return persistent, grads
 
 
 def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: int, T: int,
@@ -211,7 +250,31 @@ def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: i
     in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
     attn_fwd = int(in_flight * fwd_m) + T * E * e
     attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
-    return 0, attn_fwd, attn_bwd, engine_fwd, engine_bwd
+    c = head_split(H, Hkv, ulysses)[rank][0]
+    kept = H * D * e + ulysses * c * FP32_BYTES if keeps_output(o) else 0  # every chunk's output and lse
+    # the module holds them all until it returns (forward and recomputation alike)
+    return kept, attn_fwd + T * kept, attn_bwd, engine_fwd, engine_bwd
+
+
+def keeps_output(o: MemoryOptions) -> bool:
+    """Whether module-level chunks keep each chunk's attention output and lse from the forward that saves
+    tensors (the layer's recomputation under checkpointing), so that a chunk's backward re-projects its
+    Q/K/V but runs no attention forward (UPipe's schedule): one output-sized tensor per layer in exchange
+    for one attention forward."""
+    return o.keep_attention_output is True or (o.keep_attention_output is None and o.checkpoint)
+
+
+def module_chunked(model: ModelShape, ulysses: int, o: MemoryOptions) -> bool:
+    """Whether ``o`` runs module-level head chunks (from the projections on) for this model and degree."""
+    return o.head_chunks > 1 and o.chunk_projections and \
+        len(module_chunks(model.heads, model.n_kv, ulysses, o.head_chunks)[0]) > 1
+
+
+def attention_forwards(model: ModelShape, ulysses: int, o: MemoryOptions) -> int:
+    """Attention forwards per layer and step: the forward, the checkpointed layer's recomputation, and with
+    module-level chunks that do not keep their output (:func:`keeps_output`) one more in each chunk's
+    backward: 2 with checkpointing, 1 without (2 with module chunks that keep nothing)."""
+    return 1 + int(o.checkpoint) + int(module_chunked(model, ulysses, o) and not keeps_output(o))
 
 
 def _mlp_stage(T: int, E: int, inter: int, n_mlp: int, e: int, tiled_mlp: int) -> tuple[int, int]:
@@ -237,17 +300,38 @@ def _loss_stage(T: int, E: int, V: int, e: int, o: MemoryOptions) -> tuple[int, 
 
 
 def _activations(model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: int,
-                 o: MemoryOptions) -> tuple[int, int]:
-    """(one layer's saved tensors, all activations alive at the start of backward)."""
+                 o: MemoryOptions) -> dict[str, int]:
+    """What is alive of the activations, by term: one layer's saved tensors (``layer``), the final norm's
+    (``final_norm``, freed by its backward, which runs before the last layer's), the layer inputs kept on
+    the device (``inputs``: the other layers' saved tensors without checkpointing, every checkpointed
+    input with it, none when offloaded), the previous layer's input prefetched from host memory while a
+    layer runs backward (``fetched``), and the rotary cos/sin tables every layer reads (``rotary``)."""
     E, L = model.d_model, model.layers
-    layer_saved = T * (2 * _norm(e, o.fused_norm) * E + attn_saved + mlp_saved)
-    final = T * _norm(e, o.fused_norm) * E  # final norm
+    # a checkpointed layer's own input is counted in `inputs` unless offloaded: then the norm that keeps it
+    # keeps the fetched copy (a stock norm keeps its fp32 upcast instead and the fetched copy dies)
+    first_norm = _norm(e, o, input_kept=o.checkpoint and not o.offload_checkpoints)
+    layer = T * ((first_norm + _norm(e, o)) * E + attn_saved + mlp_saved)
     if not o.checkpoint:
-        return layer_saved, L * layer_saved + final
-    acts = (0 if o.offload_checkpoints else L * T * E * e) + layer_saved + final  # one layer recomputed
-    if o.offload_checkpoints:
-        acts += 2 * T * E * e  # the layer input being fetched back
-    return layer_saved, acts
+        inputs = (L - 1) * layer  # the other layers' saved tensors: the one in backward is ``layer``
+    else:
+        inputs = 0 if o.offload_checkpoints else L * T * E * e
+    return {"layer": layer, "final_norm": T * _norm(e, o) * E, "inputs": inputs,
+            "fetched": T * E * e if o.offload_checkpoints and o.prefetch else 0,
+            "rotary": T * 2 * model.head_dim * e}
+
+
+def host_bytes(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, batch: int = 1,
+               options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag") -> int:
+    """Host memory one rank needs for its offloaded checkpoints: one buffer per layer input (the first
+    one included: the runtime offloads them all), 0 without offload. Pinned buffers come from PyTorch's
+    caching host allocator, which rounds each request up to a power of two (ATen/core/
+    CachingHostAllocator.h, by default for every size): 5 GiB layer inputs take 8 GiB buffers."""
+    o = options or MemoryOptions()
+    if not o.offload_checkpoints:
+        return 0
+    T = batch * make_layout(layout, ulysses, ring, seq_len=seq_len).local_len
+    one = T * model.d_model * dtype_bytes(dtype)
+    return model.layers * (1 << (one - 1).bit_length() if o.pin_memory else one)
 
 
 def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
@@ -268,10 +352,10 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     split = head_split(model.heads, model.n_kv, ulysses)
     rank = _busiest_rank(split) if ulysses_rank is None else ulysses_rank
     T = batch * make_layout(layout, ulysses, ring, seq_len=seq_len).local_len  # local tokens
-    persistent, grad_block, grad_root, grads_unsharded = _model_states(model, world, e, o.fsdp)
+    persistent, grads = _model_states(model, world, e, o.fsdp)
     attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, e, ulysses, ring, rank, T, o)
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
-    layer_saved, acts = _activations(model, T, e, attn_saved, mlp_saved, o)
+    acts = _activations(model, T, e, attn_saved, mlp_saved, o)
     mlp_fwd, mlp_bwd = _mlp_stage(T, E, inter, n_mlp, e, o.tiled_mlp)
     loss_fwd, loss_bwd = _loss_stage(T, E, V, e, o)
     stages = {"engine_fwd": int(engine_fwd), "engine_bwd": int(engine_bwd), "attention_fwd": int(attn_fwd),
@@ -279,29 +363,50 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
               "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
     if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
         stages["recompute"] = int(max(attn_fwd, mlp_fwd))
+    phases = _phases(model, T, e, world, o, persistent, grads, acts, stages, mlp_saved)
+    notes = []
+    host = host_bytes(model, seq_len, ulysses, ring, batch, o, dtype=dtype, layout=layout)
+    if host:
+        notes.append(f"{host / GiB:.1f} GiB of checkpointed layer inputs in host memory")
+    persistent = {kk: int(v) for kk, v in persistent.items()}
+    persistent["activations"] = int(sum(acts.values()))
+    return MemoryEstimate(peak=int(max(phases.values())), persistent=persistent, stages=stages,
+                          phases={kk: int(v) for kk, v in phases.items()}, local_tokens=T, notes=tuple(notes),
+                          host=int(host), activations={kk: int(v) for kk, v in acts.items()})
 
+
+def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, persistent: dict[str, int],
+            grads: dict[str, int], acts: dict[str, int], stages: dict[str, int], mlp_saved: int) -> dict[str, int]:
+    """The candidate peaks: the last layer's forward, the loss, the last layer's backward (the first in
+    backward: the most activations alive), the first layer's (the most gradients alive), the root's
+    gradients at the end of backward, the optimizer."""
+    E, V, inter = model.d_model, model.vocab, model.intermediate or 4 * model.d_model
     base = sum(persistent.values())
     shards = world if o.fsdp else 1
     largest = max(V * E, E * inter, model.heads * model.head_dim * E) // shards
     optimizer_temp = 4 * model.params // shards
+    layer, final, fetched = acts["layer"], acts["final_norm"], acts["fetched"]
+    inputs = acts["inputs"] + acts["rotary"]
     # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's
     # and the second norm's saved tensors are freed
-    layer_bwd = max(layer_saved + mlp_bwd,
-                    layer_saved - T * (mlp_saved + _norm(e, o.fused_norm) * E) + attn_bwd) + grad_block
-    recomputed = layer_saved if o.checkpoint else 0
+    layer_bwd = max(layer + stages["mlp_bwd"],
+                    layer - T * (mlp_saved + _norm(e, o) * E) + stages["attention_bwd"]) + grads["block"]
+    before_norm = inputs + (0 if o.checkpoint else layer)  # the layers' part when the final norm runs
+    current = T * E * e if o.offload_checkpoints else 0     # the running layer's input, offloaded but still held
     phases = {
-        "forward": base + acts - recomputed + max(attn_fwd, mlp_fwd),
-        "loss": base + acts + (0 if o.tiled_loss else T * V * 4) + max(loss_fwd, loss_bwd) - recomputed,
-        "last_layer_backward": base + acts - layer_saved + grad_root + (GRAD * V * E if not o.fsdp else 0) + layer_bwd,
-        "optimizer": base + grads_unsharded + (optimizer_temp if o.foreach_optimizer else 2 * 4 * largest),
+        "forward": base + before_norm + current + (0 if o.checkpoint else final)
+        + max(stages["attention_fwd"], stages["mlp_fwd"]),
+        "loss": base + before_norm + final + (0 if o.tiled_loss else T * V * 4) + max(stages["loss_fwd"],
+                                                                                      stages["loss_bwd"]),
+        "last_layer_backward": base + inputs + fetched + grads["lm_head"] + layer_bwd,
+        # the first layer's backward: its own input only (nothing left to prefetch), the gradients so far
+        "first_layer_backward": base + acts["rotary"] + (T * E * e if o.checkpoint and not o.offload_checkpoints
+                                                         else 0) + grads["first_layer"] + layer_bwd,
+        "optimizer": base + grads["all"] + (optimizer_temp if o.foreach_optimizer else 2 * 4 * largest),
     }
-    notes = []
-    if o.checkpoint and o.offload_checkpoints:
-        notes.append(f"{model.layers * T * E * e / GiB:.1f} GiB of checkpointed layer inputs in host memory")
-    persistent = {kk: int(v) for kk, v in persistent.items()}
-    persistent["activations"] = int(acts)
-    return MemoryEstimate(peak=int(max(phases.values())), persistent=persistent, stages=stages,
-                          phases={kk: int(v) for kk, v in phases.items()}, local_tokens=T, notes=tuple(notes))
+    if grads["root_end"]:
+        phases["root_gradients"] = base + grads["root_end"]
+    return phases
 
 
 @dataclass(frozen=True)
@@ -324,11 +429,15 @@ class MaxSeq:
 
 def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: MemoryOptions | None = None, *,
                 heads_bound: bool = True, dtype: Any = "bf16", layout: str = "zigzag", dp: int = 1,
-                splits: list[tuple[int, int]] | None = None, granularity: int = 1024) -> MaxSeq | None:
+                splits: list[tuple[int, int]] | None = None, granularity: int = 1024,
+                host_memory: float | None = None, pins: tuple[bool, ...] | None = None) -> MaxSeq | None:
     """Longest sequence (a multiple of ``granularity`` tokens) whose :func:`step_memory` peak fits
-    ``memory_budget`` bytes per rank, over every (ulysses, ring) split of ``world // dp`` ranks (or
-    ``splits``). ``options.head_chunks`` is an upper bound: every k <= it that the heads allow is tried.
-    Returns None when not even ``granularity`` tokens fit."""
+    ``memory_budget`` bytes per rank (the budget as given: no further margin) and whose offloaded
+    checkpoints fit ``host_memory`` bytes of host RAM per rank (None: unbounded), over every (ulysses,
+    ring) split of ``world // dp`` ranks (or ``splits``). ``options.head_chunks`` is an upper bound: every
+    k <= it that the heads allow is tried; with offload and ``options.pin_memory``, pageable host buffers
+    too (pinned ones win a tie; ``pins`` fixes the choices). Returns None when not even ``granularity``
+    tokens fit."""
     o = options or MemoryOptions()
     if world % dp:
         raise ValueError(f"dp={dp} must divide world={world}")
@@ -339,10 +448,14 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
     for u, r in splits:
         c = head_split(model.heads, model.n_kv, u)[0][0]
         chunk_options = sorted({min(hc, c) for hc in range(1, o.head_chunks + 1)})
-        for hc in chunk_options:
-            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc})
+        tried = pins or ((True, False) if o.offload_checkpoints and o.pin_memory else (o.pin_memory,))
+        for hc, pin in [(hc, pin) for hc in chunk_options for pin in tried]:
+            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
 
             def fits(n: int) -> bool:
+                if host_memory is not None and \
+                        host_bytes(model, n * granularity, u, r, 1, opt, dtype=dtype, layout=layout) > host_memory:
+                    return False
                 return step_memory(model, n * granularity, u, r, dp, 1, opt, dtype=dtype, layout=layout).peak \
                     <= memory_budget
 
@@ -365,19 +478,20 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
 
 def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype: Any = "bf16",
                   layout: str = "zigzag", dp: int = 1, head_chunks: int = 8, tiled_mlp: int = 8192,
-                  loss_chunk: int | None = None, granularity: int = 1024) -> list[tuple[str, MaxSeq | None]]:
+                  loss_chunk: int | None = None, granularity: int = 1024, host_memory: float | None = None,
+                  prefetch: bool = True) -> list[tuple[str, MaxSeq | None]]:
     """The longest sequence for a ladder of option sets, each adding one memory saving to the last:
-    checkpointing only, + tiled loss, + tiled MLP, + head chunks (the serial schedule: the least memory),
-    + checkpoint offload."""
-    ladder = [
-        ("activation checkpointing", MemoryOptions(loss_chunk=loss_chunk)),
-        ("+ tiled loss", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk)),
-        ("+ tiled MLP", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk, tiled_mlp=tiled_mlp)),
-        (f"+ head_chunks <= {head_chunks}, serial", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk,
-                                                                  tiled_mlp=tiled_mlp, head_chunks=head_chunks,
-                                                                  overlap=False)),
-        ("+ checkpoint offload (planner only)", MemoryOptions(tiled_loss=True, loss_chunk=loss_chunk, tiled_mlp=tiled_mlp,
-                                               head_chunks=head_chunks, overlap=False, offload_checkpoints=True)),
-    ]
-    return [(name, max_seq_len(model, world, memory_budget, o, dtype=dtype, layout=layout, dp=dp,
-                               granularity=granularity)) for name, o in ladder]
+    checkpointing only, + tiled loss, + tiled MLP, + head chunks (the serial schedule: the least memory;
+    ``head_chunks=1`` keeps every rung unchunked), + checkpoint offload (bounded by ``host_memory`` per
+    rank), + tiled RMSNorm. Every rung is an option hybrid-cp runs."""
+    base: dict[str, Any] = dict(loss_chunk=loss_chunk, prefetch=prefetch)
+    rungs = [("activation checkpointing", {}), ("+ tiled loss", dict(tiled_loss=True)),
+             ("+ tiled MLP", dict(tiled_mlp=tiled_mlp)),
+             (f"+ head_chunks <= {head_chunks}, serial", dict(head_chunks=head_chunks, overlap=False)),
+             ("+ checkpoint offload", dict(offload_checkpoints=True)), ("+ tiled RMSNorm", dict(tiled_norm=True))]
+    rows = []
+    for name, extra in rungs:
+        base.update(extra)
+        rows.append((name, max_seq_len(model, world, memory_budget, MemoryOptions(**base), dtype=dtype,
+                                       layout=layout, dp=dp, granularity=granularity, host_memory=host_memory)))
+    return rows

@@ -16,6 +16,7 @@ from typing import Any
 from .cluster import Cluster
 from .cost import Estimate, ModelShape, estimate
 from .layouts import granularity
+from .memory import MemoryOptions, attention_forwards
 from .placement import PlacementWarning, check_placement, divisors
 from .units import GiB
 
@@ -138,12 +139,16 @@ def plan(
     dtype: Any = "bf16",
     layout: str = "zigzag",
     causal: bool = True,
+    options: MemoryOptions | None = None,
 ) -> PlanList:
     """Rank every feasible (ulysses, ring, dp) split of ``world_size`` GPUs (default: all of them).
 
     ``memory_budget`` is bytes per GPU (default: 90% of the accelerator's memory, leaving room for the
     CUDA context, communication buffers and fragmentation); ``batch`` is sequences per CP group;
-    ``dp`` fixes the data-parallel degree (``dp=1``: one CP group over all GPUs). Raises :class:`PlanError` when nothing fits, saying what to change.
+    ``dp`` fixes the data-parallel degree (``dp=1``: one CP group over all GPUs). ``options`` (the
+    training's memory options) set how often attention runs forward per layer: with activation
+    checkpointing the recomputation repeats it (``topology.memory.attention_forwards``); default: once.
+    Raises :class:`PlanError` when nothing fits, saying what to change.
     """
     world = cluster.world_size if world_size is None else world_size
     if not isinstance(world, int) or world < 1 or world > cluster.world_size:
@@ -167,7 +172,9 @@ def plan(
             if seq_len < g:
                 rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
                 continue
-            est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal)
+            forwards = attention_forwards(model, u, options) if options is not None else 1
+            est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal,
+                           attention_forwards=forwards)
             if est.memory_bytes > budget:
                 rejected.append(
                     Rejected(u, r, d, f"memory {est.memory_bytes / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB")

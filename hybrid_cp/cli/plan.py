@@ -15,7 +15,7 @@ from typing import Any
 from topology.cluster import Cluster, ClusterError
 from topology.cost import MODEL_PRESETS, ModelShape
 from topology.discovery import discover
-from topology.memory import max_seq_table
+from topology.memory import attention_forwards, max_seq_table
 from topology.planner import PlanError, PlanList, plan
 from topology.units import GiB
 
@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
     w.add_argument("--world-size", type=int, help="GPUs to use (default: all)")
     w.add_argument("--dp", type=int, help="fix the data-parallel degree (1 = one CP group over all GPUs)")
-    w.add_argument("--memory-budget", type=parse_bytes, help="bytes per GPU, e.g. 70G (default 90%% of memory)")
+    w.add_argument("--memory-budget", type=parse_bytes,
+                   help="bytes per GPU, e.g. 70G, used as given (default 90%% of device memory)")
     w.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     w.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     w.add_argument("--no-causal", dest="causal", action="store_false", help="full (bidirectional) attention")
@@ -175,37 +176,56 @@ def add_max_seq_arguments(parser: Any) -> None:
     g = parser.add_argument_group("longest sequence (--max-seq)")
     g.add_argument("--max-seq", action="store_true",
                    help="print the longest sequence that fits per option set, with its (u, r, head_chunks)")
-    g.add_argument("--head-chunks", type=int, default=8, help="largest head_chunks to try (default 8)")
+    g.add_argument("--head-chunks", type=int, default=8,
+                   help="largest head_chunks to try (default 8; 1 keeps every rung unchunked)")
     g.add_argument("--tiled-mlp", type=int, default=8192, metavar="TOKENS", help="MLP chunk (default 8192)")
     g.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
                    help="loss chunk (default: 256 MiB of fp32 logits, as hcp.tiled_cross_entropy)")
+    g.add_argument("--host-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="host RAM per GPU for offloaded checkpoints, e.g. 200G (default: the cluster's "
+                        "host_memory_gb / GPUs per node; unbounded when the cluster does not say)")
+    g.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="offloaded checkpoints without prefetch (one layer input fewer on the device)")
+
+
+def _pinned(options: Any) -> str:
+    """The ladder's pinned column: whether offloaded checkpoints use pinned host buffers."""
+    return ("yes" if options.pin_memory else "no") if options.offload_checkpoints else "-"
 
 
 def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
     """`hybrid-cp plan --max-seq`: print (or --json) the ladder of `topology.memory.max_seq_table`."""
     world = args.world_size or cluster.world_size
     budget = args.memory_budget or cluster.accelerator.memory_budget
+    host = args.host_memory if args.host_memory is not None else cluster.host_memory_per_gpu
     if model.vocab == 0:
         raise UsageError("--max-seq needs the vocabulary size for the loss: use --model NAME (e.g. llama3-8b)")
     if args.head_chunks < 1 or args.tiled_mlp < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
         raise UsageError(f"--head-chunks={args.head_chunks}, --tiled-mlp={args.tiled_mlp} and "
                          f"--loss-chunk={args.loss_chunk} must be >= 1")
+    if host is not None and host <= 0:
+        raise UsageError(f"--host-memory={args.host_memory} must be > 0 bytes")
     rows = max_seq_table(model, world, budget, dtype=args.dtype, layout=args.layout, dp=args.dp or 1,
-                         head_chunks=args.head_chunks, tiled_mlp=args.tiled_mlp, loss_chunk=args.loss_chunk)
+                         head_chunks=args.head_chunks, tiled_mlp=args.tiled_mlp, loss_chunk=args.loss_chunk,
+                         host_memory=host, prefetch=args.prefetch)
     if args.json:
         print(json.dumps([{"options": name, "seq_len": b.seq_len if b else 0,
                            **({"ulysses": b.ulysses, "ring": b.ring, "dp": b.dp, "head_chunks": b.options.head_chunks,
+                               "attention_forwards": attention_forwards(model, b.ulysses, b.options),
                                "memory": b.estimate.to_dict()} if b else {})} for name, b in rows], indent=2))
         return 0
+    host_text = f"{host / GiB:.1f} GiB/GPU" if host is not None else "unbounded (the cluster does not say)"
     print(f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters, layers={model.layers} "
           f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
-          f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU")
-    print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9}  peak at")
+          f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU, host memory {host_text}")
+    print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9} {'host GiB':>9} "
+          f"{'pinned':>6} {'attn fwd':>8}  peak at")
     for name, b in rows:
         if b is None:
             print(f"{name:<36} {'none fits':>6}")
             continue
         e = b.estimate
         print(f"{name:<36} {b.seq_len / 2**20:>5.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
-              f"{e.peak / GiB:>9.1f}  {e.peak_phase}")
+              f"{e.peak / GiB:>9.1f} {e.host / GiB:>9.1f} {_pinned(b.options):>6} "
+              f"{attention_forwards(model, b.ulysses, b.options):>8}  {e.peak_phase}")
     return 0

@@ -9,11 +9,17 @@ integration runs the module's own code up to its attention call, so projections,
 embeddings stay the model's), and owns everything after it, so it can post chunk j + 1's exchange
 before chunk j's ring. The output projection is linear in the heads: each chunk applies its columns.
 
-Memory, as with checkpointed chunks: forward keeps the module's inputs only. Backward takes one chunk
-at a time: it recomputes the chunk's projections (values only, for the exchange) and its attention
-forward (for the output and lse), runs the ring backward, and back-propagates through the projections
-recomputed once more with their graph, so one chunk's graph exists at a time. Overlapped, one more
-stage is in flight (its exchange buffers) and the previous chunk's results are still landing.
+Memory: forward keeps the module's inputs and, with `keep_output`, per stage the attention output in
+head layout and its fp32 lse (together one `[tokens, heads x head_dim]` tensor, as UPipe keeps; saved
+through autograd, so inside a checkpointed layer the first forward's copies are dropped and the
+layer's recomputation keeps them). Backward takes one chunk at a time: it recomputes the chunk's
+projections (values only, for the exchange), runs the ring backward with the kept output and lse (or,
+without `keep_output`, with those of the chunk's attention forward run again), and back-propagates
+through the projections recomputed once more with their graph, so one chunk's graph exists at a time.
+So attention runs forward twice per checkpointed layer with `keep_output` (three times without), and
+once per unchecked layer with it (twice without, at one output-sized tensor less per layer).
+Overlapped, one more stage is in flight (its exchange buffers) and the previous chunk's results are
+still landing.
 
 Stages: a module chunk may itself be cut into engine-level chunks (`topology.layouts.module_chunks`
 says how many: when whole GQA groups leave too few chunks); stage (j, e) is engine chunk e of module
@@ -137,10 +143,11 @@ class _Forward:
     """The forward stages: chunk j's projection when its first stage is posted, the ring per stage, the
     output home per stage, and the chunk's share of the output projection once its output has landed."""
 
-    def __init__(self, project, q_ranges, engine: _Engine, tensors):
-        self.project, self.q_ranges, self.engine, self.tensors = project, q_ranges, engine, tensors
+    def __init__(self, project, q_ranges, engine: _Engine, tensors, keep: bool):
+        self.project, self.q_ranges, self.engine, self.tensors, self.keep = project, q_ranges, engine, tensors, keep
         self.chunks: dict[int, _Chunk] = {}
         self.y: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []   # with keep, per stage in order: its output (head layout) and lse
 
     def post(self, stage) -> Posted:
         j, e = stage
@@ -154,8 +161,10 @@ class _Forward:
         c = self.chunks[j]
         if e == 0:
             c.kh, c.vh = got[1], got[2]
-        out_h, _, _ = stage_forward(c.call, e, got[0], c.kh, c.vh)
-        del got
+        out_h, lse, _ = stage_forward(c.call, e, got[0], c.kh, c.vh)
+        if self.keep:
+            self.kept += [out_h, lse]
+        del got, lse
         if c.out is None:
             c.out = c.q_like.new_empty(c.out_shape)
         landed = [post_home(c.call.cp, c.call.lay, [out_h], [c.stages.q[e]], [c.out], "ulysses_fwd")]
@@ -176,11 +185,12 @@ class _Forward:
 
 class _Backward:
     """The backward stages, one module chunk's graph at a time: the chunk's projections recomputed (values
-    only) and d(out) from the output projection, then per stage the recomputed ring forward and the ring
-    backward, the gradients home, and back through the projections once the chunk's gradients have landed."""
+    only) and d(out) from the output projection, then per stage the ring backward with forward's kept
+    output and lse, the gradients home, and back through the projections once the chunk's gradients have landed."""
 
-    def __init__(self, project, q_ranges, engine: _Engine, tensors, dy: torch.Tensor):
+    def __init__(self, project, q_ranges, engine: _Engine, tensors, dy: torch.Tensor, kept: dict):
         self.project, self.q_ranges, self.engine, self.tensors, self.dy = project, q_ranges, engine, tensors, dy
+        self.kept = kept   # stage -> (output in head layout, lse) from forward; empty: recompute them
         self.w_o = tensors[-2]
         self.wanted = [t for t in tensors[:-2] if t.requires_grad]
         self.dw_o = torch.empty_like(self.w_o) if self.w_o.requires_grad else None
@@ -212,8 +222,12 @@ class _Backward:
         if e == 0:
             c.kh, c.vh = got[2], got[3]
         del got
-        oh, lse, halo = stage_forward(c.call, e, qh, c.kh, c.vh)   # recomputed
+        if stage in self.kept:   # kept by forward: no attention forward again (a halo is received again)
+            (oh, lse), halo = self.kept.pop(stage), None
+        else:
+            oh, lse, halo = stage_forward(c.call, e, qh, c.kh, c.vh)   # recomputed
         dqh, dkh, dvh, _ = stage_backward(c.call, e, doh, qh, c.kh, c.vh, oh, lse, halo)
+        del halo
         del qh, doh, lse
         dkh, dvh = self._kv_grads(c, e, dkh, dvh)
         if c.out is None:
@@ -268,34 +282,39 @@ class _Backward:
 
 class _Pipelined(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, project, q_ranges, kv_counts, engine, overlap, n_in, *tensors):
+    def forward(ctx, project, q_ranges, kv_counts, engine, overlap, keep, n_in, *tensors):
         counts = [engine.stage_count(qb - qa, n) for (qa, qb), n in zip(q_ranges, kv_counts)]
-        run = _Forward(project, q_ranges, engine, tensors)
+        run = _Forward(project, q_ranges, engine, tensors, keep)
         drive(_stages(counts), run.post, run.compute, overlap, run.finish)
-        ctx.save_for_backward(*tensors[:n_in])
+        ctx.save_for_backward(*tensors[:n_in], *run.kept)
         ctx.params = tensors[n_in:]   # parameters: by reference (FSDP2 re-fills their storage for backward)
-        ctx.args = (project, q_ranges, counts, engine, overlap)
+        ctx.args = (project, q_ranges, counts, engine, overlap, n_in)
         return run.y[0]
 
     @staticmethod
     def backward(ctx, dy):
-        project, q_ranges, counts, engine, overlap = ctx.args
+        project, q_ranges, counts, engine, overlap, n_in = ctx.args
+        saved = ctx.saved_tensors
+        stages = _stages(counts)
+        kept = {stage: (saved[n_in + 2 * i], saved[n_in + 2 * i + 1]) for i, stage in enumerate(stages)
+                if len(saved) > n_in}
         # leaves of the recomputed projections: every chunk's gradients accumulate into their .grad in place
         tensors = [x.detach().requires_grad_(x.requires_grad) if x is not None else None
-                   for x in (*ctx.saved_tensors, *ctx.params)]
-        run = _Backward(project, q_ranges, engine, tensors, dy)
-        drive(_stages(counts), run.post, run.compute, overlap, run.finish)
+                   for x in (*saved[:n_in], *ctx.params)]
+        del saved
+        run = _Backward(project, q_ranges, engine, tensors, dy, kept)
+        drive(stages, run.post, run.compute, overlap, run.finish)
         b_o = tensors[-1]
         grads = [t.grad if t is not None and t.requires_grad else None for t in tensors[:-2]]
         db_o = run.dy2.sum(0) if b_o is not None and b_o.requires_grad else None
-        return (None, None, None, None, None, None, *grads, run.dw_o, db_o)
+        return (None, None, None, None, None, None, None, *grads, run.dw_o, db_o)
 
 
 def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Projected],
                             q_ranges: Sequence[tuple[int, int]], kv_counts: Sequence[int], cp: "CPMesh",
                             engine_chunks: int, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                             o_weight: torch.Tensor, o_bias: torch.Tensor | None, *,
-                            overlap: bool | None = None) -> torch.Tensor:
+                            overlap: bool | None = None, keep_output: bool = True) -> torch.Tensor:
     """The output of an attention module whose heads run in module chunks: its output projection
     (`o_weight`, `o_bias`) applied to the attention output [B, S_local, H, D] of all chunks.
 
@@ -305,7 +324,9 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
     parameters (saved through autograd, so that checkpointing manages them: `project` must hold no
     tensor of its own); `q_ranges[j]` are chunk j's query heads among the module's H and `kv_counts[j]`
     its KV heads. Gradients reach every tensor that requires them.
-    `overlap=None` uses `hybrid_cp.engine.headchunk.OVERLAP`.
+    `overlap=None` uses `hybrid_cp.engine.headchunk.OVERLAP`. `keep_output`: keep each stage's attention
+    output and lse for backward instead of running the chunk's attention forward again there (one
+    output-sized tensor kept; free inside a checkpointed layer, whose first forward keeps nothing).
     """
     from .headchunk import OVERLAP  # read at call time: the schedule is set on the module
 
@@ -313,4 +334,5 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
     tensors = [*inputs, *params, o_weight, o_bias]
     needs_grad = int(torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     engine = _Engine(cp, engine_chunks, needs_grad)
-    return _Pipelined.apply(project, tuple(q_ranges), tuple(kv_counts), engine, overlap, len(inputs), *tensors)
+    return _Pipelined.apply(project, tuple(q_ranges), tuple(kv_counts), engine, overlap, bool(keep_output),
+                            len(inputs), *tensors)

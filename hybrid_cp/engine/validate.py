@@ -670,16 +670,23 @@ class ModelInputSignature(NamedTuple):
     local_length: int = 0
     has_mask: int = 0
     documents: int = 0   # digest of the packed row's document lengths, 0 for a dense row
+    loss: int = 0        # labels given: every rank joins the loss's all-reduce
 
-    labels = ("batch", "local length", "has mask", "cu_seq_lens_q (checksum)")
+    labels = ("batch", "local length", "has mask", "cu_seq_lens_q (checksum)", "labels given")
 
 
 def _model_call_options(kwargs: Mapping[str, Any]) -> None:
-    if kwargs.get("labels") is not None:
-        raise ConfigError("labels= was passed to a context-parallel model: its built-in loss would shift the "
-                          "labels inside this rank's shard and average per rank. Call the model without "
-                          "labels and use hcp.cross_entropy(logits, batch['labels'], cp) with the labels "
-                          "from hcp.shard_batch (already shifted on the full sequence)")
+    labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
+    if labels is not None and shifted is None:
+        raise ConfigError("labels= was passed to a context-parallel model without shift_labels=: the model would "
+                          "shift the labels inside this rank's shard, so the target of its last token (on another "
+                          "rank) would be wrong. Pass the output of hcp.shard_batch as it is (its labels are "
+                          "already shifted on the full sequence and it carries them as shift_labels too), or "
+                          "call the model without labels and use hcp.cross_entropy(logits, batch['labels'], cp)")
+    ref = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if shifted is not None and (not isinstance(shifted, torch.Tensor) or tuple(shifted.shape) != tuple(ref.shape[:2])):
+        raise ShapeError(f"shift_labels must be this rank's [batch, seq_local] = {list(ref.shape[:2])} next-token "
+                         f"targets from hcp.shard_batch, got {getattr(shifted, 'shape', type(shifted).__name__)}")
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             raise ConfigError(f"{name}= was passed: KV caches (generation) are not supported under context "
@@ -720,6 +727,13 @@ def _model_local_checks(cp, kwargs: dict) -> ModelInputSignature:
     b, s = ref.shape[0], ref.shape[1]
     _model_call_options(kwargs)
     cu = kwargs.get("cu_seq_lens_q")
+    pos = kwargs.get("position_ids")
+    if cu is None and isinstance(pos, torch.Tensor) and pos.dim() >= 1 and pos.shape[-1] > 1 and \
+            bool((pos[..., 1:] < pos[..., :-1]).any()):
+        raise ConfigError("position_ids decrease inside this rank's row (packed documents, e.g. from "
+                          "DataCollatorWithFlattening) but no cu_seq_lens_q was passed, so the document boundaries "
+                          "of the whole row are unknown on this rank: shard the packed batch with hcp.shard_batch "
+                          "and pass its output as it is (it adds cu_seq_lens_q/cu_seq_lens_k)")
     lay = row_layout(cp, local_len=s, cu_seqlens=cu, causal=True, what="the model's input")
     if cu is not None and (mask is not None or b != 1):
         raise ConfigError("a packed row (cu_seq_lens_q) is one row without attention_mask: pass the output of "
@@ -733,7 +747,8 @@ def _model_local_checks(cp, kwargs: dict) -> ModelInputSignature:
         if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
             raise ConfigError("attention_mask must hold 0/1 (or bool) padding flags; additive float masks are "
                               "not supported under context parallelism")
-    return ModelInputSignature(b, s, int(mask is not None), 0 if cu is None else digest(lay.doc_lens))
+    return ModelInputSignature(b, s, int(mask is not None), 0 if cu is None else digest(lay.doc_lens),
+                               int(kwargs.get("labels") is not None))
 
 
 def model_inputs(cp, kwargs: dict) -> dict:

@@ -175,8 +175,10 @@ _CONTAINER = re.compile(r"Norm|ForCausalLM$|Model$|Layer$|Block$|Embedding")
 IMPLEMENTED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "cu_seq_lens_q",
                                 "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "softcap"})
 # ... or with no effect on the attention output (position_ids: the model applied them before the call;
-# the forward pre-hook checks them). The falsy-only ones change what the model returns when true.
-NEUTRAL_KWARGS = frozenset({"position_ids"})
+# the forward pre-hook checks them; shift_labels, num_items_in_batch: the loss's inputs, passed down with the
+# rest; seq_idx: the document of each token, for linear-attention convolutions: the attention call reads the
+# boundaries from cu_seq_lens_q). The falsy-only ones change what the model returns when true.
+NEUTRAL_KWARGS = frozenset({"position_ids", "shift_labels", "num_items_in_batch", "seq_idx"})
 NEUTRAL_WHEN_FALSE_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits"})
 
 _WHAT_TO_DO = ("train it without context parallelism, or use a family in "

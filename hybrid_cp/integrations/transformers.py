@@ -10,8 +10,11 @@ exact and refuses every model with a module that mixes tokens outside the attent
 
 A forward pre-hook on the model makes the call contract hard to get wrong:
 - missing `position_ids` are filled in with the global positions of this rank's tokens;
-- `labels` are refused (the model's own loss would shift labels inside the shard and average per
-  rank): use `hcp.cross_entropy` with the labels from `hcp.shard_batch`;
+- `labels` come with `shift_labels` (both from `hcp.shard_batch`: next-token targets shifted on the full
+  sequence); the model's `loss_function` is replaced by `hcp.cross_entropy` over the cp group, so
+  `model(**shard).loss` is the group's token mean (with `num_items_in_batch`, the Trainer's global count,
+  this rank's token sum over it, as on a DDP rank); `labels` alone raise (the model would shift them
+  inside the shard);
 - a 2-D `attention_mask` must be right padding over the whole sequence (checked across the cp
   group), and is then dropped: causal attention is exact for the real tokens; anything else raises;
 - packed rows (from `hcp.shard_batch`) carry the global document boundaries as transformers'
@@ -27,6 +30,7 @@ for Llama 4's temperature-tuned NoPE layers it rescales the queries to the token
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
 from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from ..training.loss import cross_entropy
 from .linear_layers import route_linear_layers
 from .model_support import check_attention_kwargs, check_model
 
@@ -159,6 +164,9 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if window is not None and not is_positive_int(window):
         raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
                            f"number of keys each query sees, itself included)")
+    if torch.is_autocast_enabled(query.device.type):   # fp32 weights under autocast (Trainer bf16=True): the
+        dt = torch.get_autocast_dtype(query.device.type)   # projections give bf16, rotary fp32; eager's matmuls
+        query, key, value = (x.to(dt) for x in (query, key, value))   # would run all three in the autocast dtype
     q = _temperature(module, query.transpose(1, 2), cp, lay, cu).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
@@ -174,6 +182,38 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     out = _cp_attention(q, k, v, cp, **call,
                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks))
     return out, None
+
+
+class _CPLoss:
+    """The model's `loss_function` under context parallelism (transformers calls it with this rank's logits and
+    the `labels`/`shift_labels`/`num_items_in_batch` the model got), on the already shifted targets:
+
+    - without `num_items_in_batch`: `hcp.cross_entropy`, so `model(**hcp.shard_batch(batch, cp)).loss` is the
+      token mean over the whole cp group (its gradient convention: average the ranks' gradients);
+    - with `num_items_in_batch` (the Trainer's count of label tokens over the whole global batch): this rank's
+      share, the sum over its own tokens divided by that count, which is what transformers' loss is on each
+      DDP rank; the shares of all ranks sum to the global token mean, and the Trainer's world-size factor and
+      DDP's gradient average make the update the single-process one. No communication."""
+
+    def __init__(self, ref: _MeshRef):
+        self.ref = ref
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
+                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        targets = shift_labels if shift_labels is not None else labels
+        if targets is None:  # the forward pre-hook refuses labels without shift_labels
+            raise ConfigError("the context-parallel loss needs shift_labels= (hcp.shard_batch's labels)")
+        targets = targets.to(logits.device)
+        if num_items_in_batch is None:
+            return cross_entropy(logits, targets, self.ref.cp, ignore_index)
+        own = cross_entropy(logits, targets, self.ref.cp, ignore_index, reduction="none").sum()
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(own.device)
+        return own / num_items_in_batch
 
 
 def _register() -> None:
@@ -239,11 +279,21 @@ class _ModuleChunks:
     the attention call; the output projection's columns of the chunk's heads are applied inside."""
 
     def __init__(self, module: torch.nn.Module, original, cp: CPMesh, kv_ranges: list[tuple[int, int]],
-                 engine_chunks: int, group: int, head_dim: int):
+                 engine_chunks: int, group: int, head_dim: int, layer=None, keep_output: bool | None = None):
         self.module, self.original, self.cp, self.engine_chunks = module, original, cp, engine_chunks
         self.kv_ranges, self.group, self.d = kv_ranges, group, head_dim
         self.q_ranges = [(a * group, b * group) for a, b in kv_ranges]
         self.checked = False
+        self.layer, self.keep_output = layer, keep_output   # layer: a weakref to the enclosing decoder layer
+
+    def _keep(self) -> bool:
+        """Keep the attention outputs for backward: by default only inside a checkpointed layer (free there:
+        its first forward keeps nothing, its recomputation saves a forward); unchecked layers would keep
+        one output-sized tensor each through the whole forward."""
+        if self.keep_output is not None:
+            return self.keep_output
+        layer = self.layer() if self.layer is not None else None
+        return bool(layer is not None and getattr(layer, "gradient_checkpointing", False) and layer.training)
 
     def _cut(self, name: str, p: torch.Tensor, j: int) -> torch.Tensor:
         a, b = self.kv_ranges[j]
@@ -308,10 +358,12 @@ class _ModuleChunks:
 
         o = self.module.o_proj
         return pipelined_module_chunks(project, self.q_ranges, [b - a for a, b in self.kv_ranges], self.cp,
-                                       self.engine_chunks, [leaves[i] for i in at], params, o.weight, o.bias), None
+                                       self.engine_chunks, [leaves[i] for i in at], params, o.weight, o.bias,
+                                       keep_output=self._keep()), None
 
 
-def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool:
+def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=None,
+                  keep_output: bool | None = None) -> bool:
     """Make an attention module run its heads in chunks from the projections on (UPipe at the module
     level, `_ModuleChunks`); returns False for modules without separate q/k/v/o projections of
     `num_attention_heads` x `head_dim`, for modules with attention sinks (the module chunk pipeline does not
@@ -332,12 +384,12 @@ def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int) -> bool
     module.__dict__.pop("forward", None)
     if len(ranges) > 1:
         module.__dict__["forward"] = _ModuleChunks(module, type(module).forward, cp, ranges, engine,
-                                                   heads // kv_heads, d)
+                                                   heads // kv_heads, d, layer, keep_output)
     return True
 
 
 def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1,
-                           chunk_projections: bool = True) -> torch.nn.Module:
+                           chunk_projections: bool = True, keep_attention_output: bool | None = None) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
@@ -359,9 +411,16 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     Modules without separate q/k/v/o projections of `num_attention_heads` heads, with attention sinks
     or chunked attention keep engine-level chunks only (logged); a module that does more than o_proj(attention output) after its attention
     call raises on its first forward. `chunk_projections=False` keeps the projections whole and
-    chunks inside `hcp.attention` only. Returns the model.
+    chunks inside `hcp.attention` only. `keep_attention_output` (module chunks): keep each chunk's
+    attention output and lse for backward instead of running its attention forward again there; None
+    (default): inside layers under activation checkpointing only (attention forward twice per layer
+    instead of three times, at one output-sized tensor in the recomputed layer), True: also in unchecked
+    layers (once instead of twice, one output-sized tensor per layer kept through forward). Returns the model.
     """
     positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
+    if keep_attention_output is not None and not isinstance(keep_attention_output, bool):
+        raise ConfigError(f"keep_attention_output={keep_attention_output!r}: pass True, False or None (None: keep "
+                          f"inside checkpointed layers only)")
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)
@@ -379,8 +438,13 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
-    attention_modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
-    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1) for m in attention_modules]
+    if hasattr(type(model), "loss_function"):
+        model.loss_function = _CPLoss(ref)
+    named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
+    attention_modules = [m for _, m in named]
+    layers = [weakref.ref(model.get_submodule(name.rpartition(".")[0])) if "." in name else None for name, _ in named]
+    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1, layer, keep_attention_output)
+               for m, layer in zip(attention_modules, layers)]
     if not chunk_projections:
         for m in attention_modules:
             m.__dict__["_hybrid_cp_engine_chunks"] = head_chunks

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
 
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_LABEL_KEYS = ("shift_labels",)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
@@ -61,7 +62,8 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     - ``labels`` [B, S], Hugging Face style: NOT shifted (the model-side convention where
       labels = input_ids); defaults to ``input_ids``. With ``shift=True`` (default) they are shifted
       here, on the full sequence: out[t] = labels[t+1], the last one `ignore_index`. Pass
-      ``shift=False`` if your labels already are next-token targets;
+      ``shift=False`` if your labels already are next-token targets (a ``shift_labels`` entry is taken as
+      such targets, in place of ``labels``);
     - ``position_ids`` [B, S] or [1, S] or [S]: default `hcp.positions` (0..S-1 globally); given ones
       must increase by one along each row (an offset is fine; packed documents are not supported);
     - ``attention_mask`` [B, S] 0/1 right-padding mask: masked tokens' labels become `ignore_index`
@@ -80,8 +82,13 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     Lengths that are not a multiple of the layout's granularity are padded at the end: pad tokens
     get `pad_token_id`, `ignore_index` labels, mask 0 and positions >= S. Results are on `device`
     (default `cp.device`). The returned dict has ``input_ids``, ``labels``, ``position_ids`` (and
-    the other keys given); feed ``labels`` to `hcp.cross_entropy`, not to the model.
+    the other keys given) and ``shift_labels`` (the same tensor as ``labels``: it tells a model under
+    `apply_context_parallel` that they are already next-token targets, so ``model(**out).loss`` is the
+    cp group's token mean); or feed ``labels`` to `hcp.cross_entropy`.
     """
+    if batch.get("shift_labels") is not None:  # next-token targets already (a collator's, or shard_batch's own)
+        batch = {**batch, "labels": batch["shift_labels"]}
+        shift = False
     ids, mask, pos = batch_arguments(batch, ignore_index)
     device = torch.device(device) if device is not None else cp.device
     b, s = ids.shape
@@ -99,7 +106,8 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         labels = labels.masked_fill(~mask_bool, ignore_index)
     dense_positions(pos)
     lay = shard_layout(cp, s)
-    out = _shard_rest(batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", "attention_mask"))
+    out = _shard_rest(batch, cp, lay, device,
+                      skip=("input_ids", "labels", "position_ids", "attention_mask", *_LABEL_KEYS))
     out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
     out["labels"] = _take(labels, cp, lay, device, ignore_index)
     if pos is None:
@@ -108,6 +116,7 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         out["position_ids"] = _take(pos, cp, lay, device, _continue_positions)
     if mask is not None:
         out["attention_mask"] = _take(mask, cp, lay, device, 0)
+    out["shift_labels"] = out["labels"]
     return out
 
 
@@ -178,14 +187,16 @@ def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, igno
         ends = torch.tensor([e - 1 for a, e in zip(cu, cu[1:]) if e > a], dtype=torch.long)
         labels = labels.index_fill(1, ends.to(labels.device), ignore_index)  # no target across a boundary
 
-    out = _shard_rest(batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", "cu_seqlens") + PACKED_KEYS)
+    out = _shard_rest(batch, cp, lay, device,
+                      skip=("input_ids", "labels", "position_ids", "cu_seqlens", *_LABEL_KEYS) + PACKED_KEYS)
     out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
     out["labels"] = _take(labels, cp, lay, device, ignore_index)
     out["position_ids"] = positions(None, cp, device=device, cu_seqlens=cu)[None]
     # on the host: every attention layer reads the boundaries, and a device tensor would sync each time
     cu_t = torch.tensor(cu, dtype=torch.int32)
     longest = max(lay.doc_lens)
-    out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=longest, max_length_k=longest)
+    out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=longest, max_length_k=longest,
+               shift_labels=out["labels"])
     return out
 
 

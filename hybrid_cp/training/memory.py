@@ -14,6 +14,11 @@ brackets any region (e.g. the loss). For each stage the tracker reports the high
 inside it (`peak`) and the most it grew above its entry level (`transient`): the stage's own
 intermediate memory. On CUDA, `CudaStageStats` gives the same report from the caching allocator's
 statistics (`torch.cuda.max_memory_allocated`).
+
+Device and host: `host_buffer(nbytes)` allocates the host memory that offloaded tensors live in
+(`hybrid_cp.training.offload`); the tracker counts those storages as host bytes (`host_live`,
+`host_peak`) and everything else as device-resident (`device_live`, `device_peak`), also on a CPU run,
+where both are the same RAM: that is what lets a CPU test see the device-resident peak fall.
 """
 
 from __future__ import annotations
@@ -28,7 +33,29 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "StageStats", "mark_stages", "mark", "CudaStageStats"]
+__all__ = ["StorageTracker", "StageStats", "mark_stages", "mark", "CudaStageStats", "host_buffer", "is_host"]
+
+_HOST: "weakref.WeakValueDictionary[int, torch.UntypedStorage]" = weakref.WeakValueDictionary()
+_ALLOCATING_HOST = [0]   # > 0 while host_buffer allocates: a tracker counts what it sees then as host
+
+
+def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes` that trackers count as host memory (pinned when `pin`, for
+    asynchronous copies to and from CUDA)."""
+    _ALLOCATING_HOST[0] += 1
+    try:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    finally:
+        _ALLOCATING_HOST[0] -= 1
+    st = buf.untyped_storage()
+    _HOST[id(st)] = st
+    return buf
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether `t` lives in a `host_buffer` (a view of one included)."""
+    st = t.untyped_storage()
+    return _HOST.get(id(st)) is st
 
 
 @dataclass
@@ -100,6 +127,10 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
         self._init_stages()
         self.live = 0
         self.peak = 0
+        self.host_live = 0
+        self.host_peak = 0
+        self.device_peak = 0
+        self._host: set[int] = set()             # ids of host-buffer storages among the counted ones
         self._sizes: dict[int, int] = {}          # id(storage object) -> counted bytes
         self._refs: dict[int, Any] = {}           # id -> weakref (keeps ids unique while alive)
         self.device_types: set[str] = set()
@@ -107,8 +138,17 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
     def _level(self) -> int:
         return self.live
 
+    @property
+    def device_live(self) -> int:
+        """Live bytes outside host buffers (device-resident; on a CPU run everything but offloaded tensors)."""
+        return self.live - self.host_live
+
     def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        size = self._sizes.pop(key, 0)
+        self.live -= size
+        if key in self._host:
+            self._host.discard(key)
+            self.host_live -= size
         self._refs.pop(key, None)
 
     def _see(self, t: torch.Tensor) -> None:
@@ -125,12 +165,18 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
             self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
             self._sizes[key] = size
             self.live += size
+            if _ALLOCATING_HOST[0] or _HOST.get(key) is st:
+                self._host.add(key)
+                self.host_live += size
             self.device_types.add(t.device.type)
         elif old != size:
             self._sizes[key] = size
             self.live += size - old
-        if self.live > self.peak:
-            self.peak = self.live
+            if key in self._host:
+                self.host_live += size - old
+        self.peak = max(self.peak, self.live)
+        self.host_peak = max(self.host_peak, self.host_live)
+        self.device_peak = max(self.device_peak, self.live - self.host_live)
         self._observe(self.live)
 
     def track(self, *tensors: Any) -> None:
@@ -141,6 +187,8 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.host_peak = self.host_live
+        self.device_peak = self.live - self.host_live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

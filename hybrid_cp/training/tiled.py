@@ -8,6 +8,9 @@
 * The MLP: `tile_mlp(model)` runs every decoder MLP over token chunks with recomputation, so its
   `[tokens, intermediate]` activations exist one chunk at a time (forward and backward) and only the
   MLP's input is kept for backward.
+* The norms: `tile_norm(model)` runs every RMSNorm the same way: the stock transformers RMSNorm keeps an
+  fp32 copy of its whole input and the normalised value for backward (3 input-sized bf16 tensors' worth);
+  tiled, it keeps only its input and the fp32 upcast exists for one chunk at a time.
 
 Both are exact: the per-token arithmetic is the same, only the order of the parameter-gradient sums
 over chunks changes (fp32 round-off). The idea is DeepSpeed ALST's (Arctic Long Sequence Training,
@@ -30,10 +33,12 @@ from .loss import GroupReduced, reduction_group
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
 
-__all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "default_loss_chunk", "tiled_mlp_chunk"]
+__all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "default_loss_chunk", "tiled_mlp_chunk",
+           "tile_norm", "untile_norm", "tiled_norm_chunk"]
 
 LOSS_CHUNK_BYTES = 256 << 20  # fp32 logits of one loss chunk, by default
 TILED_MLP_ATTR = "_hybrid_cp_tiled_mlp"
+TILED_NORM_ATTR = "_hybrid_cp_tiled_norm"
 
 
 def default_loss_chunk(vocab: int) -> int:
@@ -218,8 +223,18 @@ class _TiledMLPFunction(torch.autograd.Function):
         ctx.fn, ctx.module, ctx.chunk = fn, module, chunk
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
-        pieces = [fn(flat[start:start + chunk]) for start in range(0, flat.shape[0], chunk)]
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        out = None
+        for start in range(0, flat.shape[0], chunk):   # into one output: no second copy from a cat
+            piece = fn(flat[start:start + chunk])
+            if out is None:
+                if piece.shape[0] == flat.shape[0]:
+                    out = piece
+                    break
+                out = piece.new_empty(flat.shape[0], piece.shape[-1])
+            out[start:start + chunk] = piece
+            del piece
+        if out is None:   # no tokens on this rank
+            out = fn(flat)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -277,13 +292,64 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
         if not type(m).__name__.endswith("MLP"):
             raise ConfigError(f"{type(m).__name__} is not a token-wise MLP (mixture-of-experts blocks keep "
                              f"router statistics over all tokens); tile_mlp supports *MLP modules only")
-    for m in mlps:
-        state = m.__dict__.get(TILED_MLP_ATTR)
-        original = state[0] if state else m.forward
-        chunked = _make_forward(m, original, chunk_tokens)
-        m.__dict__[TILED_MLP_ATTR] = (original, chunk_tokens)
-        m.forward = chunked
+    _tile(mlps, chunk_tokens, TILED_MLP_ATTR)
     return model
+
+
+def _tile(modules: list[nn.Module], chunk: int, attr: str) -> None:
+    """Run each module's forward over `chunk` tokens at a time with recomputation (`_TiledMLPFunction`)."""
+    for m in modules:
+        state = m.__dict__.get(attr)
+        original = state[0] if state else m.forward
+        m.__dict__[attr] = (original, chunk)
+        m.forward = _make_forward(m, original, chunk)
+
+
+def _untile(modules: list[nn.Module], attr: str) -> None:
+    for m in modules:
+        state = m.__dict__.pop(attr, None)
+        if state is not None and "forward" in m.__dict__:
+            del m.forward
+
+
+def _norms(model: nn.Module) -> list[nn.Module]:
+    """Every RMSNorm module (transformers names them `*RMSNorm`: block, final and q/k norms)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def tile_norm(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
+    """Run every RMSNorm of `model` over `chunk_tokens` tokens (rows) at a time with recomputation:
+    forward keeps only the norm's input (not the stock module's fp32 copy of it and the normalised
+    value), and the fp32 intermediates exist for one chunk at a time in forward and in backward.
+
+    Exact: each token's arithmetic is the module's own code; only the weight gradient's sum over chunks
+    is ordered differently (accumulated in fp32 for 16-bit weights). Works with FSDP2, activation
+    checkpointing and module-level head chunks (q/k norms). `untile_norm` undoes it. Returns the model.
+    """
+    _check_chunk("chunk_tokens", chunk_tokens)
+    if chunk_tokens is None:
+        raise ConfigError("chunk_tokens=None: give a positive number of tokens, e.g. 4096")
+    norms = _norms(model)
+    if not norms:
+        raise ConfigError(f"{type(model).__name__} has no *RMSNorm module; tile_norm supports transformers models "
+                          f"with RMSNorm (Llama, Mistral, Qwen2/3, Gemma, ...)")
+    _tile(norms, chunk_tokens, TILED_NORM_ATTR)
+    return model
+
+
+def untile_norm(model: nn.Module) -> nn.Module:
+    """Undo `tile_norm`."""
+    _untile(_norms(model), TILED_NORM_ATTR)
+    return model
+
+
+def tiled_norm_chunk(model: nn.Module) -> int | None:
+    """The chunk `tile_norm` set on `model`, or None when its norms are not tiled."""
+    for m in _norms(model):
+        state = m.__dict__.get(TILED_NORM_ATTR)
+        if state is not None:
+            return state[1]
+    return None
 
 
 def _make_forward(module: nn.Module, original: Callable, chunk: int) -> Callable:
@@ -298,10 +364,7 @@ def _make_forward(module: nn.Module, original: Callable, chunk: int) -> Callable
 
 def untile_mlp(model: nn.Module) -> nn.Module:
     """Undo `tile_mlp`."""
-    for m in _mlps(model):
-        state = m.__dict__.pop(TILED_MLP_ATTR, None)
-        if state is not None and "forward" in m.__dict__:
-            del m.forward
+    _untile(_mlps(model), TILED_MLP_ATTR)
     return model
 
 

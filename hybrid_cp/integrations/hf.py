@@ -1,0 +1,317 @@
+"""Context parallelism behind the Hugging Face `Trainer` and TRL's `SFTTrainer`.
+
+`CPTrainerMixin` turns any `transformers.Trainer` subclass into a context-parallel one: world =
+dp x (ring x ulysses), the ranks of one cp group see the same batches (the dataloader is split per dp
+replica, not per process), each batch is sharded with `hcp.shard_batch` after it reaches the device,
+and the model runs through `apply_context_parallel`, whose loss is `hcp.cross_entropy` over the cp group.
+Everything else (optimizer, schedule, clipping, gradient accumulation, DDP over all ranks, logging,
+checkpoints) is the stock Trainer's. The few places where the stock code assumes that every process
+holds distinct samples are overridden, each for one reason (docs/training.md):
+
+- `get_cp_size`: the Trainer divides its count of label tokens (`num_items_in_batch`, summed over all
+  processes) by it, so the count is that of the global batch once, not cp times;
+- `_get_dataloader`: accelerate's batch sampler shard is told dp (replicas), not the world size;
+- `compute_loss`: the batch is sharded with `hcp.shard_batch` after the Trainer counted its label tokens;
+  each rank's loss is then its own tokens' share of the global mean, as on a DDP rank, so the stock
+  world-size factor and DDP's gradient average over all dp x cp ranks hold as they are;
+- `prediction_step` / `evaluation_loop`: losses only (logits are shards), gathered per dp replica.
+
+Arguments whose handling under context parallelism is not verified raise `ConfigError` on every rank in
+the constructor, before any collective. `CPSFTTrainer` (TRL) is built on first use: `trl` is imported
+only then.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine.mesh import CPMesh, init_cp_mesh
+from ..errors import ConfigError, SetupError
+from ..training.batch import shard_batch
+from .transformers import apply_context_parallel
+
+log = logging.getLogger("hybrid_cp")
+
+# constructor arguments of the stock Trainer that would see this rank's shard where they expect the whole
+# sequence (logits for metrics) or compute a loss of their own on it
+_REFUSED_ARGUMENTS = {
+    "model_init": "pass model= (an instantiated model): the mesh is applied to it before training",
+    "compute_loss_func": "drop it: the model's own loss is replaced by the cp group's cross entropy",
+    "compute_metrics": "drop it: logits are per-rank shards under context parallelism (eval_loss is exact)",
+    "preprocess_logits_for_metrics": "drop it: logits are per-rank shards under context parallelism",
+}
+
+
+def _refuse(name: str, value: Any, fix: str) -> ConfigError:
+    return ConfigError(f"{name}={value!r} is not supported by the context-parallel trainer (hybrid_cp."
+                       f"integrations.hf): {fix}")
+
+
+def check_training_arguments(args: Any) -> None:
+    """Raise ConfigError for TrainingArguments whose effect under context parallelism is not verified."""
+    checks = [
+        ("label_smoothing_factor", lambda v: v not in (0, 0.0, None), "set it to 0"),
+        ("parallelism_config", lambda v: v is not None,
+         "drop it: hybrid-cp builds its own mesh from ulysses=/ring= (see hybrid_cp.integrations.hf.cp_mesh_from_"
+         "accelerator for accelerate's cp dimension)"),
+        ("deepspeed", lambda v: bool(v), "drop it: DeepSpeed is not verified with hybrid-cp (use DDP)"),
+        ("fsdp", lambda v: bool(v),
+         "drop it: FSDP through the Trainer is not verified (accelerate applies it only on accelerators; on CPU it "
+         "silently runs DDP instead, so no test here covers it); the trainer runs DDP over all dp x cp ranks. For "
+         "FSDP2 over dp x cp use the training loop with hybrid_cp.integrations.fsdp.shard_model (docs/training.md)"),
+        ("train_sampling_strategy", lambda v: v == "group_by_length",
+         "use \"random\" or \"sequential\": the length-grouped batch sampler is built per process, not per dp "
+         "replica"),
+        ("n_gpu", lambda v: v > 1, "launch one process per device (torchrun), not torch.nn.DataParallel"),
+        ("torch_compile", lambda v: bool(v), "set it to False (not verified through the Trainer)"),
+        ("average_tokens_across_devices", lambda v: v is False,
+         "set it to True (the default): each rank's loss is its share of the global token mean"),
+    ]
+    for name, bad, fix in checks:
+        value = getattr(args, name, None)
+        if bad(value):
+            raise _refuse(f"TrainingArguments.{name}", value, fix)
+    acc = getattr(args, "accelerator_config", None)
+    for name in ("split_batches", "dispatch_batches"):
+        value = getattr(acc, name, None)
+        if value:
+            raise _refuse(f"TrainingArguments.accelerator_config.{name}", value,
+                          "leave it unset: every process loads its dp replica's batches itself")
+
+
+def _check_constructor(bound: inspect.BoundArguments) -> None:
+    """The stock constructor's arguments, checked before anything is built."""
+    given = bound.arguments
+    for name, fix in _REFUSED_ARGUMENTS.items():
+        if given.get(name) is not None:
+            raise _refuse(name, type(given[name]).__name__, fix)
+    if given.get("model") is None:
+        raise _refuse("model", None, _REFUSED_ARGUMENTS["model_init"])
+    for name in ("train_dataset", "eval_dataset"):
+        data = given.get(name)
+        sets = data.values() if isinstance(data, dict) else [data]
+        if any(isinstance(d, torch.utils.data.IterableDataset) for d in sets):
+            raise _refuse(name, "an IterableDataset", "use a map-style dataset (datasets.Dataset or a list): "
+                                                       "its batches are split per dp replica by index")
+
+
+def model_shape(config: Any) -> Any:
+    """The planner's `ModelShape` of a transformers config (windowed layers counted from `layer_types`)."""
+    from topology.cost import ModelShape
+
+    heads = config.num_attention_heads
+    kinds = list(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    return ModelShape(heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                      hidden=config.hidden_size, layers=config.num_hidden_layers,
+                      intermediate=getattr(config, "intermediate_size", None), vocab=config.vocab_size,
+                      sliding_window=window or None,
+                      window_layers=kinds.count("sliding_attention") if window and kinds else None,
+                      name=getattr(config, "model_type", "custom"))
+
+
+def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, seq_len: int,
+                 cp_size: int | None = None) -> tuple[int, int]:
+    """(ulysses, ring) from the planner (`topology.planner.plan`) for the detected cluster and the model's shape,
+    honouring a degree that was given (and `cp_size`, a fixed ulysses x ring); logs the choice and why."""
+    from topology.discovery import discover
+    from topology.planner import plan
+
+    for name, value in (("ulysses", ulysses), ("ring", ring)):
+        if value != "auto" and not (isinstance(value, int) and value >= 1):
+            raise ConfigError(f"{name}={value!r}: expected a positive int or \"auto\"")
+    if not (isinstance(seq_len, int) and seq_len >= 1):
+        raise ConfigError(f"cp_seq_len={seq_len!r}: \"auto\" needs the training sequence length (a positive int) "
+                          f"to plan for; pass cp_seq_len=... or explicit ulysses= and ring=")
+    cluster = discover()
+    plans = plan(cluster, model_shape(config), seq_len, world_size=world,
+                 dp=None if cp_size is None else world // cp_size)
+    fits = [p for p in plans if (ulysses == "auto" or p.ulysses == ulysses) and (ring == "auto" or p.ring == ring)]
+    if not fits:
+        raise ConfigError(f"ulysses={ulysses!r}, ring={ring!r}: the planner found no feasible split of {world} ranks "
+                          f"with that degree for seq_len={seq_len}:\n{plans.explain(top=8)}")
+    best = fits[0]
+    log.info("hybrid_cp: ulysses=%r ring=%r resolved by the planner to ulysses=%d ring=%d dp=%d for seq_len=%d on "
+             "%s: the fastest feasible split (time per layer / dp, ties to more ulysses)\n%s", ulysses, ring,
+             best.ulysses, best.ring, best.dp, seq_len, cluster.name, best.explain())
+    return best.ulysses, best.ring
+
+
+def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, layout: str,
+                 validate: bool | str, seq_len: int | None = None) -> CPMesh:
+    """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise SetupError("the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
+                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)")
+    if ulysses == "auto" or ring == "auto":
+        ulysses, ring = auto_degrees(model.config, ulysses, ring, dist.get_world_size(), seq_len)
+    return init_cp_mesh(ulysses, ring, layout=layout, validate=validate)
+
+
+def cp_mesh_from_device_mesh(mesh: Any, ulysses: int | str, *, config: Any = None, seq_len: int | None = None,
+                             layout: str = "zigzag", validate: bool | str = True) -> CPMesh:
+    """A `CPMesh` whose cp groups are the "cp" groups of `mesh` (accelerate's DeviceMesh), that dimension
+    unflattened into (ring, ulysses) with ulysses innermost (consecutive ranks: inside a node). `ulysses` is
+    an int dividing the cp size, or "auto" (the planner, for the model `config` and `seq_len`)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "cp" not in names:
+        raise ConfigError(f"the device mesh has dimensions {names} and no 'cp': configure "
+                          f"ParallelismConfig(cp_size=...) (accelerate) or build the mesh with hcp.init_cp_mesh")
+    for other in ("tp", "sp"):
+        if other in names and mesh[other].size() > 1:
+            raise ConfigError(f"the device mesh has {other}={mesh[other].size()}: hybrid-cp does not combine with "
+                              f"accelerate's {other} dimension; set {other}_size=1")
+    cp_size = mesh["cp"].size()
+    grid = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, cp_size)
+    if not torch.equal(grid, torch.arange(grid.numel()).reshape(-1, cp_size)):
+        raise ConfigError(f"the device mesh's cp groups {grid.tolist()} are not consecutive ranks in order; hybrid-cp "
+                          f"puts dp outermost and ulysses innermost (accelerate's order with tp = sp = 1)")
+    if ulysses == "auto":
+        ulysses, _ = auto_degrees(config, "auto", "auto", grid.numel(), seq_len, cp_size=cp_size)
+    if not (isinstance(ulysses, int) and ulysses >= 1 and cp_size % ulysses == 0):
+        raise ConfigError(f"ulysses={ulysses!r} must be a positive int dividing the mesh's cp size {cp_size}")
+    return init_cp_mesh(ulysses, cp_size // ulysses, dp=grid.shape[0], layout=layout, validate=validate)
+
+
+def cp_mesh_from_accelerator(accelerator: Any, ulysses: int | str, **kwargs: Any) -> CPMesh:
+    """`cp_mesh_from_device_mesh` for `accelerate.Accelerator(parallelism_config=ParallelismConfig(cp_size=...))`:
+    its `torch_device_mesh`. (accelerate builds that mesh only with FSDP2 or on GPUs: not run on CPU here.)"""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None:
+        raise ConfigError("the accelerator has no device mesh: create it with "
+                          "Accelerator(parallelism_config=ParallelismConfig(cp_size=...))")
+    return cp_mesh_from_device_mesh(mesh, ulysses, **kwargs)
+
+
+class CPTrainerMixin:
+    """Context parallelism for a `transformers.Trainer` subclass: `class MyTrainer(CPTrainerMixin, Trainer)`.
+
+    Takes every argument of the Trainer it is mixed into plus `ulysses`, `ring` (ints, or "auto": the
+    planner's split for this world size, the model's shape and `cp_seq_len`, by default TRL's `max_length`
+    or the model's `max_position_embeddings`; logged with the reason), `layout` (the mesh's token layout)
+    and `cp_validate` (`init_cp_mesh(validate=...)`). `self.cp` is the mesh.
+    """
+
+    def __init__(self, *args: Any, ulysses: int | str = "auto", ring: int | str = "auto", layout: str = "zigzag",
+                 cp_validate: bool | str = True, cp_seq_len: int | None = None, **kwargs: Any):
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        _check_constructor(bound)
+        training_args = bound.arguments.get("args")
+        if training_args is not None:
+            check_training_arguments(training_args)
+            training_args.device  # noqa: B018  (sets up torch.distributed under torchrun / accelerate launch)
+        model = bound.arguments["model"]
+        if isinstance(model, str):
+            raise _refuse("model", model, "pass an instantiated model (from_pretrained), not a name")
+        if cp_seq_len is None:   # what "auto" plans for: TRL's max_length, else the model's context
+            cp_seq_len = getattr(training_args, "max_length", None) or \
+                getattr(model.config, "max_position_embeddings", None)
+        self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate, cp_seq_len)
+        apply_context_parallel(model, self.cp)
+        super().__init__(*args, **kwargs)
+        if training_args is None:
+            check_training_arguments(self.args)
+
+    def get_cp_size(self) -> int:
+        """Ranks that see the same batch: the Trainer divides its global label-token count by it."""
+        return self.cp.size
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any):
+        """The stock dataloader, with accelerate's batch sampler shard split over dp replicas, not processes."""
+        loader = super()._get_dataloader(*args, **kwargs)
+        shard = getattr(loader, "batch_sampler", None)
+        if not (hasattr(shard, "num_processes") and hasattr(shard, "process_index")):
+            raise ConfigError(f"the dataloader is a {type(loader).__name__} with batch sampler "
+                              f"{type(shard).__name__}: the context-parallel trainer splits batches per dp replica "
+                              f"through accelerate's BatchSamplerShard; use a map-style dataset and leave "
+                              f"accelerator_config.dispatch_batches unset")
+        shard.num_processes = self.cp.dp_size
+        shard.process_index = self.cp.dp_rank
+        return loader
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None):
+        """The stock loss on this rank's shard of the batch. Sharding happens here, after the Trainer has counted
+        the label tokens of the whole batch (`num_items_in_batch`); where a caller passed no count (TRL's
+        evaluation) it is counted here, so every rank's loss is its own tokens' share of the global mean, as
+        on a DDP rank (the stock world-size factor and DDP's gradient average then hold as they are)."""
+        if num_items_in_batch is None and (inputs.get("labels") is not None or inputs.get("shift_labels") is not None):
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        return super().compute_loss(model, self.shard(inputs), return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def shard(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shard of a batch of whole rows (`hcp.shard_batch`: labels shifted on the whole sequence)."""
+        has_labels = inputs.get("labels") is not None or inputs.get("shift_labels") is not None
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        out = shard_batch(inputs, self.cp, pad_token_id=pad if isinstance(pad, int) else 0)
+        if not has_labels:
+            out.pop("labels")
+            out.pop("shift_labels")
+        return out
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """Losses only: logits and labels are this rank's shards."""
+        return super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """The stock loop with losses gathered from one rank per dp replica (the cp ranks repeat them)."""
+        self.gather_function = self._gather_replicas
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_replicas(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
+        """Per-rank losses of every process -> one per dp replica (the sum of its cp ranks' shares, over cp: each
+        rank's share carries the world-size factor), in dp order, without the samples the last batches repeated."""
+        full = self.accelerator.gather(tensor)
+        grid = self.cp.device_mesh.mesh.reshape(self.cp.dp_size, self.cp.size)   # [dp, cp] -> global rank
+        per_rank = full.reshape(grid.numel(), -1, *tensor.shape[1:])
+        out = per_rank[grid.flatten().tolist()].reshape(self.cp.dp_size, self.cp.size, *per_rank.shape[1:])
+        out = out.to(torch.float64).mean(1).to(tensor.dtype).reshape(-1, *tensor.shape[1:])
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            out = out[:state.remainder]
+        return out
+
+
+def _trainer_class():
+    from transformers import Trainer
+
+    class CPTrainer(CPTrainerMixin, Trainer):
+        """`transformers.Trainer` with context parallelism (`CPTrainerMixin`): add ulysses=, ring=."""
+
+    CPTrainer.__module__ = __name__
+    return CPTrainer
+
+
+def _sft_trainer_class():
+    from trl import SFTTrainer
+
+    class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
+        """TRL's `SFTTrainer` with context parallelism (`CPTrainerMixin`): add ulysses=, ring=."""
+
+    CPSFTTrainer.__module__ = __name__
+    return CPSFTTrainer
+
+
+_LAZY = {"CPTrainer": _trainer_class, "CPSFTTrainer": _sft_trainer_class}
+
+
+def __getattr__(name: str):
+    """`CPTrainer` and `CPSFTTrainer` are built on first access, so transformers and trl load only then."""
+    if name in _LAZY:
+        cls = _LAZY[name]()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CPTrainerMixin", "CPTrainer", "CPSFTTrainer",  # noqa: F822 (the two trainers: built on first access)
+           "check_training_arguments", "resolve_mesh", "auto_degrees", "model_shape", "cp_mesh_from_device_mesh",
+           "cp_mesh_from_accelerator"]
