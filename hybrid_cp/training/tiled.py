@@ -345,11 +345,7 @@ def untile_norm(model: nn.Module) -> nn.Module:
 
 def tiled_norm_chunk(model: nn.Module) -> int | None:
     """The chunk `tile_norm` set on `model`, or None when its norms are not tiled."""
-    for m in _norms(model):
-        state = m.__dict__.get(TILED_NORM_ATTR)
-        if state is not None:
-            return state[1]
-    return None
+    return _tiled_chunk(_norms(model), TILED_NORM_ATTR)
 
 
 def _make_forward(module: nn.Module, original: Callable, chunk: int) -> Callable:
@@ -370,8 +366,12 @@ def untile_mlp(model: nn.Module) -> nn.Module:
 
 def tiled_mlp_chunk(model: nn.Module) -> int | None:
     """The chunk `tile_mlp` set on `model`, or None when its MLPs are not tiled."""
-    for m in _mlps(model):
-        state = m.__dict__.get(TILED_MLP_ATTR)
+    return _tiled_chunk(_mlps(model), TILED_MLP_ATTR)
+
+
+def _tiled_chunk(modules: list[nn.Module], attr: str) -> int | None:
+    for m in modules:
+        state = m.__dict__.get(attr)
         if state is not None:
             return state[1]
     return None
