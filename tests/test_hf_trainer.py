@@ -22,7 +22,10 @@ MESHES = [(2, 2), (1, 4), (2, 1)]   # (ulysses, ring) on 4 ranks: dp = 1, 1, 2
 KINDS = ["dense", "packed"]
 CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mistral:packed:2:2",
                                                                             "sft:packing:2:2", "sft:padding_free:2:1",
-                                                                            "llama+gc:packed:1:4"]
+                                                                            "llama+gc:packed:1:4",
+                                                                            "gemma3_text:packed:2:2", "qwen2:packed:2:2"]
+FSDP2 = ["llama+fsdp2:packed:2:2", "llama+fsdp2:dense:2:1"]   # CPTrainer(fsdp2=True); reference: the plain llama's
+CP_CASES += FSDP2
 CHECKS = ["direct", "errors", "auto", "mesh"]
 RESUME = "resume:packed:2:2"
 
@@ -31,9 +34,14 @@ def _dp(u: int, r: int) -> int:
     return 4 // (u * r)
 
 
-REF_CASES = sorted({f"{c.rsplit(':', 2)[0]}:1:1:{_dp(*map(int, c.split(':')[2:]))}" for c in CP_CASES})
+def _ref(case: str) -> str:
+    """The stock reference's name of a cp CASE (FSDP2 changes nothing in the arithmetic)."""
+    return f"{case.rsplit(':', 2)[0].replace('+fsdp2', '')}:1:1:{_dp(*map(int, case.split(':')[2:]))}"
+
+
+REF_CASES = sorted({_ref(c) for c in CP_CASES})
 REFUSED = {"label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "compute_metrics",
-           "train_dataset", "ulysses", "labels", "cu_seq_lens_q"}
+           "train_dataset", "ulysses", "labels", "cu_seq_lens_q", "save_strategy"}
 
 
 def _env() -> dict:
@@ -71,7 +79,7 @@ def _rel(a, b) -> float:
 def test_cp_trainer_matches_stock_trainer(results, case):
     model, kind, u, r = case.split(":")
     got = _load(results, f"cp-{model}_{kind}_{u}_{r}")
-    want = _load(results, f"ref-{model}_{kind}_1_1_dp{_dp(int(u), int(r))}")
+    want = _load(results, "ref-" + _ref(case).rsplit(":", 1)[0].replace(":", "_") + f"_dp{_dp(int(u), int(r))}")
     assert len(got["loss"]) == len(want["loss"]) >= 4
     assert _rel(got["loss"], want["loss"]) < 1e-5, (got["loss"], want["loss"])
     assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-4, (got["grad_norm"], want["grad_norm"])
@@ -127,6 +135,18 @@ def test_save_model_loads_on_one_process(results):
     with torch.no_grad():
         out = model(input_ids=torch.arange(1, 17)[None], labels=torch.arange(1, 17)[None])
     assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("case", FSDP2)
+def test_fsdp2_save_model_is_a_full_checkpoint(results, case):
+    """save_model() under fsdp2 gathers the shards: from_pretrained on one process gives the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(results, "saved-" + case.replace(":", "_")))
+    trained = _load(results, "cp-" + case.replace(":", "_"))["weights"]
+    assert model.state_dict().keys() == trained.keys()
+    for k, w in model.state_dict().items():
+        assert torch.equal(w, trained[k]), k
 
 
 def test_auto_split_comes_from_the_planner_and_is_logged(results):
