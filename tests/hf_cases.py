@@ -110,14 +110,27 @@ def run_case(case: str, role: str, out: str) -> dict:
         trainer = CPTrainer(**common, ulysses=u, ring=r, fsdp2=name.endswith("+fsdp2"))
     else:
         trainer = Trainer(**common)
+    deferred = _count_calls(trainer, "_defer_fsdp_gradient_reduction")
     trainer.train()
     result = history(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     result["weights"] = full_weights(trainer.model)
     if name.endswith("+fsdp2"):   # the full checkpoint gathered from the shards (tests: from_pretrained, one process)
         trainer.save_model(os.path.join(os.environ["HF_CASES_OUT"], f"saved-{case.replace(':', '_')}"))
-        result["config_use_cache"] = trainer.model.config.use_cache
+        result["deferred"] = deferred[0]   # micro-batches whose reduce-scatter waited for the window's last one
     return result
+
+
+def _count_calls(obj, name: str) -> list[int]:
+    """Wrap obj.name (on the instance) to count its calls: [count]."""
+    count, inner = [0], getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return count
 
 
 def full_weights(model) -> dict:

@@ -143,7 +143,9 @@ def test_fsdp2_save_model_is_a_full_checkpoint(results, case):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(results, "saved-" + case.replace(":", "_")))
-    trained = _load(results, "cp-" + case.replace(":", "_"))["weights"]
+    got = _load(results, "cp-" + case.replace(":", "_"))
+    trained = got["weights"]
+    assert got["deferred"] == 4 * (2 - 1)   # 4 steps of accumulation 2: the first micro-batch's reduction deferred
     assert model.state_dict().keys() == trained.keys()
     for k, w in model.state_dict().items():
         assert torch.equal(w, trained[k]), k

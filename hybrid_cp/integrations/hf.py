@@ -236,13 +236,14 @@ class CPTrainerMixin:
         if self.cp_fsdp2 is not None:
             shard_model(model.to(training_args.device if training_args is not None else "cpu"), self.cp,
                         **self.cp_fsdp2)
+            # the stock Trainer's path for a model that owns its sharding and gradient reduction (sharded at load
+            # time): not moved, no DDP wrap, no second sharding; and transformers' FSDP2 marker, so the reduce-
+            # scatter is deferred under gradient accumulation (and generation syncs its ranks)
+            model._is_distributed_loading_by_transformers = True
+            model._is_fsdp_managed_module = True
         super().__init__(*args, **kwargs)
         if training_args is None:
             check_training_arguments(self.args)
-        if self.cp_fsdp2 is not None:
-            # the stock Trainer's path for a model that owns its sharding and gradient reduction (sharded at load
-            # time): no DDP wrap, no second sharding by accelerate, FSDP2 gradient sync deferred under accumulation
-            self.is_distributed_loading_by_transformers = True
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
