@@ -6,8 +6,9 @@
     # the split from the planner (for this tiny model on CPU it picks dp = 4: no context parallelism needed)
     torchrun --nproc-per-node 4 examples/sft_trl.py --ulysses auto --ring auto
 
-    # the same with accelerate's launcher (CPU: --cpu; same losses as torchrun), and with FSDP2 over all ranks
-    accelerate launch --num_processes 4 --cpu examples/sft_trl.py [--fsdp2]
+    # the same with accelerate's launcher (the same losses as torchrun), optionally FSDP2 over all ranks; on CPU
+    # too: --multi_gpu is torchrun underneath (accelerate 1.15's --cpu starts ONE process without MPI)
+    accelerate launch --multi_gpu --num_processes 4 examples/sft_trl.py [--fsdp2]
 
     # GPUs: a real model (local path or hub name), bf16, explicit degrees
     torchrun --nproc-per-node 8 examples/sft_trl.py --model /path/to/llama --ulysses 4 --ring 2 --max-length 65536

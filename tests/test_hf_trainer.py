@@ -170,3 +170,17 @@ def test_mesh_from_accelerate_device_mesh(results):
             assert groups["ulysses"] == list(range(first, first + u))   # consecutive ranks
             assert len(groups["ring"]) == cp_size // u and rank in groups["ring"]
         assert got["strided"][0] == "ConfigError" and "consecutive" in got["strided"][1]
+
+
+def test_one_process_accelerate_cpu_launch_is_named(monkeypatch):
+    """`accelerate launch --cpu --num_processes 4` starts one process (no MPI): the error says what to run instead."""
+    import torch.distributed as dist
+
+    from hybrid_cp.errors import SetupError
+    from hybrid_cp.integrations.hf import resolve_mesh
+
+    if dist.is_initialized():
+        pytest.skip("this process is a distributed rank")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    with pytest.raises(SetupError, match="--multi_gpu --num_processes"):
+        resolve_mesh(torch.nn.Linear(1, 1), 2, 2, "zigzag", True)

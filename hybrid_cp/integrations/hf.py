@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 from typing import Any
 
 import torch
@@ -161,8 +162,13 @@ def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, la
                  validate: bool | str, seq_len: int | None = None) -> CPMesh:
     """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"."""
     if not dist.is_available() or not dist.is_initialized():
+        hint = ""
+        if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":   # set by accelerate launch --cpu / use_cpu
+            hint = (" (accelerate launch --cpu, or a config with use_cpu: true, starts ONE process per machine "
+                    "unless given --mpirun_hostfile; on CPU use accelerate launch --multi_gpu --num_processes N, "
+                    "torchrun underneath, with TrainingArguments(use_cpu=True))")
         raise SetupError("the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
-                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)")
+                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)" + hint)
     if ulysses == "auto" or ring == "auto":
         ulysses, ring = auto_degrees(model.config, ulysses, ring, dist.get_world_size(), seq_len)
     return init_cp_mesh(ulysses, ring, layout=layout, validate=validate)
