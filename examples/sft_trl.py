@@ -6,6 +6,10 @@
     # the split from the planner (for this tiny model on CPU it picks dp = 4: no context parallelism needed)
     torchrun --nproc-per-node 4 examples/sft_trl.py --ulysses auto --ring auto
 
+    # the same with accelerate's launcher (the same losses as torchrun), optionally FSDP2 over all ranks; on CPU
+    # too: --multi_gpu is torchrun underneath (accelerate 1.15's --cpu starts ONE process without MPI)
+    accelerate launch --multi_gpu --num_processes 4 examples/sft_trl.py [--fsdp2]
+
     # GPUs: a real model (local path or hub name), bf16, explicit degrees
     torchrun --nproc-per-node 8 examples/sft_trl.py --model /path/to/llama --ulysses 4 --ring 2 --max-length 65536
 
@@ -36,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--max-length", type=int, default=1024, help="tokens per packed row (default 1024)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
     p.add_argument("--documents", type=int, default=64, help="standard-library files to train on (default 64)")
+    p.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 over all dp x cp ranks")
     p.add_argument("--output-dir", default="sft-trl-out")
     return p.parse_args(argv)
 
@@ -91,7 +96,8 @@ def main(argv=None) -> None:
     data = Dataset.from_list(documents(a.documents, 4 * a.max_length))
     trainer = CPSFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)),
                            processing_class=tokenizer,
-                           ulysses=degree(a.ulysses), ring=degree(a.ring))  # CP: 2/4 the degrees (or "auto")
+                           ulysses=degree(a.ulysses), ring=degree(a.ring),  # CP: 2/4 the degrees (or "auto")
+                           fsdp2=a.fsdp2)
     trainer.train()                                                          # CP: 3/4 launch with torchrun
     metrics = trainer.evaluate()
     trainer.save_model()                                                     # CP: 4/4 an ordinary HF checkpoint
@@ -100,7 +106,7 @@ def main(argv=None) -> None:
         print(f"mesh: ulysses={cp.ulysses_size} ring={cp.ring_size} dp={cp.dp_size}")
         for h in trainer.state.log_history:
             if "loss" in h:
-                print(f"step {h['step']}: loss {h['loss']:.4f} grad_norm {h['grad_norm']:.4f}")
+                print(f"step {h['step']}: loss {h['loss']:.6f} grad_norm {h['grad_norm']:.6f}")
         print(f"eval_loss {metrics['eval_loss']:.4f}; model saved to {a.output_dir}")
 
 

@@ -4,8 +4,9 @@ one process, on the same tiny models and data, recording what the tests compare.
     torchrun --standalone --nproc-per-node 4 tests/hf_cases.py OUT cp CASE...     # every CASE on 4 ranks
     python tests/hf_cases.py OUT ref CASE...                                      # the stock references
 
-A CASE is "model:kind:ulysses:ring" (model "llama", "mistral", "llama+gc": gradient checkpointing; kind "dense"
-or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume:kind:u:r"; dp is
+A CASE is "model:kind:ulysses:ring" (model "llama", "mistral", "gemma3_text" and "qwen2": sliding and full layers
+from `layer_types`, "llama+gc": gradient checkpointing, "llama+fsdp2": CPTrainer(fsdp2=True), its reference the
+plain llama's; kind "dense" or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume:kind:u:r"; dp is
 world // (ulysses * ring). The reference of a CASE is the stock Trainer with gradient accumulation
 2 * dp over the same sampler order (accelerate gives dp replica d the batches d, d + dp, ...).
 Results are written by rank 0 as OUT/<role>-<CASE>.pt.
@@ -26,14 +27,16 @@ PACKED_BATCH = 3   # documents flattened into one packed row
 # row in the TRL packing case, 1e-4 apart after 4 steps) into a step of lr * g / (|g| + eps), large next to the
 # noise; eps 1e-6 instead of 1e-8 keeps such steps below the weights' tolerance (both runs use the same optimizer)
 ADAM_EPS = 1e-6
+MIXED = ["sliding_attention", "full_attention"]   # one layer of each kind
+WINDOWED = {"mistral": dict(sliding_window=8), "gemma3_text": dict(sliding_window=8, layer_types=MIXED),
+            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2, layer_types=MIXED)}
 
 
 def model_for(name: str, cache: bool = True):
     """A tiny model of the family; `cache` is config.use_cache (the default True trains under our classes)."""
     from hybrid_cp.testing.families import tiny_model
 
-    extra = dict(sliding_window=8) if name == "mistral" else {}
-    model = tiny_model(name, seed=0, **extra)
+    model = tiny_model(name, seed=0, **WINDOWED.get(name, {}))
     model.config.use_cache = cache
     return model
 
@@ -99,19 +102,35 @@ def run_case(case: str, role: str, out: str) -> dict:
     evaluation = rows(2 * 4, seed=2) if kind == "dense" else rows(2 * 4, seed=2)
     # the reference needs per-document attention: stock transformers with use_cache=True attends across the
     # documents of a position-ids-only packed row (docs/training.md); our trainer does not, whatever the setting
-    model = model_for(name.removesuffix("+gc"), cache=role == "cp")
+    model = model_for(name.split("+")[0], cache=role == "cp")
     extra = dict(gradient_checkpointing=True) if name.endswith("+gc") else {}   # layers recomputed in backward
     common = dict(model=model, args=training_args(out, accumulation, batch, 1 if role == "cp" else dp, **extra), train_dataset=data,
                   eval_dataset=evaluation, data_collator=collator(kind))
     if role == "cp":
-        trainer = CPTrainer(**common, ulysses=u, ring=r)
+        trainer = CPTrainer(**common, ulysses=u, ring=r, fsdp2=name.endswith("+fsdp2"))
     else:
         trainer = Trainer(**common)
+    deferred = _count_calls(trainer, "_defer_fsdp_gradient_reduction")
     trainer.train()
     result = history(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     result["weights"] = full_weights(trainer.model)
+    if name.endswith("+fsdp2"):   # the full checkpoint gathered from the shards (tests: from_pretrained, one process)
+        trainer.save_model(os.path.join(os.environ["HF_CASES_OUT"], f"saved-{case.replace(':', '_')}"))
+        result["deferred"] = deferred[0]   # micro-batches whose reduce-scatter waited for the window's last one
     return result
+
+
+def _count_calls(obj, name: str) -> list[int]:
+    """Wrap obj.name (on the instance) to count its calls: [count]."""
+    count, inner = [0], getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return count
 
 
 def full_weights(model) -> dict:
@@ -201,6 +220,7 @@ def errors_case() -> dict:
         "train_sampling_strategy": lambda: trainer(train_sampling_strategy="group_by_length"),
         "average_tokens_across_devices": lambda: trainer(average_tokens_across_devices=False),
         "fsdp": lambda: trainer(fsdp="full_shard", fsdp_config={"version": 2}),
+        "save_strategy": lambda: trainer(fsdp2=True, save_strategy="steps"),
         "compute_metrics": lambda: trainer(compute_metrics=lambda p: {}),
         "train_dataset": lambda: trainer(train_dataset=Stream()),
         "ulysses": lambda: trainer(u=3, r=1),
@@ -263,7 +283,8 @@ def mesh_case() -> dict:
     return out
 
 
-_ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "fsdp_config")
+_ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "fsdp_config",
+         "save_strategy")
 CHECKS = {"direct": direct_case, "errors": errors_case, "auto": auto_case, "mesh": mesh_case}
 
 

@@ -22,7 +22,10 @@ MESHES = [(2, 2), (1, 4), (2, 1)]   # (ulysses, ring) on 4 ranks: dp = 1, 1, 2
 KINDS = ["dense", "packed"]
 CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mistral:packed:2:2",
                                                                             "sft:packing:2:2", "sft:padding_free:2:1",
-                                                                            "llama+gc:packed:1:4"]
+                                                                            "llama+gc:packed:1:4",
+                                                                            "gemma3_text:packed:2:2", "qwen2:packed:2:2"]
+FSDP2 = ["llama+fsdp2:packed:2:2", "llama+fsdp2:dense:2:1"]   # CPTrainer(fsdp2=True); reference: the plain llama's
+CP_CASES += FSDP2
 CHECKS = ["direct", "errors", "auto", "mesh"]
 RESUME = "resume:packed:2:2"
 
@@ -31,9 +34,14 @@ def _dp(u: int, r: int) -> int:
     return 4 // (u * r)
 
 
-REF_CASES = sorted({f"{c.rsplit(':', 2)[0]}:1:1:{_dp(*map(int, c.split(':')[2:]))}" for c in CP_CASES})
+def _ref(case: str) -> str:
+    """The stock reference's name of a cp CASE (FSDP2 changes nothing in the arithmetic)."""
+    return f"{case.rsplit(':', 2)[0].replace('+fsdp2', '')}:1:1:{_dp(*map(int, case.split(':')[2:]))}"
+
+
+REF_CASES = sorted({_ref(c) for c in CP_CASES})
 REFUSED = {"label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "compute_metrics",
-           "train_dataset", "ulysses", "labels", "cu_seq_lens_q"}
+           "train_dataset", "ulysses", "labels", "cu_seq_lens_q", "save_strategy"}
 
 
 def _env() -> dict:
@@ -71,7 +79,7 @@ def _rel(a, b) -> float:
 def test_cp_trainer_matches_stock_trainer(results, case):
     model, kind, u, r = case.split(":")
     got = _load(results, f"cp-{model}_{kind}_{u}_{r}")
-    want = _load(results, f"ref-{model}_{kind}_1_1_dp{_dp(int(u), int(r))}")
+    want = _load(results, "ref-" + _ref(case).rsplit(":", 1)[0].replace(":", "_") + f"_dp{_dp(int(u), int(r))}")
     assert len(got["loss"]) == len(want["loss"]) >= 4
     assert _rel(got["loss"], want["loss"]) < 1e-5, (got["loss"], want["loss"])
     assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-4, (got["grad_norm"], want["grad_norm"])
@@ -129,6 +137,20 @@ def test_save_model_loads_on_one_process(results):
     assert torch.isfinite(out.loss)
 
 
+@pytest.mark.parametrize("case", FSDP2)
+def test_fsdp2_save_model_is_a_full_checkpoint(results, case):
+    """save_model() under fsdp2 gathers the shards: from_pretrained on one process gives the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(results, "saved-" + case.replace(":", "_")))
+    got = _load(results, "cp-" + case.replace(":", "_"))
+    trained = got["weights"]
+    assert got["deferred"] == 4 * (2 - 1)   # 4 steps of accumulation 2: the first micro-batch's reduction deferred
+    assert model.state_dict().keys() == trained.keys()
+    for k, w in model.state_dict().items():
+        assert torch.equal(w, trained[k]), k
+
+
 def test_auto_split_comes_from_the_planner_and_is_logged(results):
     for rank in _load(results, "checks"):
         both, ring2 = rank["auto"]["both"], rank["auto"]["ring=2"]
@@ -148,3 +170,17 @@ def test_mesh_from_accelerate_device_mesh(results):
             assert groups["ulysses"] == list(range(first, first + u))   # consecutive ranks
             assert len(groups["ring"]) == cp_size // u and rank in groups["ring"]
         assert got["strided"][0] == "ConfigError" and "consecutive" in got["strided"][1]
+
+
+def test_one_process_accelerate_cpu_launch_is_named(monkeypatch):
+    """`accelerate launch --cpu --num_processes 4` starts one process (no MPI): the error says what to run instead."""
+    import torch.distributed as dist
+
+    from hybrid_cp.errors import SetupError
+    from hybrid_cp.integrations.hf import resolve_mesh
+
+    if dist.is_initialized():
+        pytest.skip("this process is a distributed rank")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    with pytest.raises(SetupError, match="--multi_gpu --num_processes"):
+        resolve_mesh(torch.nn.Linear(1, 1), 2, 2, "zigzag", True)

@@ -23,8 +23,10 @@ only then.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from ..engine.mesh import CPMesh, init_cp_mesh
 from ..errors import ConfigError, SetupError
 from ..training.batch import shard_batch
+from .fsdp import shard_model
 from .transformers import apply_context_parallel
 
 log = logging.getLogger("hybrid_cp")
@@ -61,9 +64,8 @@ def check_training_arguments(args: Any) -> None:
          "accelerator for accelerate's cp dimension)"),
         ("deepspeed", lambda v: bool(v), "drop it: DeepSpeed is not verified with hybrid-cp (use DDP)"),
         ("fsdp", lambda v: bool(v),
-         "drop it: FSDP through the Trainer is not verified (accelerate applies it only on accelerators; on CPU it "
-         "silently runs DDP instead, so no test here covers it); the trainer runs DDP over all dp x cp ranks. For "
-         "FSDP2 over dp x cp use the training loop with hybrid_cp.integrations.fsdp.shard_model (docs/training.md)"),
+         "drop it and pass fsdp2=True to the trainer: it shards the model with hybrid_cp.integrations.fsdp."
+         "shard_model over the dp x cp ranks (accelerate's own FSDP runs DDP instead on CPU; not verified)"),
         ("train_sampling_strategy", lambda v: v == "group_by_length",
          "use \"random\" or \"sequential\": the length-grouped batch sampler is built per process, not per dp "
          "replica"),
@@ -98,6 +100,19 @@ def _check_constructor(bound: inspect.BoundArguments) -> None:
         if any(isinstance(d, torch.utils.data.IterableDataset) for d in sets):
             raise _refuse(name, "an IterableDataset", "use a map-style dataset (datasets.Dataset or a list): "
                                                        "its batches are split per dp replica by index")
+
+
+def check_fsdp2(fsdp2: Any, args: Any) -> dict:
+    """The `fully_shard` keyword arguments of `fsdp2=` (True or a dict); ConfigError for what is not verified."""
+    if not (fsdp2 is True or isinstance(fsdp2, dict)):
+        raise ConfigError(f"fsdp2={fsdp2!r}: expected True, False or a dict of fully_shard keyword arguments "
+                          f"(e.g. {{'mp_policy': MixedPrecisionPolicy(...)}})")
+    strategy = getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))
+    if args is not None and strategy != "no" and not getattr(args, "save_only_model", False):
+        raise _refuse("TrainingArguments.save_strategy", strategy,
+                      "with fsdp2 set save_only_model=True or save_strategy=\"no\": the sharded optimizer state is "
+                      "not checkpointed by the trainer (resume_from_checkpoint is verified without fsdp2)")
+    return {} if fsdp2 is True else dict(fsdp2)
 
 
 def model_shape(config: Any) -> Any:
@@ -147,8 +162,13 @@ def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, la
                  validate: bool | str, seq_len: int | None = None) -> CPMesh:
     """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"."""
     if not dist.is_available() or not dist.is_initialized():
+        hint = ""
+        if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":   # set by accelerate launch --cpu / use_cpu
+            hint = (" (accelerate launch --cpu, or a config with use_cpu: true, starts ONE process per machine "
+                    "unless given --mpirun_hostfile; on CPU use accelerate launch --multi_gpu --num_processes N, "
+                    "torchrun underneath, with TrainingArguments(use_cpu=True))")
         raise SetupError("the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
-                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)")
+                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)" + hint)
     if ulysses == "auto" or ring == "auto":
         ulysses, ring = auto_degrees(model.config, ulysses, ring, dist.get_world_size(), seq_len)
     return init_cp_mesh(ulysses, ring, layout=layout, validate=validate)
@@ -195,16 +215,21 @@ class CPTrainerMixin:
     Takes every argument of the Trainer it is mixed into plus `ulysses`, `ring` (ints, or "auto": the
     planner's split for this world size, the model's shape and `cp_seq_len`, by default TRL's `max_length`
     or the model's `max_position_embeddings`; logged with the reason), `layout` (the mesh's token layout)
-    and `cp_validate` (`init_cp_mesh(validate=...)`). `self.cp` is the mesh.
+    and `cp_validate` (`init_cp_mesh(validate=...)`). `fsdp2=True` (or a dict of `fully_shard` keyword
+    arguments) shards the model with FSDP2 over all dp x cp ranks (`shard_model`) instead of DDP. `self.cp`
+    is the mesh.
     """
 
     def __init__(self, *args: Any, ulysses: int | str = "auto", ring: int | str = "auto", layout: str = "zigzag",
-                 cp_validate: bool | str = True, cp_seq_len: int | None = None, **kwargs: Any):
+                 cp_validate: bool | str = True, cp_seq_len: int | None = None, fsdp2: bool | dict = False,
+                 **kwargs: Any):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         _check_constructor(bound)
         training_args = bound.arguments.get("args")
         if training_args is not None:
             check_training_arguments(training_args)
+        self.cp_fsdp2 = check_fsdp2(fsdp2, training_args) if fsdp2 is not False else None
+        if training_args is not None:
             training_args.device  # noqa: B018  (sets up torch.distributed under torchrun / accelerate launch)
         model = bound.arguments["model"]
         if isinstance(model, str):
@@ -214,9 +239,39 @@ class CPTrainerMixin:
                 getattr(model.config, "max_position_embeddings", None)
         self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate, cp_seq_len)
         apply_context_parallel(model, self.cp)
+        if self.cp_fsdp2 is not None:
+            shard_model(model.to(training_args.device if training_args is not None else "cpu"), self.cp,
+                        **self.cp_fsdp2)
+            # the stock Trainer's path for a model that owns its sharding and gradient reduction (sharded at load
+            # time): not moved, no DDP wrap, no second sharding; and transformers' FSDP2 marker, so the reduce-
+            # scatter is deferred under gradient accumulation (and generation syncs its ranks)
+            model._is_distributed_loading_by_transformers = True
+            model._is_fsdp_managed_module = True
         super().__init__(*args, **kwargs)
         if training_args is None:
             check_training_arguments(self.args)
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """FSDP2's reduce-scatter waits for the last micro-batch of an accumulation window (the stock version reads
+        a `distributed_config` that a model sharded by `shard_model` does not have)."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """With fsdp2: the full state dict gathered from the shards (a collective, on every rank), written by the
+        main process as an ordinary checkpoint (`from_pretrained` loads it on one process)."""
+        if self.cp_fsdp2 is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        dist.barrier()
 
     def get_cp_size(self) -> int:
         """Ranks that see the same batch: the Trainer divides its global label-token count by it."""
