@@ -310,16 +310,11 @@ def run_resume(case: str, role: str, out: str) -> dict:
 
 
 def byte_tokenizer():
-    """A 256-token byte-level tokenizer built on the machine (no download): id 0 is pad and eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """The example's byte-level tokenizer (examples/sft_trl.py: built on the machine, no download)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from sft_trl import byte_tokenizer as example_tokenizer
 
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    first = next(c for c, i in vocab.items() if i == 0)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=first, pad_token=first)
+    return example_tokenizer()
 
 
 def run_sft(case: str, role: str, out: str) -> dict:
