@@ -200,12 +200,15 @@ def errors_case() -> dict:
 
     data = rows(8, seed=1)
 
-    def trainer(u=2, r=2, **extra):
+    def trainer(u=2, r=2, resume=False, **extra):
         with tempfile.TemporaryDirectory() as tmp:
             args = training_args(tmp, 2, 1, **{k: v for k, v in extra.items() if k in _ARGS})
             kwargs = {k: v for k, v in extra.items() if k not in _ARGS}
             kwargs.setdefault("train_dataset", data)
-            CPTrainer(model=model_for("llama"), args=args, data_collator=pad_collate, ulysses=u, ring=r, **kwargs)
+            made = CPTrainer(model=model_for("llama"), args=args, data_collator=pad_collate, ulysses=u, ring=r,
+                             **kwargs)
+            if resume:   # a checkpoint folder without the sharded model and optimizer (as save_only_model writes)
+                made.train(resume_from_checkpoint=tmp)
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -221,6 +224,7 @@ def errors_case() -> dict:
         "average_tokens_across_devices": lambda: trainer(average_tokens_across_devices=False),
         "fsdp": lambda: trainer(fsdp="full_shard", fsdp_config={"version": 2}),
         "load_best_model_at_end": lambda: trainer(fsdp2=True, load_best_model_at_end=True),
+        "resume_from_checkpoint": lambda: trainer(fsdp2=True, resume=True),
         "compute_metrics": lambda: trainer(compute_metrics=lambda p: {}),
         "train_dataset": lambda: trainer(train_dataset=Stream()),
         "ulysses": lambda: trainer(u=3, r=1),

@@ -41,7 +41,8 @@ def _ref(case: str) -> str:
 
 REF_CASES = sorted({_ref(c) for c in CP_CASES})
 REFUSED = {"label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "compute_metrics",
-           "train_dataset", "ulysses", "labels", "cu_seq_lens_q", "load_best_model_at_end"}
+           "train_dataset", "ulysses", "labels", "cu_seq_lens_q", "load_best_model_at_end",
+           "resume_from_checkpoint"}
 
 
 def _env() -> dict:
