@@ -6,7 +6,7 @@ one process, on the same tiny models and data, recording what the tests compare.
 
 A CASE is "model:kind:ulysses:ring" (model "llama", "mistral", "gemma3_text" and "qwen2": sliding and full layers
 from `layer_types`, "llama+gc": gradient checkpointing, "llama+fsdp2": CPTrainer(fsdp2=True), its reference the
-plain llama's; kind "dense" or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume:kind:u:r"; dp is
+plain llama's; kind "dense" or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume[+fsdp2]:kind:u:r"; dp is
 world // (ulysses * ring). The reference of a CASE is the stock Trainer with gradient accumulation
 2 * dp over the same sampler order (accelerate gives dp replica d the batches d, d + dp, ...).
 Results are written by rank 0 as OUT/<role>-<CASE>.pt.
@@ -200,12 +200,15 @@ def errors_case() -> dict:
 
     data = rows(8, seed=1)
 
-    def trainer(u=2, r=2, **extra):
+    def trainer(u=2, r=2, resume=False, **extra):
         with tempfile.TemporaryDirectory() as tmp:
             args = training_args(tmp, 2, 1, **{k: v for k, v in extra.items() if k in _ARGS})
             kwargs = {k: v for k, v in extra.items() if k not in _ARGS}
             kwargs.setdefault("train_dataset", data)
-            CPTrainer(model=model_for("llama"), args=args, data_collator=pad_collate, ulysses=u, ring=r, **kwargs)
+            made = CPTrainer(model=model_for("llama"), args=args, data_collator=pad_collate, ulysses=u, ring=r,
+                             **kwargs)
+            if resume:   # a checkpoint folder without the sharded model and optimizer (as save_only_model writes)
+                made.train(resume_from_checkpoint=tmp)
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -220,7 +223,8 @@ def errors_case() -> dict:
         "train_sampling_strategy": lambda: trainer(train_sampling_strategy="group_by_length"),
         "average_tokens_across_devices": lambda: trainer(average_tokens_across_devices=False),
         "fsdp": lambda: trainer(fsdp="full_shard", fsdp_config={"version": 2}),
-        "save_strategy": lambda: trainer(fsdp2=True, save_strategy="steps"),
+        "load_best_model_at_end": lambda: trainer(fsdp2=True, load_best_model_at_end=True),
+        "resume_from_checkpoint": lambda: trainer(fsdp2=True, resume=True),
         "compute_metrics": lambda: trainer(compute_metrics=lambda p: {}),
         "train_dataset": lambda: trainer(train_dataset=Stream()),
         "ulysses": lambda: trainer(u=3, r=1),
@@ -284,26 +288,29 @@ def mesh_case() -> dict:
 
 
 _ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "fsdp_config",
-         "save_strategy")
+         "load_best_model_at_end")
 CHECKS = {"direct": direct_case, "errors": errors_case, "auto": auto_case, "mesh": mesh_case}
 
 
 def run_resume(case: str, role: str, out: str) -> dict:
     """CPTrainer saving every 2 steps, `save_model` into OUT/saved-<case>, then a second trainer resuming from
-    the step-2 checkpoint: the losses and weights of both runs."""
-    from hybrid_cp.integrations.hf import CPTrainer
+    the step-2 checkpoint: the losses and weights of both runs ("resume+fsdp2": CPTrainer(fsdp2=True), whose
+    checkpoints hold the sharded model and optimizer through DCP)."""
+    from hybrid_cp.integrations.hf import SHARDED_FOLDER, CPTrainer
 
-    _, kind, u, r = case.split(":")
+    name, kind, u, r = case.split(":")
+    fsdp2 = name.endswith("+fsdp2")
     batch = 1 if kind == "dense" else PACKED_BATCH
     data = rows(STEPS * ACCUMULATION * 2 * batch, seed=1)
     result = {}
     for run in ("full", "resumed"):
         args = training_args(out, ACCUMULATION, batch, save_strategy="steps", save_steps=2)
         trainer = CPTrainer(model=model_for("llama"), args=args, train_dataset=data, data_collator=collator(kind),
-                            ulysses=int(u), ring=int(r))
+                            ulysses=int(u), ring=int(r), fsdp2=fsdp2)
         trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if run == "resumed" else None)
         result[run] = history(trainer)
-        result[run]["weights"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        result[run]["weights"] = full_weights(trainer.model)
+        result[run]["sharded"] = os.path.isdir(os.path.join(out, "checkpoint-2", SHARDED_FOLDER))
         if run == "full":
             trainer.save_model(os.path.join(os.environ["HF_CASES_OUT"], f"saved-{case.replace(':', '_')}"))
     return result
@@ -368,7 +375,7 @@ def main(argv: list[str]) -> None:
         if role == "ref":
             os.environ["HF_CASES_DP"] = case.split(":")[4] if case.count(":") == 4 else "1"
             case = ":".join(case.split(":")[:4])
-        runner = {"sft": run_sft, "resume": run_resume}.get(case.split(":")[0], run_case)
+        runner = {"sft": run_sft, "resume": run_resume}.get(case.split(":")[0].split("+")[0], run_case)
         result = runner(case, role, os.path.join(out, f"work-{role}-{case.replace(':', '_')}"))  # shared by ranks
         if rank == 0:
             torch.save(result, os.path.join(out, f"{role}-{case.replace(':', '_')}"

@@ -14,6 +14,8 @@ holds distinct samples are overridden, each for one reason (docs/training.md):
 - `compute_loss`: the batch is sharded with `hcp.shard_batch` after the Trainer counted its label tokens;
   each rank's loss is then its own tokens' share of the global mean, as on a DDP rank, so the stock
   world-size factor and DDP's gradient average over all dp x cp ranks hold as they are;
+- with `fsdp2=`: `save_model` gathers the full weights; checkpoints hold the sharded model and optimizer
+  through `torch.distributed.checkpoint` (`_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`);
 - `prediction_step` / `evaluation_loop`: losses only (logits are shards), gathered per dp replica.
 
 Arguments whose handling under context parallelism is not verified raise `ConfigError` on every rank in
@@ -39,6 +41,9 @@ from .fsdp import shard_model
 from .transformers import apply_context_parallel
 
 log = logging.getLogger("hybrid_cp")
+
+# with fsdp2, the folder of a Trainer checkpoint that holds the sharded model and optimizer (DCP, every rank's shards)
+SHARDED_FOLDER = "hybrid_cp_sharded"
 
 # constructor arguments of the stock Trainer that would see this rank's shard where they expect the whole
 # sequence (logits for metrics) or compute a loss of their own on it
@@ -107,11 +112,10 @@ def check_fsdp2(fsdp2: Any, args: Any) -> dict:
     if not (fsdp2 is True or isinstance(fsdp2, dict)):
         raise ConfigError(f"fsdp2={fsdp2!r}: expected True, False or a dict of fully_shard keyword arguments "
                           f"(e.g. {{'mp_policy': MixedPrecisionPolicy(...)}})")
-    strategy = getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))
-    if args is not None and strategy != "no" and not getattr(args, "save_only_model", False):
-        raise _refuse("TrainingArguments.save_strategy", strategy,
-                      "with fsdp2 set save_only_model=True or save_strategy=\"no\": the sharded optimizer state is "
-                      "not checkpointed by the trainer (resume_from_checkpoint is verified without fsdp2)")
+    if args is not None and getattr(args, "load_best_model_at_end", False):
+        raise _refuse("TrainingArguments.load_best_model_at_end", True,
+                      "with fsdp2 set it to False and load the best checkpoint's full weights with from_pretrained "
+                      "(the stock path loads full weights into the FSDP2 shards: not verified)")
     return {} if fsdp2 is True else dict(fsdp2)
 
 
@@ -209,6 +213,21 @@ def cp_mesh_from_accelerator(accelerator: Any, ulysses: int | str, **kwargs: Any
     return cp_mesh_from_device_mesh(mesh, ulysses, **kwargs)
 
 
+@contextlib.contextmanager
+def _checkpoints_allowed(args: Any, fsdp2: bool):
+    """The stock constructor refuses full checkpoints of a model sharded before it (its optimizer state would be
+    torch.save'd from rank 0); with fsdp2 the mixin writes that state through DCP, so the check is passed with
+    save_only_model shown as True, and the user's value restored right after."""
+    saved = getattr(args, "save_only_model", None)
+    if fsdp2 and args is not None:
+        args.save_only_model = True
+    try:
+        yield
+    finally:
+        if fsdp2 and args is not None:
+            args.save_only_model = saved
+
+
 class CPTrainerMixin:
     """Context parallelism for a `transformers.Trainer` subclass: `class MyTrainer(CPTrainerMixin, Trainer)`.
 
@@ -247,7 +266,8 @@ class CPTrainerMixin:
             # scatter is deferred under gradient accumulation (and generation syncs its ranks)
             model._is_distributed_loading_by_transformers = True
             model._is_fsdp_managed_module = True
-        super().__init__(*args, **kwargs)
+        with _checkpoints_allowed(training_args, self.cp_fsdp2 is not None):
+            super().__init__(*args, **kwargs)
         if training_args is None:
             check_training_arguments(self.args)
 
@@ -272,6 +292,51 @@ class CPTrainerMixin:
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
         dist.barrier()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """With fsdp2: the sharded model and optimizer through `torch.distributed.checkpoint` into
+        `output_dir/hybrid_cp_sharded` (a collective: every rank writes its shards), the schedule as the stock
+        Trainer writes it (RNG states and trainer state stay the stock Trainer's)."""
+        if self.cp_fsdp2 is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from transformers.trainer import SCHEDULER_NAME
+
+        model_sd, optim_sd = get_state_dict(self.model, self._torch_optimizer())
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(output_dir, SHARDED_FOLDER))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """With fsdp2 the weights are loaded with the optimizer state (`_load_optimizer_and_scheduler`, once the
+        optimizer exists); a checkpoint without the sharded folder (save_only_model=True) is refused."""
+        if self.cp_fsdp2 is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, SHARDED_FOLDER)):
+            raise _refuse("resume_from_checkpoint", resume_from_checkpoint,
+                          f"with fsdp2 resume from a checkpoint that holds {SHARDED_FOLDER}/ (written with "
+                          f"save_only_model=False); load a save_only_model checkpoint with from_pretrained instead")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """With fsdp2: the sharded model and optimizer from `checkpoint/hybrid_cp_sharded` (DCP, into the current
+        shards), then the schedule."""
+        if self.cp_fsdp2 is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from transformers.trainer import SCHEDULER_NAME
+
+        optimizer = self._torch_optimizer()
+        model_sd, optim_sd = get_state_dict(self.model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, SHARDED_FOLDER))
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer inside accelerate's wrapper (DCP's state-dict helpers step it to initialise state)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def get_cp_size(self) -> int:
         """Ranks that see the same batch: the Trainer divides its global label-token count by it."""
