@@ -281,9 +281,7 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
     statistics over the whole batch) raise ValueError. Works with FSDP2 (`shard_model`) and with
     activation checkpointing. Call again to change the chunk; `untile_mlp` undoes it. Returns the model.
     """
-    _check_chunk("chunk_tokens", chunk_tokens)
-    if chunk_tokens is None:
-        raise ConfigError("chunk_tokens=None: give a positive number of tokens, e.g. 4096")
+    _check_tile_chunk(chunk_tokens)
     mlps = _mlps(model)
     if not mlps:
         raise ConfigError(f"{type(model).__name__} has no submodule named 'mlp'; tile_mlp supports transformers "
@@ -294,6 +292,12 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
                              f"router statistics over all tokens); tile_mlp supports *MLP modules only")
     _tile(mlps, chunk_tokens, TILED_MLP_ATTR)
     return model
+
+
+def _check_tile_chunk(chunk_tokens: Any) -> None:
+    _check_chunk("chunk_tokens", chunk_tokens)
+    if chunk_tokens is None:
+        raise ConfigError("chunk_tokens=None: give a positive number of tokens, e.g. 4096")
 
 
 def _tile(modules: list[nn.Module], chunk: int, attr: str) -> None:
@@ -326,9 +330,7 @@ def tile_norm(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
     is ordered differently (accumulated in fp32 for 16-bit weights). Works with FSDP2, activation
     checkpointing and module-level head chunks (q/k norms). `untile_norm` undoes it. Returns the model.
     """
-    _check_chunk("chunk_tokens", chunk_tokens)
-    if chunk_tokens is None:
-        raise ConfigError("chunk_tokens=None: give a positive number of tokens, e.g. 4096")
+    _check_tile_chunk(chunk_tokens)
     norms = _norms(model)
     if not norms:
         raise ConfigError(f"{type(model).__name__} has no *RMSNorm module; tile_norm supports transformers models "
