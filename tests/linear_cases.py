@@ -257,7 +257,13 @@ def mamba_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: in
 
 QWEN3_NEXT = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                   linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2)
-HYBRIDS = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT}
+# Mamba2 hybrids: several SSD chunks per run (chunks of 4 tokens), grouped B/C, attention layers
+MAMBA2 = dict(mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=4, initializer_range=0.2)
+HYBRIDS = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT,
+           "bamba": dict(MAMBA2, mamba_n_heads=8, mamba_d_head=16, num_hidden_layers=2, attn_layer_indices=[1]),
+           "falcon_h1": dict(MAMBA2, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32, num_hidden_layers=2),
+           "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=4,
+                              initializer_range=0.2)}
 
 
 def hybrid_parity(u: int, r: int, kind: str = "qwen3_next", fsdp: bool = False) -> dict:
@@ -267,8 +273,10 @@ def hybrid_parity(u: int, r: int, kind: str = "qwen3_next", fsdp: bool = False) 
     return model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=HYBRIDS[kind])
 
 
-def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tuple = (9, 1, 23, 4, 61, 2, 14)) -> dict:
-    """One packed-row step under CP vs each document run on its own in one process: loss and every gradient."""
+def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tuple = (9, 1, 23, 4, 61, 2, 14),
+                         extra: dict | None = None) -> dict:
+    """One packed-row step under CP vs each document run on its own in one process: loss and every gradient
+    (`extra` overrides the family's tiny configuration)."""
     from train_cases import packed_reference, packed_row, tiny_model
 
     from hybrid_cp.integrations.fsdp import average_gradients
@@ -277,8 +285,9 @@ def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tup
 
     cp = mesh(u, r)
     batch = packed_row(4321, doc_lens)
-    ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **HYBRIDS[kind]), batch, doc_lens)
-    model = apply_context_parallel(tiny_model(kind, 2, generic=True, **HYBRIDS[kind]), cp)
+    config = {**HYBRIDS[kind], **(extra or {})}
+    ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **config), batch, doc_lens)
+    model = apply_context_parallel(tiny_model(kind, 2, generic=True, **config), cp)
     local = shard_batch(batch, cp)
     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
                    cu_seq_lens_q=local["cu_seq_lens_q"], cu_seq_lens_k=local["cu_seq_lens_k"],
