@@ -46,12 +46,12 @@ MAMBA2_FAMILIES = ("bamba", "nemotron_h", "falcon_h1")
 
 
 @pytest.mark.parametrize("kind", MAMBA2_FAMILIES)
-@pytest.mark.parametrize("u,r", [(2, 2), (1, 4), (4, 1)])
-def test_mamba2_hybrid_step_matches_one_process(pool, kind, u, r):
+@pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True)])
+def test_mamba2_hybrid_step_matches_one_process(pool, kind, u, r, fsdp):
     # Bamba, Nemotron-H (Mamba2 + MoE + attention + MLP blocks), Falcon-H1 (attention || Mamba2 per layer)
-    for row in pool.run("linear_cases:hybrid_parity", u=u, r=r, kind=kind):
+    for row in pool.run("linear_cases:hybrid_parity", u=u, r=r, kind=kind, fsdp=fsdp):
         assert not row["missing"], row
-        assert row["logits"] <= 1e-4 and row["loss"] <= 1e-5 and row["grad"] <= 1e-4, (kind, u, r, row)
+        assert row["logits"] <= 1e-4 and row["loss"] <= 1e-5 and row["grad"] <= 1e-4, (kind, u, r, fsdp, row)
 
 
 @pytest.mark.parametrize("kind,extra", [("bamba", {}), ("nemotron_h", {}), ("falcon_h1", {"mamba_rms_norm": True})],
