@@ -303,8 +303,8 @@ class Mamba2:
 
     def probe(self, xs):
         out, state = self._call(xs, True)
-        dt = xs[1].to(state_dtype(xs[0]))
-        dt = F.softplus(dt if self.dt_bias is None else dt + self.dt_bias.to(dt.dtype)).clamp(*self.limit)
+        dt = xs[1] if self.dt_bias is None else xs[1] + self.dt_bias.to(xs[1].dtype)   # as the kernel does
+        dt = F.softplus(dt).clamp(*self.limit).to(state_dtype(xs[0]))
         decay = torch.cumsum(dt * self.A.to(dt.dtype), dim=1).exp()   # [B, n, H]: prefix transitions
         h = xs[0].shape[2]
         c = xs[3].to(dt.dtype).repeat_interleave(h // xs[3].shape[2], dim=2)
