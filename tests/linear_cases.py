@@ -13,7 +13,7 @@ from dist_cases import mesh
 
 import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
-from hybrid_cp.engine.recurrence import GatedDelta, causal_conv, linear_scan
+from hybrid_cp.engine.recurrence import GatedDelta, Mamba2, causal_conv, linear_scan
 from topology.cost import linear_layer_bytes
 from topology.layouts import layout_of
 
@@ -147,11 +147,123 @@ def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int
             "conv": dict(zip(("out", "dx", "dw", "dbias"), conv_err)), "bytes": (sent, predicted)}
 
 
+# ---- Mamba2 (SSD): conv -> silu -> scan, the mixer's token-mixing core ------------------------------------------
+
+SSD_DIMS = dict(h=4, p=3, g=2, n=5, width=4)
+
+
+def naive_ssd(x, dt, A, B, C, chunk_size=None, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+              dt_limit=(0.0, float("inf")), return_final_states=False, **_):
+    """The SSD recurrence token by token in the inputs' dtype (mamba_ssm's chunk-scan signature):
+    S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t, state [B, H, P, N]."""
+    b, n, h, p = x.shape
+    dt = dt if dt_bias is None else dt + dt_bias
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
+    B, C = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (B, C))
+    s = x.new_zeros(b, h, p, B.shape[-1]) if initial_states is None else initial_states.to(x.dtype)
+    outs = []
+    for t in range(n):
+        s = s * (dt[:, t] * A).exp()[..., None, None] + torch.einsum("bhp,bhn->bhpn", x[:, t] * dt[:, t, :, None],
+                                                                     B[:, t])
+        outs.append(torch.einsum("bhpn,bhn->bhp", s, C[:, t]) + (0 if D is None else D[:, None] * x[:, t]))
+    out = torch.stack(outs, 1)
+    return (out, s) if return_final_states else out
+
+
+def _ssd_kernel(name: str):
+    if name == "naive":
+        return naive_ssd
+    from transformers.models.bamba import modeling_bamba
+
+    return getattr(modeling_bamba.mamba2_chunk_scan, "__wrapped__", modeling_bamba.mamba2_chunk_scan)
+
+
+def _ssd_inputs(seed: int, b: int, n: int):
+    d = SSD_DIMS
+    conv_dim = d["h"] * d["p"] + 2 * d["g"] * d["n"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+    seq = [rnd(b, n, conv_dim), rnd(b, n, d["h"])]
+    params = [rnd(conv_dim, d["width"], scale=0.5), rnd(conv_dim), -torch.rand(d["h"], generator=gen,
+                                                                               dtype=torch.float64) - 0.2,
+              rnd(d["h"]), rnd(d["h"], scale=0.5)]   # conv weight, conv bias, A < 0, D, dt_bias
+    return seq, params, rnd(b, n, d["h"], d["p"])
+
+
+def _mamba_core(conv, scan, xbc, dt, w, bias, A, D, dt_bias):
+    """The Mamba2 mixer between its projections: silu(causal conv), split into x | B | C, SSD."""
+    d = SSD_DIMS
+    h = F.silu(conv(xbc, w, bias))
+    x, B, C = h.split([d["h"] * d["p"], d["g"] * d["n"], d["g"] * d["n"]], dim=-1)
+    shape = (x.shape[0], x.shape[1])
+    return scan(x.reshape(*shape, d["h"], d["p"]), dt, B.reshape(*shape, d["g"], d["n"]),
+                C.reshape(*shape, d["g"], d["n"]), A, D, dt_bias)
+
+
+def mamba_parity(u: int, r: int, cases: list[tuple[str, tuple[int, ...] | None, str]]) -> list[dict]:
+    """`mamba_case` for each (layout, documents or None, kernel) on one mesh."""
+    cp = mesh(u, r)
+    return [mamba_case(cp, *case) for case in cases]
+
+
+def mamba_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int = 37, b: int = 2) -> dict:
+    """Errors (forward, the gradient of xBC, dt and of each parameter) of the Mamba2 core under CP
+    against the fp64 token-by-token reference over the full sequence (each document on its own);
+    kernel "naive" in fp64, "hf" (transformers' chunked torch SSD, chunks of 8) in fp32."""
+    cu = None
+    if docs is not None:
+        b, n, cu = 1, sum(docs), [0]
+        for doc in docs:
+            cu.append(cu[-1] + doc)
+    lay = layout_of(layout, cp.ulysses_size, cp.ring_size, seq_len=None if cu else n, cu_seqlens=cu)
+    dtype = torch.float64 if kernel == "naive" else torch.float32
+    seq, params, dout = _ssd_inputs(29 + n, b, n)
+    fn = _ssd_kernel(kernel)
+
+    def ref_scan(x, dt, B, C, A, D, dt_bias):
+        return naive_ssd(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)
+
+    def ref(xbc, dt, *ps):
+        return _per_document(lambda a, c: _mamba_core(lambda t, w, bb: _conv_ref(t, w, bb), ref_scan, a, c, *ps),
+                             (xbc, dt), docs)
+
+    def cp_scan(x, dt, B, C, A, D, dt_bias):
+        return linear_scan(cp, lay, Mamba2(fn, A, 8, D, dt_bias), (x, dt, B, C))
+
+    def got_fn(xbc, dt, *ps):
+        return _mamba_core(lambda t, w, bb: causal_conv(cp, lay, t, w, bb), cp_scan, xbc, dt, *ps)
+
+    hcp.reset_comm_bytes(cp)
+    want = _grads(ref, seq + params, dout)
+    local = [shard_tokens(x.to(dtype), cp, 1, lay) for x in seq]
+    got = _grads(got_fn, local + [p.to(dtype) for p in params], shard_tokens(dout.to(dtype), cp, 1, lay))
+    sent = hcp.comm_bytes(cp)
+    for t in got[3:]:   # parameter gradients are partial sums over this rank's rows
+        torch.distributed.all_reduce(t, group=cp.cp_group)
+    errs = _errors(cp, lay, got[:3], want[:3])
+    errs += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(got[3:], want[3:])]
+    d, size = SSD_DIMS, torch.finfo(dtype).bits // 8
+    conv_dim = seq[0].shape[-1]
+    predicted = linear_layer_bytes(lay, cp.size, b, d["h"] * (1 + d["p"] * d["n"]), d["width"] - 1, conv_dim, size,
+                                   size)
+    names = ("out", "dxbc", "ddt", "dconv_w", "dconv_b", "dA", "dD", "ddt_bias")
+    return {"mamba2": dict(zip(names, errs)), "bytes": (sent, predicted)}
+
+
 # ---- hybrid models: one training step under CP equals one process -------------------------------------------------
 
 QWEN3_NEXT = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                   linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2)
-HYBRIDS = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT}
+# Mamba2 hybrids: several SSD chunks per run (chunks of 4 tokens), grouped B/C, attention layers
+MAMBA2 = dict(mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=4, initializer_range=0.2)
+HYBRIDS = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT,
+           "bamba": dict(MAMBA2, mamba_n_heads=8, mamba_d_head=16, num_hidden_layers=2, attn_layer_indices=[1]),
+           "falcon_h1": dict(MAMBA2, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32, num_hidden_layers=2),
+           "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=4,
+                              initializer_range=0.2)}
 
 
 def hybrid_parity(u: int, r: int, kind: str = "qwen3_next", fsdp: bool = False) -> dict:
@@ -161,8 +273,10 @@ def hybrid_parity(u: int, r: int, kind: str = "qwen3_next", fsdp: bool = False) 
     return model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=HYBRIDS[kind])
 
 
-def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tuple = (9, 1, 23, 4, 61, 2, 14)) -> dict:
-    """One packed-row step under CP vs each document run on its own in one process: loss and every gradient."""
+def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tuple = (9, 1, 23, 4, 61, 2, 14),
+                         extra: dict | None = None) -> dict:
+    """One packed-row step under CP vs each document run on its own in one process: loss and every gradient
+    (`extra` overrides the family's tiny configuration)."""
     from train_cases import packed_reference, packed_row, tiny_model
 
     from hybrid_cp.integrations.fsdp import average_gradients
@@ -171,8 +285,9 @@ def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tup
 
     cp = mesh(u, r)
     batch = packed_row(4321, doc_lens)
-    ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **HYBRIDS[kind]), batch, doc_lens)
-    model = apply_context_parallel(tiny_model(kind, 2, generic=True, **HYBRIDS[kind]), cp)
+    config = {**HYBRIDS[kind], **(extra or {})}
+    ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **config), batch, doc_lens)
+    model = apply_context_parallel(tiny_model(kind, 2, generic=True, **config), cp)
     local = shard_batch(batch, cp)
     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
                    cu_seq_lens_q=local["cu_seq_lens_q"], cu_seq_lens_k=local["cu_seq_lens_k"],

@@ -46,3 +46,21 @@ def test_plan_resets_at_documents_and_chains_zigzag():
     for runs in packed.runs:
         for run in runs:
             assert run.tok < 0 or run.continues == (run.tok not in (0, 1, 3))
+
+
+@pytest.mark.parametrize("u,r", MESHES)
+def test_mamba2_ssd_fp64_exact(pool, u, r):
+    # Mamba2's core (conv -> silu -> SSD) with every input's and parameter's gradient, bytes = cost model
+    cases = [(layout, docs, "naive") for layout in ("zigzag", "contiguous") for docs in (None, DOCS)]
+    for rank_rows in pool.run("linear_cases:mamba_parity", u=u, r=r, cases=cases):
+        for case, row in zip(cases, rank_rows):
+            _check(row, 1e-10, (u, r, case))
+
+
+@pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (1, 4)])
+def test_mamba2_transformers_kernel_fp32(pool, u, r):
+    # transformers' torch chunked SSD (mamba2_chunk_scan, chunks of 8 tokens) computes in fp32
+    cases = [("zigzag", None, "hf"), ("zigzag", DOCS, "hf"), ("contiguous", DOCS, "hf")]
+    for rank_rows in pool.run("linear_cases:mamba_parity", u=u, r=r, cases=cases):
+        for case, row in zip(cases, rank_rows):
+            _check(row, 1e-5, (u, r, case))

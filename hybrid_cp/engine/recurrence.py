@@ -274,4 +274,47 @@ class GatedDelta:
         return out + torch.einsum("bthk,bhkv->bthv", aux.to(s_in.dtype), s_in).to(out.dtype)
 
 
-__all__ = ["Run", "ScanPlan", "scan_plan", "RecurrenceKind", "linear_scan", "causal_conv", "GatedDelta", "state_dtype"]
+class Mamba2:
+    """Mamba2's state-space duality (SSD) recurrence: inputs (x [B, n, H, P], dt [B, n, H] before the
+    bias and softplus, B and C [B, n, G, N]); the parameters A, D, dt_bias [H] are fixed per layer and
+    held here. State [B, H, P, N], S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t.
+
+    The transition is a scalar per head, M = exp(sum of dt A over the run), so no probe state is
+    needed: a continuing run is run once from zero and corrected by `(exp(cumsum dt A)_t C_t) . S_in`,
+    one [P x N] product per token. `kernel` has mamba_ssm's `mamba_chunk_scan_combined` signature
+    (x, dt, A, B, C, chunk_size, D=, dt_bias=, initial_states=, dt_softplus=, dt_limit=,
+    return_final_states=); on CPU transformers' torch `mamba2_chunk_scan`."""
+
+    def __init__(self, kernel: Kernel, A: torch.Tensor, chunk_size: int, D: torch.Tensor | None = None,
+                 dt_bias: torch.Tensor | None = None, dt_limit: tuple[float, float] = (0.0, float("inf"))):
+        self.kernel, self.A, self.chunk, self.D, self.dt_bias, self.limit = kernel, A, chunk_size, D, dt_bias, dt_limit
+
+    def _call(self, xs, final):
+        x, dt, b, c = xs
+        return self.kernel(x, dt, self.A, b, c, chunk_size=self.chunk, D=self.D, dt_bias=self.dt_bias,
+                           dt_softplus=True, dt_limit=self.limit, return_final_states=final)
+
+    def shapes(self, inputs):
+        b, _, h, p = inputs[0].shape
+        return (b, h), (b, h, p, inputs[2].shape[-1])
+
+    def plain(self, xs, final):
+        return self._call(xs, True) if final else (self._call(xs, False), None)
+
+    def probe(self, xs):
+        out, state = self._call(xs, True)
+        dt = xs[1] if self.dt_bias is None else xs[1] + self.dt_bias.to(xs[1].dtype)   # as the kernel does
+        dt = F.softplus(dt).clamp(*self.limit).to(state_dtype(xs[0]))
+        decay = torch.cumsum(dt * self.A.to(dt.dtype), dim=1).exp()   # [B, n, H]: prefix transitions
+        h = xs[0].shape[2]
+        c = xs[3].to(dt.dtype).repeat_interleave(h // xs[3].shape[2], dim=2)
+        return out, state, decay[:, -1], c * decay[..., None]
+
+    def apply(self, m, s):
+        return m[..., None, None] * s
+
+    def correct(self, out, aux, s_in):
+        return out + torch.einsum("bthn,bhpn->bthp", aux, s_in.to(aux.dtype)).to(out.dtype)
+
+
+__all__ = ["Run", "ScanPlan", "scan_plan", "RecurrenceKind", "linear_scan", "causal_conv", "GatedDelta", "Mamba2", "state_dtype"]

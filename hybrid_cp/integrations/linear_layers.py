@@ -1,4 +1,4 @@
-"""The linear-attention mixers of hybrid models under context parallelism (docs/linear.md).
+"""The linear-attention and state-space mixers of hybrid models under context parallelism (docs/linear.md).
 
 `route_linear_layers(model, cp)` gives every Gated DeltaNet block of a verified family (Qwen3-Next) a
 forward that keeps the module's own projections, gates, norm and output projection, and replaces only
@@ -7,6 +7,12 @@ from the rank before) and the gated delta rule (`recurrence.linear_scan` over `G
 across ranks and documents). The rule runs on transformers' own torch function of the model's module
 (`torch_chunk_gated_delta_rule`, its reference path: the hub/fla kernel it may dispatch to is not
 verified here, there is no GPU in our CI), which takes an initial state as fla's kernel does.
+
+Mamba2 mixers (Bamba, Nemotron-H, Falcon-H1) get the same treatment: their in_proj (Falcon-H1's
+multipliers included), gated norm and out_proj stay; the convolution over x|B|C goes through
+`causal_conv` and the SSD scan through `linear_scan` over `Mamba2`, on transformers' torch
+`mamba2_chunk_scan` of the model's module (not the fused mamba_ssm path the module takes in training
+when the hub kernel is installed: it has no initial state to continue a run).
 """
 
 from __future__ import annotations
@@ -19,22 +25,31 @@ import torch.nn.functional as F
 
 from ..engine.layout import row_layout
 from ..engine.mesh import CPMesh
-from ..engine.recurrence import GatedDelta, causal_conv, linear_scan
+from ..engine.recurrence import GatedDelta, Mamba2, causal_conv, linear_scan
 from ..errors import ConfigError
 
 # the Gated DeltaNet classes whose forward `_GatedDeltaNetForward` reproduces (verified by a parity test)
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
+# the Mamba2 mixers whose forward `_Mamba2Forward` reproduces (verified by a parity test)
+MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer")
 
 
-def _model_class(module: torch.nn.Module) -> type | None:
-    """The module's Gated DeltaNet class (also under FSDP2, which swaps in a subclass), or None."""
-    return next((c for c in type(module).__mro__ if c.__name__ in GATED_DELTANET_CLASSES), None)
+def _model_class(module: torch.nn.Module, names: tuple[str, ...] = GATED_DELTANET_CLASSES) -> type | None:
+    """The module's class among `names` (also under FSDP2, which swaps in a subclass), or None."""
+    return next((c for c in type(module).__mro__ if c.__name__ in names), None)
 
 
-def _reference_kernel(module: torch.nn.Module):
-    """transformers' torch gated delta rule of the module's model, without the hub-kernel dispatch."""
-    fn = getattr(sys.modules[_model_class(module).__module__], "torch_chunk_gated_delta_rule")
+def _reference_kernel(module: torch.nn.Module, name: str = "torch_chunk_gated_delta_rule",
+                      names: tuple[str, ...] = GATED_DELTANET_CLASSES):
+    """transformers' torch function `name` of the module's model, without the hub-kernel dispatch."""
+    fn = getattr(sys.modules[_model_class(module, names).__module__], name)
     return getattr(fn, "__wrapped__", fn)
+
+
+def _refuse_cache(m: torch.nn.Module, cache: Any, kwargs: dict) -> None:
+    if cache is not None or kwargs.get("cache_params") is not None:
+        raise ConfigError(f"{type(m).__name__} received a cache: generation is not supported under context "
+                          f"parallelism; run it on one device")
 
 
 class _GatedDeltaNetForward:
@@ -49,9 +64,7 @@ class _GatedDeltaNetForward:
         from transformers.activations import ACT2FN
 
         m = self.module
-        if cache is not None or kwargs.get("cache_params") is not None:
-            raise ConfigError(f"{type(m).__name__} received a cache: generation is not supported under context "
-                              f"parallelism; run it on one device")
+        _refuse_cache(m, cache, kwargs)
         lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
                          causal=True, what=type(m).__name__)
         if attention_mask is not None:   # what the block does itself (the pre-hook drops right-padding masks)
@@ -79,15 +92,59 @@ def _projections(m: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...
     return m.in_proj_qkv(h), z.reshape(z.shape[0], z.shape[1], -1, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
 
 
+class _Mamba2Forward:
+    """The Mamba2 mixer's forward (Bamba's, Nemotron-H's; Falcon-H1's with its multipliers and optional
+    norm) with the convolution and the SSD scan made context parallel."""
+
+    def __init__(self, module: torch.nn.Module, cp: CPMesh):
+        self.module, self.cp = module, cp
+        self.kernel = _reference_kernel(module, "mamba2_chunk_scan", MAMBA2_CLASSES)
+
+    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
+                 **kwargs: Any) -> torch.Tensor:
+        from transformers.activations import ACT2FN
+
+        m, dtype = self.module, hidden_states.dtype
+        _refuse_cache(m, cache, kwargs)
+        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                         causal=True, what=type(m).__name__)
+        hidden_states = _masked(hidden_states, attention_mask)
+        falcon = hasattr(m, "mup_vector")
+        proj = m.in_proj(hidden_states * m.ssm_in_multiplier if falcon else hidden_states)
+        proj = proj * m.mup_vector if falcon else proj
+        gate, xbc, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        weight = m.conv1d.weight.squeeze(1)
+        xbc = ACT2FN[m.activation](causal_conv(self.cp, lay, xbc.to(weight.dtype), weight, m.conv1d.bias))
+        xbc = _masked(xbc.to(dtype), attention_mask)
+        groups = m.n_groups * m.ssm_state_size
+        x, b, c = xbc.split([m.intermediate_size, groups, groups], dim=-1)
+        shape = (x.shape[0], x.shape[1])
+        kind = Mamba2(self.kernel, -torch.exp(m.A_log.float()), m.chunk_size, m.D, m.dt_bias, m.time_step_limit)
+        y = linear_scan(self.cp, lay, kind, (x.reshape(*shape, m.num_heads, m.head_dim), dt,
+                                             b.reshape(*shape, m.n_groups, -1), c.reshape(*shape, m.n_groups, -1)))
+        y = y.reshape(*shape, -1)
+        y = y * F.silu(gate) if falcon and not m.mamba_rms_norm else m.norm(y, gate)
+        return m.out_proj(y.to(dtype))
+
+
+def _masked(h: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+    """What the mixers do with a padding mask (the pre-hook drops right-padding masks)."""
+    return h if attention_mask is None else (h * attention_mask[:, :, None]).to(h.dtype)
+
+
 def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
-    """Route every Gated DeltaNet block of `model` through the context-parallel forward; returns how
-    many were routed (the guard, `model_support.check_model`, has refused every other mixer)."""
+    """Route every Gated DeltaNet block and Mamba2 mixer of `model` through its context-parallel forward;
+    returns how many were routed (the guard, `model_support.check_model`, has refused every other mixer)."""
     routed = 0
     for module in model.modules():
         if _model_class(module) is not None:
             module.__dict__["forward"] = _GatedDeltaNetForward(module, cp)
-            routed += 1
+        elif _model_class(module, MAMBA2_CLASSES) is not None:
+            module.__dict__["forward"] = _Mamba2Forward(module, cp)
+        else:
+            continue
+        routed += 1
     return routed
 
 
-__all__ = ["GATED_DELTANET_CLASSES", "route_linear_layers"]
+__all__ = ["GATED_DELTANET_CLASSES", "MAMBA2_CLASSES", "route_linear_layers"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .linear_layers import GATED_DELTANET_CLASSES
+from .linear_layers import GATED_DELTANET_CLASSES, MAMBA2_CLASSES
 
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
 DENSE = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"
@@ -37,6 +37,8 @@ GEMMA2 = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding T
 # family's verified tiny model contains. Some families reuse another's classes (exaone: Llama's).
 VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "apertus": ("Apertus", DENSE),
+    # hybrid: Mamba2 mixers routed by `linear_layers` (docs/linear.md)
+    "bamba": ("Bamba", "Attention DecoderLayer ForCausalLM MLP Mixer Model RMSNorm RMSNormGated RotaryEmbedding"),
     "apertus1p5_text": ("Apertus1p5Text", DENSE),
     "arcee": ("Arcee", DENSE),
     "aria_text": ("Aria", "Experts SharedExpertsMLP TextAttention TextDecoderLayer TextForCausalLM "
@@ -55,6 +57,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "diffllama": ("DiffLlama", DENSE),
     "ernie4_5": ("Ernie4_5", DENSE),
     "exaone": ("Llama", DENSE),
+    # hybrid: attention and a Mamba2 mixer side by side in every layer, the mixer routed by `linear_layers`
+    "falcon_h1": ("FalconH1", "Attention DecoderLayer ForCausalLM MLP Mixer Model RMSNorm RMSNormGated "
+                              "RotaryEmbedding"),
     "exaone4": ("Exaone4", DENSE),
     "exaone_moe": ("ExaoneMoe", "Attention DecoderLayer Experts ForCausalLM MLP "
                                 "Model RMSNorm RotaryEmbedding SparseMoEBlock TopkRouter"),
@@ -111,6 +116,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "modernbert-decoder": ("ModernBertDecoder", "Attention Embeddings ForCausalLM Layer "
                                                 "MLP Model PredictionHead RotaryEmbedding"),
     "nanochat": ("NanoChat", DENSE),
+    # hybrid: Mamba2, MoE, attention and MLP blocks; the Mamba2 mixers routed by `linear_layers`
+    "nemotron_h": ("NemotronH", "Attention Block Experts ForCausalLM MLP Mamba2Mixer Model MoE RMSNorm RMSNormGated "
+                                "TopkRouter"),
     "nemotron": ("Nemotron", "Attention DecoderLayer ForCausalLM LayerNorm1P MLP Model RotaryEmbedding"),
     "olmo": ("Olmo", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
     "olmo2": ("Olmo2", DENSE),
@@ -152,12 +160,15 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 # ... and the linear-attention kind, whose blocks `linear_layers` routes (a family's blocks count only once
 # the family is verified: the module check refuses the mixers of every other family)
 ROUTED_LAYER_TYPES = ("linear_attention",)
+# per family, the further layer kinds that act token by token or pair attention with a routed mixer
+# (Nemotron-H's MoE and MLP blocks; Falcon-H1's 'hybrid' layers: attention and a Mamba2 mixer in parallel)
+FAMILY_LAYER_TYPES = {"nemotron_h": ("moe", "mlp"), "falcon_h1": ("hybrid",)}
 # families whose attention modules call ALL_ATTENTION_FUNCTIONS.get_interface although their model class
 # leaves `_supports_attention_backend` False (read in their modeling code; the parity test proves it)
-REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text")
+REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1")
 # mixers whose token mixing `linear_layers` makes context parallel (their submodules, e.g. the short
 # convolution, are covered by it)
-ROUTED_MIXERS = GATED_DELTANET_CLASSES
+ROUTED_MIXERS = GATED_DELTANET_CLASSES + MAMBA2_CLASSES
 
 # what a module that mixes tokens outside the attention function is, by its class name (for the message:
 # the allow-list refuses them whether or not a pattern matches)
@@ -257,7 +268,8 @@ def _settings_refused(where: str, cfg: Any) -> list[str]:
                      f"per rank on its shard, not over the sequence; set it to False")
     if _field(cfg, "is_encoder_decoder", False):
         found.append(f"{where}.is_encoder_decoder=True: only decoder-only causal LMs are supported")
-    other = [(i, t) for i, t in enumerate(kinds) if t not in ATTENTION_LAYER_TYPES + ROUTED_LAYER_TYPES]
+    allowed = ATTENTION_LAYER_TYPES + ROUTED_LAYER_TYPES + FAMILY_LAYER_TYPES.get(_field(cfg, "model_type"), ())
+    other = [(i, t) for i, t in enumerate(kinds) if t not in allowed]
     if other:
         i, t = other[0]
         found.append(f"{where}.layer_types[{i}]={t!r} ({len(other)} of {len(kinds)} layers are not "

@@ -434,7 +434,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks (docs/linear.md)
+    route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
