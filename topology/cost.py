@@ -958,7 +958,10 @@ def linear_flops_per_token(model: ModelShape, probed: bool) -> float:
 
 
 def _linear_tokens(lay: Any, size: int) -> list[tuple[int, int]]:
-    """(plain, probed) real tokens of each cp rank: probed ones sit on runs that continue their document."""
+    """(plain, probed) real tokens of each cp rank: probed ones sit on runs that continue their document
+    (`recurrence.scan_plan`'s `continues`). One rank is no context parallelism: the plain kernel throughout."""
+    if size == 1:
+        return [(lay.seq_len, 0)]
     out = []
     for rank in range(size):
         runs = [(pos, n) for tok, pos, n in lay.token_runs(rank) if tok >= 0]
