@@ -47,7 +47,9 @@ class ModelShape(BaseModel):
 
     ``hidden`` defaults to ``heads * head_dim``; ``intermediate`` (MLP width) to ``4 * hidden`` with a
     plain 2-matrix MLP, else a gated (SwiGLU, 3-matrix) MLP when ``gated_mlp`` is true. For MoE models
-    give the *active* width (experts per token x expert width + shared experts).
+    give the *active* width (experts per token x expert width + shared experts). Hybrid models give
+    ``linear_layers`` (how many of ``layers`` are linear), ``linear_kind`` and the linear block's sizes;
+    the attention terms count the other layers (docs/planner.md, section 4.2).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -167,7 +169,7 @@ class ModelShape(BaseModel):
 
     @classmethod
     def preset(cls, name: str) -> "ModelShape":
-        """Known shapes (``llama3-8b``, ``llama3-70b``, ``glm-4.5-air``, ``llama2-7b``)."""
+        """Known shapes (``llama3-8b``, ``llama3-70b``, ``glm-4.5-air``, ``llama2-7b``, ``qwen3-next-80b``)."""
         key = name.lower()
         if key not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}")
