@@ -63,3 +63,9 @@ def test_parsers():
     assert parse_bytes("70G") == 70e9 and parse_bytes("64GiB") == 64 * 2**30 and parse_bytes("1e3") == 1e3
     with pytest.raises(SystemExit):
         main(["--preset", "dgx-h100", "--heads", "8", "--head-dim", "64", "--seq-len", "lots"])
+
+
+def test_hybrid_model_prints_the_linear_share(capsys):
+    assert main(["--preset", "dgx-h100", "--model", "qwen3-next-80b", "--seq-len", "128K", "--top", "2", "--dp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "linear layers (75% of layers): recurrence" in out and "linear_state_fwd" in out

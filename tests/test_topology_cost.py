@@ -193,3 +193,84 @@ def test_model_shape_validation_and_presets():
     assert ModelShape(heads=8, head_dim=64).d_model == 512
     with pytest.raises(ValueError, match="llama3-8b"):
         ModelShape.preset("gpt-5")
+
+
+# ---- hybrid models: linear-attention / state-space layers (docs/linear.md, docs/planner.md) ------------------------
+
+GDN = dict(linear_kind="gated_delta", linear_heads=4, linear_key_heads=2, linear_key_dim=16, linear_value_dim=32)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(layers=4, linear_layers=5, **GDN), "linear_layers=5 exceeds layers=4"),
+    (dict(layers=4, linear_layers=3), "needs linear_kind"),
+    (dict(layers=4, linear_layers=3, linear_kind="mamba2", linear_heads=8), "needs linear_key_heads"),
+    (dict(layers=4, linear_layers=3, **{**GDN, "linear_key_heads": 3}), "multiple of linear_key_heads=3"),
+    (dict(layers=4, **GDN), "linear_layers=0"),
+])
+def test_linear_layers_are_validated(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelShape(heads=4, head_dim=16, **bad)
+
+
+def test_qwen3_next_preset_matches_the_worked_count():
+    """docs/linear.md's table: 32 x 128 x 256 state numbers per slot, conv over 8192 channels, 36 of 48 linear."""
+    m = ModelShape.preset("qwen3-next-80b")
+    assert (m.linear_state_numel, m.linear_conv_channels, m.attention_layers) == (32 * 128 * 256, 8192, 12)
+    mamba = ModelShape(heads=32, head_dim=128, layers=4, linear_layers=3, linear_kind="mamba2", linear_heads=128,
+                       linear_key_heads=1, linear_key_dim=256, linear_value_dim=64)
+    assert (mamba.linear_state_numel, mamba.linear_conv_channels) == (2_097_280, 8704)   # BambaConfig() sizes
+
+
+@pytest.mark.parametrize("layout, u, r", [("zigzag", 2, 2), ("contiguous", 1, 4), ("zigzag", 4, 1)])
+def test_linear_layer_bytes_and_the_hybrid_average(layout, u, r):
+    """An all-linear model's estimate sends exactly linear_layer_bytes (what hcp.comm_bytes is tested equal
+    to); a 3:1 hybrid is the layer-weighted average of its softmax and linear layers, time and bytes."""
+    from topology.cost import linear_layer_bytes
+    from topology.layouts import make_layout
+
+    c = Cluster.preset("dgx-h100")
+    base = dict(heads=8, kv_heads=2, head_dim=64, hidden=512, intermediate=1024, **GDN)
+    lin = estimate(c, ModelShape(layers=4, linear_layers=4, **base), 4096, u, r, layout=layout)
+    attn = estimate(c, ModelShape(layers=4, **{k: v for k, v in base.items() if not k.startswith("linear")}),
+                    4096, u, r, layout=layout)
+    lay = make_layout(layout, u, r, seq_len=4096)
+    assert lin.bytes_per_rank == linear_layer_bytes(lay, u * r, 1, 4 * 16 * 48, 3, 2 * 2 * 16 + 4 * 32, 2, 4)
+    assert lin.bytes_per_rank["linear_state_fwd"] == (u * r - 1) * (2 if layout == "zigzag" else 1) * 4 * 16 * 48 * 4
+    assert lin.attention_s == lin.a2a_s == lin.ring_exposed_s == 0 and lin.linear_s > 0 and lin.linear_comm_s > 0
+    hyb = estimate(c, ModelShape(layers=4, linear_layers=3, **base), 4096, u, r, layout=layout)
+    assert hyb.linear_share == 0.75
+    assert hyb.time_s == pytest.approx(0.25 * attn.time_s + 0.75 * lin.time_s, rel=1e-12)
+    assert hyb.bytes_per_rank["linear_state_fwd"] == round(0.75 * lin.bytes_per_rank["linear_state_fwd"])
+    assert hyb.bytes_per_rank["ring_fwd"] == round(0.25 * attn.bytes_per_rank["ring_fwd"])
+    assert hyb.attention_time_s == pytest.approx(0.25 * attn.attention_time_s, rel=1e-12)
+
+
+def test_linear_compute_counts_the_probe_on_continuing_runs():
+    """One rank: every run starts its document, no probe, no exchange; on 4 ranks (contiguous) ranks
+    1-3 probe all their tokens: the busiest rank pays f(dv + dk) per token instead of f(dv)."""
+    from topology.cost import linear_flops_per_token
+
+    m = ModelShape(heads=8, head_dim=64, layers=2, linear_layers=2, **GDN)
+    c, C, K = 64, 64, m.linear_conv
+    f0 = 4 * (6 * 16 * 32 + 4 * c * (16 + 32)) + 2 * K * m.linear_conv_channels
+    f1 = 4 * (6 * 16 * 48 + 4 * c * (16 + 48) + 2 * 16 * 32) + 2 * K * m.linear_conv_channels
+    assert (linear_flops_per_token(m, False), linear_flops_per_token(m, True)) == (f0, f1)
+    acc = Cluster.preset("dgx-h100").accelerator
+    one = estimate(Cluster.preset("dgx-h100"), m, 8192, 1, 1)
+    four = estimate(Cluster.preset("dgx-h100"), m, 8192, 1, 4, layout="contiguous")
+    assert one.linear_s == pytest.approx(8192 * f0 * 3 / acc.dense_flops, rel=1e-12)
+    assert four.linear_s == pytest.approx(2048 * f1 * 3 / acc.dense_flops, rel=1e-12)
+    assert one.linear_comm_s == 0 and one.bytes_per_rank == {}
+    mamba = ModelShape(heads=8, head_dim=64, layers=2, linear_layers=2, linear_kind="mamba2", linear_heads=8,
+                       linear_key_heads=2, linear_key_dim=16, linear_value_dim=32, linear_chunk=C)
+    assert linear_flops_per_token(mamba, False) == 8 * (4 * 16 * 32 + 2 * C * 32 + 2 * C * 16 * 2 / 8) + 2 * K * (
+        2 * 2 * 16 + 8 * 32)
+    assert linear_flops_per_token(mamba, True) - linear_flops_per_token(mamba, False) == 8 * 2 * 16 * 32
+
+
+def test_plan_explains_the_linear_share():
+    from topology import plan
+
+    best = plan(Cluster.preset("dgx-h100"), ModelShape.preset("qwen3-next-80b"), 131072, world_size=8).best
+    assert best.estimate.linear_share == 0.75
+    assert "linear layers (75% of layers)" in best.explain() and "36 of 48 layers are linear" in best.explain()

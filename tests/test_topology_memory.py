@@ -237,3 +237,17 @@ def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, che
                       tiled_norm=True)
     best = max_seq_len(LLAMA8B, world, 80e9, o, splits=[(u, r)], host_memory=c.host_memory_per_gpu)
     assert check(best.seq_len / 2**20), best.explain()
+
+
+def test_linear_layers_working_set_counts_the_gathered_summaries():
+    """A hybrid's linear stage holds every rank's summaries (P x slots x numel, fp32; their gradient too
+    in backward) plus its local conv and kernel tensors; softmax-only models have no such stage."""
+    base = dict(heads=8, kv_heads=2, head_dim=64, hidden=512, intermediate=1024, vocab=1000, layers=4)
+    gdn = dict(linear_kind="gated_delta", linear_heads=4, linear_key_heads=2, linear_key_dim=16, linear_value_dim=32)
+    assert "linear_fwd" not in step_memory(ModelShape(**base), 4096, 2, 2).stages
+    m = ModelShape(linear_layers=3, **base, **gdn)
+    for layout, slots in (("zigzag", 2), ("contiguous", 1)):
+        est = step_memory(m, 4096, 2, 2, layout=layout)
+        local = 1024 * (2 * m.linear_conv_channels * 2 + 4 * (32 + 16) * 4)
+        summaries = 4 * slots * m.linear_state_numel * 4
+        assert (est.stages["linear_fwd"], est.stages["linear_bwd"]) == (summaries + local, 2 * (summaries + local))

@@ -47,7 +47,9 @@ class ModelShape(BaseModel):
 
     ``hidden`` defaults to ``heads * head_dim``; ``intermediate`` (MLP width) to ``4 * hidden`` with a
     plain 2-matrix MLP, else a gated (SwiGLU, 3-matrix) MLP when ``gated_mlp`` is true. For MoE models
-    give the *active* width (experts per token x expert width + shared experts).
+    give the *active* width (experts per token x expert width + shared experts). Hybrid models give
+    ``linear_layers`` (how many of ``layers`` are linear), ``linear_kind`` and the linear block's sizes;
+    the attention terms count the other layers (docs/planner.md, section 4.2).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -65,6 +67,14 @@ class ModelShape(BaseModel):
     attention_chunk_size: int | None = Field(
         default=None, ge=1, description="positions of one attention chunk in chunked layers (Llama 4)")
     chunked_layers: int | None = Field(default=None, ge=0, description="layers with chunked attention (default: all)")
+    linear_layers: int = Field(default=0, ge=0, description="of `layers`, how many are linear (hybrid models)")
+    linear_kind: Literal["gated_delta", "mamba2"] | None = None
+    linear_heads: int | None = Field(default=None, ge=1, description="Gated DeltaNet value heads / Mamba2 heads")
+    linear_key_heads: int | None = Field(default=None, ge=1, description="Gated DeltaNet key heads / Mamba2 groups")
+    linear_key_dim: int | None = Field(default=None, ge=1, description="Gated DeltaNet dk / Mamba2 state size N")
+    linear_value_dim: int | None = Field(default=None, ge=1, description="Gated DeltaNet dv / Mamba2 head dim P")
+    linear_conv: int = Field(default=4, ge=1, description="causal convolution kernel of the linear layers")
+    linear_chunk: int = Field(default=64, ge=1, description="chunk of the chunked recurrence kernel (tokens)")
     name: str = "custom"
 
     @model_validator(mode="after")
@@ -79,6 +89,7 @@ class ModelShape(BaseModel):
             if self.window_layers + self.chunked_layers > self.layers:
                 raise ValueError(f"window_layers={self.window_layers} + chunked_layers={self.chunked_layers} exceeds "
                                  f"layers={self.layers}")
+        self._check_linear()
         kv = self.kv_heads or self.heads
         if kv > self.heads or self.heads % kv:
             raise ValueError(
@@ -86,6 +97,56 @@ class ModelShape(BaseModel):
                 "each KV head among heads/kv_heads query heads)"
             )
         return self
+
+    def _check_linear(self) -> None:
+        dims = ("linear_heads", "linear_key_heads", "linear_key_dim", "linear_value_dim")
+        if self.linear_layers > self.layers:
+            raise ValueError(f"linear_layers={self.linear_layers} exceeds layers={self.layers}")
+        if self.linear_layers and self.linear_kind is None:
+            raise ValueError(f"linear_layers={self.linear_layers} needs linear_kind='gated_delta' or 'mamba2'")
+        if self.linear_layers and (missing := [d for d in dims if getattr(self, d) is None]):
+            raise ValueError(f"linear_kind={self.linear_kind!r} needs {', '.join(missing)} (the linear block's sizes)")
+        if self.linear_layers and self.linear_heads % self.linear_key_heads:
+            raise ValueError(f"linear_heads={self.linear_heads} must be a multiple of linear_key_heads="
+                             f"{self.linear_key_heads} (key heads / groups are shared by value heads)")
+        if self.linear_kind is not None and not self.linear_layers:
+            raise ValueError(f"linear_kind={self.linear_kind!r} with linear_layers=0: give how many layers are linear")
+
+    @property
+    def attention_layers(self) -> int:
+        """Softmax-attention layers (all but the linear ones)."""
+        return self.layers - self.linear_layers
+
+    @property
+    def linear_state_numel(self) -> int:
+        """Numbers of one run's summary (M and E) per batch row, as the engine gathers them: Gated DeltaNet
+        Hv*dk*(dk+dv) (dense dk x dk transition, dk x dv state), Mamba2 H*(1+P*N) (scalar decay, P x N)."""
+        if not self.linear_layers:
+            return 0
+        h, dk, dv = self.linear_heads, self.linear_key_dim, self.linear_value_dim
+        return h * dk * (dk + dv) if self.linear_kind == "gated_delta" else h * (1 + dv * dk)
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of the linear block's causal convolution: q|k|v (Gated DeltaNet), x|B|C (Mamba2)."""
+        if not self.linear_layers:
+            return 0
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_heads * self.linear_value_dim
+
+    @property
+    def linear_layer_params(self) -> int:
+        """Weights of one linear layer: its input projections (conv channels, the output gate z and the
+        per-head gates: beta and g, or dt), its output projection, and the MLP (norms, conv ignored)."""
+        inner = self.linear_heads * self.linear_value_dim
+        per_head = 2 if self.linear_kind == "gated_delta" else 1
+        h = self.d_model
+        return h * (self.linear_conv_channels + inner + per_head * self.linear_heads) + inner * h + self._mlp_params
+
+    @property
+    def _mlp_params(self) -> int:
+        if self.intermediate is None:
+            return 8 * self.d_model * self.d_model
+        return (3 if self.gated_mlp else 2) * self.d_model * self.intermediate
 
     @property
     def n_kv(self) -> int:
@@ -99,19 +160,16 @@ class ModelShape(BaseModel):
     def layer_params(self) -> int:
         """Weights of one layer: Q, K, V, O projections and the MLP (norms ignored)."""
         h, q, kv = self.d_model, self.heads * self.head_dim, self.n_kv * self.head_dim
-        if self.intermediate is None:
-            mlp = 8 * h * h
-        else:
-            mlp = (3 if self.gated_mlp else 2) * h * self.intermediate
-        return h * q + 2 * h * kv + q * h + mlp
+        return h * q + 2 * h * kv + q * h + self._mlp_params
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + 2 * self.vocab * self.d_model
+        linear = self.linear_layers * self.linear_layer_params if self.linear_layers else 0
+        return self.attention_layers * self.layer_params + linear + 2 * self.vocab * self.d_model
 
     @classmethod
     def preset(cls, name: str) -> "ModelShape":
-        """Known shapes (``llama3-8b``, ``llama3-70b``, ``glm-4.5-air``, ``llama2-7b``)."""
+        """Known shapes (``llama3-8b``, ``llama3-70b``, ``glm-4.5-air``, ``llama2-7b``, ``qwen3-next-80b``)."""
         key = name.lower()
         if key not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}")
@@ -125,6 +183,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama2-7b": dict(heads=32, kv_heads=32, head_dim=128, hidden=4096, layers=32, intermediate=11008, vocab=32000),
     # GLM-4.5-Air (MoE, 12B active): 8 routed experts of width 1408 + 1 shared expert active per token.
     "glm-4.5-air": dict(heads=96, kv_heads=8, head_dim=128, hidden=4096, layers=46, intermediate=9 * 1408, vocab=151552),
+    # Qwen3-Next-80B-A3B: 3 Gated DeltaNet layers to 1 gated-attention layer (full_attention_interval 4); MoE with
+    # 10 routed experts + 1 shared expert of width 512 active per token. The attention's output gate is ignored.
+    "qwen3-next-80b": dict(heads=16, kv_heads=2, head_dim=256, hidden=2048, layers=48, intermediate=11 * 512,
+                           vocab=151936, linear_layers=36, linear_kind="gated_delta", linear_heads=32,
+                           linear_key_heads=16, linear_key_dim=128, linear_value_dim=128, linear_conv=4),
 }
 
 
@@ -241,6 +304,9 @@ class Estimate:
     model_flops: float  # useful FLOPs of one layer fwd+bwd for the whole CP group (no padding)
     peak_flops: float  # per-GPU peak, FLOP/s
     notes: tuple[str, ...] = field(default=())
+    linear_s: float = 0.0  # linear layers' recurrence + convolution kernels (0 for softmax layers)
+    linear_comm_s: float = 0.0  # linear layers' summary all-gather and its reduce-scatter (not overlapped)
+    linear_share: float = 0.0  # share of the model's layers that are linear
 
     @property
     def cp(self) -> int:
@@ -248,16 +314,17 @@ class Estimate:
 
     @property
     def compute_s(self) -> float:
-        return self.attention_s + self.ring_overhead_s + self.rest_s
+        return self.attention_s + self.ring_overhead_s + self.rest_s + self.linear_s
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.a2a_s + self.ring_exposed_s
+        return self.compute_s + self.a2a_s + self.ring_exposed_s + self.linear_comm_s
 
     @property
     def attention_time_s(self) -> float:
-        """The attention call alone (what `hybrid-cp bench` measures): ``time_s`` without the rest of the layer."""
-        return self.time_s - self.rest_s
+        """The attention call alone (what `hybrid-cp bench` measures): ``time_s`` without the rest of the
+        layer and without the linear layers' share."""
+        return self.time_s - self.rest_s - self.linear_s - self.linear_comm_s
 
     @property
     def total_bytes(self) -> int:
@@ -289,6 +356,7 @@ class Estimate:
             "bytes_per_rank": dict(self.bytes_per_rank), "total_bytes": self.total_bytes,
             "memory_bytes": self.memory_bytes, "memory_breakdown": dict(self.memory_breakdown),
             "a2a_link": self.a2a_link, "ring_link": self.ring_link, "notes": list(self.notes),
+            "linear_s": self.linear_s, "linear_comm_s": self.linear_comm_s, "linear_share": self.linear_share,
         }  # fmt: skip
 
 
@@ -472,16 +540,20 @@ def estimate(
     kinds = _layer_kinds(model, seq_len, causal)
     layers = [(n, _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=w, chunk_size=c, **kw), what)
               for n, w, c, what in kinds]
+    if model.linear_layers:
+        layers.append((model.linear_layers, _linear_layer(cluster, model, seq_len, ulysses, ring, dp, batch, **kw),
+                       f"are linear ({model.linear_kind})"))
     if len(layers) == 1:
         return layers[0][1]
     note = ", ".join(f"{n} of {model.layers} layers {what}" for n, _, what in layers) + "; the figures are the average layer"
-    return _average_layer([(n / model.layers, est) for n, est, _ in layers], note)
+    avg = _average_layer([(n / model.layers, est) for n, est, _ in layers], note)
+    return replace(avg, linear_share=model.linear_layers / model.layers)
 
 
 def _recomputed(step: Estimate, forward: Estimate, extra: int) -> Estimate:
     """``step`` (forward + backward) with ``extra`` more attention forwards (``forward``'s attention-side
     terms: kernels, ring steps, all-to-all, ring transfers); the rest of the layer and the useful FLOPs stay."""
-    terms = ("attention_s", "ring_overhead_s", "a2a_s", "ring_comm_s", "ring_exposed_s")
+    terms = ("attention_s", "ring_overhead_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "linear_s", "linear_comm_s")
     return replace(step, **{f: getattr(step, f) + extra * getattr(forward, f) for f in terms},
                    notes=step.notes + (f"{1 + extra} attention forwards per layer (recomputation)",))
 
@@ -492,22 +564,25 @@ def _layer_kinds(model: ModelShape, seq_len: int, causal: bool) -> list[tuple[in
     sequence is full attention)."""
     window = model.sliding_window if causal and (model.sliding_window or 0) < seq_len else None
     chunk = model.attention_chunk_size if (model.attention_chunk_size or 0) < seq_len else None
-    n_win = 0 if window is None else model.layers if model.window_layers is None else model.window_layers
-    n_chunk = 0 if chunk is None else model.layers if model.chunked_layers is None else model.chunked_layers
+    n_attn = model.attention_layers
+    n_win = 0 if window is None else n_attn if model.window_layers is None else model.window_layers
+    n_chunk = 0 if chunk is None else n_attn if model.chunked_layers is None else model.chunked_layers
     kinds = [(n_win, window, None, f"use the {window}-token window"),
              (n_chunk, None, chunk, f"attend in {chunk}-token chunks"),
-             (model.layers - n_win - n_chunk, None, None, "attend in full")]
+             (n_attn - n_win - n_chunk, None, None, "attend in full")]
     return [kind for kind in kinds if kind[0] > 0]
 
 
 def _average_layer(layers: list[tuple[float, Estimate]], note: str) -> Estimate:
     """A model with several kinds of layer (``layers``: each kind's share of the layers and its estimate):
     times, FLOPs and bytes averaged over its layers, memory the largest of the kinds."""
-    times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops")
+    times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops",
+             "linear_s", "linear_comm_s")
     first = layers[0][1]
+    keys = dict.fromkeys(k for _, e in layers for k in e.bytes_per_rank)
     return replace(first, **{f: sum(share * getattr(e, f) for share, e in layers) for f in times},
-                   bytes_per_rank={k: round(sum(share * e.bytes_per_rank[k] for share, e in layers))
-                                   for k in first.bytes_per_rank},
+                   bytes_per_rank={k: round(sum(share * e.bytes_per_rank.get(k, 0) for share, e in layers))
+                                   for k in keys},
                    memory_bytes=max(e.memory_bytes for _, e in layers), notes=first.notes + (note,))
 
 
@@ -859,4 +934,115 @@ def linear_layer_bytes(lay: Any, size: int, batch: int, state_numel: int, halo_r
     return out
 
 
-__all__ += ["exporting_runs", "linear_layer_bytes"]
+# FLOPs per token of the chunked recurrences (forward; backward is LINEAR_BWD_FACTOR x forward: each forward
+# product has two in backward, the inputs' and the weights'/states' gradients). C is the kernel's chunk.
+#   Gated DeltaNet, per value head (fla's chunked delta rule, WY form): the three state products (the
+#   output q S, the delta term k S, the update k^T v) 3 x 2 dk dv, and the intra-chunk C x C products
+#   (k k^T, q k^T against dk; A u and the masked attention times the values against dv) 4 C (dk + dv).
+#   Mamba2 SSD, per head: the state update and the output against the state 2 x 2 N P, the masked
+#   intra-chunk C B^T (2 C N, shared by the H/G heads of a group) and its product with x (2 C P).
+# The probe of a continuing Gated DeltaNet run widens the values from dv to dv + dk (same formula with
+# dv + dk); the correction of a continuing run is one state product per token (2 dk dv, or 2 N P).
+LINEAR_BWD_FACTOR = 2.0
+
+
+def linear_flops_per_token(model: ModelShape, probed: bool) -> float:
+    """Forward FLOPs of one linear layer's recurrence for one token (all heads), the causal convolution
+    included (2 K per channel); ``probed``: the token is on a run that continues its document."""
+    h, g, dk, dv, c = (model.linear_heads, model.linear_key_heads, model.linear_key_dim, model.linear_value_dim,
+                       model.linear_chunk)
+    if model.linear_kind == "gated_delta":
+        width = dv + dk if probed else dv
+        head = 6 * dk * width + 4 * c * (dk + width) + (2 * dk * dv if probed else 0)
+    else:  # mamba2: dk is the state size N, dv the head dim P, g the groups
+        head = 4 * dk * dv + 2 * c * dv + 2 * c * dk * g / h + (2 * dk * dv if probed else 0)
+    return h * head + 2 * model.linear_conv * model.linear_conv_channels
+
+
+def _linear_tokens(lay: Any, size: int) -> list[tuple[int, int]]:
+    """(plain, probed) real tokens of each cp rank: probed ones sit on runs that continue their document
+    (`recurrence.scan_plan`'s `continues`). One rank is no context parallelism: the plain kernel throughout."""
+    if size == 1:
+        return [(lay.seq_len, 0)]
+    out = []
+    for rank in range(size):
+        runs = [(pos, n) for tok, pos, n in lay.token_runs(rank) if tok >= 0]
+        out.append((sum(n for pos, n in runs if pos == 0), sum(n for pos, n in runs if pos > 0)))
+    return out
+
+
+def _linear_compute_s(call: _Call, model: ModelShape, acc: Any) -> float:
+    """The busiest rank's recurrence and convolution kernels at the dense rate (the chunked kernels are
+    GEMMs of C x d tiles; real kernels reach less, uncalibrated), forward and backward."""
+    f0, f1 = linear_flops_per_token(model, False), linear_flops_per_token(model, True)
+    worst = max(p * f0 + q * f1 for p, q in _linear_tokens(call.lay, call.ulysses * call.ring))
+    return worst * call.batch * (1 + (LINEAR_BWD_FACTOR if call.backward else 0)) / acc.dense_flops
+
+
+def _linear_comm_s(cluster: Cluster, call: _Call, nbytes: dict[str, int]) -> tuple[float, str]:
+    """The summary all-gather (forward) and its reduce-scatter (backward) over the cp group, as the
+    ring algorithm runs them: P - 1 hops of one slot each at the slowest hop's link, nothing to hide
+    behind (the correction waits for it). Bytes are :func:`linear_layer_bytes`'."""
+    size = call.ulysses * call.ring
+    if size == 1 or not nbytes:
+        return 0.0, "none"
+    group = list(range(size))
+    tier = max(cluster.tier(group[k], group[(k + 1) % size]) for k in range(size))
+    link = cluster.tier_link(tier)
+    bw = _bandwidth(link, call.dp > 1)
+    fwd = nbytes.get("linear_state_fwd", 0) + nbytes.get("linear_halo_fwd", 0)
+    bwd = nbytes.get("linear_state_bwd", 0) + nbytes.get("linear_halo_bwd", 0) if call.backward else 0
+    hops = (size - 1) * (2 if call.backward else 1)
+    return hops * link.latency_us * 1e-6 + (fwd + bwd) / bw, cluster.tier_name(tier)
+
+
+def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[str, int]:
+    """Per-rank bytes of a linear layer: model states and checkpoints as a softmax layer, the gathered
+    summaries (P x slots x numel, fp32) and their gradient in backward, the block's local conv input and
+    output and the kernel's output (compute dtype)."""
+    b, s, e = call.batch, call.lay.local_len, call.e
+    inner = model.linear_heads * model.linear_value_dim
+    return {
+        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.params // call.world,
+        "checkpointed_inputs": model.layers * b * s * model.d_model * e,
+        "linear_local_io": b * s * (2 * model.linear_conv_channels + inner) * e,
+        "linear_summaries": nbytes_state * (1 + call.backward),
+        "mlp_recompute": b * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
+    }
+
+
+def linear_summary_bytes(lay: Any, size: int, batch: int, model: ModelShape, state_bytes: int = FP32_BYTES) -> int:
+    """Bytes of the gathered summaries one rank holds per linear layer: P x slots x B x numel."""
+    return size * exporting_runs(lay, size) * batch * model.linear_state_numel * state_bytes if size > 1 else 0
+
+
+def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
+                  dtype: Any, layout: str, causal: bool, backward: bool) -> Estimate:
+    """One linear layer (docs/linear.md): no all-to-all and no ring; local chunked recurrence on the
+    rank's shard (the probe's wider values on continuing runs), one summary exchange, the layer's GEMMs."""
+    check_counts(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
+    call = _Call(model.heads, model.n_kv, model.head_dim, seq_len, batch, ulysses, ring, dtype_bytes(dtype), layout,
+                 causal, backward, dp)
+    if call.world > cluster.world_size:
+        raise PlacementError(f"dp*ring*ulysses = {call.world} ranks, but cluster {cluster.name!r} has "
+                             f"{cluster.world_size} GPUs")
+    lay, acc, size = call.lay, cluster.accelerator, ulysses * ring
+    nbytes = linear_layer_bytes(lay, size, batch, model.linear_state_numel, model.linear_conv - 1,
+                                model.linear_conv_channels, call.e, max(FP32_BYTES, call.e))
+    if not backward:
+        nbytes = {k: v for k, v in nbytes.items() if not k.endswith("_bwd")}
+    comm_s, link = _linear_comm_s(cluster, call, nbytes)
+    mem = _linear_memory(call, model, linear_summary_bytes(lay, size, batch, model, max(FP32_BYTES, call.e)))
+    gemm = (6.0 if backward else 2.0) * model.linear_layer_params
+    useful = linear_flops_per_token(model, False) * (1 + (LINEAR_BWD_FACTOR if backward else 0)) + gemm
+    return Estimate(
+        ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=lay.padded_len,
+        layers=model.layers, attention_s=0.0, ring_overhead_s=0.0,
+        rest_s=gemm * batch * lay.local_len / acc.dense_flops, a2a_s=0.0, ring_comm_s=0.0, ring_exposed_s=0.0,
+        bytes_per_rank=nbytes, memory_bytes=int(sum(mem.values())), memory_breakdown=mem, a2a_link="none",
+        ring_link=link, model_flops=useful * batch * seq_len, peak_flops=acc.peak_tflops * 1e12,
+        linear_s=_linear_compute_s(call, model, acc), linear_comm_s=comm_s, linear_share=1.0,
+    )  # fmt: skip
+
+
+__all__ += ["exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import ModelShape
+from .cost import ModelShape, linear_summary_bytes
 from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
@@ -361,8 +361,11 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     stages = {"engine_fwd": int(engine_fwd), "engine_bwd": int(engine_bwd), "attention_fwd": int(attn_fwd),
               "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd), "mlp_bwd": int(mlp_bwd),
               "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
+    if model.linear_layers:
+        lin_fwd, lin_bwd = _linear_stage(model, seq_len, ulysses, ring, batch, T, e, layout)
+        stages.update(linear_fwd=lin_fwd, linear_bwd=lin_bwd)
     if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
-        stages["recompute"] = int(max(attn_fwd, mlp_fwd))
+        stages["recompute"] = int(max(attn_fwd, mlp_fwd, stages.get("linear_fwd", 0)))
     phases = _phases(model, T, e, world, o, persistent, grads, acts, stages, mlp_saved)
     notes = []
     host = host_bytes(model, seq_len, ulysses, ring, batch, o, dtype=dtype, layout=layout)
@@ -373,6 +376,20 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     return MemoryEstimate(peak=int(max(phases.values())), persistent=persistent, stages=stages,
                           phases={kk: int(v) for kk, v in phases.items()}, local_tokens=T, notes=tuple(notes),
                           host=int(host), activations={kk: int(v) for kk, v in acts.items()})
+
+
+def _linear_stage(model: ModelShape, seq_len: int, ulysses: int, ring: int, batch: int, T: int, e: int,
+                  layout: str) -> tuple[int, int]:
+    """A linear layer's working set (docs/linear.md), forward and backward: the gathered summaries of every
+    exporting run (P x slots x B x numel, fp32; backward adds their gradient), the convolution's input and
+    output (its channels, compute dtype) and the fp32 kernel output at the probe's width (dv + dk for Gated
+    DeltaNet's continuing runs, P for Mamba2); backward holds each local term and its gradient. Counted from
+    the engine's tensors, not checked against StorageTracker."""
+    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
+    summaries = linear_summary_bytes(lay, ulysses * ring, batch, model, max(FP32_BYTES, e))
+    width = model.linear_value_dim + (model.linear_key_dim if model.linear_kind == "gated_delta" else 0)
+    local = T * (2 * model.linear_conv_channels * e + model.linear_heads * width * max(FP32_BYTES, e))
+    return summaries + local, 2 * (summaries + local)
 
 
 def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, persistent: dict[str, int],
@@ -390,12 +407,13 @@ def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, per
     # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's
     # and the second norm's saved tensors are freed
     layer_bwd = max(layer + stages["mlp_bwd"],
-                    layer - T * (mlp_saved + _norm(e, o) * E) + stages["attention_bwd"]) + grads["block"]
+                    layer - T * (mlp_saved + _norm(e, o) * E)
+                    + max(stages["attention_bwd"], stages.get("linear_bwd", 0))) + grads["block"]
     before_norm = inputs + (0 if o.checkpoint else layer)  # the layers' part when the final norm runs
     current = T * E * e if o.offload_checkpoints else 0     # the running layer's input, offloaded but still held
     phases = {
         "forward": base + before_norm + current + (0 if o.checkpoint else final)
-        + max(stages["attention_fwd"], stages["mlp_fwd"]),
+        + max(stages["attention_fwd"], stages["mlp_fwd"], stages.get("linear_fwd", 0)),
         "loss": base + before_norm + final + (0 if o.tiled_loss else T * V * 4) + max(stages["loss_fwd"],
                                                                                       stages["loss_bwd"]),
         "last_layer_backward": base + inputs + fetched + grads["lm_head"] + layer_bwd,

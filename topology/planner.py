@@ -54,7 +54,8 @@ class Plan:
             f"ulysses={self.ulysses} ring={self.ring} dp={self.dp}: {e.time_s * ms:.2f} ms/layer "
             f"(fwd+bwd, {e.batch} seq of {e.seq_len} tokens per CP group), {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}",
             f"  compute {e.compute_s * ms:.2f} ms = attention {e.attention_s * ms:.2f} + ring steps "
-            f"{e.ring_overhead_s * ms:.2f} + rest of layer {e.rest_s * ms:.2f}",
+            f"{e.ring_overhead_s * ms:.2f} + rest of layer {e.rest_s * ms:.2f}"
+            + (f" + linear {e.linear_s * ms:.2f}" if e.linear_s else ""),
             f"  all-to-all {e.a2a_s * ms:.2f} ms over {e.a2a_link}; ring {e.ring_comm_s * ms:.2f} ms over "
             f"{e.ring_link}, exposed {e.ring_exposed_s * ms:.2f} ms",
             "  bytes sent per rank per layer: "
@@ -62,6 +63,10 @@ class Plan:
             f"  memory per rank {e.memory_bytes / GiB:.1f} GiB: "
             + ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.memory_breakdown.items() if v),
         ]
+        if e.linear_share:
+            lin = e.linear_s + e.linear_comm_s
+            lines.insert(3, f"  linear layers ({e.linear_share:.0%} of layers): recurrence {e.linear_s * ms:.2f} + summary "
+                            f"exchange {e.linear_comm_s * ms:.2f} ms per average layer, {lin / e.time_s:.1%} of its time")
         lines += [f"  note: {n}" for n in (*self.notes, *e.notes)]
         return "\n".join(lines)
 
