@@ -20,21 +20,23 @@ def _check(row, tol, what):
             assert err <= tol, (what, part, name, err)
 
 
+def _check_cases(pool, task: str, u: int, r: int, cases: list, tol: float) -> None:
+    for rank_rows in pool.run(f"linear_cases:{task}", u=u, r=r, cases=cases):
+        for case, row in zip(cases, rank_rows):
+            _check(row, tol, (u, r, case))
+
+
 @pytest.mark.parametrize("u,r", MESHES)
 def test_gated_delta_and_conv_fp64_exact(pool, u, r):
     cases = [(layout, docs, "naive") for layout in ("zigzag", "contiguous") for docs in (None, DOCS)]
-    for rank_rows in pool.run("linear_cases:scan_parity", u=u, r=r, cases=cases):
-        for case, row in zip(cases, rank_rows):
-            _check(row, 1e-10, (u, r, case))
+    _check_cases(pool, "scan_parity", u, r, cases, 1e-10)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (1, 4)])
 def test_gated_delta_transformers_kernel_fp32(pool, u, r):
     # transformers' chunked torch function computes in fp32 whatever the input dtype
     cases = [("zigzag", None, "hf"), ("zigzag", DOCS, "hf"), ("contiguous", DOCS, "hf")]
-    for rank_rows in pool.run("linear_cases:scan_parity", u=u, r=r, cases=cases):
-        for case, row in zip(cases, rank_rows):
-            _check(row, 1e-5, (u, r, case))
+    _check_cases(pool, "scan_parity", u, r, cases, 1e-5)
 
 
 def test_plan_resets_at_documents_and_chains_zigzag():
@@ -52,15 +54,11 @@ def test_plan_resets_at_documents_and_chains_zigzag():
 def test_mamba2_ssd_fp64_exact(pool, u, r):
     # Mamba2's core (conv -> silu -> SSD) with every input's and parameter's gradient, bytes = cost model
     cases = [(layout, docs, "naive") for layout in ("zigzag", "contiguous") for docs in (None, DOCS)]
-    for rank_rows in pool.run("linear_cases:mamba_parity", u=u, r=r, cases=cases):
-        for case, row in zip(cases, rank_rows):
-            _check(row, 1e-10, (u, r, case))
+    _check_cases(pool, "mamba_parity", u, r, cases, 1e-10)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (1, 4)])
 def test_mamba2_transformers_kernel_fp32(pool, u, r):
     # transformers' torch chunked SSD (mamba2_chunk_scan, chunks of 8 tokens) computes in fp32
     cases = [("zigzag", None, "hf"), ("zigzag", DOCS, "hf"), ("contiguous", DOCS, "hf")]
-    for rank_rows in pool.run("linear_cases:mamba_parity", u=u, r=r, cases=cases):
-        for case, row in zip(cases, rank_rows):
-            _check(row, 1e-5, (u, r, case))
+    _check_cases(pool, "mamba_parity", u, r, cases, 1e-5)
