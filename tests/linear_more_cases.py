@@ -168,14 +168,17 @@ MORE = {"lfm2": dict(layer_types=["conv", "full_attention"], conv_bias=True),
         "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4, initializer_range=0.2)}
 
 
-def more_parity(u: int, r: int, kinds: list[str], fsdp: bool = False, routed: bool = True) -> dict:
+def more_parity(u: int, r: int, kinds: list[str], fsdp: bool = False, routed: bool = True,
+                checkpoint: bool = False) -> dict:
     """train_cases.model_parity (right-padded dense rows: logits, loss, every gradient) per family; `routed`
-    False: the control, the mixers left to run over this rank's shard as if it were the whole sequence."""
+    False: the control, the mixers left to run over this rank's shard as if it were the whole sequence;
+    `checkpoint`: under activation checkpointing."""
     from train_cases import model_parity
 
     off = mock.patch("hybrid_cp.integrations.transformers.route_linear_layers", lambda model, cp: 0)
     with contextlib.nullcontext() if routed else off:
-        return {kind: model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=MORE[kind]) for kind in kinds}
+        return {kind: model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=MORE[kind], checkpoint=checkpoint)
+                for kind in kinds}
 
 
 def more_packed_parity(u: int, r: int, kinds: list[str], doc_lens: tuple = (9, 1, 23, 4, 61, 2, 14)) -> dict:

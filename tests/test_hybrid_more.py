@@ -32,6 +32,11 @@ def test_more_hybrids_packed_row_matches_per_document_reference(pool):
     _check(pool.run("linear_more_cases:more_packed_parity", u=2, r=2, kinds=KINDS), "packed")
 
 
+def test_jamba_routed_decoder_layer_under_activation_checkpointing(pool):
+    # Jamba's Mamba decoder layer is routed too (to pass the packed row's boundaries on): it must checkpoint
+    _check(pool.run("linear_more_cases:more_parity", u=2, r=2, kinds=["jamba"], checkpoint=True), "checkpoint")
+
+
 def test_unrouted_mixers_fail_the_same_checks(pool):
     # the control: without the routing every family's gradients are off by far more than the tolerance
     for row in pool.run("linear_more_cases:more_parity", u=2, r=2, kinds=KINDS, routed=False):
