@@ -5,9 +5,12 @@ packed row against each document run on its own. A control: the same models with
 unrouted (each rank runs them over its shard only) fail these checks."""
 
 import pytest
+import torch
 
 from hybrid_cp.errors import ConfigError
+from hybrid_cp.integrations.linear_layers import route_linear_layers
 from hybrid_cp.integrations.model_support import VERIFIED_FAMILIES, check_model
+from hybrid_cp.testing import mesh_description
 from hybrid_cp.testing.families import build, tiny_config
 
 pytest.importorskip("transformers")
@@ -51,4 +54,14 @@ def test_guard_accepts_the_new_families_and_still_refuses_unverified_hybrids():
     for model_type in ("kimi_linear", "mamba", "granitemoehybrid"):
         with pytest.raises(ConfigError, match="mixes tokens along the sequence"):
             check_model(build(tiny_config(model_type), "meta"))
+
+
+@pytest.mark.parametrize("model_type", KINDS)
+def test_routed_mixers_refuse_a_cache_before_any_collective(model_type):
+    model = build(tiny_config(model_type), "meta")
+    assert route_linear_layers(model, mesh_description(2, 2)) >= 1
+    routed = [m for m in model.modules() if type(m.__dict__.get("forward")).__name__.endswith("Forward")]
+    for module in routed:   # the mixer and, for Jamba, its decoder layer
+        with pytest.raises(ConfigError, match="received a cache"):
+            module.forward(torch.zeros(1, 4, 64, device="meta"), cache=object())
 
