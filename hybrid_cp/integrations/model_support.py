@@ -91,11 +91,11 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "hy_v3": ("HYV3", "Attention DecoderLayer Experts ForCausalLM MLP MoE Model RMSNorm RotaryEmbedding TopKRouter"),
     "hyperclovax": ("HyperCLOVAX", DENSE),
     "internlm3": ("Llama", DENSE),
+    "iquestcoder": ("Llama", DENSE),
+    "jais2": ("Jais2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
     # hybrid: Mamba-1 mixers (conv halo + selective scan) routed by `linear_layers`, attention, MoE every other layer
     "jamba": ("Jamba", "Attention AttentionDecoderLayer Experts ForCausalLM MLP MambaDecoderLayer MambaMixer Model "
                        "RMSNorm SparseMoeBlock TopKRouter"),
-    "iquestcoder": ("Llama", DENSE),
-    "jais2": ("Jais2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
     "jetmoe": ("JetMoe", "Attention DecoderLayer ForCausalLM MoA MoE "
                          "Model ParallelExperts RMSNorm RotaryEmbedding TopKGating"),
     "kolibri1": ("Kolibri1", "Attention DecoderLayer Experts ForCausalLM MLP "
