@@ -1,4 +1,5 @@
-"""Linear recurrences (Gated DeltaNet, Mamba2) and causal short convolutions under context parallelism.
+"""Linear recurrences (Gated DeltaNet, Mamba2, Mamba, lightning attention) and causal short convolutions under
+context parallelism.
 
 One mechanism, written once (docs/linear.md). A rank's local rows are *runs* of the global sequence
 (`Layout.token_runs`: under zigzag two chunks per rank, packed rows several documents or pieces of
