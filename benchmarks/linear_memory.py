@@ -139,18 +139,22 @@ def estimate(kind: str, u: int, r: int, seq_len: int, checkpoint: bool, dtype: s
     return step_memory(model_shape(config(kind, **overrides)), seq_len, u, r, 8 // (u * r), 1, opts, dtype=dtype)
 
 
-def rows(pool, kinds, meshes, seq_len: int, dtypes, raw: dict):
-    """One table row per (kind, mesh, checkpointing, dtype): measured worst rank beside the estimate."""
+def rows(pool, kinds, meshes, seq_len: int, dtypes, raw: dict, stored: dict | None = None):
+    """One table row per (kind, mesh, checkpointing, dtype): measured worst rank beside the estimate (`stored`:
+    the measurements of an earlier `--json`, estimated again)."""
     for kind in kinds:
         for u, r in meshes:
             for dtype in dtypes:
                 for ckpt in (False, True):
-                    res = pool.run("linear_memory:measure", kind=kind, u=u, r=r, seq_len=seq_len, checkpoint=ckpt,
-                                   dtype=dtype, timeout=3600)
-                    worst = max(res, key=lambda x: x["peak"])
+                    key = f"{kind}/u{u}r{r}/{dtype}/{'ckpt' if ckpt else 'plain'}"
+                    if stored is not None:
+                        worst = stored[key]["measured"]
+                    else:
+                        res = pool.run("linear_memory:measure", kind=kind, u=u, r=r, seq_len=seq_len,
+                                       checkpoint=ckpt, dtype=dtype, timeout=3600)
+                        worst = max(res, key=lambda x: x["peak"])
                     est = estimate(kind, u, r, seq_len, ckpt, dtype)
-                    raw[f"{kind}/u{u}r{r}/{dtype}/{'ckpt' if ckpt else 'plain'}"] = {
-                        "measured": worst, "estimate": est.to_dict()}
+                    raw[key] = {"measured": worst, "estimate": est.to_dict()}
                     st = worst["stages"]
                     mixer = "linear_attn" if kind == "gated_delta" else "mamba"
 
@@ -170,6 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(DTYPES))
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--json", help="write the raw measurements here")
+    p.add_argument("--from-json", help="estimate again the measurements stored by an earlier --json (no pool)")
     args = p.parse_args(argv)
     from hybrid_cp.testing import WorkerPool
 
@@ -177,13 +182,20 @@ def main(argv=None) -> int:
     raw: dict = {}
     print(f"### One training step of a tiny hybrid, {args.seq_len} tokens, 8 gloo ranks (dp = 8 / (u r)), "
           "replicated weights, AdamW (exact live storage, MiB per rank, worst rank)\n")
-    with WorkerPool(8, extra_paths=[HERE]) as pool:
-        lines = table_lines(["layers", "mesh", "dtype", "checkpointing", "measured peak", "estimate", "error",
-                             "measured above weights + Adam", "estimate above weights + Adam", "error",
-                             "estimated peak at", "linear mixer fwd / bwd (measured)"],
-                            rows(pool, args.kinds, meshes, args.seq_len, args.dtypes, raw), markdown=True)
-        for line in lines:
+    header = ["layers", "mesh", "dtype", "checkpointing", "measured peak", "estimate", "error",
+              "measured above weights + Adam", "estimate above weights + Adam", "error", "estimated peak at",
+              "linear mixer fwd / bwd (measured)"]
+    if args.from_json:
+        with open(args.from_json) as f:
+            stored = json.load(f)
+        for line in table_lines(header, rows(None, args.kinds, meshes, args.seq_len, args.dtypes, raw, stored),
+                                markdown=True):
             print(line, flush=True)
+    else:
+        with WorkerPool(8, extra_paths=[HERE]) as pool:
+            for line in table_lines(header, rows(pool, args.kinds, meshes, args.seq_len, args.dtypes, raw),
+                                    markdown=True):
+                print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1, default=str)

@@ -126,3 +126,50 @@ def test_model_shape_is_priced_by_the_planner():
     shape = model_shape(tiny_config("bamba", num_hidden_layers=4, attn_layer_indices=[1], **MAMBA2))
     best = plan(Cluster.preset("dgx-h100"), shape, 8192, dp=1).best
     assert best.estimate.linear_share == 0.75 and isinstance(shape, ModelShape)
+
+
+# ---- the memory model of a linear layer against one exactly measured step -------------------------------------------
+
+def measure_linear(**kwargs) -> dict:
+    """benchmarks/linear_memory.py:measure (one step of a tiny hybrid, StorageTracker) on this pool rank."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from linear_memory import measure
+
+    return measure(**kwargs)
+
+
+@pytest.mark.parametrize("kind, checkpoint", [("gated_delta", False), ("mamba2", True)])
+def test_linear_memory_estimate_within_ten_percent_of_measured(pool, kind, checkpoint):
+    """A tiny Qwen3.5 (Gated DeltaNet + attention) / Bamba (Mamba2 + attention) step on u2 x r2, fp32: the
+    planner's peak of `model_shape(config)` is within 10% of the exactly measured worst rank."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from linear_memory import estimate
+
+    rows = pool.run("test_topology_linear:measure_linear", kind=kind, u=2, r=2, seq_len=2048, checkpoint=checkpoint)
+    est = estimate(kind, 2, 2, 2048, checkpoint, "fp32")
+    worst = max(row["peak"] for row in rows)
+    assert abs(est.peak / worst - 1) <= 0.10, (est.peak, worst, est.phases)
+
+
+def test_linear_layers_save_their_own_tensors():
+    """A hybrid's `layer` activation term is its linear layer's (larger than a softmax layer's at Qwen3-Next's
+    sizes), and without checkpointing every linear layer's saved tensors are counted, not a softmax layer's."""
+    from topology.memory import MemoryOptions, step_memory
+
+    hybrid = ModelShape.preset("qwen3-next-80b")
+    dense = hybrid.model_copy(update=dict(linear_layers=0, linear_kind=None))
+    opts = MemoryOptions(checkpoint=False)
+    a, b = step_memory(hybrid, 32768, 4, 2, options=opts), step_memory(dense, 32768, 4, 2, options=opts)
+    assert a.activations["layer"] > b.activations["layer"]
+    assert a.activations["inputs"] + a.activations["layer"] > b.activations["inputs"] + b.activations["layer"]
+    ckpt = step_memory(hybrid, 32768, 4, 2)
+    assert ckpt.activations["inputs"] == hybrid.layers * ckpt.local_tokens * hybrid.d_model * 2   # layer inputs, bf16
+    assert ckpt.stages["linear_bwd"] > 0 and ckpt.peak > step_memory(dense, 32768, 4, 2).peak

@@ -390,13 +390,11 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
 # kernels on every device today, save. The kernels' bytes per value head (Gated DeltaNet) or head (Mamba2) and
 # token of one run were measured with StorageTracker on the kernels alone, every input requiring a gradient and
 # q|k|v (x|B|C) views of one convolution output as in the model, over 10 shapes each: Gated DeltaNet exact in
-# fp32 (with 4 dv + 4 more when there are as many key heads as value heads; in bf16 it keeps 24 dk less: its
-# fp32 copies of q and k; measured in the model's mixer, where bf16 runs keep 8 dk less than the kernel alone),
+# bf16 and in fp32 (where it keeps 16 dk more, and 4 dv + 4 more again with as many key heads as value heads),
 # Mamba2 within 2% (it keeps x, B and C, views of the convolution output, so that output's share per head,
-# 4 P + 8 G N / H in fp32). Their working
-# sets above that (forward, backward) are upper fits of the same measurements (within about 10%, some shapes up
-# to 30% over). w: the run's value width, dv, or dv + dk on probed runs; C: the kernel's chunk; P, N:
-# Mamba2's head dim and state size.
+# 4 P + 8 G N / H in fp32). Their working sets above that (forward, backward) are upper fits of the same
+# measurements (within about 10%, some shapes up to 30% over). w: the run's value width, dv, or dv + dk on
+# probed runs; C: the kernel's chunk; P, N: Mamba2's head dim and state size.
 
 
 def _kernel_bytes(model: ModelShape, probed: bool, e: int) -> tuple[int, int, int]:
@@ -405,8 +403,8 @@ def _kernel_bytes(model: ModelShape, probed: bool, e: int) -> tuple[int, int, in
     if model.linear_kind == "gated_delta":
         dk, dv = model.linear_key_dim, model.linear_value_dim
         w = dv + dk if probed else dv
-        extra = 24 * dk + (0 if g < h else 4 * dv + 4) if fp32 else 0
-        return 24 * dk + 12 * w + 20 * C + 4 * dk * w // C + 24 + extra, 8 * dk + 16 * w, 16 * dk + 16 * w + 8 * C
+        extra = 16 * dk + (0 if g < h else 4 * dv + 4) if fp32 else 0
+        return 32 * dk + 12 * w + 20 * C + 4 * dk * w // C + 24 + extra, 8 * dk + 16 * w, 16 * dk + 16 * w + 8 * C
     P, N = model.linear_value_dim, model.linear_key_dim
     saved = 20 * P + 20 * N + 12 * C + 8 * P * N // C + 30 + (8 * g * N // h if fp32 else 0) + \
         (4 * N + 12 if probed else 0)
