@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from memory_step import _mesh, mib, one_step  # noqa: E402
+from memory_step import mib, one_step  # noqa: E402
 
 from hybrid_cp.cli.table import table_lines  # noqa: E402
 from hybrid_cp.training.memory import StorageTracker, mark_stages  # noqa: E402
@@ -44,6 +44,16 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the stages bracketed (attribute names of the decoder layers' submodules)
 STAGES = ("self_attn", "mlp", "feed_forward", "linear_attn", "mamba")
+
+
+def _mesh(u: int, r: int):
+    """One CPMesh per (u, r) in this worker, made once."""
+    import hybrid_cp as hcp
+
+    cache = globals().setdefault("_MESHES", {})
+    if (u, r) not in cache:
+        cache[(u, r)] = hcp.init_cp_mesh(u, r)
+    return cache[(u, r)]
 
 
 def config(kind: str, **overrides: Any):
@@ -130,6 +140,32 @@ def mixer_memory(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int
     return {"rank": dist.get_rank(), "saved": saved, "fwd": fwd, "bwd": bwd}
 
 
+def mixers_table(kinds, dtypes, tokens: int = 1024) -> int:
+    """`mixer_memory` on one process (a one-rank gloo group: zigzag still splits the row into two runs, the
+    second probed) beside `topology.memory`'s count of the same mixer's saved tensors."""
+    import torch.distributed as dist
+
+    from hybrid_cp.integrations.hf import model_shape
+    from hybrid_cp.testing import local_rendezvous
+    from topology.layouts import make_layout
+    from topology.memory import linear_mixer_saved
+
+    init, _ = local_rendezvous()
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    print(f"### One linear mixer alone, {tokens} tokens (two runs, the second probed), saved tensors (MiB)\n")
+    print("| layers | dtype | measured | estimate | error |\n|---|---|---|---|---|")
+    for kind in kinds:
+        m = model_shape(config(kind))
+        for dtype in dtypes:
+            e = DTYPES[dtype].itemsize
+            got = mixer_memory(kind, 1, 1, tokens, dtype)["saved"]
+            runs = [(n, pos > 0) for _, pos, n in make_layout("zigzag", 1, 1, seq_len=tokens).token_runs(0)]
+            est = linear_mixer_saved(m, runs, e)
+            print(f"| {kind} | {dtype} | {mib(got)} | {mib(est)} | {est / got - 1:+.1%} |", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
 def estimate(kind: str, u: int, r: int, seq_len: int, checkpoint: bool, dtype: str, **overrides: Any):
     """The planner's step memory of the same model, mesh and options."""
     from hybrid_cp.integrations.hf import model_shape
@@ -175,8 +211,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--json", help="write the raw measurements here")
     p.add_argument("--from-json", help="estimate again the measurements stored by an earlier --json (no pool)")
+    p.add_argument("--mixers", action="store_true", help="layer 0's mixer alone, one process, beside the estimate")
     args = p.parse_args(argv)
     from hybrid_cp.testing import WorkerPool
+
+    if args.mixers:
+        return mixers_table(args.kinds, args.dtypes)
 
     meshes = [tuple(int(x) for x in m.split(",")) for m in args.meshes]
     raw: dict = {}

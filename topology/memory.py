@@ -36,7 +36,7 @@ from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
-           "attention_forwards", "module_chunked", "keeps_output"]
+           "attention_forwards", "module_chunked", "keeps_output", "linear_mixer_saved"]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -429,19 +429,28 @@ def _mixer_token_bytes(model: ModelShape, e: int) -> tuple[int, int]:
     return 2 * c * e + gate + inner * (16 + e) + h * (8 + e), h * (4 * model.linear_key_dim + 4)
 
 
+def linear_mixer_saved(model: ModelShape, runs: list[tuple[int, bool]], e: int) -> int:
+    """Bytes one linear mixer keeps for backward over one batch row of `runs` ((tokens, probed) each, as
+    `topology.cost.linear_runs` gives them) in a compute dtype of `e` bytes, the gathered summaries apart: the
+    per-token terms (`_mixer_token_bytes`), the kernel's per run and the convolution's halo rows."""
+    token, probed_extra = _mixer_token_bytes(model, e)
+    h, c = model.linear_heads, model.linear_conv_channels
+    return sum(n * (token + h * _kernel_bytes(model, p, e)[0] + (probed_extra if p else 0)) for n, p in runs) + \
+        len(runs) * (model.linear_conv - 1) * c * e
+
+
 def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) -> tuple[int, int, int]:
     """A linear layer's mixer on the busiest rank: (bytes it saves for backward, its forward and backward working
-    sets above that). Saved: the per-token terms (`_mixer_token_bytes`), the kernel's per run (probed runs at
-    the wider width), the conv halo rows, and the gathered summaries with the composed states (the composition's
-    products keep them). Forward: the projections' output and the silu's (conv channels), one run's kernel
-    working set, the runs' outputs before they are joined. Backward: one run's kernel working set, the
-    gradients of the kernel output, the conv input and output and the layer input, the summaries' gradient
-    and the reduce-scatter's buffer."""
+    sets above that). Saved: `linear_mixer_saved` per batch row, and the gathered summaries with the states
+    composed from them (the composition's products keep them). Forward: during the last run's kernel, its
+    working set, the earlier runs' outputs and (Gated DeltaNet) the convolution's output; backward: one run's
+    kernel working set with the gradients of the kernel output and the convolution; both less what the mixer
+    saves after the kernels, and backward adds the summaries' gradient and the reduce-scatter's buffer."""
     h, c, E = model.linear_heads, model.linear_conv_channels, model.d_model
     state = FP32_BYTES if e <= FP32_BYTES else e
     summaries = linear_summary_bytes(lay, size, batch, model, state)
     states = summaries * model.linear_value_dim * model.linear_key_dim * h // max(1, model.linear_state_numel)
-    token, probed_extra = _mixer_token_bytes(model, e)
+    probed_extra = _mixer_token_bytes(model, e)[1]
     inner = h * model.linear_value_dim
     gated = model.linear_kind == "gated_delta"
     # saved after the kernels (the gated norm and the output projection's input; the corrections), which the
@@ -453,8 +462,7 @@ def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) ->
         T = sum(n for n, _ in runs)
         kern = [(n, _kernel_bytes(model, p, e), p) for n, p in runs]
         extra = sum(n * probed_extra for n, _, p in kern if p)
-        saved = (T * token + extra + sum(n * h * k[0] for n, k, _ in kern)
-                 + len(runs) * (model.linear_conv - 1) * c * e)
+        saved = linear_mixer_saved(model, runs, e)
         # during the last run's kernel: its working set, the earlier runs' outputs, Gated DeltaNet's conv output
         fwd = max(n * h * k[1] for n, k, _ in kern) + T * inner * (e if gated else FP32_BYTES) + (T * c * e if gated else 0)
         bwd = max(n * h * k[2] for n, k, _ in kern) + T * (inner * FP32_BYTES + c * e)
