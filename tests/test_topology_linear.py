@@ -69,6 +69,16 @@ def test_model_shape_reads_gated_deltanet_layers():
     assert model_shape(composite).linear_layers == 3   # Qwen3.5's multimodal config: its text config
 
 
+def test_model_shape_of_the_qwen3_next_config_is_the_preset():
+    """transformers' default Qwen3-Next config is the 80B-A3B model: the same shape as the `qwen3-next-80b`
+    preset, MoE active width (10 routed + 1 shared expert of 512) included."""
+    from transformers import AutoConfig
+
+    got = model_shape(AutoConfig.for_model("qwen3_next")).model_dump()
+    want = ModelShape.preset("qwen3-next-80b").model_dump()
+    assert {k: v for k, v in got.items() if k != "name"} == {k: v for k, v in want.items() if k != "name"}
+
+
 def test_model_shape_reads_mamba2_mixers():
     bamba = model_shape(tiny_config("bamba", num_hidden_layers=4, attn_layer_indices=[1], **MAMBA2))
     assert (bamba.layers, bamba.linear_layers, bamba.linear_kind) == (4, 3, "mamba2")
@@ -143,7 +153,7 @@ def measure_linear(**kwargs) -> dict:
     return measure(**kwargs)
 
 
-@pytest.mark.parametrize("kind, checkpoint", [("gated_delta", False), ("mamba2", True)])
+@pytest.mark.parametrize("kind, checkpoint", [("mamba2", True), ("gated_delta", False)])
 def test_linear_memory_estimate_within_ten_percent_of_measured(pool, kind, checkpoint):
     """A tiny Qwen3.5 (Gated DeltaNet + attention) / Bamba (Mamba2 + attention) step on u2 x r2, fp32: the
     planner's peak of `model_shape(config)` is within 10% of the exactly measured worst rank."""

@@ -183,12 +183,22 @@ def _refuse_unread_mixers(config: Any, mtype: str) -> None:
 
 
 def _gated_delta_fields(config: Any) -> dict:
-    """Qwen3-Next / Qwen3.5: `layer_types` "linear_attention" layers are Gated DeltaNet blocks."""
+    """Qwen3-Next / Qwen3.5: `layer_types` "linear_attention" layers are Gated DeltaNet blocks; MoE models
+    give the MLP's active width."""
     kinds = list(getattr(config, "layer_types", None) or ())
     if len(kinds) != config.num_hidden_layers:
         raise ConfigError(f"config.layer_types={kinds!r} (model_type={config.model_type!r}) does not name each of the "
                           f"{config.num_hidden_layers} layers: cannot tell which are linear")
-    return dict(linear_layers=kinds.count("linear_attention"), linear_kind="gated_delta",
+    out: dict = {}
+    if getattr(config, "num_experts", 0) and getattr(config, "moe_intermediate_size", None):
+        # MoE (Qwen3-Next, Qwen3.5-MoE): the active width (routed experts per token and the shared expert), and
+        # the dense layers' (`mlp_only_layers`, `decoder_sparse_step`) averaged in
+        step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", ()) or ())
+        moe = config.num_experts_per_tok * config.moe_intermediate_size + \
+            (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        widths = [config.intermediate_size if i in dense or (i + 1) % step else moe for i in range(len(kinds))]
+        out["intermediate"] = round(sum(widths) / len(widths))
+    return dict(out, linear_layers=kinds.count("linear_attention"), linear_kind="gated_delta",
                 linear_heads=config.linear_num_value_heads, linear_key_heads=config.linear_num_key_heads,
                 linear_key_dim=config.linear_key_head_dim, linear_value_dim=config.linear_value_head_dim,
                 linear_conv=config.linear_conv_kernel_dim)
