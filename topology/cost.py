@@ -1013,9 +1013,8 @@ def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[st
 
 def linear_runs(lay: Any, size: int, rank: int) -> list[tuple[int, bool]]:
     """(tokens, probed) of each run of `rank`'s local rows, as `recurrence.linear_scan` runs them: probed runs
-    continue their document (the probe's wider values), padding runs go through the plain kernel."""
-    if size == 1:
-        return [(n, False) for _, _, n in lay.token_runs(0)]
+    continue their document (the probe's wider values; on one rank too, where zigzag still cuts a row in
+    two), padding runs go through the plain kernel."""
     return [(n, tok >= 0 and pos > 0) for tok, pos, n in lay.token_runs(rank)]
 
 
