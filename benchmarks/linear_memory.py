@@ -5,8 +5,14 @@ under context parallelism, measured exactly, beside the planner's estimate (`top
 CPU: `hybrid_cp.training.memory.StorageTracker` counts live tensor storage exactly (not RSS); 8 gloo processes
 (dp = 8 / (u r)), replicated weights, AdamW (per-tensor), the second step (Adam's state exists).
 
-    python benchmarks/linear_memory.py                       # the docs/linear.md "Memory" table
-    python benchmarks/linear_memory.py --kinds gated_delta --meshes 2,2 --json out.json
+    python benchmarks/linear_memory.py --dtypes fp32 bf16 --json benchmarks/results/linear_memory_cpu.json
+    python benchmarks/linear_memory.py --dtypes fp32 bf16 --from-json benchmarks/results/linear_memory_cpu.json
+    python benchmarks/linear_memory.py --mixers --dtypes fp32 bf16   # one mixer alone, one process
+
+The first writes the docs/linear.md "Memory" table (24 steps, about 12 minutes on a loaded 2-core machine),
+the second estimates stored measurements again (no pool). bf16 runs hold bf16 weights and Adam states (no
+FSDP2 mixed precision on CPU) where the planner counts fp32 master weights: compare their columns "above
+weights + Adam".
 """
 
 from __future__ import annotations
