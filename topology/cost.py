@@ -1011,6 +1011,13 @@ def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[st
     }
 
 
+def linear_runs(lay: Any, size: int, rank: int) -> list[tuple[int, bool]]:
+    """(tokens, probed) of each run of `rank`'s local rows, as `recurrence.linear_scan` runs them: probed runs
+    continue their document (the probe's wider values; on one rank too, where zigzag still cuts a row in
+    two), padding runs go through the plain kernel."""
+    return [(n, tok >= 0 and pos > 0) for tok, pos, n in lay.token_runs(rank)]
+
+
 def linear_summary_bytes(lay: Any, size: int, batch: int, model: ModelShape, state_bytes: int = FP32_BYTES) -> int:
     """Bytes of the gathered summaries one rank holds per linear layer: P x slots x B x numel."""
     return size * exporting_runs(lay, size) * batch * model.linear_state_numel * state_bytes if size > 1 else 0
@@ -1045,4 +1052,4 @@ def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: in
     )  # fmt: skip
 
 
-__all__ += ["exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes"]
+__all__ += ["exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes", "linear_runs"]
