@@ -50,8 +50,19 @@ def build_model(device: str = "cpu", dtype: torch.dtype = torch.float32, **overr
 
 
 def one_step(model, batch: dict, cp, tracker, *, tiled_loss: bool, loss_chunk: int | None,
-             optimizer: torch.optim.Optimizer | None) -> float:
-    """Forward, loss, backward (and the optimizer step) with the loss region bracketed as a stage."""
+             optimizer: torch.optim.Optimizer | None, fsdp: bool = False) -> float:
+    """Forward, loss, backward (and the optimizer step) with the loss region bracketed as a stage. Under FSDP2
+    the root module must run (its hooks gather the embedding and the LM head): `hcp.lm_loss`, no loss stage."""
+    if fsdp:
+        loss = hcp.lm_loss(model, batch, cp, tiled=tiled_loss, chunk_tokens=loss_chunk)
+        tracker.enter("backward")
+        loss.backward()
+        tracker.exit("backward")
+        if optimizer is not None:
+            with tracker.stage("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return loss.item()
     inner = model.model
     hidden = inner(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     with tracker.stage("loss"):
@@ -116,21 +127,25 @@ class _engine_stage:
 
 def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_loss: bool = False,
             loss_chunk: int | None = 512, tiled_mlp: int = 0, checkpoint: bool = False, head_chunks: int = 1,
-            device: str = "cpu", shape: dict | None = None, offload: bool = False, tiled_norm: int = 0) -> dict:
+            device: str = "cpu", shape: dict | None = None, offload: bool = False, tiled_norm: int = 0,
+            dtype: str = "fp32", fsdp: bool = False) -> dict:
     """One measured training step (the second: Adam's state exists) on this rank; returns bytes (`peak`:
     all live storage; `device_peak` and `host_peak`: outside and inside the offload's host buffers).
 
     Runs inside a worker of `hybrid_cp.testing.WorkerPool` (gloo is initialised): the model is a
-    transformers Llama with `apply_context_parallel` on a (u, r) mesh, replicated weights, AdamW.
+    transformers Llama with `apply_context_parallel` on a (u, r) mesh, replicated weights in `dtype` ("fp32" or
+    "bf16": the model cast to it, AdamW's state in it too: the planner's `master_weights=False`), AdamW. With
+    `fsdp`, FSDP2 over all ranks instead (`shard_model`), fp32 master weights, computing in `dtype`
+    (mixed precision, gradients reduced in fp32).
     """
     import torch.distributed as dist
 
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
-    dtype = torch.float32
     cp = _mesh(u, r)
     dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-    model = build_model(str(dev), dtype, num_hidden_layers=layers, **(shape or {}))
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = build_model(str(dev), torch.float32 if fsdp else compute, num_hidden_layers=layers, **(shape or {}))
     kwargs = {"head_chunks": head_chunks} if head_chunks != 1 else {}
     apply_context_parallel(model, cp, **kwargs)
     if tiled_mlp:
@@ -141,6 +156,12 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if offload:
         hcp.offload_checkpoints(model, prefetch=True)   # the CUDA default; on CPU the same order, synchronous
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from hybrid_cp.integrations.fsdp import shard_model
+
+        shard_model(model, cp, mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -160,7 +181,7 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         def exit(self, name):
             pass
 
-    one_step(model, local, cp, _Null(), tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt)
+    one_step(model, local, cp, _Null(), tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt, fsdp=fsdp)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         tracker = CudaStageStats(dev)
@@ -171,20 +192,27 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
     else:
         tracker = StorageTracker()
         with tracker, _engine_stage(tracker):
-            tracker.track(list(model.parameters()), [list(s.values()) for s in opt.state.values()], local)
+            tracker.track(_locals(model.parameters()), [_locals(s.values()) for s in opt.state.values()], local)
             if offload:   # the host buffers the first step left in the pool: held from the start
                 from hybrid_cp.training.offload import offloader_of
 
                 tracker.track(offloader_of(model).pool.free)
             base = tracker.live
             handles = mark_stages(model, tracker)
-            one_step(model, local, cp, tracker, tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt)
+            one_step(model, local, cp, tracker, tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt, fsdp=fsdp)
         peak = tracker.peak
     split = {"device_peak": getattr(tracker, "device_peak", peak), "host_peak": getattr(tracker, "host_peak", 0)}
     for h in handles:
         h.remove()
     dist.barrier()
     return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report(), **split}
+
+
+def _locals(tensors) -> list:
+    """The tensors, FSDP2's sharded DTensors as their local shards (the storage a rank holds)."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16, kv_heads: int = 4,
@@ -237,11 +265,12 @@ def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16,
     return out
 
 
-def _attention_case(u: int, r: int, heads: int, kv_heads: int, head_dim: int, seq_len: int):
+def _attention_case(u: int, r: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
+                    dtype: torch.dtype = torch.float32):
     """The mesh and this rank's shards of fixed random q, k, v and dout."""
     cp = _mesh(u, r)
     g = torch.Generator().manual_seed(0)
-    full = [torch.randn(1, seq_len, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads, heads)]
+    full = [torch.randn(1, seq_len, n, head_dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads, heads)]
     return cp, [hcp.shard(x, cp, dim=1) for x in full]
 
 
@@ -265,12 +294,13 @@ def _overlap(overlap: bool):
 
 
 def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 16,
-                  seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8)) -> dict:
+                  seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8), dtype: str = "fp32") -> dict:
     """Exact working set of one hcp.attention call (forward, then backward) per head_chunks, with and without
     the overlap: bytes allocated above the inputs, including the output (forward) and the input gradients
-    (backward). Runs in a WorkerPool worker."""
-    cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
-    res = {"output": q.numel() * 4, "input_grads": (q.numel() + k.numel() + v.numel()) * 4}
+    (backward), in `dtype` ("fp32" or "bf16"). Runs in a WorkerPool worker."""
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len, dt)
+    res = {"output": q.numel() * dt.itemsize, "input_grads": (q.numel() + k.numel() + v.numel()) * dt.itemsize}
     for kc, overlap, name in _schedules(chunks):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         t = StorageTracker()
