@@ -171,11 +171,13 @@ def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
 
 
 def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ring: int, rank: int | None, T: int,
-                      hc: int, reorder: bool = True) -> tuple[int, int, int, int, int]:
+                      hc: int, reorder: bool = True, module_chunk: bool = False) -> tuple[int, int, int, int, int]:
     """One attention module call with H/Hkv heads on T local tokens, all heads projected at once and
     `hc` engine-level chunks: (bytes saved per local token, forward and backward working sets of the
     module, and of the engine inside it). `reorder`: the layout reorders the gathered tokens (see
-    `_single_block_backward`)."""
+    `_single_block_backward`). `module_chunk`: one chunk of `hybrid_cp.engine.modulechunk`, whose backward
+    exchanges and returns its tensors with its own buffers: at ring size 1 it keeps the terms of ring > 1
+    (not re-derived for the fast path; docs/memory.md "Not done")."""
     split = head_split(H, Hkv, ulysses)
     i = _busiest_rank(split) if rank is None else rank
     c, k = split[i][0], split[i][3]
@@ -199,7 +201,7 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
     module_bwd = local_qkv + T * E * e
     if hc == 1:
         engine_fwd = 2 * chunk_g * e + T * H * D * e + ring_buf // 2
-        if ring == 1:
+        if ring == 1 and not module_chunk:
             engine_bwd = _single_block_backward(H, Hkv, D, e, ulysses, T, c, k, reorder)
         else:
             engine_bwd = T * H * D * e + 2 * G * c * D * e + chunk_g * GRAD + 2 * chunk_g * e + ring_buf
@@ -287,7 +289,7 @@ def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: i
     # chunk (its projections and attention) at a time, more of it alive when overlapped
     kv_m = max(b - a for a, b in ranges)
     saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(kv_m * (H // Hkv), kv_m, D, E, e, ulysses,
-                                                                      ring, None, T, inner, reorder)
+                                                                      ring, None, T, inner, reorder, True)
     in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
     attn_fwd = int(in_flight * fwd_m) + T * E * e
     attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
