@@ -7,6 +7,7 @@ allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/
 
     python benchmarks/memory_step.py --table options        # tiled loss / tiled MLP / checkpointing
     python benchmarks/memory_step.py --table runtime         # + offload, tiled norm, head chunks (device and host)
+    python benchmarks/memory_step.py --table bf16            # every option in bf16 at u8 r1, u2 r4, u1 r8
     python benchmarks/memory_step.py --table heads           # head_chunks in 1, 2, 4, 8 on 8 gloo ranks
     python benchmarks/memory_step.py --table all --out benchmarks/results/memory_cpu.md
 """
@@ -366,7 +367,7 @@ MODULE_TOKENS = 32768  # long enough that activations, not the fixed weight-size
 HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
 
 
-def _estimate(u, r, seq_len, kw, shape=None):
+def _estimate(u, r, seq_len, kw, shape=None, dtype: str = "fp32"):
     from topology.cost import ModelShape
     from topology.memory import MemoryOptions, step_memory
 
@@ -377,8 +378,9 @@ def _estimate(u, r, seq_len, kw, shape=None):
     opts = MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), loss_chunk=512,
                          tiled_mlp=kw.get("tiled_mlp", 0), head_chunks=kw.get("head_chunks", 1), fsdp=False,
                          foreach_optimizer=False, offload_checkpoints=kw.get("offload", False),
-                         tiled_norm=bool(kw.get("tiled_norm", 0)))
-    return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype="fp32")
+                         tiled_norm=bool(kw.get("tiled_norm", 0)), master_weights=dtype == "fp32",
+                         pin_memory=False)   # the CPU offload's buffers are pageable, exact sizes
+    return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype=dtype)
 
 
 def mib(x) -> str:
@@ -443,6 +445,41 @@ def runtime_table(pool, raw: dict) -> Iterator[str]:
 
     yield from table_lines(["options", "device peak", "estimate", "error", "host peak", "host estimate", "error",
                             "attention bwd"], rows(), markdown=True)
+    yield ""
+
+
+BF16_TOKENS, BF16_LAYERS = 16384, 4
+# Llama-3-8B's head ratio (32 query / 8 KV heads, so u=8 gives each rank 4 query heads and 1 KV head), few
+# parameters for the tokens and a 256-token MLP/norm tile, so that the attention stage, not the MLP or the
+# gradients, decides the layer's backward
+BF16_SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=4)
+BF16_OPTIONS = dict(checkpoint=True, tiled_loss=True, tiled_mlp=256, layers=BF16_LAYERS, offload=True,
+                    tiled_norm=256, head_chunks=4)
+
+
+def bf16_table(pool, raw: dict) -> Iterator[str]:
+    """Every option (offload, tiled norm, tiled MLP, tiled loss, head chunks 4) in bf16 at u8 r1, u2 r4 and
+    u1 r8, with the fp32 u8 r1 step beside it: device-resident and host peaks measured beside the estimate.
+    The model is cast to the dtype (replicated weights, AdamW's state in it: `master_weights=False`)."""
+    yield (f"### Every option in bf16, {BF16_TOKENS} tokens, {BF16_LAYERS} layers, hidden 128, 32/8 heads of 4, "
+           "SwiGLU 256, vocabulary 512, head chunks 4, replicated weights in the compute dtype, AdamW (exact live "
+           "storage, MiB per rank, worst rank; device = all but the offload's host buffers)")
+    yield ""
+
+    def rows():
+        for u, r, dtype in ((8, 1, "bf16"), (2, 4, "bf16"), (1, 8, "bf16"), (8, 1, "fp32")):
+            res = pool.run("memory_step:measure", u=u, r=r, seq_len=BF16_TOKENS, loss_chunk=512, timeout=3600,
+                           shape=BF16_SHAPE, dtype=dtype, **BF16_OPTIONS)
+            worst = max(res, key=lambda x: x["device_peak"])
+            host = max(x["host_peak"] for x in res)
+            est = _estimate(u, r, BF16_TOKENS, BF16_OPTIONS, BF16_SHAPE, dtype)
+            raw[f"bf16/{u}x{r}/{dtype}"] = {"measured": worst, "host": host, "estimate": est.to_dict()}
+            yield [f"u={u} r={r}", dtype, mib(worst["device_peak"]), mib(est.peak), f"{est.peak / worst['device_peak'] - 1:+.1%}",
+                   est.peak_phase, mib(host), mib(est.host), f"{est.host / host - 1:+.1%}" if host else "-"]
+
+    yield from table_lines(["mesh", "dtype", "device peak", "estimate", "error", "estimate's peak phase", "host peak",
+                            "host estimate", "error"], rows(), markdown=True)
     yield ""
 
 
@@ -547,7 +584,7 @@ def overlap_tables(pool, raw: dict, u: int, r: int, repeats: int) -> Iterator[st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", choices=("options", "runtime", "heads", "module", "engine", "overlap", "all"),
+    p.add_argument("--table", choices=("options", "runtime", "bf16", "heads", "module", "engine", "overlap", "all"),
                    default="all")
     p.add_argument("--out", help="also write the markdown tables here")
     p.add_argument("--json", help="write the raw measurements here")
@@ -568,7 +605,8 @@ def main(argv=None) -> int:
             lines.append(line)
 
     with WorkerPool(8, extra_paths=[here]) if args.table != "overlap" else contextlib.nullcontext() as pool:
-        for name, section in (("options", options_table), ("runtime", runtime_table), ("heads", heads_table),
+        for name, section in (("options", options_table), ("runtime", runtime_table), ("bf16", bf16_table),
+                              ("heads", heads_table),
                               ("module", module_table), ("engine", engine_table)):
             if args.table in (name, "all"):
                 keep = {"keep": True} if name == "module" and args.keep_attention_output else {}
