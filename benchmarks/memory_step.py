@@ -7,6 +7,7 @@ allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/
 
     python benchmarks/memory_step.py --table options        # tiled loss / tiled MLP / checkpointing
     python benchmarks/memory_step.py --table runtime         # + offload, tiled norm, head chunks (device and host)
+    python benchmarks/memory_step.py --table bf16            # every option in bf16 at u8 r1, u2 r4, u1 r8
     python benchmarks/memory_step.py --table heads           # head_chunks in 1, 2, 4, 8 on 8 gloo ranks
     python benchmarks/memory_step.py --table all --out benchmarks/results/memory_cpu.md
 """
@@ -50,8 +51,19 @@ def build_model(device: str = "cpu", dtype: torch.dtype = torch.float32, **overr
 
 
 def one_step(model, batch: dict, cp, tracker, *, tiled_loss: bool, loss_chunk: int | None,
-             optimizer: torch.optim.Optimizer | None) -> float:
-    """Forward, loss, backward (and the optimizer step) with the loss region bracketed as a stage."""
+             optimizer: torch.optim.Optimizer | None, fsdp: bool = False) -> float:
+    """Forward, loss, backward (and the optimizer step) with the loss region bracketed as a stage. Under FSDP2
+    the root module must run (its hooks gather the embedding and the LM head): `hcp.lm_loss`, no loss stage."""
+    if fsdp:
+        loss = hcp.lm_loss(model, batch, cp, tiled=tiled_loss, chunk_tokens=loss_chunk)
+        tracker.enter("backward")
+        loss.backward()
+        tracker.exit("backward")
+        if optimizer is not None:
+            with tracker.stage("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return loss.item()
     inner = model.model
     hidden = inner(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     with tracker.stage("loss"):
@@ -116,21 +128,25 @@ class _engine_stage:
 
 def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_loss: bool = False,
             loss_chunk: int | None = 512, tiled_mlp: int = 0, checkpoint: bool = False, head_chunks: int = 1,
-            device: str = "cpu", shape: dict | None = None, offload: bool = False, tiled_norm: int = 0) -> dict:
+            device: str = "cpu", shape: dict | None = None, offload: bool = False, tiled_norm: int = 0,
+            dtype: str = "fp32", fsdp: bool = False) -> dict:
     """One measured training step (the second: Adam's state exists) on this rank; returns bytes (`peak`:
     all live storage; `device_peak` and `host_peak`: outside and inside the offload's host buffers).
 
     Runs inside a worker of `hybrid_cp.testing.WorkerPool` (gloo is initialised): the model is a
-    transformers Llama with `apply_context_parallel` on a (u, r) mesh, replicated weights, AdamW.
+    transformers Llama with `apply_context_parallel` on a (u, r) mesh, replicated weights in `dtype` ("fp32" or
+    "bf16": the model cast to it, AdamW's state in it too: the planner's `master_weights=False`), AdamW. With
+    `fsdp`, FSDP2 over all ranks instead (`shard_model`), fp32 master weights, computing in `dtype`
+    (mixed precision, gradients reduced in fp32).
     """
     import torch.distributed as dist
 
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
-    dtype = torch.float32
     cp = _mesh(u, r)
     dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-    model = build_model(str(dev), dtype, num_hidden_layers=layers, **(shape or {}))
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = build_model(str(dev), torch.float32 if fsdp else compute, num_hidden_layers=layers, **(shape or {}))
     kwargs = {"head_chunks": head_chunks} if head_chunks != 1 else {}
     apply_context_parallel(model, cp, **kwargs)
     if tiled_mlp:
@@ -141,6 +157,12 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if offload:
         hcp.offload_checkpoints(model, prefetch=True)   # the CUDA default; on CPU the same order, synchronous
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from hybrid_cp.integrations.fsdp import shard_model
+
+        shard_model(model, cp, mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -160,7 +182,7 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         def exit(self, name):
             pass
 
-    one_step(model, local, cp, _Null(), tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt)
+    one_step(model, local, cp, _Null(), tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt, fsdp=fsdp)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         tracker = CudaStageStats(dev)
@@ -171,20 +193,27 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
     else:
         tracker = StorageTracker()
         with tracker, _engine_stage(tracker):
-            tracker.track(list(model.parameters()), [list(s.values()) for s in opt.state.values()], local)
+            tracker.track(_locals(model.parameters()), [_locals(s.values()) for s in opt.state.values()], local)
             if offload:   # the host buffers the first step left in the pool: held from the start
                 from hybrid_cp.training.offload import offloader_of
 
                 tracker.track(offloader_of(model).pool.free)
             base = tracker.live
             handles = mark_stages(model, tracker)
-            one_step(model, local, cp, tracker, tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt)
+            one_step(model, local, cp, tracker, tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt, fsdp=fsdp)
         peak = tracker.peak
     split = {"device_peak": getattr(tracker, "device_peak", peak), "host_peak": getattr(tracker, "host_peak", 0)}
     for h in handles:
         h.remove()
     dist.barrier()
     return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report(), **split}
+
+
+def _locals(tensors) -> list:
+    """The tensors, FSDP2's sharded DTensors as their local shards (the storage a rank holds)."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16, kv_heads: int = 4,
@@ -237,11 +266,12 @@ def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16,
     return out
 
 
-def _attention_case(u: int, r: int, heads: int, kv_heads: int, head_dim: int, seq_len: int):
+def _attention_case(u: int, r: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
+                    dtype: torch.dtype = torch.float32):
     """The mesh and this rank's shards of fixed random q, k, v and dout."""
     cp = _mesh(u, r)
     g = torch.Generator().manual_seed(0)
-    full = [torch.randn(1, seq_len, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads, heads)]
+    full = [torch.randn(1, seq_len, n, head_dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads, heads)]
     return cp, [hcp.shard(x, cp, dim=1) for x in full]
 
 
@@ -265,12 +295,13 @@ def _overlap(overlap: bool):
 
 
 def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 16,
-                  seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8)) -> dict:
+                  seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8), dtype: str = "fp32") -> dict:
     """Exact working set of one hcp.attention call (forward, then backward) per head_chunks, with and without
     the overlap: bytes allocated above the inputs, including the output (forward) and the input gradients
-    (backward). Runs in a WorkerPool worker."""
-    cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
-    res = {"output": q.numel() * 4, "input_grads": (q.numel() + k.numel() + v.numel()) * 4}
+    (backward), in `dtype` ("fp32" or "bf16"). Runs in a WorkerPool worker."""
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len, dt)
+    res = {"output": q.numel() * dt.itemsize, "input_grads": (q.numel() + k.numel() + v.numel()) * dt.itemsize}
     for kc, overlap, name in _schedules(chunks):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         t = StorageTracker()
@@ -336,7 +367,7 @@ MODULE_TOKENS = 32768  # long enough that activations, not the fixed weight-size
 HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, hidden_size=512)
 
 
-def _estimate(u, r, seq_len, kw, shape=None):
+def _estimate(u, r, seq_len, kw, shape=None, dtype: str = "fp32"):
     from topology.cost import ModelShape
     from topology.memory import MemoryOptions, step_memory
 
@@ -347,8 +378,9 @@ def _estimate(u, r, seq_len, kw, shape=None):
     opts = MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), loss_chunk=512,
                          tiled_mlp=kw.get("tiled_mlp", 0), head_chunks=kw.get("head_chunks", 1), fsdp=False,
                          foreach_optimizer=False, offload_checkpoints=kw.get("offload", False),
-                         tiled_norm=bool(kw.get("tiled_norm", 0)))
-    return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype="fp32")
+                         tiled_norm=bool(kw.get("tiled_norm", 0)), master_weights=dtype == "fp32",
+                         pin_memory=False)   # the CPU offload's buffers are pageable, exact sizes
+    return step_memory(model, seq_len, u, r, 8 // (u * r), 1, opts, dtype=dtype)
 
 
 def mib(x) -> str:
@@ -413,6 +445,41 @@ def runtime_table(pool, raw: dict) -> Iterator[str]:
 
     yield from table_lines(["options", "device peak", "estimate", "error", "host peak", "host estimate", "error",
                             "attention bwd"], rows(), markdown=True)
+    yield ""
+
+
+BF16_TOKENS, BF16_LAYERS = 16384, 4
+# Llama-3-8B's head ratio (32 query / 8 KV heads, so u=8 gives each rank 4 query heads and 1 KV head), few
+# parameters for the tokens and a 256-token MLP/norm tile, so that the attention stage, not the MLP or the
+# gradients, decides the layer's backward
+BF16_SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=4)
+BF16_OPTIONS = dict(checkpoint=True, tiled_loss=True, tiled_mlp=256, layers=BF16_LAYERS, offload=True,
+                    tiled_norm=256, head_chunks=4)
+
+
+def bf16_table(pool, raw: dict) -> Iterator[str]:
+    """Every option (offload, tiled norm, tiled MLP, tiled loss, head chunks 4) in bf16 at u8 r1, u2 r4 and
+    u1 r8, with the fp32 u8 r1 step beside it: device-resident and host peaks measured beside the estimate.
+    The model is cast to the dtype (replicated weights, AdamW's state in it: `master_weights=False`)."""
+    yield (f"### Every option in bf16, {BF16_TOKENS} tokens, {BF16_LAYERS} layers, hidden 128, 32/8 heads of 4, "
+           "SwiGLU 256, vocabulary 512, head chunks 4, replicated weights in the compute dtype, AdamW (exact live "
+           "storage, MiB per rank, worst rank; device = all but the offload's host buffers)")
+    yield ""
+
+    def rows():
+        for u, r, dtype in ((8, 1, "bf16"), (2, 4, "bf16"), (1, 8, "bf16"), (8, 1, "fp32")):
+            res = pool.run("memory_step:measure", u=u, r=r, seq_len=BF16_TOKENS, loss_chunk=512, timeout=3600,
+                           shape=BF16_SHAPE, dtype=dtype, **BF16_OPTIONS)
+            worst = max(res, key=lambda x: x["device_peak"])
+            host = max(x["host_peak"] for x in res)
+            est = _estimate(u, r, BF16_TOKENS, BF16_OPTIONS, BF16_SHAPE, dtype)
+            raw[f"bf16/{u}x{r}/{dtype}"] = {"measured": worst, "host": host, "estimate": est.to_dict()}
+            yield [f"u={u} r={r}", dtype, mib(worst["device_peak"]), mib(est.peak), f"{est.peak / worst['device_peak'] - 1:+.1%}",
+                   est.peak_phase, mib(host), mib(est.host), f"{est.host / host - 1:+.1%}" if host else "-"]
+
+    yield from table_lines(["mesh", "dtype", "device peak", "estimate", "error", "estimate's peak phase", "host peak",
+                            "host estimate", "error"], rows(), markdown=True)
     yield ""
 
 
@@ -517,7 +584,7 @@ def overlap_tables(pool, raw: dict, u: int, r: int, repeats: int) -> Iterator[st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", choices=("options", "runtime", "heads", "module", "engine", "overlap", "all"),
+    p.add_argument("--table", choices=("options", "runtime", "bf16", "heads", "module", "engine", "overlap", "all"),
                    default="all")
     p.add_argument("--out", help="also write the markdown tables here")
     p.add_argument("--json", help="write the raw measurements here")
@@ -538,7 +605,8 @@ def main(argv=None) -> int:
             lines.append(line)
 
     with WorkerPool(8, extra_paths=[here]) if args.table != "overlap" else contextlib.nullcontext() as pool:
-        for name, section in (("options", options_table), ("runtime", runtime_table), ("heads", heads_table),
+        for name, section in (("options", options_table), ("runtime", runtime_table), ("bf16", bf16_table),
+                              ("heads", heads_table),
                               ("module", module_table), ("engine", engine_table)):
             if args.table in (name, "all"):
                 keep = {"keep": True} if name == "module" and args.keep_attention_output else {}

@@ -226,3 +226,16 @@ def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: b
     finally:
         modulechunk.stage_forward = original
     return {"count": count, "diff": max((a - b).abs().max().item() for a, b in zip(*grads))}
+
+
+def engine_step(**kwargs) -> dict:
+    """benchmarks/memory_step.py:engine_memory (one exactly measured hcp.attention call) on this rank."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from memory_step import engine_memory
+
+    return engine_memory(**kwargs)

@@ -225,13 +225,15 @@ def test_offloaded_inputs_leave_the_device_as_the_model_says(pool):
 
 
 @pytest.mark.parametrize("world,u,r,head_chunks,check", [
-    (8, 8, 1, 1, lambda mi: abs(mi / 3 - 1) <= 0.10),      # Ulysses (same offload, tiled MLP/norm): 3M
+    (8, 8, 1, 1, lambda mi: 2.7e6 <= mi * 2**20 <= 4.2e6),  # Ulysses (same offload, tiled MLP/norm): 3M published
     (8, 8, 1, 8, lambda mi: abs(mi / 5 - 1) <= 0.05),      # UPipe, 4 head stages: 5Mi, the largest point tried
     (16, 8, 2, 8, lambda mi: 7.5 <= mi < 9),               # UPipe on 16: 7.5Mi ran, 9Mi (the next point) did not
 ])
 def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, check):
     """UPipe's runs (arXiv 2602.21196, its run scripts' grids) at their own split, every option, 80e9 bytes
-    per GPU and the DGX's host memory: docs/memory.md's comparison table."""
+    per GPU and the DGX's host memory: docs/memory.md's comparison table. Unchunked at ring size 1 our engine
+    holds less than the reference's in backward (the whole-block fast path: no fp32 accumulators), so the
+    Ulysses row is held to issue 20's range (2.7-4.2M), not to the reference's 3M."""
     c = Cluster.preset("dgx-h100", nodes=world // 8)
     o = MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=head_chunks, offload_checkpoints=True,
                       tiled_norm=True)
@@ -255,3 +257,17 @@ def test_linear_layers_keep_the_gathered_summaries():
         common = 1024 * (2 * 12 * 512 + 3 * 1024 * 2)   # the layer's two RMSNorms and its MLP, bf16
         assert est.activations["layer"] - common >= summaries + states + 1024 * 2 * m.linear_conv_channels * 2
         assert est.stages["linear_bwd"] >= 2 * summaries
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_engine_backward_at_ring_one_is_priced_exactly(pool, dtype):
+    """u=8 x r=1, zigzag: the engine's backward working set (StorageTracker, one hcp.attention call) is the
+    planner's `engine_bwd` to the byte, in bf16 and fp32 (the gradients-home phase decides: dq/dk/dv, their
+    reordered copy, the all-to-all's buffers and the fp32 sums, less the freed saved tensors). MHA: CPU's
+    SDPA kernel expands GQA K/V for the call, which the planner (native-GQA kernels) does not price."""
+    shape = ModelShape(heads=8, kv_heads=8, head_dim=8, hidden=64, layers=1, intermediate=128, vocab=64)
+    rows = pool.run("memory_cases:engine_step", u=8, r=1, heads=8, kv_heads=8, head_dim=8, seq_len=4096, chunks=(1,),
+                    dtype=dtype)
+    measured = max(row["1"][1] for row in rows)
+    est = step_memory(shape, 4096, 8, 1, 1, 1, MemoryOptions(fsdp=False), dtype=dtype)
+    assert est.stages["engine_bwd"] == measured, (est.stages["engine_bwd"], measured)

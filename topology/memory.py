@@ -81,6 +81,9 @@ class MemoryOptions:
     loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
     tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
     fsdp: bool = True                 # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
+    master_weights: bool = True       # replicated weights (fsdp=False) kept in fp32 with fp32 gradients and AdamW
+                                      # state; False: a model cast to the compute dtype (`.to(bf16)`), whose
+                                      # weights, gradients and AdamW state are all in it
     fused_norm: bool = False          # a fused RMSNorm (keeps its input and rstd only; not part of hcp)
     tiled_norm: bool = False          # hcp's tiled RMSNorm: keeps only its input, the fp32 upcast lives for one
                                       # token tile at a time (no full-length fp32 copies)
@@ -105,6 +108,8 @@ class MemoryOptions:
             raise ValueError(f"tiled_norm={self.tiled_norm!r} must be True or False")
         if self.tiled_norm and self.fused_norm:
             raise ValueError("tiled_norm=True and fused_norm=True both replace the RMSNorm: pick one")
+        if self.fsdp and not self.master_weights:
+            raise ValueError("master_weights=False needs fsdp=False: FSDP2 mixed precision keeps fp32 master weights")
         if self.offload_checkpoints and not self.checkpoint:
             raise ValueError("offload_checkpoints=True needs checkpoint=True (only checkpointed inputs are offloaded)")
 
@@ -116,7 +121,7 @@ class MemoryOptions:
         parts.append(f"tiled loss ({self.loss_chunk or 'default'})" if self.tiled_loss else "full logits")
         parts.append(f"tiled MLP ({self.tiled_mlp})" if self.tiled_mlp else "whole MLP")
         if not self.fsdp:
-            parts.append("replicated weights")
+            parts.append("replicated weights" + ("" if self.master_weights else " in the compute dtype"))
         if self.fused_norm:
             parts.append("fused RMSNorm")
         if self.tiled_norm:
@@ -166,10 +171,13 @@ def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
 
 
 def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ring: int, rank: int | None, T: int,
-                      hc: int) -> tuple[int, int, int, int, int]:
+                      hc: int, reorder: bool = True, module_chunk: bool = False) -> tuple[int, int, int, int, int]:
     """One attention module call with H/Hkv heads on T local tokens, all heads projected at once and
     `hc` engine-level chunks: (bytes saved per local token, forward and backward working sets of the
-    module, and of the engine inside it)."""
+    module, and of the engine inside it). `reorder`: the layout reorders the gathered tokens (see
+    `_single_block_backward`). `module_chunk`: one chunk of `hybrid_cp.engine.modulechunk`, whose backward
+    exchanges and returns its tensors with its own buffers: at ring size 1 it keeps the terms of ring > 1
+    (not re-derived for the fast path; docs/memory.md "Not done")."""
     split = head_split(H, Hkv, ulysses)
     i = _busiest_rank(split) if rank is None else rank
     c, k = split[i][0], split[i][3]
@@ -193,7 +201,10 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
     module_bwd = local_qkv + T * E * e
     if hc == 1:
         engine_fwd = 2 * chunk_g * e + T * H * D * e + ring_buf // 2
-        engine_bwd = T * H * D * e + 2 * G * c * D * e + chunk_g * GRAD + 2 * chunk_g * e + ring_buf
+        if ring == 1 and not module_chunk:
+            engine_bwd = _single_block_backward(H, Hkv, D, e, ulysses, T, c, k, reorder)
+        else:
+            engine_bwd = T * H * D * e + 2 * G * c * D * e + chunk_g * GRAD + 2 * chunk_g * e + ring_buf
     else:
         # per chunk (q-sized pieces of G * c_chunk * D): the current chunk's received copies, the ring's
         # accumulators, and (overlap) the next chunk's send + receive buffers and the previous chunk's return
@@ -204,22 +215,54 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
     return saved, module_fwd + engine_fwd, module_bwd + engine_bwd, engine_fwd, engine_bwd
 
 
+def _single_block_backward(H: int, Hkv: int, D: int, e: int, ulysses: int, T: int, c: int, k: int,
+                           reorder: bool) -> int:
+    """The engine's backward working set at ring size 1 (all heads at once), on top of its saved tensors (the
+    gathered q/k/v, the head-layout output and the fp32 lse), as `hybrid_cp.engine.ring`'s whole-block fast
+    path runs it: the largest of its three phases (docs/memory.md, "The engine at ring size 1"). `reorder`:
+    the layout's gathered token order is not the ring block's (zigzag with ulysses > 1), so each exchange
+    makes one reordered copy (`index_select`) while its source is alive.
+
+    * d(out) in: the incoming d(out) [T, H, D], the all-to-all's send copy of it, the receive buffer
+      [G, c, D] and (reorder) its reordered copy, d(out) in head layout: 2 T H D e + (1 + reorder) G c D e.
+    * the ring backward, one kernel call: d(out) in head layout and the kernel's dq, dk, dv [G, c + 2k, D],
+      in the compute dtype (no fp32 accumulator, no fused K/V or dK/dV buffer): G c D e + G (c + 2k) D e.
+    * the gradients home (ulysses > 1): dq/dk/dv, (reorder) their reordered copy, the all-to-all's send
+      buffer, its receive buffer [T, H + 2 Hkv, D] (compute dtype) and the fp32 sums they land in
+      (`head_to_seq(accumulate=True)`); the saved q/k/v, output and lse are freed by then, so they are
+      taken off.
+    """
+    G = ulysses * T
+    grads = G * (c + 2 * k) * D * e
+    d_in = 2 * T * H * D * e + (1 + reorder) * G * c * D * e
+    ring = G * c * D * e + grads
+    if ulysses == 1:
+        return max(d_in, ring)
+    seq = T * (H + 2 * Hkv) * D
+    freed = grads + G * c * D * e + G * c * FP32_BYTES
+    home = (2 + reorder) * grads + seq * e + seq * FP32_BYTES - freed
+    return max(d_in, ring, home)
+
+
 def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
     """The ulysses rank with the most query heads (then KV heads): the one whose memory is priced."""
     return max(range(len(split)), key=lambda j: (split[j][0], split[j][3]))
 
 
-def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[dict[str, int], dict[str, int]]:
+def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
+                  master: bool = True) -> tuple[dict[str, int], dict[str, int]]:
     """Model-state bytes held through the step, then the gradients that appear in backward: one block's
     unsharded gradient and its fp32 reduce-scatter input (``block``), the LM head's gradient alive through
     the layers' backward (``lm_head``), those alive in the first layer's backward (``first_layer``: without
     FSDP every gradient but the embedding's has accumulated by then), the root's at the end of backward
     (``root_end``: both root gradients and their fp32 reduce-scatter input) and, without FSDP, all of
-    them (``all``)."""
+    them (``all``). ``master=False`` (replicated only): weights, gradients and AdamW state in the compute dtype."""
     P, lp, root, head = model.params, model.layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
-    if not fsdp:  # every rank holds all of it in fp32; the gradients appear in backward (the LM head's first)
-        return ({"params": MASTER * P, "adam": ADAM_STATE * P},
-                {"block": 0, "lm_head": GRAD * head, "first_layer": GRAD * (P - head), "root_end": 0, "all": GRAD * P})
+    if not fsdp:  # every rank holds all of it (in fp32, or in the compute dtype without master weights); the
+        # gradients appear in backward (the LM head's first)
+        w = MASTER if master else e
+        return ({"params": w * P, "adam": 2 * w * P},
+                {"block": 0, "lm_head": w * head, "first_layer": w * (P - head), "root_end": 0, "all": w * P})
     persistent = {
         "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,  # fp32 master weights are the shards
         "unsharded_root": root * e if world > 1 else 0,
@@ -234,19 +277,19 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool) -> tuple[di
 
 
 def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: int, T: int,
-                     o: MemoryOptions) -> tuple[int, int, int, int, int]:
+                     o: MemoryOptions, reorder: bool = True) -> tuple[int, int, int, int, int]:
     """The attention module: (bytes saved per local token, module forward and backward working sets,
     engine forward and backward working sets), with module-level chunks when the options ask."""
     H, Hkv, D, E = model.heads, model.n_kv, model.head_dim, model.d_model
     ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
     if len(ranges) == 1:
-        return _attention_module(H, Hkv, D, E, e, ulysses, ring, rank, T, inner)
+        return _attention_module(H, Hkv, D, E, e, ulysses, ring, rank, T, inner, reorder)
     # module-level chunks (hybrid_cp.engine.modulechunk): forward saves nothing but the module's input; the
     # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
     # chunk (its projections and attention) at a time, more of it alive when overlapped
     kv_m = max(b - a for a, b in ranges)
     saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(kv_m * (H // Hkv), kv_m, D, E, e, ulysses,
-                                                                      ring, None, T, inner)
+                                                                      ring, None, T, inner, reorder, True)
     in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
     attn_fwd = int(in_flight * fwd_m) + T * E * e
     attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
@@ -358,8 +401,12 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     split = head_split(model.heads, model.n_kv, ulysses)
     rank = _busiest_rank(split) if ulysses_rank is None else ulysses_rank
     T = batch * make_layout(layout, ulysses, ring, seq_len=seq_len).local_len  # local tokens
-    persistent, grads = _model_states(model, world, e, o.fsdp)
-    attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, e, ulysses, ring, rank, T, o)
+    persistent, grads = _model_states(model, world, e, o.fsdp, o.master_weights)
+    # whether the layout's gathered token order differs from the ring block's (a property of the layout, not
+    # of the length: checked on the smallest sequence it takes)
+    reorder = make_layout(layout, ulysses, ring, seq_len=2 * ulysses * ring).gathered_rows() is not None
+    attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, e, ulysses, ring, rank, T, o,
+                                                                              reorder)
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
     lin = _linear_saved(model, make_layout(layout, ulysses, ring, seq_len=seq_len), ulysses * ring, batch, e) \
         if model.linear_layers else (0, 0, 0)
@@ -481,7 +528,8 @@ def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, per
     base = sum(persistent.values())
     shards = world if o.fsdp else 1
     largest = max(V * E, E * inter, model.heads * model.head_dim * E) // shards
-    optimizer_temp = 4 * model.params // shards
+    w = FP32_BYTES if o.master_weights else e   # the optimizer's element size
+    optimizer_temp = w * model.params // shards
     layer, final, fetched = acts["layer"], acts["final_norm"], acts["fetched"]
     inputs = acts["inputs"] + acts["rotary"]
     # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's
@@ -500,7 +548,7 @@ def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, per
         # the first layer's backward: its own input only (nothing left to prefetch), the gradients so far
         "first_layer_backward": base + acts["rotary"] + (T * E * e if o.checkpoint and not o.offload_checkpoints
                                                          else 0) + grads["first_layer"] + layer_bwd,
-        "optimizer": base + grads["all"] + (optimizer_temp if o.foreach_optimizer else 2 * 4 * largest),
+        "optimizer": base + grads["all"] + (optimizer_temp if o.foreach_optimizer else 2 * w * largest),
     }
     if grads["root_end"]:
         phases["root_gradients"] = base + grads["root_end"]

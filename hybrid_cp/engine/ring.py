@@ -184,6 +184,44 @@ def _halo_fetch(cp: "CPMesh", plan: Plan, k: torch.Tensor, v: torch.Tensor) -> t
     return (dist.batch_isend_irecv(ops) if ops else []), bufs
 
 
+def whole_block(plan: Plan, n_q: int, n_k: int) -> Task | None:
+    """The plan's only task when it is one kernel call over the whole block (one ring step, one task whose
+    query and key rows are all `n_q` / `n_k` rows, not halo mode: ring size 1), else None. Merging that one
+    block into -inf/zero accumulators is exact, so the engine then returns the kernel's results directly."""
+    if plan.halo or len(plan.steps) != 1 or len(plan.steps[0]) != 1:
+        return None
+    task = plan.steps[0][0]
+    whole = all(isinstance(rows, slice) and rows == slice(0, m) for rows, m in ((task.q_rows, n_q), (task.k_rows, n_k)))
+    return task if whole else None
+
+
+def _contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype`, contiguous (one copy at most; none when it already is): what the accumulators gave.
+    (`to` alone keeps a same-dtype tensor's strides, whatever `memory_format` says.)"""
+    return x.contiguous() if x.dtype == dtype else x.to(dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def _task_forward(kernel: "AttentionKernel", heads: HeadMap, task: Task, q: torch.Tensor, kb_full: torch.Tensor,
+                  vb_full: torch.Tensor, scale: float, softcap: float | None):
+    """One task's kernel forward: (out, lse) of my query rows `task.q_rows` against the visiting block's rows."""
+    kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
+    return kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
+                          **task.kernel_kwargs(softcap))
+
+
+def _task_backward(kernel: "AttentionKernel", heads: HeadMap, task: Task, dout: torch.Tensor, q: torch.Tensor,
+                   kb_full: torch.Tensor, vb_full: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One task's kernel backward: (dq of my rows `task.q_rows`, dk and dv of the visiting block's rows
+    `task.k_rows`, reduced onto the KV heads)."""
+    rows = task.q_rows
+    kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
+    dq_b, dk_b, dv_b = kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
+                                       _take(lse, rows, 2), causal=task.causal, scale=scale,
+                                       **task.kernel_kwargs(softcap))
+    return dq_b, heads.reduce(dk_b), heads.reduce(dv_b)
+
+
 def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_index: list[int], plan: Plan, *, scale: float, softcap: float | None = None,
                  sinks: torch.Tensor | None = None):
@@ -192,19 +230,27 @@ def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: to
     the halo K/V received from each peer (halo mode; kept for backward) or None). `softcap`: the
     kernel's logit soft-cap (None: off), the same in every block. `sinks` [Hq]: one sink logit per
     query head, merged once after the last block (out and lse include it; `ring_backward` with them
-    gives exact dq/dk/dv, and `kernels.merge.sink_grad` the sinks' gradient)."""
+    gives exact dq/dk/dv, and `kernels.merge.sink_grad` the sinks' gradient). A plan of one whole-block
+    task (`whole_block`) returns the kernel's out and lse as they are (bitwise what the merge gives) with no
+    fp32 accumulator and no K/V copy; with sinks, out goes through one fp32 copy for their merge."""
     r = cp.ring_size
     b, n, hq, _ = q.shape
     heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
+    single = whole_block(plan, n, k.shape[1])
+    if single is not None:
+        o_b, lse_b = _task_forward(kernel, heads, single, q, k, v, scale, softcap)
+        lse = _contiguous(lse_b, acc)
+        if sinks is not None:
+            o_b = _contiguous(o_b, acc)
+            merge_sink_(o_b, lse, sinks)
+        return _contiguous(o_b, q.dtype), lse, None
     out = torch.zeros(b, n, hq, v.shape[3], dtype=acc, device=q.device)
     lse = torch.full((b, hq, n), float("-inf"), dtype=acc, device=q.device)
 
     def compute(tasks, kb_full, vb_full):
         for task in tasks:
-            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
-            o_b, lse_b = kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
-                                        **task.kernel_kwargs(softcap))
+            o_b, lse_b = _task_forward(kernel, heads, task, q, kb_full, vb_full, scale, softcap)
             merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
 
     if plan.halo:
@@ -236,23 +282,26 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes). `halo`:
     what `ring_forward` received in halo mode, or None to receive those rows again (the compiled op
-    cannot keep them: their count depends on the plan, which its fake does not know)."""
+    cannot keep them: their count depends on the plan, which its fake does not know). A whole-block plan
+    (`whole_block`) returns the kernel's gradients cast to the inputs' dtypes: no fp32 accumulators, no
+    fused K/V or dK/dV buffers."""
     r = cp.ring_size
     heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
+    single = whole_block(plan, q.shape[1], k.shape[1])
+    if single is not None:
+        grads = _task_backward(kernel, heads, single, dout, q, k, v, out, lse, scale, softcap)
+        return tuple(_contiguous(g, x.dtype) for g, x in zip(grads, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 
     def compute(tasks, kb_full, vb_full) -> list:
         """Run the tasks' backward; dq accumulates here, (key rows, dk, dv) are returned."""
         grads = []
         for task in tasks:
-            rows = task.q_rows
-            kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
-            dq_b, dk_b, dv_b = kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
-                                               _take(lse, rows, 2), causal=task.causal, scale=scale,
-                                               **task.kernel_kwargs(softcap))
-            _add_rows_(dq, rows, dq_b)
-            grads.append((task.k_rows, heads.reduce(dk_b), heads.reduce(dv_b)))
+            dq_b, dk_b, dv_b = _task_backward(kernel, heads, task, dout, q, kb_full, vb_full, out, lse, scale,
+                                              softcap)
+            _add_rows_(dq, task.q_rows, dq_b)
+            grads.append((task.k_rows, dk_b, dv_b))
         return grads
 
     def add(dkv, grads) -> None:
