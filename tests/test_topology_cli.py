@@ -66,6 +66,6 @@ def test_parsers():
 
 
 def test_hybrid_model_prints_the_linear_share(capsys):
-    assert main(["--preset", "dgx-h100", "--model", "qwen3-next-80b", "--seq-len", "128K", "--top", "2", "--dp", "1"]) == 0
+    assert main(["--preset", "dgx-h100", "--nodes", "4", "--model", "qwen3-next-80b", "--seq-len", "128K", "--top", "2", "--dp", "1"]) == 0
     out = capsys.readouterr().out
     assert "linear layers (75% of layers): recurrence" in out and "linear_state_fwd" in out

@@ -271,6 +271,6 @@ def test_linear_compute_counts_the_probe_on_continuing_runs():
 def test_plan_explains_the_linear_share():
     from topology import plan
 
-    best = plan(Cluster.preset("dgx-h100"), ModelShape.preset("qwen3-next-80b"), 131072, world_size=8).best
+    best = plan(Cluster.preset("dgx-h100", nodes=4), ModelShape.preset("qwen3-next-80b"), 131072, world_size=32).best
     assert best.estimate.linear_share == 0.75
     assert "linear layers (75% of layers)" in best.explain() and "36 of 48 layers are linear" in best.explain()

@@ -9,7 +9,7 @@ from hybrid_cp.integrations.hf import model_shape
 from hybrid_cp.testing.families import tiny_config
 from topology.cost import ModelShape
 
-PLAN = ["--preset", "dgx-h100", "--seq-len", "128K", "--top", "1", "--dp", "1"]
+PLAN = ["--preset", "dgx-h100", "--nodes", "4", "--seq-len", "128K", "--top", "1", "--dp", "1"]
 QWEN3_NEXT = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
                   linear_conv_kernel_dim=3)

@@ -47,7 +47,8 @@ class ModelShape(BaseModel):
 
     ``hidden`` defaults to ``heads * head_dim``; ``intermediate`` (MLP width) to ``4 * hidden`` with a
     plain 2-matrix MLP, else a gated (SwiGLU, 3-matrix) MLP when ``gated_mlp`` is true. For MoE models
-    give the *active* width (experts per token x expert width + shared experts). Hybrid models give
+    give the *active* width (experts per token x expert width + shared experts), which prices the compute,
+    and ``expert_params``, the idle experts' weights, which memory holds. Hybrid models give
     ``linear_layers`` (how many of ``layers`` are linear), ``linear_kind`` and the linear block's sizes;
     the attention terms count the other layers (docs/planner.md, section 4.2).
     """
@@ -75,6 +76,8 @@ class ModelShape(BaseModel):
     linear_value_dim: int | None = Field(default=None, ge=1, description="Gated DeltaNet dv / Mamba2 head dim P")
     linear_conv: int = Field(default=4, ge=1, description="causal convolution kernel of the linear layers")
     linear_chunk: int = Field(default=64, ge=1, description="chunk of the chunked recurrence kernel (tokens)")
+    expert_params: int = Field(default=0, ge=0, description="MoE: weights of the experts a token does not use, all "
+                               "layers together (held in memory and sharded, never computed)")
     name: str = "custom"
 
     @model_validator(mode="after")
@@ -167,6 +170,16 @@ class ModelShape(BaseModel):
         linear = self.linear_layers * self.linear_layer_params if self.linear_layers else 0
         return self.attention_layers * self.layer_params + linear + 2 * self.vocab * self.d_model
 
+    @property
+    def held_params(self) -> int:
+        """Weights held in memory: `params` (the ones a token computes with) and, for MoE, the other experts."""
+        return self.params + self.expert_params
+
+    @property
+    def held_layer_params(self) -> int:
+        """One layer's weights held when FSDP2 unshards it (MoE: all its experts; spread evenly over the layers)."""
+        return self.layer_params + self.expert_params // self.layers
+
     @classmethod
     def preset(cls, name: str) -> "ModelShape":
         """Known shapes (``llama3-8b``, ``llama3-70b``, ``glm-4.5-air``, ``llama2-7b``, ``qwen3-next-80b``)."""
@@ -181,13 +194,16 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128, hidden=4096, layers=32, intermediate=14336, vocab=128256),
     "llama3-70b": dict(heads=64, kv_heads=8, head_dim=128, hidden=8192, layers=80, intermediate=28672, vocab=128256),
     "llama2-7b": dict(heads=32, kv_heads=32, head_dim=128, hidden=4096, layers=32, intermediate=11008, vocab=32000),
-    # GLM-4.5-Air (MoE, 12B active): 8 routed experts of width 1408 + 1 shared expert active per token.
-    "glm-4.5-air": dict(heads=96, kv_heads=8, head_dim=128, hidden=4096, layers=46, intermediate=9 * 1408, vocab=151552),
+    # GLM-4.5-Air (MoE, 12B active, 106B in all): 8 of 128 routed experts of width 1408 + 1 shared expert active
+    # per token; the other 120 are held in each of the 45 MoE layers (the first layer is dense).
+    "glm-4.5-air": dict(heads=96, kv_heads=8, head_dim=128, hidden=4096, layers=46, intermediate=9 * 1408, vocab=151552,
+                        expert_params=(128 - 8) * 3 * 4096 * 1408 * 45),
     # Qwen3-Next-80B-A3B: 3 Gated DeltaNet layers to 1 gated-attention layer (full_attention_interval 4); MoE with
     # 10 routed experts + 1 shared expert of width 512 active per token. The attention's output gate is ignored.
     "qwen3-next-80b": dict(heads=16, kv_heads=2, head_dim=256, hidden=2048, layers=48, intermediate=11 * 512,
                            vocab=151936, linear_layers=36, linear_kind="gated_delta", linear_heads=32,
-                           linear_key_heads=16, linear_key_dim=128, linear_value_dim=128, linear_conv=4),
+                           linear_key_heads=16, linear_key_dim=128, linear_value_dim=128, linear_conv=4,
+                           expert_params=(512 - 10) * 3 * 2048 * 512 * 48),  # 502 of 512 experts idle: 80B in all
 }
 
 
@@ -759,7 +775,7 @@ def _memory_breakdown(call: _Call, model: ModelShape) -> dict[str, int]:
     us = call.ulysses * s
     kv_blk, g = call.kv_block, grad_bytes(call.e)
     return {
-        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.params // call.world,
+        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.held_params // call.world,
         "checkpointed_inputs": model.layers * b * s * model.d_model * e,
         "attention_local_io": b * s * (H + 2 * Hkv + H) * D * e,  # q,k,v,out before/after all-to-all
         "attention_heads": b * us * D * (3 * c_max * e + 2 * k_max * e) + b * c_max * us * 4,
@@ -1003,7 +1019,7 @@ def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[st
     b, s, e = call.batch, call.lay.local_len, call.e
     inner = model.linear_heads * model.linear_value_dim
     return {
-        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.params // call.world,
+        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.held_params // call.world,
         "checkpointed_inputs": model.layers * b * s * model.d_model * e,
         "linear_local_io": b * s * (2 * model.linear_conv_channels + inner) * e,
         "linear_summaries": nbytes_state * (1 + call.backward),

@@ -257,7 +257,7 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
     FSDP every gradient but the embedding's has accumulated by then), the root's at the end of backward
     (``root_end``: both root gradients and their fp32 reduce-scatter input) and, without FSDP, all of
     them (``all``). ``master=False`` (replicated only): weights, gradients and AdamW state in the compute dtype."""
-    P, lp, root, head = model.params, model.layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
+    P, lp, root, head = model.held_params, model.held_layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
     if not fsdp:  # every rank holds all of it (in fp32, or in the compute dtype without master weights); the
         # gradients appear in backward (the LM head's first)
         w = MASTER if master else e
@@ -529,7 +529,7 @@ def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, per
     shards = world if o.fsdp else 1
     largest = max(V * E, E * inter, model.heads * model.head_dim * E) // shards
     w = FP32_BYTES if o.master_weights else e   # the optimizer's element size
-    optimizer_temp = w * model.params // shards
+    optimizer_temp = w * model.held_params // shards
     layer, final, fetched = acts["layer"], acts["final_norm"], acts["fetched"]
     inputs = acts["inputs"] + acts["rotary"]
     # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's

@@ -253,7 +253,8 @@ def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
                                "memory": b.estimate.to_dict()} if b else {})} for name, b in rows], indent=2))
         return 0
     host_text = f"{host / GiB:.1f} GiB/GPU" if host is not None else "unbounded (the cluster does not say)"
-    print(f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters, layers={model.layers} "
+    held = f" active, {model.held_params / 1e9:.2f}B held" if model.expert_params else ""
+    print(f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters{held}, layers={model.layers} "
           f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
           f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU, host memory {host_text}")
     print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9} {'host GiB':>9} "

@@ -184,7 +184,7 @@ def _refuse_unread_mixers(config: Any, mtype: str) -> None:
 
 def _gated_delta_fields(config: Any) -> dict:
     """Qwen3-Next / Qwen3.5: `layer_types` "linear_attention" layers are Gated DeltaNet blocks; MoE models
-    give the MLP's active width."""
+    give the MLP's active width and the idle experts' weights (`expert_params`)."""
     kinds = list(getattr(config, "layer_types", None) or ())
     if len(kinds) != config.num_hidden_layers:
         raise ConfigError(f"config.layer_types={kinds!r} (model_type={config.model_type!r}) does not name each of the "
@@ -198,6 +198,8 @@ def _gated_delta_fields(config: Any) -> dict:
             (getattr(config, "shared_expert_intermediate_size", 0) or 0)
         widths = [config.intermediate_size if i in dense or (i + 1) % step else moe for i in range(len(kinds))]
         out["intermediate"] = round(sum(widths) / len(widths))
+        idle = (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size * config.moe_intermediate_size
+        out["expert_params"] = idle * sum(w == moe for w in widths)
     return dict(out, linear_layers=kinds.count("linear_attention"), linear_kind="gated_delta",
                 linear_heads=config.linear_num_value_heads, linear_key_heads=config.linear_num_key_heads,
                 linear_key_dim=config.linear_key_head_dim, linear_value_dim=config.linear_value_head_dim,
@@ -224,10 +226,12 @@ def _mamba2_fields(config: Any, mtype: str) -> dict:
         moe = config.num_experts_per_tok * config.moe_intermediate_size + \
             (config.n_shared_experts or 0) * config.moe_shared_expert_intermediate_size
         width = blocks.count("mlp") * config.intermediate_size + blocks.count("moe") * moe
+        idle = (config.n_routed_experts - config.num_experts_per_tok) * 2 * config.hidden_size * \
+            config.moe_intermediate_size * blocks.count("moe")   # relu2 experts: up and down projections
         out = dict(layers=mixers, linear_layers=linear, intermediate=max(1, round(width / max(1, mixers))),
                    gated_mlp=False, linear_heads=config.mamba_num_heads, linear_value_dim=config.mamba_head_dim,
                    linear_key_heads=config.n_groups, linear_key_dim=config.ssm_state_size,
-                   linear_conv=config.conv_kernel, linear_chunk=config.chunk_size)
+                   linear_conv=config.conv_kernel, linear_chunk=config.chunk_size, expert_params=idle)
     return dict(out, linear_kind="mamba2")
 
 
