@@ -14,7 +14,9 @@ in one run and in alternation, for zigzag and contiguous rows:
 - *exchange*: the layer's all-gathers alone (`comm.gather_summaries` of the same slots and sizes,
   summaries and conv halo, forward and backward),
 
-all forward + backward. Cases: `op:gdn` (causal conv over q|k|v, silu, transformers' torch chunked gated
+all forward + backward. Cases: `probe:gdn` (no context parallelism: the chunked kernel on the shard at
+width dv vs `GatedDelta.probe` at dv + dk, the "local" and "cp" columns; what a continuing run pays),
+`op:gdn` (causal conv over q|k|v, silu, transformers' torch chunked gated
 delta rule, dk = dv = 128), `op:mamba2` (causal conv over x|B|C, silu, transformers' torch SSD
 `mamba2_chunk_scan`, head dim 64, state 256, chunk 256: no probe, a scalar decay per head),
 `layer:gdn` (transformers' `Qwen3NextGatedDeltaNet` with its projections, gate, gated norm and out_proj,
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CASES = ("op:gdn", "op:mamba2", "layer:gdn", "layer:mamba2")
+CASES = ("probe:gdn", "op:gdn", "op:mamba2", "layer:gdn", "layer:mamba2")
 LAYOUTS = ("zigzag", "contiguous")
 CONV = 4   # the blocks' causal conv kernel (Qwen3-Next, Bamba)
 
@@ -107,6 +109,32 @@ def _op_gdn(cp, lay, tokens: int, heads: int = 8, dim: int = 128):
     def scan():
         _backward(linear_scan(cp, lay, kind, core(lambda t, w: causal_conv(cp, lay, t, w))))
     return local, scan, _exchange(cp, lay, heads * dim * 2 * dim, width)
+
+
+def _probe_gdn(cp, lay, tokens: int, heads: int = 8, dim: int = 128):
+    """(plain, probe, nothing) closures: the chunked kernel on the shard at width dv from zero vs the probe
+    (`GatedDelta.probe`: width dv + dk from [0 | I]), forward + backward, no context parallelism."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from hybrid_cp.engine.layout import shard_tokens
+    from hybrid_cp.engine.recurrence import GatedDelta
+
+    kind = GatedDelta(getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(heads, dim)] * 3 + [(heads,), (heads,)]
+    xs = [shard_tokens(torch.randn(1, tokens, *s, generator=gen), cp, 1, lay).requires_grad_() for s in shapes]
+
+    def inputs():
+        return xs[:3] + [-F.softplus(xs[3]) * 0.1, xs[4].sigmoid()]
+
+    def plain():
+        out, final = kind.plain(inputs(), final=True)
+        _backward(out + final.sum() * 0)
+
+    def probe():
+        out, final, trans, aux = kind.probe(inputs())
+        _backward(out + aux.sum() * 0 + final.sum() * 0 + trans.sum() * 0)
+    return plain, probe, lambda: None
 
 
 def _op_mamba2(cp, lay, tokens: int, heads: int = 16, head_dim: int = 64, state: int = 256, chunk: int = 256):
@@ -181,23 +209,30 @@ def _layer(cp, lay, tokens: int, case: str):
 
 
 def rank_times(tokens: int, repeat: int, cases: list[str]) -> dict:
-    """On every rank: {(case, layout): [(local s, cp s, exchange s) per repeat]} (a warm-up run dropped)."""
+    """On every rank: {(case, layout): [(local s, cp s, exchange s) per repeat]}. Every repeat runs every
+    (case, layout) once, local and cp back to back (their order alternates between repeats), so a
+    change in the machine's load falls on both; the first repeat is a warm-up and dropped."""
     import hybrid_cp as hcp
     from topology.layouts import layout_of
 
-    world, out = dist.get_world_size(), {}
-    for layout in LAYOUTS:
-        cp = hcp.init_cp_mesh(1, world, layout=layout)
+    world, fns = dist.get_world_size(), {}
+    meshes = [hcp.init_cp_mesh(1, world, layout=layout) for layout in LAYOUTS]
+    for cp, layout in zip(meshes, LAYOUTS):
         lay = layout_of(layout, 1, world, seq_len=tokens)
         for case in cases:
             if case.startswith("layer:"):
-                fns = _layer(cp, lay, tokens, case)
+                fns[(case, layout)] = _layer(cp, lay, tokens, case)
             else:
-                fns = (_op_gdn if case == "op:gdn" else _op_mamba2)(cp, lay, tokens)
-            rows = [tuple(_time(fn) for fn in fns) for _ in range(repeat + 1)]
-            out[(case, layout)] = rows[1:]
+                build = {"probe:gdn": _probe_gdn, "op:gdn": _op_gdn, "op:mamba2": _op_mamba2}[case]
+                fns[(case, layout)] = build(cp, lay, tokens)
+    out = {key: [] for key in fns}
+    for i in range(repeat + 1):
+        for key, (local, scan, exchange) in fns.items():
+            a, b = (_time(local), _time(scan)) if i % 2 else (_time(scan), _time(local))[::-1]
+            out[key].append((a, b, _time(exchange)))
+    for cp in meshes:
         hcp.destroy_cp_mesh(cp)
-    return out
+    return {key: rows[1:] for key, rows in out.items()}
 
 
 def table(per_rank: list[dict], cases: list[str], ranks: int, tokens: int) -> str:
