@@ -24,8 +24,9 @@ Qwen3-Next-80B-A3B's dk = dv = 128 and 2:1 value:key heads, heads and hidden div
 4 key / 8 value heads), `layer:mamba2` (transformers' `BambaMixer`, Bamba-9B's head dim 64, state 256,
 chunk 256, expand 2, heads and hidden divided by 8: hidden 512, 16 heads). Prints a markdown table:
 per case and layout the slowest rank's median local time, and min / median over repeats of
-cp / local and cp / (local + exchange) (the slowest rank each, per repeat). CPU only (there is no GPU
-here); the load average is printed before and after (the machine may be shared).
+cp / local and cp / (local + exchange) (the slowest rank each, per repeat), by wall time and by each
+process's CPU time (`time.process_time`: on a machine shared with other work it leaves out the time
+the core was taken away). CPU only (there is no GPU here); the load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ LAYOUTS = ("zigzag", "contiguous")
 CONV = 4   # the blocks' causal conv kernel (Qwen3-Next, Bamba)
 
 
-def _time(fn) -> float:
+def _time(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds): the second does not count time other work on the
+    machine took the core away (it does count the exchange's copies, not waiting for the other rank)."""
     dist.barrier()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def _local_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -209,7 +212,7 @@ def _layer(cp, lay, tokens: int, case: str):
 
 
 def rank_times(tokens: int, repeat: int, cases: list[str]) -> dict:
-    """On every rank: {(case, layout): [(local s, cp s, exchange s) per repeat]}. Every repeat runs every
+    """On every rank: {(case, layout): [((wall, cpu) of local, of cp, of exchange) per repeat]}. Every repeat runs every
     (case, layout) once, local and cp back to back (their order alternates between repeats), so a
     change in the machine's load falls on both; the first repeat is a warm-up and dropped."""
     import hybrid_cp as hcp
@@ -236,18 +239,24 @@ def rank_times(tokens: int, repeat: int, cases: list[str]) -> dict:
 
 
 def table(per_rank: list[dict], cases: list[str], ranks: int, tokens: int) -> str:
-    """The markdown table of the slowest rank's ratios, min / median over repeats."""
-    lines = [f"| case | layout | local shard ({tokens // ranks} tokens, median) | cp / local min | median | "
-             f"cp / (local + exchange) min | median |", "|---|---|---|---|---|---|---|"]
+    """The markdown table of the slowest rank's ratios per repeat, min / median over repeats, by wall
+    time and by CPU time (each rank's own, the slowest rank's per repeat)."""
+    lines = [f"| case | layout | local shard ({tokens // ranks} tokens), wall median | cp / local, wall min | "
+             f"median | cp / (local + exchange), wall min | median | cp / (local + exchange), CPU min | median |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
         for layout in LAYOUTS:
-            reps = len(per_rank[0][(case, layout)])
-            worst = [[max(r[(case, layout)][i][j] for r in per_rank) for j in range(3)] for i in range(reps)]
-            plain = [c / a for a, c, _ in worst]
-            full = [c / (a + e) for a, c, e in worst]
-            lines.append(f"| {case} | {layout} | {statistics.median(a for a, _, _ in worst) * 1e3:.0f} ms | "
-                         f"{min(plain):.2f} | {statistics.median(plain):.2f} | {min(full):.2f} | "
-                         f"{statistics.median(full):.2f} |")
+            reps = per_rank[0][(case, layout)]
+            cells = []
+            for clock in (0, 1):
+                worst = [[max(r[(case, layout)][i][j][clock] for r in per_rank) for j in range(3)]
+                         for i in range(len(reps))]
+                cells.append(([c / a for a, c, _ in worst], [c / (a + e) for a, c, e in worst],
+                              statistics.median(a for a, _, _ in worst)))
+            (plain, full, local), (_, cpu, _) = cells
+            lines.append(f"| {case} | {layout} | {local * 1e3:.0f} ms | {min(plain):.2f} | "
+                         f"{statistics.median(plain):.2f} | {min(full):.2f} | {statistics.median(full):.2f} | "
+                         f"{min(cpu):.2f} | {statistics.median(cpu):.2f} |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
 One mechanism, written once (docs/linear.md). A rank's local rows are *runs* of the global sequence
 (`Layout.token_runs`: under zigzag two chunks per rank, packed rows several documents or pieces of
-them), and a run never crosses a document. A linear recurrence is affine in the state it receives,
+them, adjacent pieces of one document merged into one run), and a run never crosses a document. A linear recurrence is affine in the state it receives,
 so over a run S_out = M S_in + E (M the run's transition, E its final state from zero). Each rank
 
 1. runs its runs from a zero state; a run that *continues* a document started elsewhere is run once
