@@ -3,6 +3,7 @@
     python benchmarks/linear_layers.py                          # 2 ranks, 4096 tokens, 7 repeats, every case
     python benchmarks/linear_layers.py --cases op:gdn op:mamba2 --tokens 8192
     python benchmarks/linear_layers.py --cases layer:gdn layer:mamba2 --repeat 9
+    python benchmarks/linear_layers.py --flush-denormal             # subnormal floats flushed to zero
 
 Each of `ranks` gloo processes (a ring of `ranks`, ulysses 1, one torch thread each) times, side by side
 in one run and in alternation, for zigzag and contiguous rows:
@@ -211,13 +212,14 @@ def _layer(cp, lay, tokens: int, case: str):
     return local, scan, _exchange(cp, lay, numel, channels)
 
 
-def rank_times(tokens: int, repeat: int, cases: list[str]) -> dict:
+def rank_times(tokens: int, repeat: int, cases: list[str], flush_denormal: bool = False) -> dict:
     """On every rank: {(case, layout): [((wall, cpu) of local, of cp, of exchange) per repeat]}. Every repeat runs every
     (case, layout) once, local and cp back to back (their order alternates between repeats), so a
     change in the machine's load falls on both; the first repeat is a warm-up and dropped."""
     import hybrid_cp as hcp
     from topology.layouts import layout_of
 
+    torch.set_flush_denormal(flush_denormal)   # for local and cp alike (docs/linear.md: the probe's subnormals)
     world, fns = dist.get_world_size(), {}
     meshes = [hcp.init_cp_mesh(1, world, layout=layout) for layout in LAYOUTS]
     for cp, layout in zip(meshes, LAYOUTS):
@@ -266,15 +268,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--flush-denormal", action="store_true",
+                        help="torch.set_flush_denormal(True) on every rank, for local and cp alike: x86 CPUs take "
+                             "microcode traps on subnormal floats, which the probe's decaying transition makes")
     args = parser.parse_args()
     from hybrid_cp.testing import WorkerPool
 
     before = os.getloadavg()
     with WorkerPool(args.ranks, threads=1, extra_paths=[os.path.dirname(os.path.abspath(__file__))]) as pool:
         rows = pool.run("linear_layers:rank_times", timeout=3600, tokens=args.tokens, repeat=args.repeat,
-                        cases=args.cases)
+                        cases=args.cases, flush_denormal=args.flush_denormal)
     after = os.getloadavg()
     print(f"ranks={args.ranks} tokens={args.tokens} repeat={args.repeat}, 1 thread per rank, "
+          f"flush denormals {'on' if args.flush_denormal else 'off'}, "
           f"load average (1 min) {before[0]:.1f} before, {after[0]:.1f} after, {os.cpu_count()} cores")
     print(table(rows, args.cases, args.ranks, args.tokens))
 
