@@ -5,6 +5,9 @@
     python benchmarks/linear_layers.py --cases layer:gdn layer:mamba2 --repeat 9
     python benchmarks/linear_layers.py --flush-denormal             # subnormal floats flushed to zero
 
+docs/linear.md's time table is `--tokens 4096 --repeat 7` with and without `--flush-denormal` (the
+default cases; 7 to 8.5 minutes each on the 2-core machine at load average 13 and 21).
+
 Each of `ranks` gloo processes (a ring of `ranks`, ulysses 1, one torch thread each) times, side by side
 in one run and in alternation, for zigzag and contiguous rows:
 
@@ -17,8 +20,8 @@ in one run and in alternation, for zigzag and contiguous rows:
 
 all forward + backward. Cases: `probe:gdn` (no context parallelism: the chunked kernel on the shard at
 width dv vs `GatedDelta.probe` at dv + dk, the "local" and "cp" columns; what a continuing run pays),
-`op:gdn` (causal conv over q|k|v, silu, transformers' torch chunked gated
-delta rule, dk = dv = 128), `op:mamba2` (causal conv over x|B|C, silu, transformers' torch SSD
+`op:gdn` (causal conv over q|k|v, silu, transformers' torch chunked gated delta rule, dk = dv = 128,
+8 heads), `op:mamba2` (causal conv over x|B|C, silu, transformers' torch SSD
 `mamba2_chunk_scan`, head dim 64, state 256, chunk 256: no probe, a scalar decay per head),
 `layer:gdn` (transformers' `Qwen3NextGatedDeltaNet` with its projections, gate, gated norm and out_proj,
 Qwen3-Next-80B-A3B's dk = dv = 128 and 2:1 value:key heads, heads and hidden divided by 4: hidden 512,
