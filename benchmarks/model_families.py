@@ -17,7 +17,7 @@ from hybrid_cp.testing.families import walk
 
 # the guard's reasons, from the most specific; the first that matches a message names its row
 REASONS = [
-    (r"module \S+ \(\w+\) is linear attention", "linear attention (Gated DeltaNet, lightning, Kimi delta)"),
+    (r"module \S+ \(\w+\) is linear attention", "linear attention (Gated DeltaNet variants, Kimi delta)"),
     (r"module \S+ \(\w+\) is a state-space", "state-space layers (Mamba, Mamba2)"),
     (r"module \S+ \(\w+\) is a token-mixing convolution", "token-mixing convolutions"),
     (r"module \S+ \(\w+\) is a recurrence", "recurrences (RWKV, xLSTM)"),

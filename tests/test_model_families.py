@@ -48,9 +48,9 @@ def test_walk_accepts_exactly_the_verified_families():
 # name (module or config field)
 REFUSED = [
     ("deepseek_v32", {}, "DeepseekV32Indexer"),
-    ("jamba", {}, "JambaMambaMixer"),
-    ("lfm2", {"layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
-    ("minimax", {}, "MiniMaxLightningAttention"),
+    ("falcon_mamba", {}, "FalconMambaMixer"),
+    ("lfm3", {}, "Lfm3ShortConv"),
+    ("bailing_hybrid", {}, "BailingHybridDeltaAttention"),
     ("kimi_linear", {}, "KimiLinearDeltaAttention"),
     ("mamba", {}, "MambaMixer"),
     ("gpt_oss", {"output_router_logits": True}, "output_router_logits"),
@@ -93,7 +93,8 @@ def _window(model_type: str) -> dict:
 
 # hybrid families have their own parity tests (tests/test_hybrid_models.py: linear-layer sizes of their own,
 # logits within 1e-4 since the chunked fp32 recurrence rounds differently on other chunk boundaries)
-HYBRID_FAMILIES = {"qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1"}
+HYBRID_FAMILIES = {"qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1",
+                   "lfm2", "lfm2_moe", "jamba", "minimax"}   # the last four: tests/test_hybrid_more.py
 
 
 @pytest.mark.parametrize("model_type", sorted(set(VERIFIED_FAMILIES) - HYBRID_FAMILIES))
@@ -110,7 +111,7 @@ def test_verified_family_matches_single_process(pool, model_type):
 
 
 def test_refused_families_raise_on_every_rank_before_any_collective(pool):
-    types = ["jamba", "deepseek_v32", "bloom", "mamba"]
+    types = ["falcon_mamba", "deepseek_v32", "bloom", "mamba"]
     for row in pool.run("train_cases:guard_on_every_rank", model_types=types):
         assert row["collectives"] == 0, row
         for model_type in types:

@@ -239,15 +239,19 @@ def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, che
     assert check(best.seq_len / 2**20), best.explain()
 
 
-def test_linear_layers_working_set_counts_the_gathered_summaries():
-    """A hybrid's linear stage holds every rank's summaries (P x slots x numel, fp32; their gradient too
-    in backward) plus its local conv and kernel tensors; softmax-only models have no such stage."""
+def test_linear_layers_keep_the_gathered_summaries():
+    """A hybrid's linear layer keeps every rank's summaries (P x slots x numel, fp32) and the states composed
+    from them for backward (the composition's products save them), its conv input and output, and holds the
+    summaries' gradient and the reduce-scatter's buffer in backward; softmax-only models have no linear stage.
+    The rest of the linear terms are checked against measured steps in tests/test_topology_linear.py."""
     base = dict(heads=8, kv_heads=2, head_dim=64, hidden=512, intermediate=1024, vocab=1000, layers=4)
     gdn = dict(linear_kind="gated_delta", linear_heads=4, linear_key_heads=2, linear_key_dim=16, linear_value_dim=32)
     assert "linear_fwd" not in step_memory(ModelShape(**base), 4096, 2, 2).stages
     m = ModelShape(linear_layers=3, **base, **gdn)
     for layout, slots in (("zigzag", 2), ("contiguous", 1)):
-        est = step_memory(m, 4096, 2, 2, layout=layout)
-        local = 1024 * (2 * m.linear_conv_channels * 2 + 4 * (32 + 16) * 4)
+        est = step_memory(m, 4096, 2, 2, layout=layout, options=MemoryOptions(checkpoint=False))
         summaries = 4 * slots * m.linear_state_numel * 4
-        assert (est.stages["linear_fwd"], est.stages["linear_bwd"]) == (summaries + local, 2 * (summaries + local))
+        states = summaries * 32 // (16 + 32)   # the E part of each (M, E)
+        common = 1024 * (2 * 12 * 512 + 3 * 1024 * 2)   # the layer's two RMSNorms and its MLP, bf16
+        assert est.activations["layer"] - common >= summaries + states + 1024 * 2 * m.linear_conv_channels * 2
+        assert est.stages["linear_bwd"] >= 2 * summaries

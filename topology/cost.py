@@ -1025,6 +1025,14 @@ def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[st
     }
 
 
+def linear_runs(lay: Any, size: int, rank: int) -> list[tuple[int, bool]]:
+    """(tokens, probed) of each run of `rank`'s local rows, as `recurrence.linear_scan` runs them
+    (`document_runs`: adjacent pieces of one document are one run, so on one rank a zigzag row is one
+    unprobed run): probed runs continue their document (the probe's wider values), padding runs go
+    through the plain kernel."""
+    return [(n, tok >= 0 and pos > 0) for tok, pos, n in document_runs(lay, rank)]
+
+
 def linear_summary_bytes(lay: Any, size: int, batch: int, model: ModelShape, state_bytes: int = FP32_BYTES) -> int:
     """Bytes of the gathered summaries one rank holds per linear layer: P x slots x B x numel."""
     return size * exporting_runs(lay, size) * batch * model.linear_state_numel * state_bytes if size > 1 else 0
@@ -1059,4 +1067,5 @@ def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: in
     )  # fmt: skip
 
 
-__all__ += ["document_runs", "exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes"]
+__all__ += ["document_runs", "exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes",
+            "linear_runs"]

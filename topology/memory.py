@@ -31,12 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import ModelShape, linear_summary_bytes
+from .cost import ModelShape, linear_runs, linear_summary_bytes
 from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
-           "attention_forwards", "module_chunked", "keeps_output"]
+           "attention_forwards", "module_chunked", "keeps_output", "linear_mixer_saved"]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -300,19 +300,25 @@ def _loss_stage(T: int, E: int, V: int, e: int, o: MemoryOptions) -> tuple[int, 
 
 
 def _activations(model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: int,
-                 o: MemoryOptions) -> dict[str, int]:
+                 o: MemoryOptions, linear_saved: int = 0) -> dict[str, int]:
     """What is alive of the activations, by term: one layer's saved tensors (``layer``), the final norm's
     (``final_norm``, freed by its backward, which runs before the last layer's), the layer inputs kept on
     the device (``inputs``: the other layers' saved tensors without checkpointing, every checkpointed
     input with it, none when offloaded), the previous layer's input prefetched from host memory while a
-    layer runs backward (``fetched``), and the rotary cos/sin tables every layer reads (``rotary``)."""
+    layer runs backward (``fetched``), and the rotary cos/sin tables every layer reads (``rotary``).
+
+    A hybrid's linear layers save their mixer's tensors (``linear_saved``, the rank's bytes: `_linear_saved`)
+    where a softmax layer saves the attention's (``attn_saved`` per token); ``layer`` is then the larger of the
+    two kinds (the one priced in backward: an upper bound when the last layer is of the other kind)."""
     E, L = model.d_model, model.layers
     # a checkpointed layer's own input is counted in `inputs` unless offloaded: then the norm that keeps it
     # keeps the fetched copy (a stock norm keeps its fp32 upcast instead and the fetched copy dies)
     first_norm = _norm(e, o, input_kept=o.checkpoint and not o.offload_checkpoints)
-    layer = T * ((first_norm + _norm(e, o)) * E + attn_saved + mlp_saved)
+    common = T * ((first_norm + _norm(e, o)) * E + mlp_saved)
+    kinds = [(model.attention_layers, common + T * attn_saved), (model.linear_layers, common + linear_saved)]
+    layer = max(size for count, size in kinds if count)
     if not o.checkpoint:
-        inputs = (L - 1) * layer  # the other layers' saved tensors: the one in backward is ``layer``
+        inputs = sum(count * size for count, size in kinds) - layer  # the other layers' saved tensors
     else:
         inputs = 0 if o.offload_checkpoints else L * T * E * e
     return {"layer": layer, "final_norm": T * _norm(e, o) * E, "inputs": inputs,
@@ -355,15 +361,16 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     persistent, grads = _model_states(model, world, e, o.fsdp)
     attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, e, ulysses, ring, rank, T, o)
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
-    acts = _activations(model, T, e, attn_saved, mlp_saved, o)
+    lin = _linear_saved(model, make_layout(layout, ulysses, ring, seq_len=seq_len), ulysses * ring, batch, e) \
+        if model.linear_layers else (0, 0, 0)
+    acts = _activations(model, T, e, attn_saved, mlp_saved, o, lin[0])
     mlp_fwd, mlp_bwd = _mlp_stage(T, E, inter, n_mlp, e, o.tiled_mlp)
     loss_fwd, loss_bwd = _loss_stage(T, E, V, e, o)
     stages = {"engine_fwd": int(engine_fwd), "engine_bwd": int(engine_bwd), "attention_fwd": int(attn_fwd),
               "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd), "mlp_bwd": int(mlp_bwd),
               "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
     if model.linear_layers:
-        lin_fwd, lin_bwd = _linear_stage(model, seq_len, ulysses, ring, batch, T, e, layout)
-        stages.update(linear_fwd=lin_fwd, linear_bwd=lin_bwd)
+        stages.update(linear_fwd=lin[1], linear_bwd=lin[2])
     if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
         stages["recompute"] = int(max(attn_fwd, mlp_fwd, stages.get("linear_fwd", 0)))
     phases = _phases(model, T, e, world, o, persistent, grads, acts, stages, mlp_saved)
@@ -378,18 +385,91 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
                           host=int(host), activations={kk: int(v) for kk, v in acts.items()})
 
 
-def _linear_stage(model: ModelShape, seq_len: int, ulysses: int, ring: int, batch: int, T: int, e: int,
-                  layout: str) -> tuple[int, int]:
-    """A linear layer's working set (docs/linear.md), forward and backward: the gathered summaries of every
-    exporting run (P x slots x B x numel, fp32; backward adds their gradient), the convolution's input and
-    output (its channels, compute dtype) and the fp32 kernel output at the probe's width (dv + dk for Gated
-    DeltaNet's continuing runs, P for Mamba2); backward holds each local term and its gradient. Counted from
-    the engine's tensors, not checked against StorageTracker."""
-    lay = make_layout(layout, ulysses, ring, seq_len=seq_len)
-    summaries = linear_summary_bytes(lay, ulysses * ring, batch, model, max(FP32_BYTES, e))
-    width = model.linear_value_dim + (model.linear_key_dim if model.linear_kind == "gated_delta" else 0)
-    local = T * (2 * model.linear_conv_channels * e + model.linear_heads * width * max(FP32_BYTES, e))
-    return summaries + local, 2 * (summaries + local)
+# A linear layer's mixer (docs/linear.md "Memory"), counted from the engine's tensors (recurrence.causal_conv and
+# linear_scan, integrations/linear_layers.py) and from what transformers' torch chunked kernels, the engine's
+# kernels on every device today, save. The kernels' bytes per value head (Gated DeltaNet) or head (Mamba2) and
+# token of one run were measured with StorageTracker on the kernels alone, every input requiring a gradient and
+# q|k|v (x|B|C) views of one convolution output as in the model, over 10 shapes each: Gated DeltaNet exact in
+# bf16 and in fp32 (where it keeps 16 dk more, and 4 dv + 4 more again with as many key heads as value heads),
+# Mamba2 within 2% (it keeps x, B and C, views of the convolution output, so that output's share per head,
+# 4 P + 8 G N / H in fp32). Their working sets above that (forward, backward) are upper fits of the same
+# measurements (within about 10%, some shapes up to 30% over). w: the run's value width, dv, or dv + dk on
+# probed runs; C: the kernel's chunk; P, N: Mamba2's head dim and state size.
+
+
+def _kernel_bytes(model: ModelShape, probed: bool, e: int) -> tuple[int, int, int]:
+    """(saved, forward and backward working set) bytes per head and token of a run of the chunked kernel."""
+    C, g, h, fp32 = model.linear_chunk, model.linear_key_heads, model.linear_heads, e >= FP32_BYTES
+    if model.linear_kind == "gated_delta":
+        dk, dv = model.linear_key_dim, model.linear_value_dim
+        w = dv + dk if probed else dv
+        extra = 16 * dk + (0 if g < h else 4 * dv + 4) if fp32 else 0
+        return 32 * dk + 12 * w + 20 * C + 4 * dk * w // C + 24 + extra, 8 * dk + 16 * w, 16 * dk + 16 * w + 8 * C
+    P, N = model.linear_value_dim, model.linear_key_dim
+    saved = 20 * P + 20 * N + 12 * C + 8 * P * N // C + 30 + (8 * g * N // h if fp32 else 0) + \
+        (4 * N + 12 if probed else 0)
+    return saved, 20 * P + 8 * N + 4 * P * N // C + 32, 12 * P + 8 * P * N // C
+
+
+def _mixer_token_bytes(model: ModelShape, e: int) -> tuple[int, int]:
+    """Bytes per token a linear mixer saves outside the kernel, and per probed token on top.
+
+    Both kinds: the convolution's input (with the halo) and the silu's input, its output (conv channels each).
+    Gated DeltaNet: the gates (softplus in and out in fp32, sigmoid out), the gated RMSNorm (its fp32 input,
+    normalised value, weighted value, fp32 gate and silu(gate); the output projection's input); a probed run's
+    correction keeps the probe's output (fp32) or, cast, its fp32 aux (dk). Mamba2: the gate (fp32; in fp32 the
+    whole in_proj output, of which it is a view), the gated norm (y, silu(gate), their product, the normalised
+    value, all fp32; the output projection's input) and dt; a probed run keeps its decayed C (N, fp32)."""
+    c, h = model.linear_conv_channels, model.linear_heads
+    inner = h * model.linear_value_dim
+    if model.linear_kind == "gated_delta":
+        dk, w = model.linear_key_dim, model.linear_value_dim + model.linear_key_dim
+        return 2 * c * e + h * (8 + e) + inner * (12 + 3 * e), h * (4 * w if e >= FP32_BYTES else 4 * dk)
+    gate = inner * FP32_BYTES + ((c + h) * FP32_BYTES if e >= FP32_BYTES else 0)
+    return 2 * c * e + gate + inner * (16 + e) + h * (8 + e), h * (4 * model.linear_key_dim + 4)
+
+
+def linear_mixer_saved(model: ModelShape, runs: list[tuple[int, bool]], e: int) -> int:
+    """Bytes one linear mixer keeps for backward over one batch row of `runs` ((tokens, probed) each, as
+    `topology.cost.linear_runs` gives them) in a compute dtype of `e` bytes, the gathered summaries apart: the
+    per-token terms (`_mixer_token_bytes`), the kernel's per run and the convolution's halo rows."""
+    token, probed_extra = _mixer_token_bytes(model, e)
+    h, c = model.linear_heads, model.linear_conv_channels
+    return sum(n * (token + h * _kernel_bytes(model, p, e)[0] + (probed_extra if p else 0)) for n, p in runs) + \
+        len(runs) * (model.linear_conv - 1) * c * e
+
+
+def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) -> tuple[int, int, int]:
+    """A linear layer's mixer on the busiest rank: (bytes it saves for backward, its forward and backward working
+    sets above that). Saved: `linear_mixer_saved` per batch row, and the gathered summaries with the states
+    composed from them (the composition's products keep them). Forward: during the last run's kernel, its
+    working set, the earlier runs' outputs and (Gated DeltaNet) the convolution's output; backward: one run's
+    kernel working set with the gradients of the kernel output and the convolution; both less what the mixer
+    saves after the kernels, and backward adds the summaries' gradient and the reduce-scatter's buffer."""
+    h, c, E = model.linear_heads, model.linear_conv_channels, model.d_model
+    state = FP32_BYTES if e <= FP32_BYTES else e
+    summaries = linear_summary_bytes(lay, size, batch, model, state)
+    states = summaries * model.linear_value_dim * model.linear_key_dim * h // max(1, model.linear_state_numel)
+    probed_extra = _mixer_token_bytes(model, e)[1]
+    inner = h * model.linear_value_dim
+    gated = model.linear_kind == "gated_delta"
+    # saved after the kernels (the gated norm and the output projection's input; the corrections), which the
+    # kernels' working sets do not overlap in forward, and which backward frees before it reaches the kernels
+    post = inner * (12 + 3 * e if gated else 16 + e)
+    best = (0, 0, 0)
+    for rank in range(size):
+        runs = linear_runs(lay, size, rank)
+        T = sum(n for n, _ in runs)
+        kern = [(n, _kernel_bytes(model, p, e), p) for n, p in runs]
+        extra = sum(n * probed_extra for n, _, p in kern if p)
+        saved = linear_mixer_saved(model, runs, e)
+        # during the last run's kernel: its working set, the earlier runs' outputs, Gated DeltaNet's conv output
+        fwd = max(n * h * k[1] for n, k, _ in kern) + T * inner * (e if gated else FP32_BYTES) + (T * c * e if gated else 0)
+        bwd = max(n * h * k[2] for n, k, _ in kern) + T * (inner * FP32_BYTES + c * e)
+        fwd, bwd = max(0, fwd - T * post - extra), max(T * (2 * c + E) * e, bwd - T * post - extra)
+        cand = (batch * saved + summaries + states, batch * fwd, batch * bwd + 2 * summaries)
+        best = max(best, cand)
+    return best
 
 
 def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, persistent: dict[str, int],

@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any
 
+from pydantic import ValidationError
+
 from topology.cluster import Cluster, ClusterError
 from topology.cost import MODEL_PRESETS, ModelShape
 from topology.discovery import discover
@@ -65,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--attention-chunk-size", type=parse_count,
                    help="positions of one attention chunk in chunked layers (Llama 4, e.g. 8K)")
     m.add_argument("--chunked-layers", type=int, help="how many layers attend in chunks (default: all)")
+    add_linear_arguments(p)
     w = p.add_argument_group("workload")
     w.add_argument("--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)")
     w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
@@ -93,16 +96,51 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return discover()
 
 
+# the linear layers' flags of a hybrid model: each is the ModelShape field of the same name
+LINEAR_FLAGS = ("linear_layers", "linear_kind", "linear_heads", "linear_key_heads", "linear_key_dim",
+                "linear_value_dim", "linear_conv", "linear_chunk")
+
+
+def add_linear_arguments(p: argparse.ArgumentParser) -> None:
+    """The hybrid model's linear layers (docs/planner.md section 4.2): they override --model's."""
+    g = p.add_argument_group("linear layers of a hybrid model (override --model's)")
+    g.add_argument("--linear-layers", type=int, help="of --layers, how many are linear (Gated DeltaNet / Mamba2)")
+    g.add_argument("--linear-kind", choices=["gated_delta", "mamba2"], help="the linear layers' recurrence")
+    g.add_argument("--linear-heads", type=int, help="Gated DeltaNet value heads / Mamba2 heads")
+    g.add_argument("--linear-key-heads", type=int, help="Gated DeltaNet key heads / Mamba2 groups")
+    g.add_argument("--linear-key-dim", type=int, help="Gated DeltaNet dk / Mamba2 state size N")
+    g.add_argument("--linear-value-dim", type=int, help="Gated DeltaNet dv / Mamba2 head dim P")
+    g.add_argument("--linear-conv", type=int, help="causal convolution kernel (default 4)")
+    g.add_argument("--linear-chunk", type=int, help="chunk of the chunked recurrence kernel in tokens (default 64)")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _model(args: argparse.Namespace) -> ModelShape:
     base = dict(MODEL_PRESETS[args.model], name=args.model) if args.model else {}
+    if getattr(args, "linear_layers", None) == 0:   # --linear-layers 0: the preset without its linear layers
+        base = {k: v for k, v in base.items() if k not in LINEAR_FLAGS}
     for key in ("heads", "kv_heads", "head_dim", "hidden", "layers", "intermediate", "sliding_window", "window_layers",
-                "attention_chunk_size", "chunked_layers"):
-        if getattr(args, key) is not None:
+                "attention_chunk_size", "chunked_layers", *LINEAR_FLAGS):
+        if getattr(args, key, None) is not None:
             base[key] = getattr(args, key)
-    missing = [f"--{k.replace('_', '-')}" for k in ("heads", "head_dim") if k not in base]
+    missing = [_flag(k) for k in ("heads", "head_dim") if k not in base]
     if missing:
         raise ValueError(f"model shape needs {' and '.join(missing)} (or --model NAME)")
-    return ModelShape(**base)
+    try:
+        return ModelShape(**base)
+    except ValidationError as exc:  # ModelShape's own checks, said in flags
+        raise ValueError("model shape: " + "; ".join(_flag_message(e) for e in exc.errors())) from None
+
+
+def _flag_message(err: Any) -> str:
+    """One pydantic error of ModelShape with its field names written as the flags that set them."""
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err.get("loc"):   # a field's own bound (e.g. >= 1): name the field's flag and its value
+        msg = f"{_flag(str(err['loc'][0]))}={err.get('input')!r}: {msg}"
+    return re.sub(r"\b([a-z]+(?:_[a-z]+)+)=", lambda m: _flag(m.group(1)) + "=", msg)
 
 
 def plot_plans(plans: PlanList, path: str) -> None:

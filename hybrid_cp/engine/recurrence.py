@@ -1,4 +1,5 @@
-"""Linear recurrences (Gated DeltaNet, Mamba2) and causal short convolutions under context parallelism.
+"""Linear recurrences (Gated DeltaNet, Mamba2, Mamba, lightning attention) and causal short convolutions under
+context parallelism.
 
 One mechanism, written once (docs/linear.md). A rank's local rows are *runs* of the global sequence
 (`Layout.token_runs`: under zigzag two chunks per rank, packed rows several documents or pieces of
@@ -331,4 +332,104 @@ class Mamba2:
         return out + torch.einsum("bthn,bhpn->bthp", aux, s_in.to(aux.dtype)).to(out.dtype)
 
 
-__all__ = ["Run", "ScanPlan", "scan_plan", "RecurrenceKind", "linear_scan", "causal_conv", "GatedDelta", "Mamba2", "state_dtype"]
+class Mamba:
+    """Mamba-1's selective scan (Jamba): inputs (x, dt [B, n, D] with dt before the bias and softplus, B and C
+    [B, n, N]); the parameters A [D, N], D and dt_bias [D] are fixed per layer and held here. State [B, D, N],
+    S_t = exp(dt_t A) * S_{t-1} + dt_t x_t B_t (elementwise per channel d and state n), y_t = S_t C_t + D x_t.
+
+    The transition is diagonal, M = exp(A * sum of dt over the run) elementwise ([B, D, N], the state's
+    size), so no probe is needed: a continuing run is run once from zero and corrected by
+    `y_t += sum_n C_t[n] exp(A cumsum dt)_t[d, n] S_in[d, n]`, elementwise work of the size the scan itself
+    spends on its discretised A. `kernel` has mamba_ssm's `selective_scan_fn` signature (u, delta [B, D, n],
+    A, B, C [B, N, n], D=, z=, delta_bias=, delta_softplus=, return_last_state=); on CPU transformers' torch
+    `mamba_selective_scan` (its token loop, in the inputs' dtype). The gate z stays outside (elementwise)."""
+
+    def __init__(self, kernel: Kernel, A: torch.Tensor, D: torch.Tensor | None = None,
+                 dt_bias: torch.Tensor | None = None):
+        self.kernel, self.A, self.D, self.dt_bias = kernel, A, D, dt_bias
+
+    def _call(self, xs, final):
+        x, dt, b, c = (t.transpose(1, 2) for t in xs)
+        got = self.kernel(x, dt, self.A, b, c, D=self.D, delta_bias=self.dt_bias, delta_softplus=True,
+                          return_last_state=final)
+        return (got[0].transpose(1, 2), got[1]) if final else (got.transpose(1, 2), None)
+
+    def shapes(self, inputs):
+        b, _, d = inputs[0].shape
+        return (b, d, self.A.shape[-1]), (b, d, self.A.shape[-1])
+
+    def plain(self, xs, final):
+        return self._call(xs, final)
+
+    def probe(self, xs):
+        out, state = self._call(xs, True)
+        dt = xs[1] if self.dt_bias is None else xs[1] + self.dt_bias.to(xs[1].dtype)   # as the kernel does
+        dt = F.softplus(dt).to(state_dtype(xs[0]))
+        decay = torch.cumsum(dt[..., None] * self.A.to(dt.dtype), dim=1).exp()   # [B, n, D, N]
+        return out, state, decay[:, -1], decay * xs[3].to(dt.dtype)[:, :, None, :]
+
+    def apply(self, m, s):
+        return m * s
+
+    def correct(self, out, aux, s_in):
+        return out + torch.einsum("btdn,bdn->btd", aux, s_in.to(aux.dtype)).to(out.dtype)
+
+
+class Lightning:
+    """Lightning attention (MiniMax): decayed linear attention with a fixed decay per head. Inputs (q, k
+    [B, n, H, dk], v [B, n, H, dv]); `slope` [H] > 0 fixed per layer. State [B, H, dk, dv],
+    S_t = exp(-slope) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t (no scale, no normalisation).
+
+    A scalar transition per head, M = exp(-slope n) for a run of n tokens, so no probe is needed: a
+    continuing run is run once from zero and corrected by `o_t += S_in^T (exp(-slope (t + 1)) q_t)`
+    (t counted from the run's start). `kernel(q, k, v, slope, block)` returns (output, final state)
+    from a zero state; by default `Lightning.blocks`, the block-wise torch computation MiniMax's module
+    does inline (intra-block masked q k^T with the decay, inter-block through the state)."""
+
+    def __init__(self, slope: torch.Tensor, block_size: int = 256, kernel: Kernel | None = None):
+        self.slope, self.block, self.kernel = slope, block_size, kernel or Lightning.blocks
+
+    @staticmethod
+    def blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
+               block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [B, n, H, dv], final state [B, H, dk, dv]) from zero, `block` tokens at a time."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # [B, H, n, d]
+        s = slope.to(q.dtype)[:, None, None]
+        state = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
+        outs = []
+        for start in range(0, q.shape[2], block):
+            qb, kb, vb = (t[:, :, start:start + block] for t in (q, k, v))
+            t = torch.arange(1, qb.shape[2] + 1, device=q.device, dtype=q.dtype)
+            diff = t[:, None] - t[None, :]
+            mask = torch.where(diff >= 0, (-s * diff.clamp_min(0)).exp(), torch.zeros((), dtype=q.dtype))
+            outs.append((qb @ kb.transpose(-1, -2) * mask) @ vb + (qb * (-s * t[:, None]).exp()) @ state)
+            key_decay = (-s * (qb.shape[2] - t[:, None])).exp()
+            state = state * (-s * qb.shape[2]).exp() + (kb * key_decay).transpose(-1, -2) @ vb
+        return torch.cat(outs, dim=2).transpose(1, 2), state
+
+    def shapes(self, inputs):
+        b, _, h, dk = inputs[1].shape
+        return (b, h), (b, h, dk, inputs[2].shape[-1])
+
+    def plain(self, xs, final):
+        out, state = self.kernel(*xs, self.slope, self.block)
+        return out, (state if final else None)
+
+    def probe(self, xs):
+        out, state = self.kernel(*xs, self.slope, self.block)
+        dtype = state_dtype(xs[0])
+        s = self.slope.to(dtype)
+        t = torch.arange(1, xs[0].shape[1] + 1, device=s.device, dtype=dtype)
+        decay = (-t[:, None] * s).exp()   # [n, H]: prefix transitions
+        m = decay[-1].expand(xs[0].shape[0], -1)
+        return out, state, m, xs[0].to(dtype) * decay[None, :, :, None]
+
+    def apply(self, m, s):
+        return m[..., None, None] * s
+
+    def correct(self, out, aux, s_in):
+        return out + torch.einsum("bthk,bhkv->bthv", aux, s_in.to(aux.dtype)).to(out.dtype)
+
+
+__all__ = ["Run", "ScanPlan", "scan_plan", "RecurrenceKind", "linear_scan", "causal_conv", "GatedDelta", "Mamba2",
+           "state_dtype", "Mamba", "Lightning"]

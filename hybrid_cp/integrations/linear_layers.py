@@ -13,6 +13,12 @@ multipliers included), gated norm and out_proj stay; the convolution over x|B|C 
 `causal_conv` and the SSD scan through `linear_scan` over `Mamba2`, on transformers' torch
 `mamba2_chunk_scan` of the model's module (not the fused mamba_ssm path the module takes in training
 when the hub kernel is installed: it has no initial state to continue a run).
+
+More kinds on the same mechanism: LFM2's short convolution (`Lfm2ShortConv`: B * x through `causal_conv`,
+then C *), Jamba's Mamba-1 mixer (conv through `causal_conv`, the selective scan through `linear_scan` over
+`Mamba`, on transformers' torch `mamba_selective_scan`; its decoder layer is routed too, only to hand the
+mixer the packed row's boundaries, which the layer does not pass on) and MiniMax's lightning attention
+(`linear_scan` over `Lightning`, whose block-wise torch kernel is the module's own arithmetic).
 """
 
 from __future__ import annotations
@@ -25,13 +31,19 @@ import torch.nn.functional as F
 
 from ..engine.layout import row_layout
 from ..engine.mesh import CPMesh
-from ..engine.recurrence import GatedDelta, Mamba2, causal_conv, linear_scan
+from ..engine.recurrence import GatedDelta, Lightning, Mamba, Mamba2, causal_conv, linear_scan
 from ..errors import ConfigError
 
 # the Gated DeltaNet classes whose forward `_GatedDeltaNetForward` reproduces (verified by a parity test)
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
 # the Mamba2 mixers whose forward `_Mamba2Forward` reproduces (verified by a parity test)
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer")
+# LFM2's gated short convolutions, Jamba's Mamba-1 mixer, MiniMax's lightning attention (each parity-tested)
+SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv")
+MAMBA_CLASSES = ("JambaMambaMixer",)
+LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
+# decoder layers that call their mixer without the packed row's keywords (routed to pass cu_seq_lens_q on)
+_LAYERS_WITHOUT_KWARGS = ("JambaMambaDecoderLayer",)
 
 
 def _model_class(module: torch.nn.Module, names: tuple[str, ...] = GATED_DELTANET_CLASSES) -> type | None:
@@ -127,24 +139,115 @@ class _Mamba2Forward:
         return m.out_proj(y.to(dtype))
 
 
+class _ShortConvForward:
+    """LFM2's gated short convolution: in_proj -> B, C, x; C * causal_conv(B * x) -> out_proj."""
+
+    def __init__(self, module: torch.nn.Module, cp: CPMesh):
+        self.module, self.cp = module, cp
+
+    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
+                 **kwargs: Any) -> torch.Tensor:
+        m = self.module
+        _refuse_cache(m, cache, kwargs)
+        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                         causal=True, what=type(m).__name__)
+        b, c, x = m.in_proj(_masked(hidden_states, attention_mask)).chunk(3, dim=-1)
+        weight = m.conv.weight.squeeze(1)
+        conv = causal_conv(self.cp, lay, (b * x).to(weight.dtype), weight, m.conv.bias).to(hidden_states.dtype)
+        return m.out_proj(c * conv)
+
+
+class _MambaForward:
+    """Jamba's Mamba-1 mixer: in_proj -> x | gate; silu(causal_conv(x)); x_proj -> dt, B, C with their RMSNorms;
+    dt_proj's weight (its bias goes into the scan's softplus); the selective scan; * silu(gate); out_proj."""
+
+    def __init__(self, module: torch.nn.Module, cp: CPMesh):
+        self.module, self.cp = module, cp
+        self.kernel = _reference_kernel(module, "mamba_selective_scan", MAMBA_CLASSES)
+
+    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
+                 **kwargs: Any) -> torch.Tensor:
+        from transformers.activations import ACT2FN
+
+        m, dtype = self.module, hidden_states.dtype
+        _refuse_cache(m, cache, kwargs)
+        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                         causal=True, what=type(m).__name__)
+        x, gate = m.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
+        weight = m.conv1d.weight.squeeze(1)
+        x = ACT2FN[m.activation](causal_conv(self.cp, lay, x.to(weight.dtype), weight, m.conv1d.bias))
+        x = _masked(x.to(dtype), attention_mask)
+        dt, b, c = m.x_proj(x).split([m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
+        dt = m.dt_layernorm(dt)   # dt_proj without its bias, as the module computes it (quantized: the layer, - bias)
+        dt = m.dt_proj(dt) - m.dt_proj.bias if hasattr(m.config, "_is_quantized") else F.linear(dt, m.dt_proj.weight)
+        bias = None if m.dt_proj.bias is None else m.dt_proj.bias.float()
+        kind = Mamba(self.kernel, -torch.exp(m.A_log.float()), m.D.float(), bias)
+        y = linear_scan(self.cp, lay, kind, (x, dt, m.b_layernorm(b), m.c_layernorm(c)))
+        return m.out_proj((y * F.silu(gate)).to(dtype))
+
+
+class _MambaLayerForward:
+    """Jamba's Mamba decoder layer (norm, mixer, residual; norm, MLP or MoE, residual), handing the mixer
+    the packed row's boundaries."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
+                 cache: Any = None, **kwargs: Any) -> torch.Tensor:
+        m = self.module
+        _refuse_cache(m, cache, kwargs)
+        h = hidden_states + m.mamba(hidden_states=m.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                    cu_seq_lens_q=kwargs.get("cu_seq_lens_q"))
+        return h + m.feed_forward(m.pre_ff_layernorm(h))
+
+
+class _LightningForward:
+    """MiniMax's lightning attention: act(qkv_proj) -> q, k, v per head; the decayed linear attention; RMSNorm;
+    * sigmoid(output_gate(input)); out_proj. Returns (output, None) as the module does (no cache)."""
+
+    def __init__(self, module: torch.nn.Module, cp: CPMesh):
+        self.module, self.cp = module, cp
+
+    def __call__(self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                 cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        m = self.module
+        _refuse_cache(m, cache, kwargs)
+        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                         causal=True, what=type(m).__name__)
+        qkv = _masked(m.act_fn(m.qkv_proj(hidden_states)), attention_mask)
+        b, s = qkv.shape[:2]
+        q, k, v = qkv.reshape(b, s, m.num_attention_heads, 3 * m.head_dim).split(m.head_dim, dim=3)
+        out = linear_scan(self.cp, lay, Lightning(m.slope_rate.reshape(-1), m.block_size), (q, k, v))
+        out = m.norm(out.reshape(b, s, -1))
+        return m.out_proj(torch.sigmoid(m.output_gate(hidden_states)) * out), None
+
+
 def _masked(h: torch.Tensor, attention_mask: Any) -> torch.Tensor:
     """What the mixers do with a padding mask (the pre-hook drops right-padding masks)."""
     return h if attention_mask is None else (h * attention_mask[:, :, None]).to(h.dtype)
 
 
+# routed class names -> the forward that replaces theirs
+_ROUTES = ((GATED_DELTANET_CLASSES, _GatedDeltaNetForward), (MAMBA2_CLASSES, _Mamba2Forward),
+           (SHORT_CONV_CLASSES, _ShortConvForward), (MAMBA_CLASSES, _MambaForward),
+           (LIGHTNING_CLASSES, _LightningForward))
+
+
 def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
-    """Route every Gated DeltaNet block and Mamba2 mixer of `model` through its context-parallel forward;
-    returns how many were routed (the guard, `model_support.check_model`, has refused every other mixer)."""
+    """Route every Gated DeltaNet block, Mamba2 and Mamba mixer, short convolution and lightning attention of
+    `model` through its context-parallel forward; returns how many mixers were routed (the guard,
+    `model_support.check_model`, has refused every other mixer)."""
     routed = 0
     for module in model.modules():
-        if _model_class(module) is not None:
-            module.__dict__["forward"] = _GatedDeltaNetForward(module, cp)
-        elif _model_class(module, MAMBA2_CLASSES) is not None:
-            module.__dict__["forward"] = _Mamba2Forward(module, cp)
-        else:
-            continue
-        routed += 1
+        if _model_class(module, _LAYERS_WITHOUT_KWARGS) is not None:
+            module.__dict__["forward"] = _MambaLayerForward(module)
+        route = next((fwd for names, fwd in _ROUTES if _model_class(module, names) is not None), None)
+        if route is not None:
+            module.__dict__["forward"] = route(module, cp)
+            routed += 1
     return routed
 
 
-__all__ = ["GATED_DELTANET_CLASSES", "MAMBA2_CLASSES", "route_linear_layers"]
+__all__ = ["GATED_DELTANET_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "MAMBA_CLASSES", "LIGHTNING_CLASSES",
+           "route_linear_layers"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .linear_layers import GATED_DELTANET_CLASSES, MAMBA2_CLASSES
+from .linear_layers import GATED_DELTANET_CLASSES, LIGHTNING_CLASSES, MAMBA2_CLASSES, MAMBA_CLASSES, SHORT_CONV_CLASSES
 
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
 DENSE = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"
@@ -93,10 +93,17 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "internlm3": ("Llama", DENSE),
     "iquestcoder": ("Llama", DENSE),
     "jais2": ("Jais2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+    # hybrid: Mamba-1 mixers (conv halo + selective scan) routed by `linear_layers`, attention, MoE every other layer
+    "jamba": ("Jamba", "Attention AttentionDecoderLayer Experts ForCausalLM MLP MambaDecoderLayer MambaMixer Model "
+                       "RMSNorm SparseMoeBlock TopKRouter"),
     "jetmoe": ("JetMoe", "Attention DecoderLayer ForCausalLM MoA MoE "
                          "Model ParallelExperts RMSNorm RotaryEmbedding TopKGating"),
     "kolibri1": ("Kolibri1", "Attention DecoderLayer Experts ForCausalLM MLP "
                              "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
+    # hybrid: gated short convolutions (`Lfm2ShortConv`, the halo) routed by `linear_layers`, and attention
+    "lfm2": ("Lfm2", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding ShortConv"),
+    "lfm2_moe": ("Lfm2Moe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding ShortConv "
+                            "SparseMoeBlock TopKRouter"),
     "llama": ("Llama", DENSE),
     "llama4_text": ("Llama4", "ForCausalLM Router TextAttention TextDecoderLayer TextExperts TextL2Norm TextMLP "
                               "TextMoe TextModel TextRMSNorm TextRotaryEmbedding"),
@@ -109,6 +116,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                                           "RMSNorm RotaryEmbedding SparseMoeBlock TextModel TopKRouter"),
     "minicpm3": ("MiniCPM3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding "
                              "ScaledWordEmbedding"),
+    # hybrid: lightning attention (decayed linear attention) routed by `linear_layers`, softmax attention, MoE
+    "minimax": ("MiniMax", "Attention DecoderLayer Experts ForCausalLM LightningAttention Model RMSNorm "
+                           "RotaryEmbedding SparseMoeBlock TopKRouter"),
     "ministral": ("Ministral", DENSE),
     "ministral3": ("Ministral3", DENSE),
     "mistral": ("Mistral", DENSE),
@@ -162,13 +172,13 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 ROUTED_LAYER_TYPES = ("linear_attention",)
 # per family, the further layer kinds that act token by token or pair attention with a routed mixer
 # (Nemotron-H's MoE and MLP blocks; Falcon-H1's 'hybrid' layers: attention and a Mamba2 mixer in parallel)
-FAMILY_LAYER_TYPES = {"nemotron_h": ("moe", "mlp"), "falcon_h1": ("hybrid",)}
+FAMILY_LAYER_TYPES = {"nemotron_h": ("moe", "mlp"), "falcon_h1": ("hybrid",), "lfm2": ("conv",), "lfm2_moe": ("conv",)}
 # families whose attention modules call ALL_ATTENTION_FUNCTIONS.get_interface although their model class
 # leaves `_supports_attention_backend` False (read in their modeling code; the parity test proves it)
-REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1")
+REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1", "jamba")
 # mixers whose token mixing `linear_layers` makes context parallel (their submodules, e.g. the short
 # convolution, are covered by it)
-ROUTED_MIXERS = GATED_DELTANET_CLASSES + MAMBA2_CLASSES
+ROUTED_MIXERS = GATED_DELTANET_CLASSES + MAMBA2_CLASSES + SHORT_CONV_CLASSES + MAMBA_CLASSES + LIGHTNING_CLASSES
 
 # what a module that mixes tokens outside the attention function is, by its class name (for the message:
 # the allow-list refuses them whether or not a pattern matches)

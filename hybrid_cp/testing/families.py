@@ -37,6 +37,10 @@ VARIANTS = {
                                              mscale_all_dim=1.0, original_max_position_embeddings=256)),
     "llama4_text": dict(attention_chunk_size=16, no_rope_layers=[1, 0], floor_scale=8, attn_scale=0.5,
                         moe_layers=[1], intermediate_size_mlp=128),   # chunked + RoPE, full + NoPE + temperature
+    # a short-convolution layer next to the attention one (LFM2's tiny default has none; LFM2-MoE's does not
+    # build without layer_types), the second layer's MLP an MoE block
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
 }
 
 

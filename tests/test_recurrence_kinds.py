@@ -1,0 +1,38 @@
+"""More layer kinds on the linear-recurrence mechanism (docs/linear.md, "More layer kinds"): LFM2's gated short
+convolution (the halo only), Jamba's Mamba-1 selective scan (a diagonal decay per channel and state) and
+MiniMax's lightning attention (a fixed decay per head) under context parallelism equal the single-device
+computation over the full sequence (each document on its own for packed rows): forward and the gradient of
+every input and parameter, zigzag and contiguous, dense and packed rows; bytes equal the cost model."""
+
+import pytest
+
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4)]
+# a length-1 document, documents shorter than the cp degree, a long one among short ones
+DOCS = (1, 3, 19, 2, 1, 7)
+NAMES = {"conv": ("out", "dB", "dC", "dx", "dw", "dbias"),
+         "mamba": ("out", "dx", "ddt", "dB", "dC", "dconv_w", "dconv_b", "dA", "dD", "ddt_bias"),
+         "lightning": ("out", "dq", "dk", "dv")}
+
+
+def _check_cases(pool, u: int, r: int, cases: list, tol: float) -> None:
+    for rank_rows in pool.run("linear_more_cases:kinds_parity", u=u, r=r, cases=cases):
+        for case, row in zip(cases, rank_rows):
+            for kind, result in row.items():
+                sent, predicted = result["bytes"]
+                assert sent == predicted, (u, r, case, kind, sent, predicted)   # stage by stage
+                assert len(result["errors"]) == len(NAMES[kind]), (kind, result)
+                for name, err in zip(NAMES[kind], result["errors"]):
+                    assert err <= tol, (u, r, case, kind, name, err)
+
+
+@pytest.mark.parametrize("u,r", MESHES)
+def test_more_kinds_fp64_exact(pool, u, r):
+    cases = [(layout, docs, "fp64") for layout in ("zigzag", "contiguous") for docs in (None, DOCS)]
+    _check_cases(pool, u, r, cases, 1e-10)
+
+
+@pytest.mark.parametrize("u,r", [(2, 2), (1, 4)])
+def test_more_kinds_fp32_kernels(pool, u, r):
+    # transformers' torch selective scan (Jamba) and the lightning kind's block-wise kernel, in fp32
+    cases = [("zigzag", None, "fp32"), ("zigzag", DOCS, "fp32"), ("contiguous", DOCS, "fp32")]
+    _check_cases(pool, u, r, cases, 1e-5)
