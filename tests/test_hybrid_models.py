@@ -28,8 +28,12 @@ def test_qwen3_5_step_matches_one_process(pool, packed):
     # Qwen3.5's text model: the same rule, separate q|k|v, z, b, a projections
     rows = pool.run("linear_cases:hybrid_packed_parity" if packed else "linear_cases:hybrid_parity", u=2, r=2,
                     kind="qwen3_5_text")
+    # packed: the fp32 chunked kernel rounds Qwen3.5's dt_bias gradient (a sum over every token) differently
+    # when a document's pieces are cut elsewhere; over four document sets it differs from the per-document
+    # reference by 1.1e-5 to 1.1e-4, with scan_plan's merged runs as without them (7.0e-5 here before);
+    # the fp64 op tests (test_recurrence.py) hold 1e-10 on the same plans
     for row in rows:
-        assert row["loss"] <= 1e-5 and row["grad"] <= 1e-4, row
+        assert row["loss"] <= 1e-5 and row["grad"] <= (2e-4 if packed else 1e-4), row
         assert packed or (row["logits"] <= 1e-4 and not row["missing"]), row
 
 

@@ -5,6 +5,7 @@ gradient of every input, on meshes up to 8 ranks, zigzag and contiguous, dense a
 import pytest
 
 from hybrid_cp.engine.recurrence import scan_plan
+from topology.cost import document_runs, exporting_runs
 from topology.layouts import layout_of
 
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (8, 1)]
@@ -48,6 +49,31 @@ def test_plan_resets_at_documents_and_chains_zigzag():
     for runs in packed.runs:
         for run in runs:
             assert run.tok < 0 or run.continues == (run.tok not in (0, 1, 3))
+
+
+def test_plan_merges_adjacent_runs_of_one_document():
+    # zigzag on a ring of 2: rank 1's chunks (tokens 8-15, 16-23) meet: one continuing run, one slot
+    plan = scan_plan(layout_of("zigzag", 1, 2, seq_len=32), 2)
+    assert [[(run.tok, run.n, run.continues, run.exports) for run in runs] for runs in plan.runs] == [
+        [(0, 8, False, True), (24, 8, True, False)], [(8, 16, True, True)]]
+    assert plan.slots == 1 and plan.order == ((0, 0), (1, 0))
+    # one rank: both zigzag chunks are one document, nothing continues, nothing is gathered
+    one = scan_plan(layout_of("zigzag", 1, 1, seq_len=32), 1)
+    assert [(run.tok, run.n, run.continues) for run in one.runs[0]] == [(0, 32, False)] and one.slots == 0
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("u,r", [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (1, 8)])
+def test_plan_agrees_with_the_cost_model(layout, u, r):
+    """The engine's runs are the cost model's `document_runs` (continuing runs, slots: bytes and FLOPs)."""
+    for docs in (None, [0, 1, 3, 20, 21, 40, 47, 53, 64]):
+        lay = layout_of(layout, u, r, seq_len=None if docs else 64, cu_seqlens=docs)
+        plan = scan_plan(lay, u * r)
+        for rank, runs in enumerate(plan.runs):
+            assert [(run.tok, run.tok < 0 or run.continues, run.n) for run in runs] == [
+                (tok, tok < 0 or pos > 0, n) for tok, pos, n in document_runs(lay, rank)]
+            assert all(a.tok < 0 or b.tok < 0 or a.tok + a.n != b.tok or not b.continues for a, b in zip(runs, runs[1:]))
+        assert plan.slots == exporting_runs(lay, u * r)
 
 
 @pytest.mark.parametrize("u,r", MESHES)
