@@ -153,8 +153,8 @@ def mixers_table(kinds, dtypes, tokens: int = 1024) -> int:
 
     from hybrid_cp.integrations.hf import model_shape
     from hybrid_cp.testing import local_rendezvous
+    from topology.cost import linear_mixer_saved
     from topology.layouts import make_layout
-    from topology.memory import linear_mixer_saved
 
     init, _ = local_rendezvous()
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)

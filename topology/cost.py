@@ -591,15 +591,16 @@ def _layer_kinds(model: ModelShape, seq_len: int, causal: bool) -> list[tuple[in
 
 def _average_layer(layers: list[tuple[float, Estimate]], note: str) -> Estimate:
     """A model with several kinds of layer (``layers``: each kind's share of the layers and its estimate):
-    times, FLOPs and bytes averaged over its layers, memory the largest of the kinds."""
+    times, FLOPs and bytes averaged over its layers, memory (and its breakdown) the largest kind's."""
     times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops",
              "linear_s", "linear_comm_s")
-    first = layers[0][1]
+    first, largest = layers[0][1], max((e for _, e in layers), key=lambda e: e.memory_bytes)
     keys = dict.fromkeys(k for _, e in layers for k in e.bytes_per_rank)
     return replace(first, **{f: sum(share * getattr(e, f) for share, e in layers) for f in times},
                    bytes_per_rank={k: round(sum(share * e.bytes_per_rank.get(k, 0) for share, e in layers))
                                    for k in keys},
-                   memory_bytes=max(e.memory_bytes for _, e in layers), notes=first.notes + (note,))
+                   memory_bytes=largest.memory_bytes, memory_breakdown=largest.memory_breakdown,
+                   notes=first.notes + (note,))
 
 
 def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
@@ -1026,16 +1027,62 @@ def _linear_comm_s(cluster: Cluster, call: _Call, nbytes: dict[str, int]) -> tup
     return hops * link.latency_us * 1e-6 + (fwd + bwd) / bw, cluster.tier_name(tier)
 
 
+def linear_kernel_bytes(model: ModelShape, probed: bool, e: int) -> tuple[int, int, int]:
+    """(saved, forward and backward working set) bytes per head and token of a run of the chunked kernel."""
+    C, g, h, fp32 = model.linear_chunk, model.linear_key_heads, model.linear_heads, e >= FP32_BYTES
+    if model.linear_kind == "gated_delta":
+        dk, dv = model.linear_key_dim, model.linear_value_dim
+        w = dv + dk if probed else dv
+        extra = 16 * dk + (0 if g < h else 4 * dv + 4) if fp32 else 0
+        return 32 * dk + 12 * w + 20 * C + 4 * dk * w // C + 24 + extra, 8 * dk + 16 * w, 16 * dk + 16 * w + 8 * C
+    P, N = model.linear_value_dim, model.linear_key_dim
+    saved = 20 * P + 20 * N + 12 * C + 8 * P * N // C + 30 + (8 * g * N // h if fp32 else 0) + \
+        (4 * N + 12 if probed else 0)
+    return saved, 20 * P + 8 * N + 4 * P * N // C + 32, 12 * P + 8 * P * N // C
+
+
+def linear_mixer_token_bytes(model: ModelShape, e: int) -> tuple[int, int]:
+    """Bytes per token a linear mixer saves outside the kernel, and per probed token on top.
+
+    Both kinds: the convolution's input (with the halo) and the silu's input, its output (conv channels each).
+    Gated DeltaNet: the gates (softplus in and out in fp32, sigmoid out), the gated RMSNorm (its fp32 input,
+    normalised value, weighted value, fp32 gate and silu(gate); the output projection's input); a probed run's
+    correction keeps the probe's output (fp32) or, cast, its fp32 aux (dk). Mamba2: the gate (fp32; in fp32 the
+    whole in_proj output, of which it is a view), the gated norm (y, silu(gate), their product, the normalised
+    value, all fp32; the output projection's input) and dt; a probed run keeps its decayed C (N, fp32)."""
+    c, h = model.linear_conv_channels, model.linear_heads
+    inner = h * model.linear_value_dim
+    if model.linear_kind == "gated_delta":
+        dk, w = model.linear_key_dim, model.linear_value_dim + model.linear_key_dim
+        return 2 * c * e + h * (8 + e) + inner * (12 + 3 * e), h * (4 * w if e >= FP32_BYTES else 4 * dk)
+    gate = inner * FP32_BYTES + ((c + h) * FP32_BYTES if e >= FP32_BYTES else 0)
+    return 2 * c * e + gate + inner * (16 + e) + h * (8 + e), h * (4 * model.linear_key_dim + 4)
+
+
+def linear_mixer_saved(model: ModelShape, runs: list[tuple[int, bool]], e: int) -> int:
+    """Bytes one linear mixer keeps for backward over one batch row of `runs` ((tokens, probed) each, as
+    `topology.cost.linear_runs` gives them) in a compute dtype of `e` bytes, the gathered summaries apart: the
+    per-token terms (`linear_mixer_token_bytes`), the kernel's per run and the convolution's halo rows."""
+    token, probed_extra = linear_mixer_token_bytes(model, e)
+    h, c = model.linear_heads, model.linear_conv_channels
+    return sum(n * (token + h * linear_kernel_bytes(model, p, e)[0] + (probed_extra if p else 0)) for n, p in runs) + \
+        len(runs) * (model.linear_conv - 1) * c * e
+
+
 def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[str, int]:
     """Per-rank bytes of a linear layer: model states and checkpoints as a softmax layer, the gathered
-    summaries (P x slots x numel, fp32) and their gradient in backward, the block's local conv input and
-    output and the kernel's output (compute dtype)."""
+    summaries (P x slots x numel, fp32) and their gradient in backward, and the recomputed layer's mixer: what
+    it keeps for backward on the busiest rank (`linear_mixer_saved`, the kernel's saved tensors included), or
+    without backward its conv input and output and the kernel's output (compute dtype)."""
     b, s, e = call.batch, call.lay.local_len, call.e
     inner = model.linear_heads * model.linear_value_dim
+    size = call.ulysses * call.ring
+    mixer = b * max(linear_mixer_saved(model, linear_runs(call.lay, size, rank), e) for rank in range(size)) \
+        if call.backward else b * s * (2 * model.linear_conv_channels + inner) * e
     return {
         "model_states": MODEL_STATE_BYTES_PER_PARAM * model.held_params // call.world,
         "checkpointed_inputs": model.layers * b * s * model.d_model * e,
-        "linear_local_io": b * s * (2 * model.linear_conv_channels + inner) * e,
+        "linear_mixer": mixer,
         "linear_summaries": nbytes_state * (1 + call.backward),
         "mlp_recompute": b * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
     }
@@ -1084,4 +1131,4 @@ def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: in
 
 
 __all__ += ["document_runs", "exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes",
-            "linear_runs"]
+            "linear_runs", "linear_kernel_bytes", "linear_mixer_token_bytes", "linear_mixer_saved"]

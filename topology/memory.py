@@ -31,12 +31,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import ModelShape, linear_runs, linear_summary_bytes
+from .cost import (
+    ModelShape,
+    linear_kernel_bytes,
+    linear_mixer_saved,
+    linear_mixer_token_bytes,
+    linear_runs,
+    linear_summary_bytes,
+)
 from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
-           "attention_forwards", "module_chunked", "keeps_output", "linear_mixer_saved"]
+           "attention_forwards", "module_chunked", "keeps_output"]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -444,48 +451,6 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
 # probed runs; C: the kernel's chunk; P, N: Mamba2's head dim and state size.
 
 
-def _kernel_bytes(model: ModelShape, probed: bool, e: int) -> tuple[int, int, int]:
-    """(saved, forward and backward working set) bytes per head and token of a run of the chunked kernel."""
-    C, g, h, fp32 = model.linear_chunk, model.linear_key_heads, model.linear_heads, e >= FP32_BYTES
-    if model.linear_kind == "gated_delta":
-        dk, dv = model.linear_key_dim, model.linear_value_dim
-        w = dv + dk if probed else dv
-        extra = 16 * dk + (0 if g < h else 4 * dv + 4) if fp32 else 0
-        return 32 * dk + 12 * w + 20 * C + 4 * dk * w // C + 24 + extra, 8 * dk + 16 * w, 16 * dk + 16 * w + 8 * C
-    P, N = model.linear_value_dim, model.linear_key_dim
-    saved = 20 * P + 20 * N + 12 * C + 8 * P * N // C + 30 + (8 * g * N // h if fp32 else 0) + \
-        (4 * N + 12 if probed else 0)
-    return saved, 20 * P + 8 * N + 4 * P * N // C + 32, 12 * P + 8 * P * N // C
-
-
-def _mixer_token_bytes(model: ModelShape, e: int) -> tuple[int, int]:
-    """Bytes per token a linear mixer saves outside the kernel, and per probed token on top.
-
-    Both kinds: the convolution's input (with the halo) and the silu's input, its output (conv channels each).
-    Gated DeltaNet: the gates (softplus in and out in fp32, sigmoid out), the gated RMSNorm (its fp32 input,
-    normalised value, weighted value, fp32 gate and silu(gate); the output projection's input); a probed run's
-    correction keeps the probe's output (fp32) or, cast, its fp32 aux (dk). Mamba2: the gate (fp32; in fp32 the
-    whole in_proj output, of which it is a view), the gated norm (y, silu(gate), their product, the normalised
-    value, all fp32; the output projection's input) and dt; a probed run keeps its decayed C (N, fp32)."""
-    c, h = model.linear_conv_channels, model.linear_heads
-    inner = h * model.linear_value_dim
-    if model.linear_kind == "gated_delta":
-        dk, w = model.linear_key_dim, model.linear_value_dim + model.linear_key_dim
-        return 2 * c * e + h * (8 + e) + inner * (12 + 3 * e), h * (4 * w if e >= FP32_BYTES else 4 * dk)
-    gate = inner * FP32_BYTES + ((c + h) * FP32_BYTES if e >= FP32_BYTES else 0)
-    return 2 * c * e + gate + inner * (16 + e) + h * (8 + e), h * (4 * model.linear_key_dim + 4)
-
-
-def linear_mixer_saved(model: ModelShape, runs: list[tuple[int, bool]], e: int) -> int:
-    """Bytes one linear mixer keeps for backward over one batch row of `runs` ((tokens, probed) each, as
-    `topology.cost.linear_runs` gives them) in a compute dtype of `e` bytes, the gathered summaries apart: the
-    per-token terms (`_mixer_token_bytes`), the kernel's per run and the convolution's halo rows."""
-    token, probed_extra = _mixer_token_bytes(model, e)
-    h, c = model.linear_heads, model.linear_conv_channels
-    return sum(n * (token + h * _kernel_bytes(model, p, e)[0] + (probed_extra if p else 0)) for n, p in runs) + \
-        len(runs) * (model.linear_conv - 1) * c * e
-
-
 def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) -> tuple[int, int, int]:
     """A linear layer's mixer on the busiest rank: (bytes it saves for backward, its forward and backward working
     sets above that). Saved: `linear_mixer_saved` per batch row, and the gathered summaries with the states
@@ -497,7 +462,7 @@ def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) ->
     state = FP32_BYTES if e <= FP32_BYTES else e
     summaries = linear_summary_bytes(lay, size, batch, model, state)
     states = summaries * model.linear_value_dim * model.linear_key_dim * h // max(1, model.linear_state_numel)
-    probed_extra = _mixer_token_bytes(model, e)[1]
+    probed_extra = linear_mixer_token_bytes(model, e)[1]
     inner = h * model.linear_value_dim
     gated = model.linear_kind == "gated_delta"
     # saved after the kernels (the gated norm and the output projection's input; the corrections), which the
@@ -507,7 +472,7 @@ def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) ->
     for rank in range(size):
         runs = linear_runs(lay, size, rank)
         T = sum(n for n, _ in runs)
-        kern = [(n, _kernel_bytes(model, p, e), p) for n, p in runs]
+        kern = [(n, linear_kernel_bytes(model, p, e), p) for n, p in runs]
         extra = sum(n * probed_extra for n, _, p in kern if p)
         saved = linear_mixer_saved(model, runs, e)
         # during the last run's kernel: its working set, the earlier runs' outputs, Gated DeltaNet's conv output
