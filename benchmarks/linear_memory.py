@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from memory_step import mib, one_step  # noqa: E402
+from memory_step import NullTracker, mib, one_step  # noqa: E402
 
 from hybrid_cp.cli.table import table_lines  # noqa: E402
 from hybrid_cp.training.memory import StorageTracker, mark_stages  # noqa: E402
@@ -88,19 +88,7 @@ def measure(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int = 40
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
     local = hcp.shard_batch({"input_ids": ids}, cp)
 
-    class _Null:  # the untracked warm-up step
-        def stage(self, name):
-            import contextlib
-
-            return contextlib.nullcontext()
-
-        def enter(self, name):
-            pass
-
-        def exit(self, name):
-            pass
-
-    one_step(model, local, cp, _Null(), tiled_loss=False, loss_chunk=None, optimizer=opt)
+    one_step(model, local, cp, NullTracker(), tiled_loss=False, loss_chunk=None, optimizer=opt)
     tracker = StorageTracker()
     with tracker:
         tracker.track(list(model.parameters()), [list(s.values()) for s in opt.state.values()], local)

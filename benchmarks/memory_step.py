@@ -55,15 +55,8 @@ def one_step(model, batch: dict, cp, tracker, *, tiled_loss: bool, loss_chunk: i
     """Forward, loss, backward (and the optimizer step) with the loss region bracketed as a stage. Under FSDP2
     the root module must run (its hooks gather the embedding and the LM head): `hcp.lm_loss`, no loss stage."""
     if fsdp:
-        loss = hcp.lm_loss(model, batch, cp, tiled=tiled_loss, chunk_tokens=loss_chunk)
-        tracker.enter("backward")
-        loss.backward()
-        tracker.exit("backward")
-        if optimizer is not None:
-            with tracker.stage("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return _backward_and_step(hcp.lm_loss(model, batch, cp, tiled=tiled_loss, chunk_tokens=loss_chunk), tracker,
+                                  optimizer)
     inner = model.model
     hidden = inner(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     with tracker.stage("loss"):
@@ -73,6 +66,24 @@ def one_step(model, batch: dict, cp, tracker, *, tiled_loss: bool, loss_chunk: i
         else:
             loss = hcp.cross_entropy(model.lm_head(h), batch["labels"], cp)
         loss = mark(loss, tracker, "loss.bwd", "enter")
+    return _backward_and_step(loss, tracker, optimizer)
+
+
+class NullTracker:
+    """The tracker's stage calls, doing nothing: the untracked warm-up step."""
+
+    def stage(self, name):
+        return contextlib.nullcontext()
+
+    def enter(self, name):
+        pass
+
+    def exit(self, name):
+        pass
+
+
+def _backward_and_step(loss: torch.Tensor, tracker, optimizer: torch.optim.Optimizer | None) -> float:
+    """The step's backward and optimizer stages, bracketed for the tracker."""
     tracker.enter("backward")
     loss.backward()
     tracker.exit("backward")
@@ -170,19 +181,7 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
     local = {k: v.to(dev) if isinstance(v, torch.Tensor) else v
              for k, v in hcp.shard_batch({"input_ids": ids}, cp).items()}
 
-    class _Null:  # stage calls of the untracked warm-up step
-        def stage(self, name):
-            import contextlib
-
-            return contextlib.nullcontext()
-
-        def enter(self, name):
-            pass
-
-        def exit(self, name):
-            pass
-
-    one_step(model, local, cp, _Null(), tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt, fsdp=fsdp)
+    one_step(model, local, cp, NullTracker(), tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt, fsdp=fsdp)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         tracker = CudaStageStats(dev)

@@ -295,6 +295,12 @@ def hybrid_packed_parity(u: int, r: int, kind: str = "qwen3_next", doc_lens: tup
     loss = hcp.cross_entropy(logits, local["labels"], cp)
     loss.backward()
     average_gradients(model)
+    return step_errors(model, loss, ref_loss, ref_grads)
+
+
+def step_errors(model, loss, ref_loss, ref_grads) -> dict:
+    """Relative errors of one step against the reference: the loss, the worst gradient (and its name), and every
+    parameter's over 1e-4."""
     errs = {n: ((p.grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-30)).item()
             for n, p in model.named_parameters()}
     worst = max(errs, key=errs.get)

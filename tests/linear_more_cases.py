@@ -13,7 +13,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from dist_cases import mesh
-from linear_cases import _conv_ref, _errors, _grads, _per_document
+from linear_cases import _conv_ref, _errors, _grads, _per_document, step_errors
 
 import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
@@ -199,9 +199,5 @@ def more_packed_parity(u: int, r: int, kinds: list[str], doc_lens: tuple = (9, 1
         loss = hcp.cross_entropy(logits, local["labels"], cp)
         loss.backward()
         average_gradients(model)
-        errs = {n: ((p.grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-30)).item()
-                for n, p in model.named_parameters()}
-        worst = max(errs, key=errs.get)
-        out[kind] = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": errs[worst],
-                     "worst_param": worst}
+        out[kind] = step_errors(model, loss, ref_loss, ref_grads)
     return out
