@@ -77,19 +77,22 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 CALLS: list = []
-_PACKAGES = {"fla.ops.gated_delta_rule": ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule),
-             "mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined", mamba_chunk_scan_combined)}
+_PACKAGES = {"fla.ops.gated_delta_rule": ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule, "0.5.2"),
+             "mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined", mamba_chunk_scan_combined,
+                                                   "2.3.2.post1")}
 
 
-def _install(monkeypatch, present: bool = True) -> None:
-    """The stand-in packages in sys.modules (or None entries: `import` then raises ImportError)."""
-    for path, (name, fn) in _PACKAGES.items():
+def _install(monkeypatch, present: bool = True, fla_version: str | None = None) -> None:
+    """The stand-in packages in sys.modules with their versions (or None entries: `import` then raises
+    ImportError)."""
+    for path, (name, fn, version) in _PACKAGES.items():
         parts = path.split(".")
         for i in range(1, len(parts) + 1):
             mod = types.ModuleType(".".join(parts[:i])) if present else None
             monkeypatch.setitem(sys.modules, ".".join(parts[:i]), mod)
         if present:
             setattr(sys.modules[path], name, fn)
+            sys.modules[parts[0]].__version__ = fla_version if fla_version and parts[0] == "fla" else version
 
 
 @pytest.fixture
@@ -134,6 +137,16 @@ def test_reference_when_not_importable_or_forced(kernels, mixers):
     _install(kernels, present=False)
     L.cuda_kernel.cache_clear()
     assert L.cuda_kernel("torch_chunk_gated_delta_rule") is None
+    assert fwd["gdn"].kind(CUDA).kernel is _gdn_reference()
+    assert fwd["ssd"].kind(CUDA).kernel is _ssd_reference()
+
+
+def test_fla_before_native_gva_is_refused(kernels, mixers):
+    _, _, fwd = mixers
+    _install(kernels, fla_version="0.4.2")   # q, k and v needed one head count: Qwen3-Next's would be wrong
+    with pytest.raises(ConfigError, match=r"fla 0\.4\.2 .* from fla 0\.5\.0 on.*HYBRID_CP_LINEAR_KERNEL=torch"):
+        fwd["gdn"].kind(CUDA)
+    kernels.setenv(L.KERNEL_ENV, "torch")
     assert fwd["gdn"].kind(CUDA).kernel is _gdn_reference()
     assert fwd["ssd"].kind(CUDA).kernel is _ssd_reference()
 

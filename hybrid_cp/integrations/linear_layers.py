@@ -69,9 +69,12 @@ def _reference_kernel(module: torch.nn.Module, name: str = "torch_chunk_gated_de
     return getattr(fn, "__wrapped__", fn)
 
 
-# transformers' torch function -> the CUDA kernel with its signature (module, name) used when importable
-CUDA_KERNELS = {"torch_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
-                "mamba2_chunk_scan": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")}
+# transformers' torch function -> the CUDA kernel with its signature (module, function, package, the package's
+# first version with what the engine passes: fla 0.5.0 takes fewer q/k heads than v heads (GVA, Qwen3-Next's
+# layout; before it q, k and v needed the same head count), mamba_ssm 2.0.0 has mamba_chunk_scan_combined)
+CUDA_KERNELS = {"torch_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fla", "0.5.0"),
+                "mamba2_chunk_scan": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba_ssm",
+                                      "2.0.0")}
 # "auto" (default): the CUDA kernel on CUDA tensors when importable; "torch": transformers' reference everywhere
 KERNEL_ENV = "HYBRID_CP_LINEAR_KERNEL"
 KERNEL_CHOICES = ("auto", "torch")
@@ -80,12 +83,21 @@ KERNEL_CHOICES = ("auto", "torch")
 @lru_cache(maxsize=None)
 def cuda_kernel(name: str) -> Callable | None:
     """The CUDA kernel standing in for transformers' torch function `name`, or None when it is not importable
-    (an ImportError only: any other error while importing it is raised). Cached; `cuda_kernel.cache_clear()`."""
-    module, attr = CUDA_KERNELS[name]
+    (an ImportError only: any other error while importing it is raised); a version older than the one the
+    engine's keywords need is refused (ConfigError). Cached; `cuda_kernel.cache_clear()`."""
+    module, attr, package, oldest = CUDA_KERNELS[name]
     try:
-        return getattr(importlib.import_module(module), attr)
+        fn = getattr(importlib.import_module(module), attr)
     except ImportError:
         return None
+    from packaging.version import Version
+
+    version = str(getattr(sys.modules[package], "__version__", "0"))
+    if Version(version) < Version(oldest):
+        raise ConfigError(f"{package} {version} is installed, but its {attr} is used from {package} {oldest} on "
+                          f"(the keywords and head layout the linear layers pass): upgrade {package}, or set "
+                          f"{KERNEL_ENV}=torch for transformers' torch reference")
+    return fn
 
 
 def kernel_choice() -> str:
