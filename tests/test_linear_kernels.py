@@ -133,6 +133,8 @@ def test_reference_when_not_importable_or_forced(kernels, mixers):
     kernels.setenv(L.KERNEL_ENV, "fla")
     with pytest.raises(ConfigError, match="HYBRID_CP_LINEAR_KERNEL='fla'"):
         fwd["gdn"].kind(CPU)
+    with pytest.raises(ConfigError, match="HYBRID_CP_LINEAR_KERNEL='fla'"):   # also when routing, before a forward
+        L.route_linear_layers(torch.nn.Linear(1, 1), None)
     kernels.delenv(L.KERNEL_ENV)
     _install(kernels, present=False)
     L.cuda_kernel.cache_clear()
@@ -198,3 +200,61 @@ def test_mamba2_through_mamba_ssm_signature_is_the_reference_bitwise(kernels, mi
     shared = {"chunk_size": ssd.chunk_size, "dt_softplus": True, "dt_limit": tuple(ssd.time_step_limit), "D": True,
               "dt_bias": True}
     assert [c for _, c in CALLS] == [{**shared, "return_final_states": f} for f in (False, True, True)]
+
+
+def scan_through_standins(u: int, r: int) -> dict:
+    """On every pool rank: the Gated DeltaNet and Mamba2 recurrences of tiny blocks through `linear_scan`
+    on a (u, r) zigzag mesh (runs probed, exported and corrected after the exchange), with the kind the
+    forwards choose for "cuda" (the stand-ins) and for "cpu" (the reference): bitwise equal outputs and
+    gradients? And the keywords of every stand-in call."""
+    from dist_cases import mesh
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    from hybrid_cp.engine.layout import shard_tokens
+    from hybrid_cp.engine.recurrence import linear_scan
+    from hybrid_cp.testing.families import tiny_config
+    from topology.layouts import layout_of
+
+    cp, mp = mesh(u, r), pytest.MonkeyPatch()
+    lay = layout_of("zigzag", u, r, seq_len=23)
+    torch.manual_seed(0)
+    gdn = L._GatedDeltaNetForward(Qwen3NextGatedDeltaNet(tiny_config("qwen3_next"), 0), cp)
+    ssd_module = BambaMixer(tiny_config("bamba"), 0)
+    ssd_module.chunk_size = 4
+    ssd = L._Mamba2Forward(ssd_module, cp)
+    g = torch.Generator().manual_seed(4)
+    m = gdn.module
+    gdn_in = [torch.randn(1, 23, m.num_k_heads, m.head_k_dim, generator=g),
+              torch.randn(1, 23, m.num_k_heads, m.head_k_dim, generator=g),
+              torch.randn(1, 23, m.num_v_heads, m.head_v_dim, generator=g),
+              -F.softplus(torch.randn(1, 23, m.num_v_heads, generator=g)), torch.rand(1, 23, m.num_v_heads, generator=g)]
+    s = ssd.module
+    ssd_in = [torch.randn(1, 23, s.num_heads, s.head_dim, generator=g), torch.randn(1, 23, s.num_heads, generator=g),
+              torch.randn(1, 23, s.n_groups, s.ssm_state_size, generator=g),
+              torch.randn(1, 23, s.n_groups, s.ssm_state_size, generator=g)]
+    try:
+        L.cuda_kernel.cache_clear()
+        CALLS.clear()
+        _install(mp)
+        same = {}
+        for name, fwd, inputs in (("gdn", gdn, gdn_in), ("ssd", ssd, ssd_in)):
+            local = [shard_tokens(x, cp, 1, lay) for x in inputs]
+            (go, gg), (ro, rg) = (_grads(lambda xs: [linear_scan(cp, lay, fwd.kind(dev), xs)], local)
+                                  for dev in (CUDA, CPU))
+            same[name] = all(torch.equal(a, b) for a, b in zip(go + gg, ro + rg))
+        return {"same": same, "calls": [(who, c) for who, c in CALLS]}
+    finally:
+        mp.undo()
+        L.cuda_kernel.cache_clear()
+
+
+def test_linear_scan_across_ranks_through_standins_is_the_reference_bitwise(pool):
+    rows = pool.run("test_linear_kernels:scan_through_standins", u=1, r=2)
+    assert all(row["same"] == {"gdn": True, "ssd": True} for row in rows), [row["same"] for row in rows]
+    for row in rows:   # zigzag on a ring of 2: every rank has a probed (continuing) run and an exporting one
+        fla = [c for who, c in row["calls"] if who == "fla"]
+        assert any(c["initial_state"] is not None and c["output_final_state"] for c in fla), fla
+        assert all((c["initial_state"] is None) or c["initial_state"][-1] == c["v"][-1] for c in fla), fla
+        ssd = [c for who, c in row["calls"] if who == "mamba_ssm"]
+        assert any(c["return_final_states"] for c in ssd) and ssd

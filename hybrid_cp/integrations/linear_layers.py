@@ -306,7 +306,9 @@ _ROUTES = ((GATED_DELTANET_CLASSES, _GatedDeltaNetForward), (MAMBA2_CLASSES, _Ma
 def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
     """Route every Gated DeltaNet block, Mamba2 and Mamba mixer, short convolution and lightning attention of
     `model` through its context-parallel forward; returns how many mixers were routed (the guard,
-    `model_support.check_model`, has refused every other mixer)."""
+    `model_support.check_model`, has refused every other mixer). A bad `HYBRID_CP_LINEAR_KERNEL` raises here,
+    before any forward."""
+    kernel_choice()
     routed = 0
     for module in model.modules():
         if _model_class(module, _LAYERS_WITHOUT_KWARGS) is not None:
