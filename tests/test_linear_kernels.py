@@ -258,3 +258,24 @@ def test_linear_scan_across_ranks_through_standins_is_the_reference_bitwise(pool
         assert all((c["initial_state"] is None) or c["initial_state"][-1] == c["v"][-1] for c in fla), fla
         ssd = [c for who, c in row["calls"] if who == "mamba_ssm"]
         assert any(c["return_final_states"] for c in ssd) and ssd
+
+
+def test_gpu_check_compares_the_dispatched_kernels(kernels):
+    """benchmarks/gpu_check.py's "linear" section takes the kernels the layers dispatch to (and says when a
+    package is missing), so its GPU figures are about the code that runs."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gc = importlib.util.module_from_spec(spec)
+    kernels.setitem(sys.modules, "gpu_check", gc)  # its dataclass looks itself up there
+    spec.loader.exec_module(gc)
+    found = gc._linear_kernels(gc.Ctx(CPU, False, 1.0))
+    assert [(f, k) for f, _, k, _ in found] == [("gdn", fla_chunk_gated_delta_rule), ("ssd", mamba_chunk_scan_combined)]
+    assert [w for _, w, _, _ in found] == ["fla.chunk_gated_delta_rule 0.5.2",
+                                           "mamba_ssm.mamba_chunk_scan_combined 2.3.2.post1"]
+    _install(kernels, present=False)
+    L.cuda_kernel.cache_clear()
+    assert [(w, k) for _, w, k, _ in gc._linear_kernels(gc.Ctx(CPU, False, 1.0))] == [
+        ("fla not installed", None), ("mamba_ssm not installed", None)]
