@@ -153,6 +153,14 @@ def test_fla_before_native_gva_is_refused(kernels, mixers):
     assert fwd["ssd"].kind(CUDA).kernel is _ssd_reference()
 
 
+def test_a_broken_package_raises_instead_of_falling_back(kernels, mixers):
+    _, _, fwd = mixers
+    kernels.delattr(sys.modules["fla.ops.gated_delta_rule"], "chunk_gated_delta_rule")   # importable, but broken
+    with pytest.raises(AttributeError, match="chunk_gated_delta_rule"):
+        fwd["gdn"].kind(CUDA)
+    assert fwd["gdn"].kind(CPU).kernel is _gdn_reference()   # CPU never asks for it
+
+
 def _grads(fn, inputs):
     """(outputs, gradients of a fixed random weighting of every output w.r.t. every input)."""
     xs = [x.detach().clone().requires_grad_() for x in inputs]
