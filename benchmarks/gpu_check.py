@@ -19,9 +19,14 @@ failing kernel is recorded per kernel, so the rest of the run goes on):
 4. schedule: a ring rank's r blocks of 32K keys run back to back against 32K queries with the
    engine's merge (hybrid_cp.engine.kernels.merge.merge_; backward: merged out/lse, fp32 dq/dk/dv accumulation),
    versus one call over the same r*32K keys. Efficiency = fused time / ring time (limit 1.0).
-5. engine: hcp.attention (backend="auto") on a one-rank NCCL mesh, forward + backward, against
+5. linear: the linear layers' CUDA kernels (fla's chunk_gated_delta_rule, mamba_ssm's
+   mamba_chunk_scan_combined, when importable) against transformers' torch reference, fp32 and bf16, forward
+   and backward: plain with the final state, from an initial state, the engine's probe (Gated DeltaNet at
+   width dv + dk); max relative error over the outputs and over the inputs' gradients. "not installed" rows
+   otherwise. The first calls compile (and autotune) Triton kernels; alone: --sections env,linear.
+6. engine: hcp.attention (backend="auto") on a one-rank NCCL mesh, forward + backward, against
    fp64 math.
-6. sync: after warm-up, ring_forward + ring_backward and hcp.attention (dense and packed) run under
+7. sync: after warm-up, ring_forward + ring_backward and hcp.attention (dense and packed) run under
    torch.cuda.set_sync_debug_mode("error"): does anything synchronise with the host?
 """
 
@@ -86,7 +91,7 @@ class Ctx:
 
 # Most seconds each section may take (on top of the run's --budget): one slow kernel (FA4 compiles
 # each new configuration on first use) must not starve the sections after it.
-SECTION_LIMIT_S = {"parity": 150.0, "throughput": 150.0, "schedule": 100.0}
+SECTION_LIMIT_S = {"parity": 150.0, "throughput": 150.0, "schedule": 100.0, "linear": 120.0}
 
 
 def _kernel(name: str, ctx: Ctx, dtype: torch.dtype, d: int):
@@ -298,7 +303,119 @@ def schedule(res: dict, ctx: Ctx) -> None:
             _free(ctx.dev)
 
 
-# ---- 5. the engine on a one-rank mesh, 6. host syncs --------------------------------------------------------------
+# ---- 5. linear-layer kernels (fla, mamba_ssm) against transformers' torch reference ---------------------------------
+
+def _linear_kernels(ctx: Ctx) -> list[tuple[str, str, object, object]]:
+    """(family, package and version or why not, kernel or None, reference) for Gated DeltaNet and Mamba2: the
+    CUDA kernel the linear layers dispatch to (linear_layers.cuda_kernel); under --dry-run without it, the
+    reference against itself (checks the script)."""
+    from transformers.models.bamba import modeling_bamba
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    from hybrid_cp.integrations.linear_layers import CUDA_KERNELS, cuda_kernel
+
+    out = []
+    for family, name, mod in (("gdn", "torch_chunk_gated_delta_rule", modeling_qwen3_next),
+                              ("ssd", "mamba2_chunk_scan", modeling_bamba)):
+        ref = getattr(getattr(mod, name), "__wrapped__", getattr(mod, name))
+        _, attr, package, _ = CUDA_KERNELS[name]
+        try:
+            kern, what = cuda_kernel(name), f"{package}.{attr}"
+        except Exception as exc:   # installed but refused (too old) or broken: recorded, not replaced
+            kern, what = None, f"{package}: {_err(exc)}"
+        if kern is not None:
+            what += f" {getattr(sys.modules[package], '__version__', '')}"
+        elif ctx.dry and what == f"{package}.{attr}":
+            kern, what = ref, f"{package} not installed: reference vs itself (dry run)"
+        elif what == f"{package}.{attr}":
+            what = f"{package} not installed"
+        out.append((family, what, kern, ref))
+    return out
+
+
+def _gdn_cases(ctx: Ctx, dtype: torch.dtype) -> tuple[dict, list]:
+    """Qwen3-Next's layout (16 q/k heads, 32 v heads, 128 dims; tiny under --dry-run): inputs, and the cases
+    (plain with the final state, from an initial state, the engine's probe at width dv + dk)."""
+    from hybrid_cp.engine.recurrence import GatedDelta
+
+    b, t, h, hv, dk, dv = (1, 40, 2, 4, 8, 8) if ctx.dry else (1, 2000, 16, 32, 128, 128)
+    g = torch.Generator().manual_seed(11)
+    x = {"q": torch.randn(b, t, h, dk, generator=g).to(dtype), "k": torch.randn(b, t, h, dk, generator=g).to(dtype),
+         "v": torch.randn(b, t, hv, dv, generator=g).to(dtype),
+         "g": -torch.nn.functional.softplus(torch.randn(b, t, hv, generator=g) - 2),   # fp32, as the layer's
+         "beta": torch.rand(b, t, hv, generator=g).to(dtype), "h0": torch.randn(b, hv, dk, dv, generator=g) * 0.1}
+
+    def call(kern, i, initial):
+        return kern(i["q"], i["k"], i["v"], g=i["g"], beta=i["beta"], initial_state=i["h0"] if initial else None,
+                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return x, [("plain + final state", lambda kern, i: call(kern, i, False)),
+               ("initial state", lambda kern, i: call(kern, i, True)),
+               (f"probe (v width {dv + dk})", lambda kern, i: GatedDelta(kern).probe(
+                   [i[n] for n in ("q", "k", "v", "g", "beta")]))]
+
+
+def _ssd_cases(ctx: Ctx, dtype: torch.dtype) -> tuple[dict, list]:
+    """A Mamba2 layer's shapes (32 heads of 64, 4 groups, state 128, chunk 256; tiny under --dry-run): inputs,
+    and the cases (plain with the final state, from an initial state, the engine's probe)."""
+    from hybrid_cp.engine.recurrence import Mamba2
+
+    b, t, h, p, ng, n, chunk = (1, 40, 4, 4, 2, 8, 16) if ctx.dry else (1, 2000, 32, 64, 4, 128, 256)
+    g = torch.Generator().manual_seed(12)
+    x = {"x": torch.randn(b, t, h, p, generator=g).to(dtype), "dt": torch.randn(b, t, h, generator=g).to(dtype),
+         "B": torch.randn(b, t, ng, n, generator=g).to(dtype), "C": torch.randn(b, t, ng, n, generator=g).to(dtype),
+         "A": -torch.rand(h, generator=g) - 0.5, "D": torch.randn(h, generator=g), "dt_bias": torch.randn(h, generator=g),
+         "h0": torch.randn(b, h, p, n, generator=g) * 0.1}
+
+    def kind(kern, i):
+        return Mamba2(kern, i["A"], chunk, i["D"], i["dt_bias"])
+
+    def initial(kern, i):
+        return kern(i["x"], i["dt"], i["A"], i["B"], i["C"], chunk_size=chunk, D=i["D"], dt_bias=i["dt_bias"],
+                    initial_states=i["h0"], dt_softplus=True, return_final_states=True)
+    return x, [("plain + final state", lambda kern, i: kind(kern, i).plain([i[k] for k in "x dt B C".split()], True)),
+               ("initial state", initial),
+               ("probe", lambda kern, i: kind(kern, i).probe([i[k] for k in "x dt B C".split()]))]
+
+
+def _linear_errors(fn, inputs: dict, kern, ref, dev: torch.device) -> dict:
+    """Max relative errors of fn(kernel, inputs) against fn(reference, inputs): the largest over the outputs
+    (out, final state, the probe's transition) and over the gradients of every input, and which input's."""
+    def run(k):
+        xs = {n: x.detach().to(dev, copy=True).requires_grad_() for n, x in inputs.items()}
+        outs = [o for o in fn(k, xs) if o is not None]
+        g = torch.Generator(device=dev).manual_seed(5)
+        sum((o.float() * torch.randn(o.shape, generator=g, device=dev)).sum() for o in outs).backward()
+        return outs, {n: x.grad for n, x in xs.items() if x.grad is not None}
+    (go, gg), (ro, rg) = run(kern), run(ref)
+    grads = {n: _rel(gg[n], rg[n]) for n in rg if rg[n].abs().max() > 0}
+    worst = max(grads, key=grads.get) if grads else ""
+    return {"out": max(_rel(a, b) for a, b in zip(go, ro)), "grad": grads.get(worst, 0.0), "worst_grad": worst,
+            "grads": grads}
+
+
+def linear(res: dict, ctx: Ctx) -> None:
+    rows = res.setdefault("linear", [])
+    for family, what, kern, ref in _linear_kernels(ctx):
+        if kern is None:
+            rows.append({"family": family, "kernel": what, "skipped": what})
+            continue
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs, cases = (_gdn_cases if family == "gdn" else _ssd_cases)(ctx, dtype)
+            for case, fn in cases:
+                row = {"family": family, "kernel": what, "dtype": str(dtype).replace("torch.", ""), "case": case}
+                try:
+                    if ctx.out_of_time():
+                        row["skipped"] = "time budget"
+                    else:
+                        row.update(_linear_errors(fn, inputs, kern, ref, ctx.dev))
+                except Exception as exc:
+                    row["error"] = _err(exc)
+                rows.append(row)
+                print(row, flush=True)
+                _free(ctx.dev)
+
+
+# ---- 6. the engine on a one-rank mesh, 7. host syncs --------------------------------------------------------------
 
 def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
@@ -468,6 +585,10 @@ def markdown(res: dict) -> str:
                                                ("fwd_fused_ms", "fwd fused ms"), ("fwd_efficiency", "fwd eff."),
                                                ("bwd_ring_ms", "bwd ring ms"), ("bwd_fused_ms", "bwd fused ms"),
                                                ("bwd_efficiency", "bwd eff.")])]
+    out += ["", "## Linear-layer kernels against transformers' torch reference (max relative error)", "",
+            md_table(res.get("linear", []), [("family", "layer"), ("kernel", "kernel"), ("dtype", "dtype"),
+                                             ("case", "case"), ("out", "outputs"), ("grad", "gradients"),
+                                             ("worst_grad", "worst gradient")])]
     out += ["", "## hcp.attention on a one-rank mesh against fp64 math", "",
             md_table(res.get("engine", []), [("dtype", "dtype"), ("n", "n"), ("causal", "causal"),
                                              ("kernel", "auto picked"), ("out", "out"), ("lse", "lse"),
@@ -499,8 +620,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=400.0,
                    help="seconds after which remaining measurements are skipped and recorded as such "
                         "(each section also has its own limit, SECTION_LIMIT_S)")
-    p.add_argument("--sections", default="env,parity,throughput,schedule,engine,sync",
-                   help="comma-separated subset of env,parity,throughput,schedule,engine,sync")
+    p.add_argument("--sections", default="env,parity,throughput,schedule,linear,engine,sync",
+                   help="comma-separated subset of env,parity,throughput,schedule,linear,engine,sync")
     return p.parse_args(argv)
 
 
@@ -512,7 +633,7 @@ def main(argv=None) -> dict:
               a.dry_run, a.budget)
     wanted = set(a.sections.split(","))
     res: dict = {}
-    for section in (env, parity, throughput, schedule):
+    for section in (env, parity, throughput, schedule, linear):
         if section.__name__ in wanted:
             _run(section, res, ctx)
     mesh_sections = [s for name, s in (("engine", engine), ("sync", sync_check)) if name in wanted]

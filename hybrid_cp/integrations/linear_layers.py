@@ -4,15 +4,23 @@
 forward that keeps the module's own projections, gates, norm and output projection, and replaces only
 the two parts that mix tokens: the short causal convolution (`recurrence.causal_conv`, with the halo
 from the rank before) and the gated delta rule (`recurrence.linear_scan` over `GatedDelta`, exact
-across ranks and documents). The rule runs on transformers' own torch function of the model's module
-(`torch_chunk_gated_delta_rule`, its reference path: the hub/fla kernel it may dispatch to is not
-verified here, there is no GPU in our CI), which takes an initial state as fla's kernel does.
+across ranks and documents). On CUDA tensors the rule runs on fla's
+`chunk_gated_delta_rule` when `fla` is importable, else (and on CPU) on transformers' own torch function of
+the model's module (`torch_chunk_gated_delta_rule`, its reference path without the hub dispatch); both take
+an initial state and return the final one (`cuda_kernel`, `HYBRID_CP_LINEAR_KERNEL`).
 
 Mamba2 mixers (Bamba, Nemotron-H, Falcon-H1) get the same treatment: their in_proj (Falcon-H1's
 multipliers included), gated norm and out_proj stay; the convolution over x|B|C goes through
-`causal_conv` and the SSD scan through `linear_scan` over `Mamba2`, on transformers' torch
-`mamba2_chunk_scan` of the model's module (not the fused mamba_ssm path the module takes in training
-when the hub kernel is installed: it has no initial state to continue a run).
+`causal_conv` and the SSD scan through `linear_scan` over `Mamba2`: on CUDA tensors mamba_ssm's
+`mamba_chunk_scan_combined` when `mamba_ssm` is importable, else transformers' torch `mamba2_chunk_scan` of the
+model's module (never the fused `mamba_split_conv1d_scan_combined` the module takes in training when the hub
+kernel is installed: it mixes the convolution into the scan, so no halo can enter it).
+
+The kernel is chosen once per call from the tensors' device and what is importable (`cuda_kernel`);
+`HYBRID_CP_LINEAR_KERNEL=torch` forces the torch reference everywhere. An error in a chosen kernel is raised,
+never answered by falling back. The convolutions stay `causal_conv` (torch, exact on any device: causal-conv1d
+would only be faster), and Mamba-1 stays on transformers' torch scan: mamba_ssm's `selective_scan_fn` returns
+its last state without a gradient, which the state exchange needs.
 
 More kinds on the same mechanism: LFM2's short convolution (`Lfm2ShortConv`: B * x through `causal_conv`,
 then C *), Jamba's Mamba-1 mixer (conv through `causal_conv`, the selective scan through `linear_scan` over
@@ -23,8 +31,11 @@ mixer the packed row's boundaries, which the layer does not pass on) and MiniMax
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
-from typing import Any
+from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +69,56 @@ def _reference_kernel(module: torch.nn.Module, name: str = "torch_chunk_gated_de
     return getattr(fn, "__wrapped__", fn)
 
 
+# transformers' torch function -> the CUDA kernel with its signature (module, function, package, the package's
+# first version with what the engine passes: fla 0.5.0 takes fewer q/k heads than v heads (GVA, Qwen3-Next's
+# layout; before it q, k and v needed the same head count), mamba_ssm 2.0.0 has mamba_chunk_scan_combined)
+CUDA_KERNELS = {"torch_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fla", "0.5.0"),
+                "mamba2_chunk_scan": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba_ssm",
+                                      "2.0.0")}
+# "auto" (default): the CUDA kernel on CUDA tensors when importable; "torch": transformers' reference everywhere
+KERNEL_ENV = "HYBRID_CP_LINEAR_KERNEL"
+KERNEL_CHOICES = ("auto", "torch")
+
+
+@lru_cache(maxsize=None)
+def cuda_kernel(name: str) -> Callable | None:
+    """The CUDA kernel standing in for transformers' torch function `name`, or None when it is not importable
+    (an ImportError only: any other error while importing it is raised); a version older than the one the
+    engine's keywords need is refused (ConfigError). Cached; `cuda_kernel.cache_clear()`."""
+    module, attr, package, oldest = CUDA_KERNELS[name]
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError:
+        return None
+    from packaging.version import Version
+
+    version = str(getattr(sys.modules[package], "__version__", "0"))
+    if Version(version) < Version(oldest):
+        raise ConfigError(f"{package} {version} is installed, but its {attr} is used from {package} {oldest} on "
+                          f"(the keywords and head layout the linear layers pass): upgrade {package}, or set "
+                          f"{KERNEL_ENV}=torch for transformers' torch reference")
+    return fn
+
+
+def kernel_choice() -> str:
+    """`HYBRID_CP_LINEAR_KERNEL` (default "auto"), refused when it is not one of KERNEL_CHOICES."""
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"{KERNEL_ENV}={os.environ[KERNEL_ENV]!r} is not one of {KERNEL_CHOICES}: unset it (or "
+                          f"'auto') for fla / mamba_ssm on CUDA when installed, 'torch' for transformers' reference")
+    return choice
+
+
+def _kernel_for(module: torch.nn.Module, device: torch.device, name: str, names: tuple[str, ...]) -> Callable:
+    """The kernel one call of the module's recurrence runs on: the CUDA kernel for CUDA tensors when it is
+    importable and not refused by `HYBRID_CP_LINEAR_KERNEL=torch`, else transformers' torch function `name`."""
+    if kernel_choice() == "auto" and torch.device(device).type == "cuda" and name in CUDA_KERNELS:
+        fn = cuda_kernel(name)
+        if fn is not None:
+            return fn
+    return _reference_kernel(module, name, names)
+
+
 def _refuse_cache(m: torch.nn.Module, cache: Any, kwargs: dict) -> None:
     if cache is not None or kwargs.get("cache_params") is not None:
         raise ConfigError(f"{type(m).__name__} received a cache: generation is not supported under context "
@@ -69,7 +130,11 @@ class _GatedDeltaNetForward:
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         self.module, self.cp = module, cp
-        self.kind = GatedDelta(_reference_kernel(module), use_qk_l2norm_in_kernel=True)
+
+    def kind(self, device: torch.device) -> GatedDelta:
+        """The recurrence on the kernel chosen for tensors on `device` (`_kernel_for`)."""
+        kernel = _kernel_for(self.module, device, "torch_chunk_gated_delta_rule", GATED_DELTANET_CLASSES)
+        return GatedDelta(kernel, use_qk_l2norm_in_kernel=True)
 
     def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
                  **kwargs: Any) -> torch.Tensor:
@@ -89,7 +154,7 @@ class _GatedDeltaNetForward:
         q, k = q.reshape(*shape, m.head_k_dim), k.reshape(*shape, m.head_k_dim)
         v = v.reshape(*shape, m.head_v_dim)
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
-        core = linear_scan(self.cp, lay, self.kind, (q, k, v, g, b.sigmoid()))
+        core = linear_scan(self.cp, lay, self.kind(q.device), (q, k, v, g, b.sigmoid()))
         out = m.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
         return m.out_proj(out.reshape(z.shape).reshape(z.shape[0], z.shape[1], -1))
 
@@ -110,7 +175,12 @@ class _Mamba2Forward:
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         self.module, self.cp = module, cp
-        self.kernel = _reference_kernel(module, "mamba2_chunk_scan", MAMBA2_CLASSES)
+
+    def kind(self, device: torch.device) -> Mamba2:
+        """The SSD recurrence on the kernel chosen for tensors on `device` (`_kernel_for`)."""
+        m = self.module
+        kernel = _kernel_for(m, device, "mamba2_chunk_scan", MAMBA2_CLASSES)
+        return Mamba2(kernel, -torch.exp(m.A_log.float()), m.chunk_size, m.D, m.dt_bias, m.time_step_limit)
 
     def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
                  **kwargs: Any) -> torch.Tensor:
@@ -131,8 +201,7 @@ class _Mamba2Forward:
         groups = m.n_groups * m.ssm_state_size
         x, b, c = xbc.split([m.intermediate_size, groups, groups], dim=-1)
         shape = (x.shape[0], x.shape[1])
-        kind = Mamba2(self.kernel, -torch.exp(m.A_log.float()), m.chunk_size, m.D, m.dt_bias, m.time_step_limit)
-        y = linear_scan(self.cp, lay, kind, (x.reshape(*shape, m.num_heads, m.head_dim), dt,
+        y = linear_scan(self.cp, lay, self.kind(x.device), (x.reshape(*shape, m.num_heads, m.head_dim), dt,
                                              b.reshape(*shape, m.n_groups, -1), c.reshape(*shape, m.n_groups, -1)))
         y = y.reshape(*shape, -1)
         y = y * F.silu(gate) if falcon and not m.mamba_rms_norm else m.norm(y, gate)
@@ -237,7 +306,9 @@ _ROUTES = ((GATED_DELTANET_CLASSES, _GatedDeltaNetForward), (MAMBA2_CLASSES, _Ma
 def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
     """Route every Gated DeltaNet block, Mamba2 and Mamba mixer, short convolution and lightning attention of
     `model` through its context-parallel forward; returns how many mixers were routed (the guard,
-    `model_support.check_model`, has refused every other mixer)."""
+    `model_support.check_model`, has refused every other mixer). A bad `HYBRID_CP_LINEAR_KERNEL` raises here,
+    before any forward."""
+    kernel_choice()
     routed = 0
     for module in model.modules():
         if _model_class(module, _LAYERS_WITHOUT_KWARGS) is not None:
@@ -249,5 +320,5 @@ def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
     return routed
 
 
-__all__ = ["GATED_DELTANET_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "MAMBA_CLASSES", "LIGHTNING_CLASSES",
-           "route_linear_layers"]
+__all__ = ["CUDA_KERNELS", "KERNEL_ENV", "KERNEL_CHOICES", "cuda_kernel", "kernel_choice", "GATED_DELTANET_CLASSES",
+           "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "MAMBA_CLASSES", "LIGHTNING_CLASSES", "route_linear_layers"]
