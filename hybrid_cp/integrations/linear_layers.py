@@ -125,6 +125,13 @@ def _refuse_cache(m: torch.nn.Module, cache: Any, kwargs: dict) -> None:
                           f"parallelism; run it on one device")
 
 
+def _call_layout(cp: CPMesh, m: torch.nn.Module, hidden_states: torch.Tensor, cache: Any, kwargs: dict):
+    """A routed mixer's call: a cache refused, then the rows' layout (packed documents from `cu_seq_lens_q`)."""
+    _refuse_cache(m, cache, kwargs)
+    return row_layout(cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"), causal=True,
+                      what=type(m).__name__)
+
+
 class _GatedDeltaNetForward:
     """The block's forward with the convolution and the recurrence made context parallel."""
 
@@ -141,9 +148,7 @@ class _GatedDeltaNetForward:
         from transformers.activations import ACT2FN
 
         m = self.module
-        _refuse_cache(m, cache, kwargs)
-        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                         causal=True, what=type(m).__name__)
+        lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
         if attention_mask is not None:   # what the block does itself (the pre-hook drops right-padding masks)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         mixed, z, b, a = _projections(m, hidden_states)
@@ -187,9 +192,7 @@ class _Mamba2Forward:
         from transformers.activations import ACT2FN
 
         m, dtype = self.module, hidden_states.dtype
-        _refuse_cache(m, cache, kwargs)
-        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                         causal=True, what=type(m).__name__)
+        lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
         hidden_states = _masked(hidden_states, attention_mask)
         falcon = hasattr(m, "mup_vector")
         proj = m.in_proj(hidden_states * m.ssm_in_multiplier if falcon else hidden_states)
@@ -217,9 +220,7 @@ class _ShortConvForward:
     def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
                  **kwargs: Any) -> torch.Tensor:
         m = self.module
-        _refuse_cache(m, cache, kwargs)
-        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                         causal=True, what=type(m).__name__)
+        lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
         b, c, x = m.in_proj(_masked(hidden_states, attention_mask)).chunk(3, dim=-1)
         weight = m.conv.weight.squeeze(1)
         conv = causal_conv(self.cp, lay, (b * x).to(weight.dtype), weight, m.conv.bias).to(hidden_states.dtype)
@@ -239,9 +240,7 @@ class _MambaForward:
         from transformers.activations import ACT2FN
 
         m, dtype = self.module, hidden_states.dtype
-        _refuse_cache(m, cache, kwargs)
-        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                         causal=True, what=type(m).__name__)
+        lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
         x, gate = m.in_proj(_masked(hidden_states, attention_mask)).chunk(2, dim=-1)
         weight = m.conv1d.weight.squeeze(1)
         x = ACT2FN[m.activation](causal_conv(self.cp, lay, x.to(weight.dtype), weight, m.conv1d.bias))
@@ -281,9 +280,7 @@ class _LightningForward:
     def __call__(self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
                  cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         m = self.module
-        _refuse_cache(m, cache, kwargs)
-        lay = row_layout(self.cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                         causal=True, what=type(m).__name__)
+        lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
         qkv = _masked(m.act_fn(m.qkv_proj(hidden_states)), attention_mask)
         b, s = qkv.shape[:2]
         q, k, v = qkv.reshape(b, s, m.num_attention_heads, 3 * m.head_dim).split(m.head_dim, dim=3)
