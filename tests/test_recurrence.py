@@ -8,7 +8,7 @@ from hybrid_cp.engine.recurrence import scan_plan
 from topology.cost import document_runs, exporting_runs
 from topology.layouts import layout_of
 
-MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (8, 1)]
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
 # a length-1 document, documents shorter than the cp degree, a long one among short ones
 DOCS = (1, 3, 19, 2, 1, 7)
 
