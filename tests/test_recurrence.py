@@ -5,7 +5,7 @@ gradient of every input, on meshes up to 8 ranks, zigzag and contiguous, dense a
 import pytest
 
 from hybrid_cp.engine.recurrence import scan_plan
-from topology.cost import document_runs, exporting_runs
+from topology.cost import exporting_runs
 from topology.layouts import layout_of
 
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
@@ -65,13 +65,13 @@ def test_plan_merges_adjacent_runs_of_one_document():
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("u,r", [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (1, 8)])
 def test_plan_agrees_with_the_cost_model(layout, u, r):
-    """The engine's runs are the cost model's `document_runs` (continuing runs, slots: bytes and FLOPs)."""
+    """The engine's runs are `Layout.document_runs` (continuing runs, slots: bytes and FLOPs)."""
     for docs in (None, [0, 1, 3, 20, 21, 40, 47, 53, 64]):
         lay = layout_of(layout, u, r, seq_len=None if docs else 64, cu_seqlens=docs)
         plan = scan_plan(lay, u * r)
         for rank, runs in enumerate(plan.runs):
             assert [(run.tok, run.tok < 0 or run.continues, run.n) for run in runs] == [
-                (tok, tok < 0 or pos > 0, n) for tok, pos, n in document_runs(lay, rank)]
+                (tok, tok < 0 or pos > 0, n) for tok, pos, n in lay.document_runs(rank)]
             assert all(a.tok < 0 or b.tok < 0 or a.tok + a.n != b.tok or not b.continues for a, b in zip(runs, runs[1:]))
         assert plan.slots == exporting_runs(lay, u * r)
 

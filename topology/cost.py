@@ -924,26 +924,12 @@ def engine_known_s(cal: Any, ulysses: int, ring: int, seq_len: int, heads: int, 
 
 # ---- linear-attention / state-space layers (hybrid models; docs/linear.md) ------------------------------------------
 
-def document_runs(lay: Any, rank: int) -> list[tuple[int, int, int]]:
-    """`lay.token_runs(rank)` with adjacent runs of one document merged: (token or PAD, position in its
-    document, count). Under zigzag the last ring rank's two chunks meet, and at one rank both chunks
-    are one document; as one run the second neither continues nor takes a gather slot. The engine's
-    `recurrence.scan_plan` runs these, so this is the one definition of a linear layer's runs."""
-    out: list[tuple[int, int, int]] = []
-    for tok, pos, n in lay.token_runs(rank):
-        if out and tok >= 0 and pos > 0 and out[-1][0] >= 0 and out[-1][0] + out[-1][2] == tok:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-        else:
-            out.append((tok, pos, n))
-    return out
-
-
 def exporting_runs(lay: Any, size: int) -> int:
     """Gather slots of a linear layer's summary exchange: the most runs of one document on a rank that
     the document continues after (the engine's `recurrence.scan_plan(...).slots`, tested equal)."""
     starts, lens = lay.doc_starts, lay.doc_lens
     return max(sum(tok >= 0 and pos + n < lens[bisect.bisect_right(starts, tok) - 1]
-                   for tok, pos, n in document_runs(lay, rank)) for rank in range(size))
+                   for tok, pos, n in lay.document_runs(rank)) for rank in range(size))
 
 
 def linear_layer_bytes(lay: Any, size: int, batch: int, state_numel: int, halo_rows: int = 0, channels: int = 0,
@@ -997,7 +983,7 @@ def _linear_tokens(lay: Any, size: int) -> list[tuple[int, int]]:
         return [(lay.seq_len, 0)]
     out = []
     for rank in range(size):
-        runs = [(pos, n) for tok, pos, n in document_runs(lay, rank) if tok >= 0]
+        runs = [(pos, n) for tok, pos, n in lay.document_runs(rank) if tok >= 0]
         out.append((sum(n for pos, n in runs if pos == 0), sum(n for pos, n in runs if pos > 0)))
     return out
 
@@ -1090,10 +1076,10 @@ def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[st
 
 def linear_runs(lay: Any, size: int, rank: int) -> list[tuple[int, bool]]:
     """(tokens, probed) of each run of `rank`'s local rows, as `recurrence.linear_scan` runs them
-    (`document_runs`: adjacent pieces of one document are one run, so on one rank a zigzag row is one
+    (`Layout.document_runs`: adjacent pieces of one document are one run, so on one rank a zigzag row is one
     unprobed run): probed runs continue their document (the probe's wider values), padding runs go
     through the plain kernel."""
-    return [(n, tok >= 0 and pos > 0) for tok, pos, n in document_runs(lay, rank)]
+    return [(n, tok >= 0 and pos > 0) for tok, pos, n in lay.document_runs(rank)]
 
 
 def linear_summary_bytes(lay: Any, size: int, batch: int, model: ModelShape, state_bytes: int = FP32_BYTES) -> int:
@@ -1130,5 +1116,5 @@ def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: in
     )  # fmt: skip
 
 
-__all__ += ["document_runs", "exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes",
+__all__ += ["exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes",
             "linear_runs", "linear_kernel_bytes", "linear_mixer_token_bytes", "linear_mixer_saved"]

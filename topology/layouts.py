@@ -263,6 +263,19 @@ class Layout:
                     out.append((PAD if tok == PAD else tok + off, pos + off, b - a))
         return out
 
+    def document_runs(self, cp_rank: int) -> list[tuple[int, int, int]]:
+        """`token_runs` with adjacent runs of one document merged: under zigzag the last ring rank's two
+        chunks meet, and at one rank both chunks are one document; as one run the second neither continues
+        nor takes a gather slot. The one definition of a linear layer's runs (the engine's
+        `recurrence.scan_plan` and the cost model both read it)."""
+        out: list[tuple[int, int, int]] = []
+        for tok, pos, n in self.token_runs(cp_rank):
+            if out and tok != PAD and pos > 0 and out[-1][0] != PAD and out[-1][0] + out[-1][2] == tok:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+            else:
+                out.append((tok, pos, n))
+        return out
+
     def effective_window(self, causal: bool, window):
         """`window` validated, or None when it reaches every key of every document anyway (then
         the windowless plan, with whole-document segments, is the same attention)."""

@@ -74,20 +74,6 @@ class ScanPlan:
     lens: dict
 
 
-def _document_runs(lay: Layout, rank: int) -> list[tuple[int, int, int]]:
-    """`lay.token_runs(rank)` with adjacent runs of one document merged (under zigzag the last ring
-    rank's two chunks meet; at one rank both chunks are one document): as one run, the second neither
-    continues nor takes a gather slot. `topology.cost.document_runs` is the same rule for the cost
-    model (torch-free, but it loads pydantic, which the engine does not import); tested equal."""
-    out: list[tuple[int, int, int]] = []
-    for tok, pos, n in lay.token_runs(rank):
-        if out and tok != PAD and pos > 0 and out[-1][0] != PAD and out[-1][0] + out[-1][2] == tok:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-        else:
-            out.append((tok, pos, n))
-    return out
-
-
 @lru_cache(maxsize=256)
 def scan_plan(lay: Layout, size: int) -> ScanPlan:
     """Runs and gather slots of `lay` on `size` cp ranks (torch-free, the same on every rank)."""
@@ -95,7 +81,7 @@ def scan_plan(lay: Layout, size: int) -> ScanPlan:
     runs, slot_of, by_end, slot_tok, lens = [], {}, {}, {}, {}
     for rank in range(size):
         mine, local, nslot = [], 0, 0
-        for tok, pos, n in _document_runs(lay, rank):
+        for tok, pos, n in lay.document_runs(rank):
             if tok == PAD:
                 mine.append(Run(local, n, PAD, False, False))
             else:
