@@ -97,8 +97,8 @@ def _install(monkeypatch, present: bool = True, fla_version: str | None = None) 
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """Stand-ins installed, the kernel cache and the environment switch cleared (before and after)."""
-    monkeypatch.delenv(L.KERNEL_ENV, raising=False)
+    """Stand-ins installed, the kernel cache cleared (before and after), the CUDA kernels opted into."""
+    monkeypatch.setenv(L.KERNEL_ENV, "auto")
     L.cuda_kernel.cache_clear()
     CALLS.clear()
     _install(monkeypatch)
@@ -127,6 +127,9 @@ def test_cuda_tensors_get_fla_and_mamba_ssm_cpu_the_reference(kernels, mixers):
 
 def test_reference_when_not_importable_or_forced(kernels, mixers):
     _, _, fwd = mixers
+    kernels.delenv(L.KERNEL_ENV)   # the default: the verified torch kernels, also on CUDA
+    assert fwd["gdn"].kind(CUDA).kernel is _gdn_reference()
+    assert fwd["ssd"].kind(CUDA).kernel is _ssd_reference()
     kernels.setenv(L.KERNEL_ENV, "torch")
     assert fwd["gdn"].kind(CUDA).kernel is _gdn_reference()
     assert fwd["ssd"].kind(CUDA).kernel is _ssd_reference()
@@ -135,7 +138,7 @@ def test_reference_when_not_importable_or_forced(kernels, mixers):
         fwd["gdn"].kind(CPU)
     with pytest.raises(ConfigError, match="HYBRID_CP_LINEAR_KERNEL='fla'"):   # also when routing, before a forward
         L.route_linear_layers(torch.nn.Linear(1, 1), None)
-    kernels.delenv(L.KERNEL_ENV)
+    kernels.setenv(L.KERNEL_ENV, "auto")
     _install(kernels, present=False)
     L.cuda_kernel.cache_clear()
     assert L.cuda_kernel("torch_chunk_gated_delta_rule") is None
@@ -245,6 +248,7 @@ def scan_through_standins(u: int, r: int) -> dict:
         L.cuda_kernel.cache_clear()
         CALLS.clear()
         _install(mp)
+        mp.setenv(L.KERNEL_ENV, "auto")
         same = {}
         for name, fwd, inputs in (("gdn", gdn, gdn_in), ("ssd", ssd, ssd_in)):
             local = [shard_tokens(x, cp, 1, lay) for x in inputs]

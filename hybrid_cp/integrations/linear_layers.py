@@ -4,21 +4,22 @@
 forward that keeps the module's own projections, gates, norm and output projection, and replaces only
 the two parts that mix tokens: the short causal convolution (`recurrence.causal_conv`, with the halo
 from the rank before) and the gated delta rule (`recurrence.linear_scan` over `GatedDelta`, exact
-across ranks and documents). On CUDA tensors the rule runs on fla's
-`chunk_gated_delta_rule` when `fla` is importable, else (and on CPU) on transformers' own torch function of
-the model's module (`torch_chunk_gated_delta_rule`, its reference path without the hub dispatch); both take
-an initial state and return the final one (`cuda_kernel`, `HYBRID_CP_LINEAR_KERNEL`).
+across ranks and documents). The rule runs on transformers' own torch function of the model's module
+(`torch_chunk_gated_delta_rule`, its reference path without the hub dispatch); with
+`HYBRID_CP_LINEAR_KERNEL=auto`, on CUDA tensors, on fla's `chunk_gated_delta_rule` when `fla` is importable;
+both take an initial state and return the final one (`cuda_kernel`).
 
 Mamba2 mixers (Bamba, Nemotron-H, Falcon-H1) get the same treatment: their in_proj (Falcon-H1's
 multipliers included), gated norm and out_proj stay; the convolution over x|B|C goes through
-`causal_conv` and the SSD scan through `linear_scan` over `Mamba2`: on CUDA tensors mamba_ssm's
-`mamba_chunk_scan_combined` when `mamba_ssm` is importable, else transformers' torch `mamba2_chunk_scan` of the
-model's module (never the fused `mamba_split_conv1d_scan_combined` the module takes in training when the hub
+`causal_conv` and the SSD scan through `linear_scan` over `Mamba2`: transformers' torch `mamba2_chunk_scan`
+of the model's module, or (opted in, on CUDA tensors) mamba_ssm's `mamba_chunk_scan_combined` when importable (never the fused `mamba_split_conv1d_scan_combined` the module takes in training when the hub
 kernel is installed: it mixes the convolution into the scan, so no halo can enter it).
 
-The kernel is chosen once per call from the tensors' device and what is importable (`cuda_kernel`);
-`HYBRID_CP_LINEAR_KERNEL=torch` forces the torch reference everywhere. An error in a chosen kernel is raised,
-never answered by falling back. The convolutions stay `causal_conv` (torch, exact on any device: causal-conv1d
+The torch kernels are the default because they are the ones our parity tests verify; the CUDA kernels are
+checked only against stand-ins with their signatures until `benchmarks/gpu_check.py` runs on a GPU, so they
+are opt-in (`HYBRID_CP_LINEAR_KERNEL=auto`; "torch", the default, keeps the reference). The kernel is chosen
+once per call from the tensors' device and what is importable (`cuda_kernel`). An error in a chosen kernel is
+raised, never answered by falling back. The convolutions stay `causal_conv` (torch, exact on any device: causal-conv1d
 would only be faster), and Mamba-1 stays on transformers' torch scan: mamba_ssm's `selective_scan_fn` returns
 its last state without a gradient, which the state exchange needs.
 
@@ -75,7 +76,8 @@ def _reference_kernel(module: torch.nn.Module, name: str = "torch_chunk_gated_de
 CUDA_KERNELS = {"torch_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fla", "0.5.0"),
                 "mamba2_chunk_scan": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba_ssm",
                                       "2.0.0")}
-# "auto" (default): the CUDA kernel on CUDA tensors when importable; "torch": transformers' reference everywhere
+# "torch" (default): transformers' reference everywhere (what the parity tests verify); "auto": the CUDA kernel on
+# CUDA tensors when importable (checked against stand-ins only until gpu_check.py runs on a GPU)
 KERNEL_ENV = "HYBRID_CP_LINEAR_KERNEL"
 KERNEL_CHOICES = ("auto", "torch")
 
@@ -96,22 +98,22 @@ def cuda_kernel(name: str) -> Callable | None:
     if Version(version) < Version(oldest):
         raise ConfigError(f"{package} {version} is installed, but its {attr} is used from {package} {oldest} on "
                           f"(the keywords and head layout the linear layers pass): upgrade {package}, or set "
-                          f"{KERNEL_ENV}=torch for transformers' torch reference")
+                          f"{KERNEL_ENV}=torch (the default) for transformers' torch reference")
     return fn
 
 
 def kernel_choice() -> str:
-    """`HYBRID_CP_LINEAR_KERNEL` (default "auto"), refused when it is not one of KERNEL_CHOICES."""
-    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    """`HYBRID_CP_LINEAR_KERNEL` (default "torch"), refused when it is not one of KERNEL_CHOICES."""
+    choice = os.environ.get(KERNEL_ENV, "torch").strip().lower() or "torch"
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"{KERNEL_ENV}={os.environ[KERNEL_ENV]!r} is not one of {KERNEL_CHOICES}: unset it (or "
-                          f"'auto') for fla / mamba_ssm on CUDA when installed, 'torch' for transformers' reference")
+                          f"'torch') for transformers' reference, 'auto' for fla / mamba_ssm on CUDA when installed")
     return choice
 
 
 def _kernel_for(module: torch.nn.Module, device: torch.device, name: str, names: tuple[str, ...]) -> Callable:
     """The kernel one call of the module's recurrence runs on: the CUDA kernel for CUDA tensors when it is
-    importable and not refused by `HYBRID_CP_LINEAR_KERNEL=torch`, else transformers' torch function `name`."""
+    importable and opted into (`HYBRID_CP_LINEAR_KERNEL=auto`), else transformers' torch function `name`."""
     if kernel_choice() == "auto" and torch.device(device).type == "cuda" and name in CUDA_KERNELS:
         fn = cuda_kernel(name)
         if fn is not None:
