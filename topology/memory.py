@@ -234,10 +234,11 @@ def _single_block_backward(H: int, Hkv: int, D: int, e: int, ulysses: int, T: in
       [G, c, D] and (reorder) its reordered copy, d(out) in head layout: 2 T H D e + (1 + reorder) G c D e.
     * the ring backward, one kernel call: d(out) in head layout and the kernel's dq, dk, dv [G, c + 2k, D],
       in the compute dtype (no fp32 accumulator, no fused K/V or dK/dV buffer): G c D e + G (c + 2k) D e.
-    * the gradients home (ulysses > 1): dq/dk/dv, (reorder) their reordered copy, the all-to-all's send
-      buffer, its receive buffer [T, H + 2 Hkv, D] (compute dtype) and the fp32 sums they land in
-      (`head_to_seq(accumulate=True)`); the saved q/k/v, output and lse are freed by then, so they are
-      taken off.
+    * the gradients home (ulysses > 1): dq/dk/dv and the fp32 sums they land in
+      (`head_to_seq(accumulate=True)`, [T, H + 2 Hkv, D]) throughout; while the send buffer is packed,
+      (reorder) their reordered copy and the send buffer; once packed, the reordered copy is freed and the
+      send buffer and the receive buffer [T, H + 2 Hkv, D] (compute dtype) are alive. The saved q/k/v,
+      output and lse are freed by then, so they are taken off.
     """
     G = ulysses * T
     grads = G * (c + 2 * k) * D * e
@@ -247,7 +248,7 @@ def _single_block_backward(H: int, Hkv: int, D: int, e: int, ulysses: int, T: in
         return max(d_in, ring)
     seq = T * (H + 2 * Hkv) * D
     freed = grads + G * c * D * e + G * c * FP32_BYTES
-    home = (2 + reorder) * grads + seq * e + seq * FP32_BYTES - freed
+    home = max((2 + reorder) * grads, 2 * grads + seq * e) + seq * FP32_BYTES - freed
     return max(d_in, ring, home)
 
 

@@ -94,8 +94,9 @@ class Posted:
                 self.work.wait()
             if self.timed:
                 counters(self.cp).chunk_wait_s += time.perf_counter() - start
-        self.keep = ()
-        result, self.finish, self.work = self.finish(), None, None   # drop the receive buffer with the closure
+        # the work object holds both buffers: dropped with the send buffer before `finish` makes its copies
+        self.keep, self.work = (), None
+        result, self.finish = self.finish(), None   # drop the receive buffer with the closure
         return result
 
 
@@ -116,7 +117,7 @@ def post_seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Range
     `ranges[i][p]` is the head range of part i that ulysses rank p receives; each part keeps its own head
     dim (v's may differ from q/k's). The sequence comes back rank-major (rank 0's tokens first), i.e. in
     "gathered" order; `then` is applied to each received part (e.g. the reordering into ring-block rows)
-    while the receive buffer is still held.
+    while the receive buffer is still held. `parts` (the list) is emptied once packed.
     """
     u, me = cp.ulysses_size, cp.ulysses_rank
     then = then or (lambda x: x)
@@ -134,6 +135,7 @@ def post_seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Range
             h = r[p][1] - r[p][0]
             block[:, :, col:col + h * d].view(b, s, h, d).copy_(x[:, :, r[p][0]:r[p][1]])
             col += h * d
+    parts.clear()   # consumed: what the caller handed over is freed before the receive buffer is allocated
     mine = [r[me][1] - r[me][0] for r in ranges]
     widths = [h * d for h, d in zip(mine, dims)]
 
@@ -153,14 +155,15 @@ def post_head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Range
                      stage: str, accumulate: bool = False, *, timed: bool = False) -> Posted:
     """Post the inverse all-to-all: [B, u*S (gathered order), own heads, D_i] -> write (or, with
     `accumulate`, add: the gradient of a replicated KV head is the sum of its replicas') each rank's
-    heads into targets[i] [B, S, heads, D] at ranges[i][p]. The handle's result is `targets`."""
+    heads into targets[i] [B, S, heads, D] at ranges[i][p]. The handle's result is `targets`. `parts` (the
+    list) is emptied once packed."""
     if cp.ulysses_size == 1:
         for x, r, t in zip(parts, ranges, targets):
             view = t[:, :, r[0][0]:r[0][1]]
             view.add_(x) if accumulate else view.copy_(x)
         return Posted.done(cp, targets)
     send, sizes_out, sizes_in = pack_head_to_seq(parts, ranges, cp.ulysses_size)
-    del parts
+    parts.clear()   # consumed: what the caller handed over is freed before the receive buffer is allocated
 
     def finish(recv: torch.Tensor) -> list:
         unpack_head_to_seq_(recv, targets, ranges, sizes_in, accumulate)

@@ -129,10 +129,9 @@ def _post_inputs(c: _Chunk, e: int, parts: list[torch.Tensor], stage: str) -> Po
     ranges = [c.stages.q[e]] * len(parts)
     if e == 0:
         parts, ranges = parts + [c.x.k, c.x.v], ranges + [call.split.kv, call.split.kv]
-    flight = post_heads(call.cp, call.lay, parts, ranges, stage)
-    if c.last(e):
+    if c.last(e):   # handed over with `parts`: freed once packed, before the receive buffer is allocated
         c.x = None
-    return flight
+    return post_heads(call.cp, call.lay, parts, ranges, stage)
 
 
 def _stages(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -188,8 +187,9 @@ class _Backward:
     only) and d(out) from the output projection, then per stage the ring backward with forward's kept
     output and lse, the gradients home, and back through the projections once the chunk's gradients have landed."""
 
-    def __init__(self, project, q_ranges, engine: _Engine, tensors, dy: torch.Tensor, kept: dict):
+    def __init__(self, project, q_ranges, engine: _Engine, tensors, dy: torch.Tensor, kept: dict, overlap: bool):
         self.project, self.q_ranges, self.engine, self.tensors, self.dy = project, q_ranges, engine, tensors, dy
+        self.overlap = overlap
         self.kept = kept   # stage -> (output in head layout, lse) from forward; empty: recompute them
         self.w_o = tensors[-2]
         self.wanted = [t for t in tensors[:-2] if t.requires_grad]
@@ -210,10 +210,10 @@ class _Backward:
     def post(self, stage) -> Posted:
         j, e = stage
         c = self.chunks[j] if j in self.chunks else self._start(j)
-        flight = _post_inputs(c, e, [c.x.q, c.dout], "ulysses_bwd")
-        if c.x is None:   # the chunk's last stage is posted: its d(out) travels in the send buffer
+        parts = [c.x.q, c.dout]
+        if c.last(e):   # the chunk's last stage: its d(out) travels in the send buffer
             c.dout = None
-        return flight
+        return _post_inputs(c, e, parts, "ulysses_bwd")
 
     def compute(self, stage, got):
         j, e = stage
@@ -233,19 +233,27 @@ class _Backward:
         if c.out is None:
             c.out, c.grads["q"] = c.q_like.new_empty(c.out_shape), c.q_like.new_empty(c.q_shape)
         cp, lay = c.call.cp, c.call.lay
-        landed = [post_home(cp, lay, [dqh, oh], [c.stages.q[e]] * 2, [c.grads["q"], c.out], "ulysses_bwd")]
+        if c.last(e):   # the chunk's K/V are done with
+            c.kh = c.vh = None
+        parts = [dqh, oh]   # handed over: post_home frees each as it is reordered
         del dqh, oh
+        landed = [post_home(cp, lay, parts, [c.stages.q[e]] * 2, [c.grads["q"], c.out], "ulysses_bwd")]
         if not c.last(e):
             return landed, None
+        del self.chunks[j]
+        if not self.overlap:   # serial: dq and the output land before dK/dV's exchange is packed
+            for f in landed:
+                f.wait()
+            landed = []
         # dK/dV go home once per module chunk; replicated KV heads (H_kv < u) sum their replicas in fp32
-        acc, kv = acc_dtype(dkh.dtype), c.call.split.kv
-        c.grads["k"], c.grads["v"] = (torch.zeros(shape, dtype=acc, device=dkh.device)
-                                      for shape in (c.kv_shape, c.v_shape))
-        landed.append(post_home(cp, lay, [dkh, dvh], [kv, kv], [c.grads["k"], c.grads["v"]], "ulysses_bwd",
-                                accumulate=True))
-        del self.chunks[j], dkh, dvh
+        acc, kv, device = acc_dtype(dkh.dtype), c.call.split.kv, dkh.device
         c.grads.pop("kv_h", None)
-        c.kh = c.vh = None
+        parts = [dkh, dvh]
+        del dkh, dvh
+        c.grads["k"], c.grads["v"] = (torch.zeros(shape, dtype=acc, device=device)
+                                      for shape in (c.kv_shape, c.v_shape))
+        landed.append(post_home(cp, lay, parts, [kv, kv], [c.grads["k"], c.grads["v"]], "ulysses_bwd",
+                                accumulate=True))
         return landed, c
 
     @staticmethod
@@ -302,7 +310,7 @@ class _Pipelined(torch.autograd.Function):
         tensors = [x.detach().requires_grad_(x.requires_grad) if x is not None else None
                    for x in (*saved[:n_in], *ctx.params)]
         del saved
-        run = _Backward(project, q_ranges, engine, tensors, dy, kept)
+        run = _Backward(project, q_ranges, engine, tensors, dy, kept, overlap)
         drive(stages, run.post, run.compute, overlap, run.finish)
         b_o = tensors[-1]
         grads = [t.grad if t is not None and t.requires_grad else None for t in tensors[:-2]]

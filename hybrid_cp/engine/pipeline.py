@@ -129,10 +129,14 @@ def post_heads(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: l
 def post_home(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges],
               targets: list[torch.Tensor], stage: str, accumulate: bool = False) -> Posted:
     """Post [B, u*S (ring-block order), my heads, D] -> write (or add, for replicated KV gradients) each
-    rank's heads into targets[i] [B, S, heads, D] at ranges[i][p]."""
+    rank's heads into targets[i] [B, S, heads, D] at ranges[i][p]. `parts` is consumed: each part is taken
+    out of the list as it is reordered, so a part the caller handed over (no other reference) is freed
+    before the next one is copied."""
+    gathered = []
+    while parts:
+        gathered.append(ring_block_to_gathered(parts.pop(0), lay))
     # the reordered list is handed over, not kept here: the exchange frees it before it allocates the receive buffer
-    return post_head_to_seq(cp, [ring_block_to_gathered(x, lay) for x in parts], ranges, targets, stage, accumulate,
-                            timed=True)
+    return post_head_to_seq(cp, gathered, ranges, targets, stage, accumulate, timed=True)
 
 
 # --- the ring over one head stage ------------------------------------------------------------------------
