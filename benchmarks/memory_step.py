@@ -349,6 +349,44 @@ def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (
     return res
 
 
+def module_backward(u: int = 8, r: int = 1, seq_len: int = 16384, head_chunks: int = 4, dtype: str = "bf16") -> dict:
+    """One attention module of the HEADS_SHAPE model with module-level chunks that keep their outputs (as in a
+    checkpointed layer's recomputation), serial schedule, in `dtype`, after a warm-up: the bytes its forward
+    leaves (`kept`, the output included) and the peak of its backward (`bwd_peak`), both above the inputs
+    (hidden states, d(output), rotary tables, weights), with the sizes of the output and the weight gradients.
+    Runs in a WorkerPool worker."""
+    from hybrid_cp.integrations.transformers import apply_context_parallel
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    cp = _mesh(u, r)
+    model = build_model("cpu", dt, num_hidden_layers=1, **HEADS_SHAPE)
+    apply_context_parallel(model, cp, head_chunks=head_chunks, keep_attention_output=True)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(cp.rank)
+    hidden = torch.randn(1, seq_len // cp.size, model.config.hidden_size, generator=g).to(dt).requires_grad_()
+    dout = torch.randn(hidden.shape, generator=g).to(dt)
+    pe = model.model.rotary_emb(hidden, hcp.positions(seq_len, cp)[None])
+    weights = list(attn.parameters())
+
+    def step():
+        attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0].backward(dout)
+
+    t = StorageTracker()
+    with _overlap(False):
+        step()   # warm-up
+        for x in (hidden, *weights):
+            x.grad = None
+        with t:
+            t.track(hidden, dout, list(pe), weights)
+            start = t.live
+            out = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0]
+            kept = t.live - start
+            t.reset_peak()
+            out.backward(dout)
+    return {"kept": kept, "bwd_peak": t.peak - start, "output": out.numel() * dt.itemsize,
+            "weight_grads": sum(w.numel() * dt.itemsize for w in weights), "tokens": hidden.shape[1]}
+
+
 OPTION_ROWS = [
     ("plain", dict()),
     ("tiled loss", dict(tiled_loss=True)),

@@ -228,14 +228,23 @@ def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: b
     return {"count": count, "diff": max((a - b).abs().max().item() for a, b in zip(*grads))}
 
 
-def engine_step(**kwargs) -> dict:
-    """benchmarks/memory_step.py:engine_memory (one exactly measured hcp.attention call) on this rank."""
+def _memory_step():
     import os
     import sys
 
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    from memory_step import engine_memory
+    import memory_step
 
-    return engine_memory(**kwargs)
+    return memory_step
+
+
+def engine_step(**kwargs) -> dict:
+    """benchmarks/memory_step.py:engine_memory (one exactly measured hcp.attention call) on this rank."""
+    return _memory_step().engine_memory(**kwargs)
+
+
+def module_backward(**kwargs) -> dict:
+    """benchmarks/memory_step.py:module_backward (one attention module with module chunks) on this rank."""
+    return _memory_step().module_backward(**kwargs)

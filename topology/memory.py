@@ -252,6 +252,46 @@ def _single_block_backward(H: int, Hkv: int, D: int, e: int, ulysses: int, T: in
     return max(d_in, ring, home)
 
 
+def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: int, D: int, E: int, e: int,
+                           T: int, reorder: bool) -> int:
+    """One module-level chunk's backward at ring size 1 in the serial schedule, with one engine stage per chunk
+    (`hybrid_cp.engine.modulechunk._Backward`), on top of the module's d(output) and d(input) (two [T, E]
+    tensors, added by the caller) and the kept outputs (counted with the layer): the largest of its phases
+    (docs/memory.md, "Module chunks at ring size 1"). `split`: the chunk's heads over the ulysses ranks; Hm / Km
+    its query / KV heads. Every exchange's parts are freed once packed (`post_seq_to_head` and
+    `post_head_to_seq` consume them), and the send buffer is freed before the received parts are reordered.
+
+    * inputs over: the chunk's local q, k, v and d(out) and the send buffer (K/V once per receiving rank), then
+      the send and receive buffers and (reorder) the received parts' reordered copy (the send buffer is
+      dropped before the copies, but gloo's work releases it only later: measured alive through them).
+    * the kernel: its inputs (q, d(out), k, v in head layout) and dq, dk, dv.
+    * dq and the output home: dk/dv, the chunk's output and dq targets [T, Hm, D], and the exchange (dq and the
+      output, their reordered copy or the receive buffer, the send buffer).
+    * dK/dV home: the two targets, the fp32 sums [T, Km, D] and the exchange of dk/dv (replicated heads are
+      received once per replica).
+    * back through the projections: dq and the fp32 dK/dV, the projections recomputed with their graph, the
+      rotary's d(q), and one [T, E] d(input) before it is added to the module's."""
+    i = _busiest_rank(split)
+    u, c, k = len(split), split[i][0], split[i][3]
+    G, kv_sent = u * T, sum(s[3] for s in split)
+    local = T * (2 * Hm + 2 * Km) * D * e
+    send = T * (2 * Hm + 2 * kv_sent) * D * e
+    recv = G * (2 * c + 2 * k) * D * e
+    inputs = max(local + send, send + (1 + reorder) * recv)   # gloo frees the send buffer late: counted through the copies
+    grads = G * (c + 2 * k) * D * e
+    kernel = recv + grads
+    targets = 2 * T * Hm * D * e
+    dq_home = 2 * G * k * D * e + targets + 4 * G * c * D * e
+    dkv = 2 * G * k * D * e
+    kv_back = 2 * T * kv_sent * D * e
+    # while packed: dk/dv (or their reordered copies) and the send buffer; once packed: the send and receive buffers
+    dkv_home = targets + 2 * T * Km * D * FP32_BYTES + max(2 * dkv, dkv + kv_back)
+    projections = (T * Hm * D * e + 2 * T * Km * D * FP32_BYTES + T * (Hm + 2 * Km) * D * e + T * Hm * D * e
+                   + T * E * e)
+    perms = 2 * G * 8 if reorder else 0   # the layout's two int64 row permutations (cached)
+    return perms + max(inputs, kernel, dq_home, dkv_home, projections)
+
+
 def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
     """The ulysses rank with the most query heads (then KV heads): the one whose memory is priced."""
     return max(range(len(split)), key=lambda j: (split[j][0], split[j][3]))
@@ -301,6 +341,10 @@ def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: i
     in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
     attn_fwd = int(in_flight * fwd_m) + T * E * e
     attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
+    h_m = kv_m * (H // Hkv)
+    split_m = head_split(h_m, kv_m, ulysses)
+    if ring == 1 and not o.overlap and min(inner, split_m[_busiest_rank(split_m)][0]) == 1:
+        attn_bwd = 2 * T * E * e + _module_chunk_backward(split_m, h_m, kv_m, D, E, e, T, reorder)
     c = head_split(H, Hkv, ulysses)[rank][0]
     kept = H * D * e + ulysses * c * FP32_BYTES if keeps_output(o) else 0  # every chunk's output and lse
     # the module holds them all until it returns (forward and recomputation alike)

@@ -127,8 +127,9 @@ def _post_inputs(c: _Chunk, e: int, parts: list[torch.Tensor], stage: str) -> Po
     stage is posted its local Q/K/V are dropped (the send buffer holds what is still travelling)."""
     call = c.call
     ranges = [c.stages.q[e]] * len(parts)
-    if e == 0:
-        parts, ranges = parts + [c.x.k, c.x.v], ranges + [call.split.kv, call.split.kv]
+    if e == 0:   # in place: the caller's list is the one handed over
+        parts.extend([c.x.k, c.x.v])
+        ranges += [call.split.kv, call.split.kv]
     if c.last(e):   # handed over with `parts`: freed once packed, before the receive buffer is allocated
         c.x = None
     return post_heads(call.cp, call.lay, parts, ranges, stage)
