@@ -63,7 +63,8 @@ CHUNK_BWD_PIECES = 13
 # table, not measured on a whole step); the planner charges the top of that range on top of the chunk.
 OVERLAP_IN_FLIGHT = 1.65
 # The tiled MLP's backward working set, in [chunk tokens, intermediate] tensors of the compute dtype (on
-# top of d(hidden) and the fp32 weight gradients). It came in with the exact step measurements (commit
+# top of d(output), d(input) and the fp32 weight gradients; d(output) was added after the fit below, from a
+# snapshot of a bf16 step's peak). It came in with the exact step measurements (commit
 # 31d64fe) without a written derivation; its check is docs/memory.md's step table, whose tiled-MLP rows
 # put the estimate within -1.3% .. +1.0% of the measured peak.
 TILED_MLP_BWD_CHUNKS = 6.5
@@ -378,7 +379,8 @@ def _mlp_stage(T: int, E: int, inter: int, n_mlp: int, e: int, tiled_mlp: int) -
         return (n_mlp + 1) * T * inter * e + T * E * e, 2 * T * inter * e + T * inter * max(e, 4) + T * E * e
     C = min(tiled_mlp, T)
     fwd = max(T * E * e + 3 * C * inter * e - C * E * e, 2 * T * E * e)
-    bwd = T * E * e + 2 * n_mlp * E * inter * max(e, 4) + int(TILED_MLP_BWD_CHUNKS * C * inter * e)
+    # d(output) coming in and d(input) going out, the fp32 weight-gradient sums and one chunk's working set
+    bwd = 2 * T * E * e + 2 * n_mlp * E * inter * max(e, 4) + int(TILED_MLP_BWD_CHUNKS * C * inter * e)
     return fwd, bwd
 
 
