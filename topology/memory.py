@@ -260,7 +260,7 @@ def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: 
     tensors, added by the caller) and the kept outputs (counted with the layer): the largest of its phases
     (docs/memory.md, "Module chunks at ring size 1"). `split`: the chunk's heads over the ulysses ranks; Hm / Km
     its query / KV heads. Every exchange's parts are freed once packed (`post_seq_to_head` and
-    `post_head_to_seq` consume them), and the send buffer is freed before the received parts are reordered.
+    `post_head_to_seq` consume them).
 
     * inputs over: the chunk's local q, k, v and d(out) and the send buffer (K/V once per receiving rank), then
       the send and receive buffers and (reorder) the received parts' reordered copy (the send buffer is
@@ -278,7 +278,7 @@ def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: 
     local = T * (2 * Hm + 2 * Km) * D * e
     send = T * (2 * Hm + 2 * kv_sent) * D * e
     recv = G * (2 * c + 2 * k) * D * e
-    inputs = max(local + send, send + (1 + reorder) * recv)   # gloo frees the send buffer late: counted through the copies
+    inputs = max(local + send, send + (1 + reorder) * recv)   # the send buffer counted through the copies
     grads = G * (c + 2 * k) * D * e
     kernel = recv + grads
     targets = 2 * T * Hm * D * e
