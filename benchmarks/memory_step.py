@@ -315,6 +315,22 @@ def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, he
     return res
 
 
+def _module_case(u: int, r: int, seq_len: int, head_chunks: int, keep: bool | None, dtype: torch.dtype):
+    """One attention module of the HEADS_SHAPE model under apply_context_parallel on a (u, r) mesh, and this
+    rank's hidden states (requiring a gradient), d(output), rotary tables and the module's weights."""
+    from hybrid_cp.integrations.transformers import apply_context_parallel
+
+    cp = _mesh(u, r)
+    model = build_model("cpu", dtype, num_hidden_layers=1, **HEADS_SHAPE)
+    apply_context_parallel(model, cp, head_chunks=head_chunks, keep_attention_output=keep)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(cp.rank)
+    hidden = torch.randn(1, seq_len // cp.size, model.config.hidden_size, generator=g).to(dtype).requires_grad_()
+    dout = torch.randn(hidden.shape, generator=g).to(dtype)
+    pe = model.model.rotary_emb(hidden, hcp.positions(seq_len, cp)[None])
+    return attn, hidden, dout, pe, list(attn.parameters())
+
+
 def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8),
                   keep: bool | None = None) -> dict:
     """Exact memory of one attention module (Q/K/V projections, rotary, hcp.attention, output projection) of
@@ -323,20 +339,10 @@ def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (
     backward, both above the module's inputs; with the sizes of its output, d(input) and the weight
     gradients, which every k allocates alike. `keep`: apply_context_parallel's keep_attention_output (the
     module alone is in no checkpointed layer: None keeps nothing). Runs in a WorkerPool worker."""
-    from hybrid_cp.integrations.transformers import apply_context_parallel
 
-    cp = _mesh(u, r)
     res = {}
     for kc, overlap, name in _schedules(chunks):
-        model = build_model("cpu", torch.float32, num_hidden_layers=1, **HEADS_SHAPE)
-        apply_context_parallel(model, cp, head_chunks=kc, keep_attention_output=keep)
-        attn = model.model.layers[0].self_attn
-        n_local = seq_len // cp.size
-        g = torch.Generator().manual_seed(cp.rank)
-        hidden = torch.randn(1, n_local, model.config.hidden_size, generator=g, requires_grad=True)
-        dout = torch.randn(hidden.shape, generator=g)
-        pe = model.model.rotary_emb(hidden, hcp.positions(seq_len, cp)[None])
-        weights = [p for p in attn.parameters()]
+        attn, hidden, dout, pe, weights = _module_case(u, r, seq_len, kc, keep, torch.float32)
         t = StorageTracker()
         with _overlap(overlap), t:
             t.track(hidden, dout, list(pe), weights)
@@ -355,18 +361,8 @@ def module_backward(u: int = 8, r: int = 1, seq_len: int = 16384, head_chunks: i
     leaves (`kept`, the output included) and the peak of its backward (`bwd_peak`), both above the inputs
     (hidden states, d(output), rotary tables, weights), with the sizes of the output and the weight gradients.
     Runs in a WorkerPool worker."""
-    from hybrid_cp.integrations.transformers import apply_context_parallel
-
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    cp = _mesh(u, r)
-    model = build_model("cpu", dt, num_hidden_layers=1, **HEADS_SHAPE)
-    apply_context_parallel(model, cp, head_chunks=head_chunks, keep_attention_output=True)
-    attn = model.model.layers[0].self_attn
-    g = torch.Generator().manual_seed(cp.rank)
-    hidden = torch.randn(1, seq_len // cp.size, model.config.hidden_size, generator=g).to(dt).requires_grad_()
-    dout = torch.randn(hidden.shape, generator=g).to(dt)
-    pe = model.model.rotary_emb(hidden, hcp.positions(seq_len, cp)[None])
-    weights = list(attn.parameters())
+    attn, hidden, dout, pe, weights = _module_case(u, r, seq_len, head_chunks, True, dt)
 
     def step():
         attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0].backward(dout)

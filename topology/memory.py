@@ -337,12 +337,12 @@ def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: i
     # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
     # chunk (its projections and attention) at a time, more of it alive when overlapped
     kv_m = max(b - a for a, b in ranges)
-    saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(kv_m * (H // Hkv), kv_m, D, E, e, ulysses,
+    h_m = kv_m * (H // Hkv)   # the largest chunk's query heads
+    saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(h_m, kv_m, D, E, e, ulysses,
                                                                       ring, None, T, inner, reorder, True)
     in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
     attn_fwd = int(in_flight * fwd_m) + T * E * e
     attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
-    h_m = kv_m * (H // Hkv)
     split_m = head_split(h_m, kv_m, ulysses)
     if ring == 1 and not o.overlap and min(inner, split_m[_busiest_rank(split_m)][0]) == 1:
         attn_bwd = 2 * T * E * e + _module_chunk_backward(split_m, h_m, kv_m, D, E, e, T, reorder)
