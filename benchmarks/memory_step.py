@@ -8,6 +8,7 @@ allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/
     python benchmarks/memory_step.py --table options        # tiled loss / tiled MLP / checkpointing
     python benchmarks/memory_step.py --table runtime         # + offload, tiled norm, head chunks (device and host)
     python benchmarks/memory_step.py --table bf16            # every option in bf16 at u8 r1, u2 r4, u1 r8
+    python benchmarks/memory_step.py --table bf16 --alive-at-peak 20   # and what is alive at each peak
     python benchmarks/memory_step.py --table heads           # head_chunks in 1, 2, 4, 8 on 8 gloo ranks
     python benchmarks/memory_step.py --table all --out benchmarks/results/memory_cpu.md
 """
@@ -66,6 +67,7 @@ def one_step(model, batch: dict, cp, tracker, *, tiled_loss: bool, loss_chunk: i
         else:
             loss = hcp.cross_entropy(model.lm_head(h), batch["labels"], cp)
         loss = mark(loss, tracker, "loss.bwd", "enter")
+    del hidden, h   # as in hcp.lm_loss: the final hidden states live only in the loss's graph, freed by its backward
     return _backward_and_step(loss, tracker, optimizer)
 
 
@@ -140,9 +142,10 @@ class _engine_stage:
 def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_loss: bool = False,
             loss_chunk: int | None = 512, tiled_mlp: int = 0, checkpoint: bool = False, head_chunks: int = 1,
             device: str = "cpu", shape: dict | None = None, offload: bool = False, tiled_norm: int = 0,
-            dtype: str = "fp32", fsdp: bool = False) -> dict:
+            dtype: str = "fp32", fsdp: bool = False, alive_at_peak: int = 0) -> dict:
     """One measured training step (the second: Adam's state exists) on this rank; returns bytes (`peak`:
-    all live storage; `device_peak` and `host_peak`: outside and inside the offload's host buffers).
+    all live storage; `device_peak` and `host_peak`: outside and inside the offload's host buffers) and, with
+    `alive_at_peak`, that many of the largest groups of storages alive at the device peak (CPU only).
 
     Runs inside a worker of `hybrid_cp.testing.WorkerPool` (gloo is initialised): the model is a
     transformers Llama with `apply_context_parallel` on a (u, r) mesh, replicated weights in `dtype` ("fp32" or
@@ -190,7 +193,7 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
         one_step(model, local, cp, tracker, tiled_loss=tiled_loss, loss_chunk=loss_chunk, optimizer=opt)
         peak = tracker.finish()
     else:
-        tracker = StorageTracker()
+        tracker = StorageTracker(record_peak=alive_at_peak > 0)
         with tracker, _engine_stage(tracker):
             tracker.track(_locals(model.parameters()), [_locals(s.values()) for s in opt.state.values()], local)
             if offload:   # the host buffers the first step left in the pool: held from the start
@@ -205,6 +208,8 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
     for h in handles:
         h.remove()
     dist.barrier()
+    if alive_at_peak and dev.type == "cpu":
+        split["alive_at_peak"] = [g.__dict__ for g in tracker.alive_at_peak()[:alive_at_peak]]
     return {"rank": dist.get_rank(), "base": base, "peak": peak, "stages": tracker.report(), **split}
 
 
@@ -491,10 +496,11 @@ BF16_OPTIONS = dict(checkpoint=True, tiled_loss=True, tiled_mlp=256, layers=BF16
                     tiled_norm=256, head_chunks=4)
 
 
-def bf16_table(pool, raw: dict) -> Iterator[str]:
+def bf16_table(pool, raw: dict, alive_at_peak: int = 0) -> Iterator[str]:
     """Every option (offload, tiled norm, tiled MLP, tiled loss, head chunks 4) in bf16 at u8 r1, u2 r4 and
     u1 r8, with the fp32 u8 r1 step beside it: device-resident and host peaks measured beside the estimate.
-    The model is cast to the dtype (replicated weights, AdamW's state in it: `master_weights=False`)."""
+    The model is cast to the dtype (replicated weights, AdamW's state in it: `master_weights=False`).
+    `alive_at_peak`: after the table, the largest groups of tensors alive at each row's worst-rank peak."""
     yield (f"### Every option in bf16, {BF16_TOKENS} tokens, {BF16_LAYERS} layers, hidden 128, 32/8 heads of 4, "
            "SwiGLU 256, vocabulary 512, head chunks 4, replicated weights in the compute dtype, AdamW (exact live "
            "storage, MiB per rank, worst rank; device = all but the offload's host buffers)")
@@ -503,17 +509,23 @@ def bf16_table(pool, raw: dict) -> Iterator[str]:
     def rows():
         for u, r, dtype in ((8, 1, "bf16"), (2, 4, "bf16"), (1, 8, "bf16"), (8, 1, "fp32")):
             res = pool.run("memory_step:measure", u=u, r=r, seq_len=BF16_TOKENS, loss_chunk=512, timeout=3600,
-                           shape=BF16_SHAPE, dtype=dtype, **BF16_OPTIONS)
+                           shape=BF16_SHAPE, dtype=dtype, alive_at_peak=alive_at_peak, **BF16_OPTIONS)
             worst = max(res, key=lambda x: x["device_peak"])
+            alive.append((f"u={u} r={r} {dtype}, rank {worst['rank']}", worst.get("alive_at_peak", [])))
             host = max(x["host_peak"] for x in res)
             est = _estimate(u, r, BF16_TOKENS, BF16_OPTIONS, BF16_SHAPE, dtype)
             raw[f"bf16/{u}x{r}/{dtype}"] = {"measured": worst, "host": host, "estimate": est.to_dict()}
             yield [f"u={u} r={r}", dtype, mib(worst["device_peak"]), mib(est.peak), f"{est.peak / worst['device_peak'] - 1:+.1%}",
                    est.peak_phase, mib(host), mib(est.host), f"{est.host / host - 1:+.1%}" if host else "-"]
 
+    alive: list = []
     yield from table_lines(["mesh", "dtype", "device peak", "estimate", "error", "estimate's peak phase", "host peak",
                             "host estimate", "error"], rows(), markdown=True)
     yield ""
+    for name, groups in alive if alive_at_peak else ():
+        yield f"Alive at the device peak, {name} (MiB, count, shape, dtype, created at):"
+        yield from (f"    {mib(g['bytes'])} x{g['count']} {g['shape']} {g['dtype']} {g['site']}" for g in groups)
+        yield ""
 
 
 def heads_table(pool, raw: dict) -> Iterator[str]:
@@ -623,6 +635,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the raw measurements here")
     p.add_argument("--overlap-mesh", default="2,1", help="u,r of the overlap timing (its own u*r processes)")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats of the overlap table")
+    p.add_argument("--alive-at-peak", type=int, default=0, metavar="N",
+                   help="bf16 table: list the N largest groups of tensors alive at each row's device peak")
     p.add_argument("--keep-attention-output", action="store_true",
                    help="module table: keep the chunks' attention outputs (apply_context_parallel keep_attention_output=True)")
     args = p.parse_args(argv)
@@ -642,8 +656,10 @@ def main(argv=None) -> int:
                               ("heads", heads_table),
                               ("module", module_table), ("engine", engine_table)):
             if args.table in (name, "all"):
-                keep = {"keep": True} if name == "module" and args.keep_attention_output else {}
-                show(section(pool, raw, **keep))
+                extra = {"keep": True} if name == "module" and args.keep_attention_output else {}
+                if name == "bf16" and args.alive_at_peak:
+                    extra = {"alive_at_peak": args.alive_at_peak}
+                show(section(pool, raw, **extra))
     if args.table in ("overlap", "all"):
         u, r = (int(x) for x in args.overlap_mesh.split(","))
         with WorkerPool(u * r, extra_paths=[here]) as pool:

@@ -51,6 +51,32 @@ def test_tracker_follows_autograd_saved_tensors():
     assert t.report()["exp.bwd"]["transient"] >= 4 * n
 
 
+def _scratch(n: int) -> torch.Tensor:
+    return torch.ones(n)
+
+
+def test_tracker_records_what_is_alive_at_the_peak():
+    """`alive_at_peak` lists the storages alive at the device peak (not those freed before it or made after
+    it), grouped by shape, dtype and creation site."""
+    t = StorageTracker(record_peak=True, min_bytes=1000)
+    with t:
+        early = torch.zeros(5000)            # freed before the peak
+        del early
+        kept = [_scratch(3000) for _ in range(2)]   # alive at the peak: one group of two
+        peak = torch.empty(4000, dtype=torch.float64)   # 32,000 B, freed after the peak
+        small = torch.empty(10)              # below min_bytes
+        del peak
+        late = torch.empty(2000)             # after the peak
+        del kept, late, small
+    assert t.device_peak == 2 * 12000 + 32000 + 40
+    groups = t.alive_at_peak()
+    assert [(g.bytes, g.count, g.shape, g.dtype) for g in groups] == [(32000, 1, (4000,), "float64"),
+                                                                     (24000, 2, (3000,), "float32")]
+    assert "_scratch" in groups[1].site and "test_memory.py" in groups[0].site
+    with pytest.raises(ValueError, match="record_peak"):
+        StorageTracker().alive_at_peak()
+
+
 def test_step_memory_is_monotone_and_options_help():
     base = dict(model=LLAMA8B, ulysses=8, ring=1)
     plain = step_memory(seq_len=1 << 20, options=MemoryOptions(), **base)

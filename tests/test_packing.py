@@ -157,3 +157,26 @@ def test_random_mixes_match_per_document_attention(pool, docs, mesh, causal, hea
     h, hkv = heads if heads[0] >= u else (8, 2)
     case = dict(docs=docs, h=h, hkv=hkv, d=8, causal=causal, seed=len(docs))
     _check(pool.run("dist_cases:packed_errors", u=u, r=r, layout="zigzag", cases=[case], timeout=300))
+
+
+def test_a_long_packed_run_keeps_few_plans_on_the_device():
+    """Packed rows bring a new layout every step; the engine's caches of block plans and row permutations
+    (device index tensors of O(local tokens) each, about 28 bytes per local token for a packed plan at u=1
+    r=8) hold a few layouts, not hundreds, so a long run's memory does not grow step by step."""
+    import random
+
+    import torch
+
+    from hybrid_cp.engine import layout as engine_layout
+    from hybrid_cp.engine import ring
+
+    rng = random.Random(0)
+    dev = torch.device("cpu")
+    for _ in range(40):   # 40 steps, each with its own packed row
+        lens = [rng.randint(50, 400) for _ in range(12)]
+        for u, r in ((1, 8), (2, 4)):
+            lay = make_layout("zigzag", u, r, doc_lens=tuple(lens))
+            ring.block_plan(lay, 0, True, dev)
+            engine_layout.gathered_to_ring_block(torch.zeros(1, lay.block_len, 1), lay)
+    assert ring._plan.cache_info().currsize <= 16
+    assert engine_layout._perm.cache_info().currsize <= 8

@@ -271,7 +271,9 @@ def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: 
     * dK/dV home: the two targets, the fp32 sums [T, Km, D] and the exchange of dk/dv (replicated heads are
       received once per replica).
     * back through the projections: dq and the fp32 dK/dV, the projections recomputed with their graph, the
-      rotary's d(q), and one [T, E] d(input) before it is added to the module's."""
+      rotary's d(q), one [T, E] d(input) before it is added to the module's, and the gradient of the chunk's
+      slice of the query projection's weight [Hm D, E] before it is added to the weight's (seen with
+      `StorageTracker.alive_at_peak`)."""
     i = _busiest_rank(split)
     u, c, k = len(split), split[i][0], split[i][3]
     G, kv_sent = u * T, sum(s[3] for s in split)
@@ -288,9 +290,8 @@ def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: 
     # while packed: dk/dv (or their reordered copies) and the send buffer; once packed: the send and receive buffers
     dkv_home = targets + 2 * T * Km * D * FP32_BYTES + max(2 * dkv, dkv + kv_back)
     projections = (T * Hm * D * e + 2 * T * Km * D * FP32_BYTES + T * (Hm + 2 * Km) * D * e + T * Hm * D * e
-                   + T * E * e)
-    perms = 2 * G * 8 if reorder else 0   # the layout's two int64 row permutations (cached)
-    return perms + max(inputs, kernel, dq_home, dkv_home, projections)
+                   + T * E * e + Hm * D * E * e)
+    return max(inputs, kernel, dq_home, dkv_home, projections)
 
 
 def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
@@ -454,11 +455,15 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     n_mlp = 3 if (model.gated_mlp or model.intermediate is None) else 2
     split = head_split(model.heads, model.n_kv, ulysses)
     rank = _busiest_rank(split) if ulysses_rank is None else ulysses_rank
-    T = batch * make_layout(layout, ulysses, ring, seq_len=seq_len).local_len  # local tokens
+    local = make_layout(layout, ulysses, ring, seq_len=seq_len).local_len
+    T = batch * local  # local tokens
     persistent, grads = _model_states(model, world, e, o.fsdp, o.master_weights)
     # whether the layout's gathered token order differs from the ring block's (a property of the layout, not
-    # of the length: checked on the smallest sequence it takes)
+    # of the length: checked on the smallest sequence it takes); if so the engine caches the two int64 row
+    # permutations between them (hybrid_cp.engine.layout._perm) from the first attention call on
     reorder = make_layout(layout, ulysses, ring, seq_len=2 * ulysses * ring).gathered_rows() is not None
+    if reorder:
+        persistent["layout_perms"] = 2 * ulysses * local * 8
     attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, e, ulysses, ring, rank, T, o,
                                                                               reorder)
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e

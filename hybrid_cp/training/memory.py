@@ -24,6 +24,8 @@ where both are the same RAM: that is what lets a CPU test see the device-residen
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -33,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "StageStats", "mark_stages", "mark", "CudaStageStats", "host_buffer", "is_host"]
+__all__ = ["StorageTracker", "PeakTensors", "StageStats", "mark_stages", "mark", "CudaStageStats", "host_buffer", "is_host"]
 
 _HOST: "weakref.WeakValueDictionary[int, torch.UntypedStorage]" = weakref.WeakValueDictionary()
 _ALLOCATING_HOST = [0]   # > 0 while host_buffer allocates: a tracker counts what it sees then as host
@@ -118,11 +120,27 @@ class _StageMixin:
         return {k: {"peak": v.peak, "transient": v.transient, "entries": v.entries} for k, v in self.stages.items()}
 
 
+@dataclass(frozen=True)
+class PeakTensors:
+    """Storages alive at the device-resident peak that share a shape, dtype and creation site: their total
+    `bytes` and `count`. `site`: the innermost frames outside torch where the first one was created."""
+
+    bytes: int
+    count: int
+    shape: tuple[int, ...]
+    dtype: str
+    site: str
+
+
 class StorageTracker(_StageMixin, TorchDispatchMode):
     """Counts live tensor-storage bytes exactly (see the module docstring). Use as a context manager;
-    `track(*tensors)` adds storages that exist already (parameters, optimizer state) up front."""
+    `track(*tensors)` adds storages that exist already (parameters, optimizer state) up front.
 
-    def __init__(self) -> None:
+    `record_peak=True` also notes each storage of at least `min_bytes` (shape, dtype, creation site) and
+    when it lived, so that `alive_at_peak()` can say what made up the device-resident peak: how a memory
+    model is checked term by term (slower: one stack walk per new storage)."""
+
+    def __init__(self, record_peak: bool = False, min_bytes: int = 4096) -> None:
         super().__init__()
         self._init_stages()
         self.live = 0
@@ -134,6 +152,11 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
         self._sizes: dict[int, int] = {}          # id(storage object) -> counted bytes
         self._refs: dict[int, Any] = {}           # id -> weakref (keeps ids unique while alive)
         self.device_types: set[str] = set()
+        self._record, self._min_bytes = record_peak, min_bytes
+        self._clock = 0                           # counts births and deaths of storages: their times
+        self._peak_clock = -1                     # the time of the device-resident peak
+        self._born: dict[int, tuple[int, tuple[int, ...], str, str]] = {}   # id -> (birth, shape, dtype, site)
+        self._lived: list[tuple[int, int, int, tuple[int, ...], str, str]] = []  # freed: (birth, death, bytes, ...)
 
     def _level(self) -> int:
         return self.live
@@ -145,6 +168,10 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         size = self._sizes.pop(key, 0)
+        self._clock += 1
+        born = self._born.pop(key, None)
+        if born is not None and born[0] <= self._peak_clock:   # only storages born by the peak can matter
+            self._lived.append((born[0], self._clock, size) + born[1:])
         self.live -= size
         if key in self._host:
             self._host.discard(key)
@@ -169,6 +196,9 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
                 self._host.add(key)
                 self.host_live += size
             self.device_types.add(t.device.type)
+            self._clock += 1
+            if self._record and size >= self._min_bytes and key not in self._host:
+                self._born[key] = (self._clock, tuple(t.shape), str(t.dtype).removeprefix("torch."), _site())
         elif old != size:
             self._sizes[key] = size
             self.live += size - old
@@ -176,8 +206,27 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
                 self.host_live += size - old
         self.peak = max(self.peak, self.live)
         self.host_peak = max(self.host_peak, self.host_live)
-        self.device_peak = max(self.device_peak, self.live - self.host_live)
+        if self.live - self.host_live > self.device_peak:
+            self.device_peak = self.live - self.host_live
+            self._peak_clock = self._clock
+            self._lived.clear()   # every one died before this peak
         self._observe(self.live)
+
+    def alive_at_peak(self) -> list[PeakTensors]:
+        """The recorded storages alive at the device-resident peak (`record_peak=True`), grouped by shape,
+        dtype and creation site, largest first. Storages below `min_bytes` are left out; those that existed
+        before the tracker saw them show where they were first seen (a `track` call, or the op that read them)."""
+        if not self._record:
+            raise ValueError("alive_at_peak() needs StorageTracker(record_peak=True)")
+        t = self._peak_clock
+        alive = [(size, rest) for birth, death, size, *rest in self._lived if birth <= t < death]
+        alive += [(self._sizes.get(k, 0), born[1:]) for k, born in self._born.items() if born[0] <= t]
+        groups: dict[tuple, list[int]] = {}
+        for size, (shape, dtype, site) in alive:
+            g = groups.setdefault((tuple(shape), dtype, site), [0, 0])
+            g[0] += size
+            g[1] += 1
+        return sorted((PeakTensors(b, n, *key) for key, (b, n) in groups.items()), key=lambda p: -p.bytes)
 
     def track(self, *tensors: Any) -> None:
         """Count these existing tensors' storages from now on (nested containers are fine)."""
@@ -189,6 +238,8 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
         self.peak = self.live
         self.host_peak = self.host_live
         self.device_peak = self.live - self.host_live
+        self._peak_clock = self._clock
+        self._lived.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -200,6 +251,17 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._see(t)
         return out
+
+
+def _site(depth: int = 4) -> str:
+    """The innermost `depth` frames outside torch and this module, innermost first ("function:line < ...")."""
+    frames, f = [], sys._getframe(2)
+    while f is not None and len(frames) < depth:
+        name = f.f_code.co_filename
+        if "/torch/" not in name and name != __file__:
+            frames.append(f"{os.path.basename(name)}:{f.f_code.co_name}:{f.f_lineno}")
+        f = f.f_back
+    return " < ".join(frames)
 
 
 class CudaStageStats(_StageMixin):
