@@ -28,6 +28,10 @@ failing kernel is recorded per kernel, so the rest of the run goes on):
    fp64 math.
 7. sync: after warm-up, ring_forward + ring_backward and hcp.attention (dense and packed) run under
    torch.cuda.set_sync_debug_mode("error"): does anything synchronise with the host?
+8. memory: one training step (benchmarks/memory_step.py:measure) of a Llama-3-8B-shaped model with 2 layers,
+   bf16, every memory option of the --max-seq ladder (checkpointing with offload, tiled norm and MLP of 8,192
+   tokens, tiled loss, 4 module-level head chunks), at 128K and 256K tokens on the one-rank mesh: the CUDA
+   allocator's peak (allocated and reserved) beside the planner's estimate for the same shape, as a ratio.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class Ctx:
 
 # Most seconds each section may take (on top of the run's --budget): one slow kernel (FA4 compiles
 # each new configuration on first use) must not starve the sections after it.
-SECTION_LIMIT_S = {"parity": 150.0, "throughput": 150.0, "schedule": 100.0, "linear": 120.0}
+SECTION_LIMIT_S = {"parity": 150.0, "throughput": 150.0, "schedule": 100.0, "linear": 120.0, "memory": 150.0}
 
 
 def _kernel(name: str, ctx: Ctx, dtype: torch.dtype, d: int):
@@ -504,6 +508,39 @@ def sync_check(res: dict, ctx: Ctx) -> None:
         print({k: v for k, v in row.items() if k != "where"}, flush=True)
 
 
+# ---- 8. a training step's peak against the planner ----------------------------------------------------------------
+
+def memory(res: dict, ctx: Ctx) -> None:
+    import memory_step as ms
+
+    rows = res.setdefault("memory", [])
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=8) if ctx.dry else \
+        dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             head_dim=128)   # Llama-3-8B's layer
+    tile = 256 if ctx.dry else 8192
+    opts = dict(layers=2, checkpoint=True, offload=True, tiled_norm=tile, tiled_mlp=tile, tiled_loss=True, head_chunks=4)
+    for n in ((1024, 2048) if ctx.dry else (131072, 262144)):
+        row = {"tokens": n}
+        try:
+            if ctx.out_of_time():
+                row["skipped"] = "time budget"
+            else:
+                if ctx.dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(ctx.dev)
+                m = ms.measure(u=1, r=1, seq_len=n, loss_chunk=512, device=ctx.dev.type, shape=shape, dtype="bf16",
+                               **opts)
+                est = ms._estimate(1, 1, n, opts, shape, "bf16")
+                reserved = torch.cuda.max_memory_reserved(ctx.dev) if ctx.dev.type == "cuda" else m["device_peak"]
+                row.update(measured_gib=m["device_peak"] / 2**30, reserved_gib=reserved / 2**30,
+                           estimate_gib=est.peak / 2**30, ratio=est.peak / m["device_peak"], phase=est.peak_phase)
+        except Exception as exc:
+            row["error"] = _err(exc)
+        rows.append(row)
+        print(row, flush=True)
+        _free(ctx.dev)
+
+
 def _with_mesh(res: dict, ctx: Ctx, sections) -> None:
     """Run `sections` on a one-rank mesh (NCCL on a GPU, gloo on CPU), torn down afterwards."""
     import torch.distributed as dist
@@ -595,6 +632,10 @@ def markdown(res: dict) -> str:
                                              ("dq", "dq"), ("dk", "dk"), ("dv", "dv")])]
     out += ["", "## Host syncs (torch.cuda.set_sync_debug_mode('error') after warm-up)", "",
             md_table(res.get("sync", []), [("check", "check"), ("result", "result")])]
+    out += ["", "## A training step's peak against the planner (Llama-3-8B layers x 2, bf16, every ladder option)", "",
+            md_table(res.get("memory", []), [("tokens", "tokens"), ("measured_gib", "allocated peak GiB"),
+                                             ("reserved_gib", "reserved peak GiB"), ("estimate_gib", "estimate GiB"),
+                                             ("ratio", "estimate / allocated"), ("phase", "estimate's peak phase")])]
     if res.get("errors"):
         out += ["", "## Section errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()]
     out += ["", "Seconds per section: " + ", ".join(f"{k} {v}" for k, v in res.get("seconds", {}).items())]
@@ -620,8 +661,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=400.0,
                    help="seconds after which remaining measurements are skipped and recorded as such "
                         "(each section also has its own limit, SECTION_LIMIT_S)")
-    p.add_argument("--sections", default="env,parity,throughput,schedule,linear,engine,sync",
-                   help="comma-separated subset of env,parity,throughput,schedule,linear,engine,sync")
+    p.add_argument("--sections", default="env,parity,throughput,schedule,linear,engine,sync,memory",
+                   help="comma-separated subset of env,parity,throughput,schedule,linear,engine,sync,memory")
     return p.parse_args(argv)
 
 
@@ -636,7 +677,7 @@ def main(argv=None) -> dict:
     for section in (env, parity, throughput, schedule, linear):
         if section.__name__ in wanted:
             _run(section, res, ctx)
-    mesh_sections = [s for name, s in (("engine", engine), ("sync", sync_check)) if name in wanted]
+    mesh_sections = [s for name, s in (("engine", engine), ("sync", sync_check), ("memory", memory)) if name in wanted]
     if mesh_sections:
         try:
             _with_mesh(res, ctx, mesh_sections)

@@ -7,8 +7,8 @@ Three parts, all per layer, forward + backward:
 * **Time** (:func:`estimate`): a latency-bandwidth model per link tier (socket / node / NVLink domain /
   fabric), attention FLOPs at the accelerator's achievable rate, ring transfers overlapped with the
   ring step they feed, and the rest of the layer's GEMMs.
-* **Memory**: the attention stage's working set plus checkpointed layer inputs and sharded model
-  states (see :class:`Estimate.memory_breakdown`).
+* **Memory**: the training step's peak per rank, from :func:`topology.memory.step_memory` (see
+  :class:`Estimate.memory_breakdown`).
 
 Conventions (documented in docs/planner.md): causal attention forward costs ``0.5 * 4 * N^2 * D * H``
 FLOPs per sequence (half of the dense ``4 N^2 D H``); backward costs 2.5x forward (FlashAttention's
@@ -39,7 +39,6 @@ GRAD_BYTES = FP32_BYTES  # dK/dV travel the ring in fp32 (the engine's default: 
 def grad_bytes(dtype_bytes: int) -> int:
     """Bytes of one accumulated gradient element: fp32, or fp64 for fp64 inputs (the engine's acc_dtype)."""
     return max(GRAD_BYTES, dtype_bytes)
-MODEL_STATE_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + 2 fp32 Adam moments (ZeRO-3/FSDP)
 
 
 class ModelShape(BaseModel):
@@ -526,6 +525,7 @@ def estimate(
     window: int | None = _MODEL_WINDOW,
     chunk_size: int | None = None,
     attention_forwards: int = 1,
+    memory_options: Any = None,
 ) -> Estimate:
     """Predict time, bytes and memory of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
@@ -540,12 +540,32 @@ def estimate(
     ``attention_forwards`` is how often attention runs forward per layer and step (1 plain; 2 with
     activation checkpointing, whose recomputation repeats it; ``topology.memory.attention_forwards``):
     each extra one adds a forward pass's attention kernels, ring steps and exchanges (not useful FLOPs).
+    Memory is the training step's peak per rank, :func:`topology.memory.step_memory` with ``memory_options``
+    (a ``topology.memory.MemoryOptions``; default: its defaults, activation checkpointing under FSDP2), or
+    its forward phase with ``backward=False``: one memory model for the planner and ``--max-seq``.
     """
+    est = _timed(cluster, model, seq_len, ulysses, ring, dp, batch, dtype=dtype, layout=layout, causal=causal,
+                 backward=backward, window=window, chunk_size=chunk_size, attention_forwards=attention_forwards)
+    from .memory import MemoryOptions, step_memory  # here: topology.memory builds on this module
+
+    mem = step_memory(model, seq_len, ulysses, ring, dp, batch, memory_options or MemoryOptions(), dtype=dtype,
+                      layout=layout)
+    parts = {k: v for k, v in mem.persistent.items() if k != "activations"}
+    phase = mem.peak_phase if backward else "forward"
+    total = mem.phases[phase]
+    parts[f"activations and working sets ({phase})"] = total - sum(parts.values())
+    return replace(est, memory_bytes=total, memory_breakdown=parts)
+
+
+def _timed(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
+           dtype: Any, layout: Layout, causal: bool, backward: bool, window: Any, chunk_size: int | None,
+           attention_forwards: int) -> Estimate:
+    """:func:`estimate` without its memory (0): time, bytes and FLOPs."""
     if backward and attention_forwards > 1:
-        return _recomputed(estimate(cluster, model, seq_len, ulysses, ring, dp, batch, dtype=dtype, layout=layout,
-                                    causal=causal, window=window, chunk_size=chunk_size),
-                           estimate(cluster, model, seq_len, ulysses, ring, dp, batch, dtype=dtype, layout=layout,
-                                    causal=causal, backward=False, window=window, chunk_size=chunk_size),
+        kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, window=window, chunk_size=chunk_size,
+                                  attention_forwards=1)
+        return _recomputed(_timed(cluster, model, seq_len, ulysses, ring, dp, batch, backward=True, **kw),
+                           _timed(cluster, model, seq_len, ulysses, ring, dp, batch, backward=False, **kw),
                            attention_forwards - 1)
     if not isinstance(attention_forwards, int) or attention_forwards < 1 or (attention_forwards > 1 and not backward):
         raise ValueError(f"attention_forwards={attention_forwards!r} must be an integer >= 1 (1 without backward)")
@@ -591,15 +611,14 @@ def _layer_kinds(model: ModelShape, seq_len: int, causal: bool) -> list[tuple[in
 
 def _average_layer(layers: list[tuple[float, Estimate]], note: str) -> Estimate:
     """A model with several kinds of layer (``layers``: each kind's share of the layers and its estimate):
-    times, FLOPs and bytes averaged over its layers, memory (and its breakdown) the largest kind's."""
+    times, FLOPs and bytes averaged over its layers."""
     times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops",
              "linear_s", "linear_comm_s")
-    first, largest = layers[0][1], max((e for _, e in layers), key=lambda e: e.memory_bytes)
+    first = layers[0][1]
     keys = dict.fromkeys(k for _, e in layers for k in e.bytes_per_rank)
     return replace(first, **{f: sum(share * getattr(e, f) for share, e in layers) for f in times},
                    bytes_per_rank={k: round(sum(share * e.bytes_per_rank.get(k, 0) for share, e in layers))
                                    for k in keys},
-                   memory_bytes=largest.memory_bytes, memory_breakdown=largest.memory_breakdown,
                    notes=first.notes + (note,))
 
 
@@ -630,13 +649,12 @@ def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, 
         times, measured_notes = _calibrated_times(cluster, call, dtype, window, busiest_share, nbytes, times,
                                                   chunk)
         notes += measured_notes
-    mem = _memory_breakdown(call, model)
     return Estimate(
         ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=lay.padded_len, layers=model.layers,
         attention_s=times.kernel_fwd_s + times.kernel_bwd_s, ring_overhead_s=times.ring_overhead_s,
         rest_s=_rest_s(call, model, acc), a2a_s=times.a2a_s, ring_comm_s=times.ring_comm_s,
-        ring_exposed_s=times.ring_exposed_s, bytes_per_rank=nbytes, memory_bytes=int(sum(mem.values())),
-        memory_breakdown=mem, a2a_link=times.a2a_link, ring_link=times.ring_link,
+        ring_exposed_s=times.ring_exposed_s, bytes_per_rank=nbytes, memory_bytes=0, memory_breakdown={},
+        a2a_link=times.a2a_link, ring_link=times.ring_link,
         model_flops=_model_flops(call, model, window_share), peak_flops=acc.peak_tflops * 1e12, notes=tuple(notes),
     )  # fmt: skip
 
@@ -766,26 +784,6 @@ def _analytic_notes(call: _Call, acc: Any, window: Any, halo: bool) -> list[str]
     if lay.padded_len > call.seq_len:
         notes.append(f"padded {call.seq_len} -> {lay.padded_len} tokens")
     return notes
-
-
-def _memory_breakdown(call: _Call, model: ModelShape) -> dict[str, int]:
-    """Per-rank bytes: sharded model states, checkpointed layer inputs, and the attention stage's
-    working set (local and head-layout q/k/v/out, fp32 gradients, the ring's buffers)."""
-    b, s, e, D = call.batch, call.lay.local_len, call.e, call.head_dim
-    H, Hkv, (c_max, k_max) = call.heads, call.kv_heads, call.busiest_heads
-    us = call.ulysses * s
-    kv_blk, g = call.kv_block, grad_bytes(call.e)
-    return {
-        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.held_params // call.world,
-        "checkpointed_inputs": model.layers * b * s * model.d_model * e,
-        "attention_local_io": b * s * (H + 2 * Hkv + H) * D * e,  # q,k,v,out before/after all-to-all
-        "attention_heads": b * us * D * (3 * c_max * e + 2 * k_max * e) + b * c_max * us * 4,
-        "attention_grads_fp32": (b * us * c_max * D * g + kv_blk * g) if call.backward else 0,
-        "ring_buffers": (2 * kv_blk * e + 2 * kv_blk * g * call.backward + b * us * c_max * D * 4)
-        if call.ring > 1
-        else 0,
-        "mlp_recompute": b * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
-    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1055,25 +1053,6 @@ def linear_mixer_saved(model: ModelShape, runs: list[tuple[int, bool]], e: int) 
         len(runs) * (model.linear_conv - 1) * c * e
 
 
-def _linear_memory(call: _Call, model: ModelShape, nbytes_state: int) -> dict[str, int]:
-    """Per-rank bytes of a linear layer: model states and checkpoints as a softmax layer, the gathered
-    summaries (P x slots x numel, fp32) and their gradient in backward, and the recomputed layer's mixer: what
-    it keeps for backward on the busiest rank (`linear_mixer_saved`, the kernel's saved tensors included), or
-    without backward its conv input and output and the kernel's output (compute dtype)."""
-    b, s, e = call.batch, call.lay.local_len, call.e
-    inner = model.linear_heads * model.linear_value_dim
-    size = call.ulysses * call.ring
-    mixer = b * max(linear_mixer_saved(model, linear_runs(call.lay, size, rank), e) for rank in range(size)) \
-        if call.backward else b * s * (2 * model.linear_conv_channels + inner) * e
-    return {
-        "model_states": MODEL_STATE_BYTES_PER_PARAM * model.held_params // call.world,
-        "checkpointed_inputs": model.layers * b * s * model.d_model * e,
-        "linear_mixer": mixer,
-        "linear_summaries": nbytes_state * (1 + call.backward),
-        "mlp_recompute": b * s * ((3 if model.gated_mlp else 2) * (model.intermediate or 4 * model.d_model)) * e,
-    }
-
-
 def linear_runs(lay: Any, size: int, rank: int) -> list[tuple[int, bool]]:
     """(tokens, probed) of each run of `rank`'s local rows, as `recurrence.linear_scan` runs them
     (`Layout.document_runs`: adjacent pieces of one document are one run, so on one rank a zigzag row is one
@@ -1103,14 +1082,13 @@ def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: in
     if not backward:
         nbytes = {k: v for k, v in nbytes.items() if not k.endswith("_bwd")}
     comm_s, link = _linear_comm_s(cluster, call, nbytes)
-    mem = _linear_memory(call, model, linear_summary_bytes(lay, size, batch, model, max(FP32_BYTES, call.e)))
     gemm = (6.0 if backward else 2.0) * model.linear_layer_params
     useful = linear_flops_per_token(model, False) * (1 + (LINEAR_BWD_FACTOR if backward else 0)) + gemm
     return Estimate(
         ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=lay.padded_len,
         layers=model.layers, attention_s=0.0, ring_overhead_s=0.0,
         rest_s=gemm * batch * lay.local_len / acc.dense_flops, a2a_s=0.0, ring_comm_s=0.0, ring_exposed_s=0.0,
-        bytes_per_rank=nbytes, memory_bytes=int(sum(mem.values())), memory_breakdown=mem, a2a_link="none",
+        bytes_per_rank=nbytes, memory_bytes=0, memory_breakdown={}, a2a_link="none",
         ring_link=link, model_flops=useful * batch * seq_len, peak_flops=acc.peak_tflops * 1e12,
         linear_s=_linear_compute_s(call, model, acc), linear_comm_s=comm_s, linear_share=1.0,
     )  # fmt: skip

@@ -43,7 +43,7 @@ from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
-           "attention_forwards", "module_chunked", "keeps_output"]
+           "attention_forwards", "module_chunked", "keeps_output", "memory_ladder", "first_fitting"]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -616,11 +616,8 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
             opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
 
             def fits(n: int) -> bool:
-                if host_memory is not None and \
-                        host_bytes(model, n * granularity, u, r, 1, opt, dtype=dtype, layout=layout) > host_memory:
-                    return False
-                return step_memory(model, n * granularity, u, r, dp, 1, opt, dtype=dtype, layout=layout).peak \
-                    <= memory_budget
+                return _fitting(model, n * granularity, u, r, dp, 1, opt, memory_budget, host_memory, dtype,
+                                layout) is not None
 
             if not fits(1):
                 continue
@@ -639,22 +636,58 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
     return best
 
 
-def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype: Any = "bf16",
-                  layout: str = "zigzag", dp: int = 1, head_chunks: int = 8, tiled_mlp: int = 8192,
-                  loss_chunk: int | None = None, granularity: int = 1024, host_memory: float | None = None,
-                  prefetch: bool = True) -> list[tuple[str, MaxSeq | None]]:
-    """The longest sequence for a ladder of option sets, each adding one memory saving to the last:
-    checkpointing only, + tiled loss, + tiled MLP, + head chunks (the serial schedule: the least memory;
-    ``head_chunks=1`` keeps every rung unchunked), + checkpoint offload (bounded by ``host_memory`` per
-    rank), + tiled RMSNorm. Every rung is an option hybrid-cp runs."""
+def _fitting(model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, o: MemoryOptions,
+             memory_budget: float, host_memory: float | None, dtype: Any, layout: str) -> MemoryEstimate | None:
+    """The step's estimate if its device peak fits ``memory_budget`` and its offloaded checkpoints fit
+    ``host_memory`` (None: unbounded), else None."""
+    if host_memory is not None and host_bytes(model, seq_len, ulysses, ring, batch, o, dtype=dtype,
+                                              layout=layout) > host_memory:
+        return None
+    est = step_memory(model, seq_len, ulysses, ring, dp, batch, o, dtype=dtype, layout=layout)
+    return est if est.peak <= memory_budget else None
+
+
+def memory_ladder(head_chunks: int = 8, tiled_mlp: int = 8192, loss_chunk: int | None = None,
+                  prefetch: bool = True) -> list[tuple[str, MemoryOptions]]:
+    """Option sets, each adding one memory saving to the last: checkpointing only, + tiled loss, + tiled
+    MLP, + head chunks (up to ``head_chunks``, the serial schedule: the least memory; 1 keeps every rung
+    unchunked), + checkpoint offload, + tiled RMSNorm. Every rung is an option hybrid-cp runs."""
     base: dict[str, Any] = dict(loss_chunk=loss_chunk, prefetch=prefetch)
     rungs = [("activation checkpointing", {}), ("+ tiled loss", dict(tiled_loss=True)),
              ("+ tiled MLP", dict(tiled_mlp=tiled_mlp)),
              (f"+ head_chunks <= {head_chunks}, serial", dict(head_chunks=head_chunks, overlap=False)),
              ("+ checkpoint offload", dict(offload_checkpoints=True)), ("+ tiled RMSNorm", dict(tiled_norm=True))]
-    rows = []
+    ladder = []
     for name, extra in rungs:
         base.update(extra)
-        rows.append((name, max_seq_len(model, world, memory_budget, MemoryOptions(**base), dtype=dtype,
-                                       layout=layout, dp=dp, granularity=granularity, host_memory=host_memory)))
-    return rows
+        ladder.append((name, MemoryOptions(**base)))
+    return ladder
+
+
+def first_fitting(model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int,
+                  ladder: list[tuple[str, MemoryOptions]], memory_budget: float, *, host_memory: float | None = None,
+                  dtype: Any = "bf16", layout: str = "zigzag") -> tuple[str, MemoryOptions, MemoryEstimate] | None:
+    """The first rung of ``ladder`` (and within it the fewest head chunks, then pinned host buffers before
+    pageable ones) whose step fits the device budget and the host memory: (its name, the options, the
+    estimate), or None when none does. What `hybrid-cp plan --seq-len` reports per split."""
+    c = head_split(model.heads, model.n_kv, ulysses)[0][0]
+    for name, o in ladder:
+        pins = (True, False) if o.offload_checkpoints and o.pin_memory else (o.pin_memory,)
+        for hc in sorted({min(k, c) for k in range(1, o.head_chunks + 1)}):
+            for pin in pins:
+                opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
+                est = _fitting(model, seq_len, ulysses, ring, dp, batch, opt, memory_budget, host_memory, dtype, layout)
+                if est is not None:
+                    return name, opt, est
+    return None
+
+
+def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype: Any = "bf16",
+                  layout: str = "zigzag", dp: int = 1, head_chunks: int = 8, tiled_mlp: int = 8192,
+                  loss_chunk: int | None = None, granularity: int = 1024, host_memory: float | None = None,
+                  prefetch: bool = True) -> list[tuple[str, MaxSeq | None]]:
+    """The longest sequence for each rung of :func:`memory_ladder` (offload bounded by ``host_memory`` per
+    rank)."""
+    return [(name, max_seq_len(model, world, memory_budget, o, dtype=dtype, layout=layout, dp=dp,
+                               granularity=granularity, host_memory=host_memory))
+            for name, o in memory_ladder(head_chunks, tiled_mlp, loss_chunk, prefetch)]

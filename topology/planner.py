@@ -15,8 +15,8 @@ from typing import Any
 
 from .cluster import Cluster
 from .cost import Estimate, ModelShape, estimate
-from .layouts import granularity
-from .memory import MemoryOptions, attention_forwards
+from .layouts import granularity, head_split
+from .memory import MemoryOptions, attention_forwards, first_fitting, step_memory
 from .placement import PlacementWarning, check_placement, divisors
 from .units import GiB
 
@@ -132,6 +132,12 @@ class PlanList(list):
         }
 
 
+def _least(o: MemoryOptions, model: ModelShape, ulysses: int) -> MemoryOptions:
+    """``o`` with its most head chunks the heads allow (the least memory it offers)."""
+    c = head_split(model.heads, model.n_kv, ulysses)[0][0]
+    return MemoryOptions(**{**o.__dict__, "head_chunks": min(o.head_chunks, c)})
+
+
 def plan(
     cluster: Cluster,
     model: ModelShape,
@@ -145,16 +151,24 @@ def plan(
     layout: str = "zigzag",
     causal: bool = True,
     options: MemoryOptions | None = None,
+    ladder: list[tuple[str, MemoryOptions]] | None = None,
+    host_memory: float | None = None,
 ) -> PlanList:
     """Rank every feasible (ulysses, ring, dp) split of ``world_size`` GPUs (default: all of them).
 
     ``memory_budget`` is bytes per GPU (default: 90% of the accelerator's memory, leaving room for the
     CUDA context, communication buffers and fragmentation); ``batch`` is sequences per CP group;
-    ``dp`` fixes the data-parallel degree (``dp=1``: one CP group over all GPUs). ``options`` (the
-    training's memory options) set how often attention runs forward per layer: with activation
-    checkpointing the recomputation repeats it (``topology.memory.attention_forwards``); default: once.
+    ``dp`` fixes the data-parallel degree (``dp=1``: one CP group over all GPUs). A split fits when its
+    training step's peak (``topology.memory.step_memory``, the model ``--max-seq`` searches with) fits the
+    budget, with ``options`` (the training's memory options; default ``MemoryOptions()``, checkpointing
+    under FSDP2), or with the first rung of ``ladder`` (``topology.memory.memory_ladder``) that fits, whose
+    name the plan notes; offloaded checkpoints must also fit ``host_memory`` bytes per GPU (None: unbounded).
+    The options also set how often attention runs forward per layer: with activation checkpointing the
+    recomputation repeats it (``topology.memory.attention_forwards``); with neither argument: once.
     Raises :class:`PlanError` when nothing fits, saying what to change.
     """
+    if options is not None and ladder is not None:
+        raise PlanError("give options= (one set of memory options) or ladder= (the first rung that fits), not both")
     world = cluster.world_size if world_size is None else world_size
     if not isinstance(world, int) or world < 1 or world > cluster.world_size:
         raise PlanError(f"world_size={world_size!r} must be an integer in [1, {cluster.world_size}] for {cluster.name!r}")
@@ -177,18 +191,25 @@ def plan(
             if seq_len < g:
                 rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
                 continue
-            forwards = attention_forwards(model, u, options) if options is not None else 1
-            est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal,
-                           attention_forwards=forwards)
-            if est.memory_bytes > budget:
-                rejected.append(
-                    Rejected(u, r, d, f"memory {est.memory_bytes / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB")
-                )
+            rungs = ladder or [("", options or MemoryOptions())]
+            chosen = first_fitting(model, seq_len, u, r, d, batch, rungs, budget, host_memory=host_memory,
+                                   dtype=dtype, layout=layout)
+            if chosen is None:
+                least = step_memory(model, seq_len, u, r, d, batch, _least(rungs[-1][1], model, u), dtype=dtype,
+                                    layout=layout).peak
+                rejected.append(Rejected(u, r, d, f"memory {least / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB"
+                                         if least > budget else "offloaded checkpoints exceed the host memory"))
                 continue
+            name, opt, _ = chosen
+            forwards = attention_forwards(model, u, opt) if options is not None or ladder is not None else 1
+            est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal,
+                           attention_forwards=forwards, memory_options=opt)
             with warnings.catch_warnings():  # the warnings become plan notes instead
                 warnings.simplefilter("ignore", PlacementWarning)
                 report = check_placement(cluster, u, r, d, warn=True, world_size=world)
             notes = (*report.problems, *report.notes)
+            if ladder is not None:
+                notes = (f"memory options: {name} ({opt.describe()})", *notes)
             feasible.append((est.time_s / d, -u, Plan(u, r, d, est, notes=notes)))
     feasible.sort(key=lambda t: (t[0], t[1]))
     plans = [Plan(p.ulysses, p.ring, p.dp, p.estimate, rank=k + 1, notes=p.notes) for k, (_, _, p) in enumerate(feasible)]

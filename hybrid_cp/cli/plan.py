@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from topology.cluster import Cluster, ClusterError
 from topology.cost import MODEL_PRESETS, ModelShape
 from topology.discovery import discover
-from topology.memory import attention_forwards, max_seq_table
+from topology.memory import attention_forwards, max_seq_table, memory_ladder
 from topology.planner import PlanError, PlanList, plan
 from topology.units import GiB
 
@@ -184,9 +184,11 @@ def run(args: argparse.Namespace) -> int:
         model = _model(args)
         if args.max_seq:
             return max_seq_main(args, cluster, model)
+        host = _check_memory_flags(args, cluster)
         plans = plan(
             cluster, model, args.seq_len, batch=args.batch, world_size=args.world_size,
             memory_budget=args.memory_budget, dp=args.dp, dtype=args.dtype, layout=args.layout, causal=args.causal,
+            ladder=memory_ladder(args.head_chunks, args.tiled_mlp, args.loss_chunk, args.prefetch), host_memory=host,
         )  # fmt: skip
         if args.plot:
             plot_plans(plans, args.plot)
@@ -210,8 +212,9 @@ main = COMMAND.main
 
 
 def add_max_seq_arguments(parser: Any) -> None:
-    """The `--max-seq` flags of `hybrid-cp plan`."""
-    g = parser.add_argument_group("longest sequence (--max-seq)")
+    """The `--max-seq` flags of `hybrid-cp plan`, and the memory options' ladder both modes use."""
+    g = parser.add_argument_group("memory options: the ladder --max-seq prints; with --seq-len each split takes "
+                                  "its first rung that fits")
     g.add_argument("--max-seq", action="store_true",
                    help="print the longest sequence that fits per option set, with its (u, r, head_chunks)")
     g.add_argument("--head-chunks", type=int, default=8,
@@ -231,18 +234,24 @@ def _pinned(options: Any) -> str:
     return ("yes" if options.pin_memory else "no") if options.offload_checkpoints else "-"
 
 
-def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
-    """`hybrid-cp plan --max-seq`: print (or --json) the ladder of `topology.memory.max_seq_table`."""
-    world = args.world_size or cluster.world_size
-    budget = args.memory_budget or cluster.accelerator.memory_budget
+def _check_memory_flags(args: Any, cluster: Any) -> float | None:
+    """The ladder's flags checked; returns the host memory per GPU for offloaded checkpoints (None: unbounded)."""
     host = args.host_memory if args.host_memory is not None else cluster.host_memory_per_gpu
-    if model.vocab == 0:
-        raise UsageError("--max-seq needs the vocabulary size for the loss: use --model NAME (e.g. llama3-8b)")
     if args.head_chunks < 1 or args.tiled_mlp < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
         raise UsageError(f"--head-chunks={args.head_chunks}, --tiled-mlp={args.tiled_mlp} and "
                          f"--loss-chunk={args.loss_chunk} must be >= 1")
     if host is not None and host <= 0:
         raise UsageError(f"--host-memory={args.host_memory} must be > 0 bytes")
+    return host
+
+
+def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
+    """`hybrid-cp plan --max-seq`: print (or --json) the ladder of `topology.memory.max_seq_table`."""
+    world = args.world_size or cluster.world_size
+    budget = args.memory_budget or cluster.accelerator.memory_budget
+    if model.vocab == 0:
+        raise UsageError("--max-seq needs the vocabulary size for the loss: use --model NAME (e.g. llama3-8b)")
+    host = _check_memory_flags(args, cluster)
     rows = max_seq_table(model, world, budget, dtype=args.dtype, layout=args.layout, dp=args.dp or 1,
                          head_chunks=args.head_chunks, tiled_mlp=args.tiled_mlp, loss_chunk=args.loss_chunk,
                          host_memory=host, prefetch=args.prefetch)

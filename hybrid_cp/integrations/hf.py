@@ -256,8 +256,10 @@ def _attention_kinds(config: Any, kinds: list[str], mtype: str) -> dict:
 def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, seq_len: int,
                  cp_size: int | None = None) -> tuple[int, int]:
     """(ulysses, ring) from the planner (`topology.planner.plan`) for the detected cluster and the model's shape,
-    honouring a degree that was given (and `cp_size`, a fixed ulysses x ring); logs the choice and why."""
+    honouring a degree that was given (and `cp_size`, a fixed ulysses x ring); logs the choice and why. A split
+    fits when some rung of `hybrid-cp plan`'s memory ladder fits it, as on the command line."""
     from topology.discovery import discover
+    from topology.memory import memory_ladder
     from topology.planner import plan
 
     for name, value in (("ulysses", ulysses), ("ring", ring)):
@@ -267,8 +269,8 @@ def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, s
         raise ConfigError(f"cp_seq_len={seq_len!r}: \"auto\" needs the training sequence length (a positive int) "
                           f"to plan for; pass cp_seq_len=... or explicit ulysses= and ring=")
     cluster = discover()
-    plans = plan(cluster, model_shape(config), seq_len, world_size=world,
-                 dp=None if cp_size is None else world // cp_size)
+    plans = plan(cluster, model_shape(config), seq_len, world_size=world,   # memory: the first rung that fits
+                 dp=None if cp_size is None else world // cp_size, ladder=memory_ladder())
     fits = [p for p in plans if (ulysses == "auto" or p.ulysses == ulysses) and (ring == "auto" or p.ring == ring)]
     if not fits:
         raise ConfigError(f"ulysses={ulysses!r}, ring={ring!r}: the planner found no feasible split of {world} ranks "
