@@ -71,3 +71,47 @@ def test_hybrid_beats_pure_ulysses_across_nodes():
     plans = plan(Cluster.preset("dgx-h100", nodes=4), LLAMA, 1 << 18, dp=1)
     order = [(p.ulysses, p.ring) for p in plans]
     assert order.index((8, 4)) < order.index((32, 1))
+
+
+def test_plan_and_max_seq_share_one_memory_model():
+    """`plan` checks a split with the step model `--max-seq` searches with: the estimate's memory is
+    `step_memory`'s peak for the options the split was checked with, and the longest sequence `max_seq_len`
+    finds at a split is one `plan` (with the same ladder) accepts at that split, where the old per-layer sum
+    refused 5M tokens on 8 H100s for every split."""
+    from topology.cost import estimate
+    from topology.memory import MemoryOptions, first_fitting, max_seq_len, memory_ladder, step_memory
+
+    c = Cluster.preset("dgx-h100")
+    llama = ModelShape.preset("llama3-8b")
+    assert estimate(c, llama, 1 << 20, 8, 1).memory_bytes == step_memory(llama, 1 << 20, 8, 1).peak
+    ladder = memory_ladder()
+    plans = plan(c, llama, 5 << 20, memory_budget=80e9, ladder=ladder)
+    assert plans and all(p.dp == 1 for p in plans)   # 5M tokens need all 8 GPUs in the CP group
+    for p in plans:
+        name, opt, mem = first_fitting(llama, 5 << 20, p.ulysses, p.ring, p.dp, 1, ladder, 80e9,
+                                       host_memory=c.host_memory_per_gpu)
+        assert p.estimate.memory_bytes == mem.peak <= 80e9 and f"memory options: {name}" in p.notes[0]
+    best = max_seq_len(llama, 8, 80e9, ladder[-1][1], splits=[(8, 1)], host_memory=c.host_memory_per_gpu)
+    at = plan(c, llama, best.seq_len, memory_budget=80e9, ladder=[ladder[-1]], host_memory=c.host_memory_per_gpu)
+    assert any((p.ulysses, p.ring) == (8, 1) for p in at)
+    too_long = plan(c, llama, best.seq_len + 1024 * 8, memory_budget=80e9, ladder=[ladder[-1]],
+                    host_memory=c.host_memory_per_gpu, dp=1)
+    assert all((p.ulysses, p.ring) != (8, 1) for p in too_long)
+    with pytest.raises(PlanError, match="not both"):
+        plan(c, llama, 1 << 16, options=MemoryOptions(), ladder=ladder)
+
+
+def test_with_a_ladder_fewer_memory_options_rank_first():
+    """Splits that fit on an earlier rung come first (the later rungs' recomputation and copies are not in the
+    time model); within a rung, by throughput."""
+    from topology.memory import memory_ladder
+
+    c = Cluster.preset("dgx-h100", nodes=4)
+    ladder = memory_ladder()
+    plans = plan(c, LLAMA, 1 << 20, ladder=ladder)
+    names = [n for n, _ in ladder]
+    rungs = [names.index(p.notes[0].split("memory options: ")[1].split(" (")[0]) for p in plans]
+    assert rungs == sorted(rungs) and rungs[0] == 0 and rungs[-1] > 0
+    for k in set(rungs):
+        keys = [p.estimate.time_s / p.dp for p, g in zip(plans, rungs) if g == k]
+        assert keys == sorted(keys)

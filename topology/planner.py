@@ -1,10 +1,12 @@
 """Enumerate every (ulysses, ring, dp) split of a world, price each with :func:`estimate`, rank them.
 
 Feasibility: ``u * r * dp == world``; ``u <= heads`` (each ulysses rank needs a query head; GQA KV
-heads are replicated, never the bound); the sequence must not be mostly padding; the memory estimate
-must fit the budget. Ulysses groups that cross nodes are kept but priced over the NIC and flagged.
-Ranking is by throughput of the whole world (tokens/s), i.e. by ``time_s / dp``; ties go to the larger
-ulysses degree (fewer ring steps, less exposed to imperfect overlap).
+heads are replicated, never the bound); the sequence must not be mostly padding; the training step's
+memory (``topology.memory.step_memory``) must fit the budget, with the given memory options or with some
+rung of a ladder of them. Ulysses groups that cross nodes are kept but priced over the NIC and flagged.
+Ranking is by the ladder's rung (fewer memory options first), then by throughput of the whole world
+(tokens/s), i.e. by ``time_s / dp``; ties go to the larger ulysses degree (fewer ring steps, less exposed
+to imperfect overlap).
 """
 
 from __future__ import annotations
@@ -164,7 +166,9 @@ def plan(
     under FSDP2), or with the first rung of ``ladder`` (``topology.memory.memory_ladder``) that fits, whose
     name the plan notes; offloaded checkpoints must also fit ``host_memory`` bytes per GPU (None: unbounded).
     The options also set how often attention runs forward per layer: with activation checkpointing the
-    recomputation repeats it (``topology.memory.attention_forwards``); with neither argument: once.
+    recomputation repeats it (``topology.memory.attention_forwards``); with neither argument: once. With a
+    ladder, splits that fit on an earlier rung rank first: the later rungs' costs (the tiled MLP's and loss's
+    recomputation, offload's copies, head chunks' smaller kernels) are not in the time model.
     Raises :class:`PlanError` when nothing fits, saying what to change.
     """
     if options is not None and ladder is not None:
@@ -177,7 +181,7 @@ def plan(
         raise PlanError(f"dp={dp!r} must be a positive integer dividing world_size={world}")
     if budget <= 0:
         raise PlanError(f"memory_budget={memory_budget!r} must be > 0 bytes")
-    feasible: list[tuple[float, int, Plan]] = []
+    feasible: list[tuple[int, float, int, Plan]] = []
     rejected: list[Rejected] = []
     for cp in divisors(world):
         if dp is not None and world // cp != dp:
@@ -210,9 +214,10 @@ def plan(
             notes = (*report.problems, *report.notes)
             if ladder is not None:
                 notes = (f"memory options: {name} ({opt.describe()})", *notes)
-            feasible.append((est.time_s / d, -u, Plan(u, r, d, est, notes=notes)))
-    feasible.sort(key=lambda t: (t[0], t[1]))
-    plans = [Plan(p.ulysses, p.ring, p.dp, p.estimate, rank=k + 1, notes=p.notes) for k, (_, _, p) in enumerate(feasible)]
+            rung = [n for n, _ in rungs].index(name)
+            feasible.append((rung, est.time_s / d, -u, Plan(u, r, d, est, notes=notes)))
+    feasible.sort(key=lambda t: t[:3])
+    plans = [Plan(p.ulysses, p.ring, p.dp, p.estimate, rank=k + 1, notes=p.notes) for k, (*_, p) in enumerate(feasible)]
     header = (
         f"{cluster.describe()}\nmodel {model.name}: heads={model.heads} kv_heads={model.n_kv} head_dim={model.head_dim} "
         f"hidden={model.d_model} layers={model.layers}; seq_len={seq_len} batch={batch} world={world} "
