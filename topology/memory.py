@@ -304,7 +304,8 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
     """Model-state bytes held through the step, then the gradients that appear in backward: one block's
     unsharded gradient and its fp32 reduce-scatter input (``block``), the LM head's gradient alive through
     the layers' backward (``lm_head``), those alive in the first layer's backward (``first_layer``: without
-    FSDP every gradient but the embedding's has accumulated by then), the root's at the end of backward
+    FSDP every gradient but the embedding's has accumulated by then; ``one_layer``, what one layer's adds
+    there), the root's at the end of backward
     (``root_end``: both root gradients and their fp32 reduce-scatter input) and, without FSDP, all of
     them (``all``). ``master=False`` (replicated only): weights, gradients and AdamW state in the compute dtype."""
     P, lp, root, head = model.held_params, model.held_layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
@@ -312,7 +313,8 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
         # gradients appear in backward (the LM head's first)
         w = MASTER if master else e
         return ({"params": w * P, "adam": 2 * w * P},
-                {"block": 0, "lm_head": w * head, "first_layer": w * (P - head), "root_end": 0, "all": w * P})
+                {"block": 0, "lm_head": w * head, "first_layer": w * (P - head), "one_layer": w * lp, "root_end": 0,
+                 "all": w * P})
     persistent = {
         "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,  # fp32 master weights are the shards
         "unsharded_root": root * e if world > 1 else 0,
@@ -321,7 +323,7 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
     # FSDP2's unsharded gradients are in the compute dtype (the parameters'); the root (embedding, LM head,
     # final norm) reduces once, after the embedding's backward, the last
     grads = {"block": lp * max(e, GRAD) if world > 1 else 0, "lm_head": head * e if world > 1 else 0,
-             "root_end": root * (e + GRAD) if world > 1 else 0, "all": 0}
+             "root_end": root * (e + GRAD) if world > 1 else 0, "all": 0, "one_layer": 0}
     grads["first_layer"] = grads["lm_head"]  # the blocks' gradients are reduce-scattered as each block finishes
     return persistent, grads
 
@@ -567,6 +569,11 @@ def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, per
                                                          else 0) + grads["first_layer"] + layer_bwd,
         "optimizer": base + grads["all"] + (optimizer_temp if o.foreach_optimizer else 2 * w * largest),
     }
+    if o.offload_checkpoints and o.prefetch and model.layers > 1:
+        # the second layer's backward: the first one's input prefetched, and (replicated weights) every
+        # gradient but the first layer's and the embedding's: above both neighbours when a layer's
+        # gradients weigh less than its input
+        phases["second_layer_backward"] = phases["first_layer_backward"] + fetched - grads["one_layer"]
     if grads["root_end"]:
         phases["root_gradients"] = base + grads["root_end"]
     return phases
