@@ -175,10 +175,8 @@ def test_all_to_all_over_nic_is_slower_than_nvlink():
     assert across.a2a_s > 3 * inside.a2a_s
 
 
-def test_memory_shrinks_with_cp_and_estimate_errors():
+def test_estimate_errors():
     c = Cluster.preset("dgx-h100", nodes=4)
-    m8, m32 = estimate(c, MODEL, 1 << 20, 8, 1).memory_bytes, estimate(c, MODEL, 1 << 20, 8, 4).memory_bytes
-    assert m32 < m8 / 2
     with pytest.raises(ValueError, match="cluster 'dgx-h100' has 32 GPUs"):
         estimate(c, MODEL, 1 << 20, 8, 4, dp=2)
     with pytest.raises(ValueError, match="exceeds heads"):

@@ -19,7 +19,7 @@ def test_plans_are_valid_and_ranked_by_throughput():
         assert p.rank == k
         assert all(isinstance(x, int) for x in (p.ulysses, p.ring, p.dp))
         assert p.ulysses * p.ring * p.dp == 32 and p.ulysses <= 32
-        assert p.estimate.memory_bytes <= 0.9 * 80e9
+        assert p.memory.peak <= 0.9 * 80e9
     # the best plan keeps ulysses inside a node, and nothing fits without CP at 1M tokens
     assert plans.best.ulysses <= 8 and not plans.best.notes
     assert any(r.ulysses * r.ring == 1 and "memory" in r.reason for r in plans.rejected)
@@ -46,7 +46,7 @@ def test_head_bound_and_crossing_groups_are_flagged():
 def test_memory_budget_and_errors():
     c = Cluster.preset("dgx-h100", nodes=1)
     plans = plan(c, LLAMA, 1 << 18, memory_budget=40e9)
-    assert all(p.estimate.memory_bytes <= 40e9 for p in plans)
+    assert all(p.memory.peak <= 40e9 for p in plans)
     with pytest.raises(PlanError, match="memory") as err:
         plan(c, LLAMA, 1 << 22, memory_budget=1e9)
     assert "raise memory_budget" in str(err.value)
@@ -74,23 +74,24 @@ def test_hybrid_beats_pure_ulysses_across_nodes():
 
 
 def test_plan_and_max_seq_share_one_memory_model():
-    """`plan` checks a split with the step model `--max-seq` searches with: the estimate's memory is
-    `step_memory`'s peak for the options the split was checked with, and the longest sequence `max_seq_len`
-    finds at a split is one `plan` (with the same ladder) accepts at that split, where the old per-layer sum
-    refused 5M tokens on 8 H100s for every split."""
-    from topology.cost import estimate
+    """`plan` checks a split with the step model `--max-seq` searches with: a plan's memory is `step_memory`'s
+    peak for the options the split was checked with, and the longest sequence `max_seq_len` finds at a split is
+    one `plan` (with the same ladder) accepts at that split, where the old per-layer sum refused 5M tokens on 8
+    H100s for every split."""
     from topology.memory import MemoryOptions, first_fitting, max_seq_len, memory_ladder, step_memory
 
     c = Cluster.preset("dgx-h100")
     llama = ModelShape.preset("llama3-8b")
-    assert estimate(c, llama, 1 << 20, 8, 1).memory_bytes == step_memory(llama, 1 << 20, 8, 1).peak
+    p = plan(c, llama, 1 << 16, dp=1).best
+    assert p.memory == step_memory(llama, 1 << 16, p.ulysses, p.ring, 1, 1, MemoryOptions()) and \
+        p.options == MemoryOptions()
     ladder = memory_ladder()
-    plans = plan(c, llama, 5 << 20, memory_budget=80e9, ladder=ladder)
+    plans = plan(c, llama, 5 << 20, memory_budget=80e9, ladder=ladder, host_memory=c.host_memory_per_gpu)
     assert plans and all(p.dp == 1 for p in plans)   # 5M tokens need all 8 GPUs in the CP group
     for p in plans:
         name, opt, mem = first_fitting(llama, 5 << 20, p.ulysses, p.ring, p.dp, 1, ladder, 80e9,
                                        host_memory=c.host_memory_per_gpu)
-        assert p.estimate.memory_bytes == mem.peak <= 80e9 and f"memory options: {name}" in p.notes[0]
+        assert p.memory == mem and p.options == opt and mem.peak <= 80e9 and f"memory options: {name}" in p.notes[0]
     best = max_seq_len(llama, 8, 80e9, ladder[-1][1], splits=[(8, 1)], host_memory=c.host_memory_per_gpu)
     at = plan(c, llama, best.seq_len, memory_budget=80e9, ladder=[ladder[-1]], host_memory=c.host_memory_per_gpu)
     assert any((p.ulysses, p.ring) == (8, 1) for p in at)

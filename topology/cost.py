@@ -7,8 +7,8 @@ Three parts, all per layer, forward + backward:
 * **Time** (:func:`estimate`): a latency-bandwidth model per link tier (socket / node / NVLink domain /
   fabric), attention FLOPs at the accelerator's achievable rate, ring transfers overlapped with the
   ring step they feed, and the rest of the layer's GEMMs.
-* **Memory**: the training step's peak per rank, from :func:`topology.memory.step_memory` (see
-  :class:`Estimate.memory_breakdown`).
+* **Memory** is not here: :mod:`topology.memory` prices the training step's peak, and the planner checks
+  each split with it.
 
 Conventions (documented in docs/planner.md): causal attention forward costs ``0.5 * 4 * N^2 * D * H``
 FLOPs per sequence (half of the dense ``4 N^2 D H``); backward costs 2.5x forward (FlashAttention's
@@ -295,7 +295,7 @@ class Estimate:
 
     ``time_s`` = ``compute_s + a2a_s + ring_exposed_s``; ``compute_s`` = attention kernels + ring step
     overheads + the rest of the layer. ``bytes_per_rank`` is the :func:`comm_bytes` dict (worst
-    ulysses rank); ``total_bytes`` its sum. ``memory_bytes`` is the peak per-rank memory estimate.
+    ulysses rank); ``total_bytes`` its sum. Memory is the planner's (``Plan.memory``, ``topology.memory``).
     """
 
     ulysses: int
@@ -312,8 +312,6 @@ class Estimate:
     ring_comm_s: float
     ring_exposed_s: float
     bytes_per_rank: dict[str, int]
-    memory_bytes: int
-    memory_breakdown: dict[str, int]
     a2a_link: str
     ring_link: str
     model_flops: float  # useful FLOPs of one layer fwd+bwd for the whole CP group (no padding)
@@ -369,7 +367,6 @@ class Estimate:
             "ring_comm_s": self.ring_comm_s, "ring_exposed_s": self.ring_exposed_s,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "bytes_per_rank": dict(self.bytes_per_rank), "total_bytes": self.total_bytes,
-            "memory_bytes": self.memory_bytes, "memory_breakdown": dict(self.memory_breakdown),
             "a2a_link": self.a2a_link, "ring_link": self.ring_link, "notes": list(self.notes),
             "linear_s": self.linear_s, "linear_comm_s": self.linear_comm_s, "linear_share": self.linear_share,
         }  # fmt: skip
@@ -525,47 +522,27 @@ def estimate(
     window: int | None = _MODEL_WINDOW,
     chunk_size: int | None = None,
     attention_forwards: int = 1,
-    memory_options: Any = None,
 ) -> Estimate:
-    """Predict time, bytes and memory of one layer for ``batch`` sequences of ``seq_len`` per CP group.
+    """Predict time and bytes of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
     Ranks ``0 .. dp*ulysses*ring - 1`` of ``cluster`` are used, placed as in
     :func:`topology.placement.mesh_ranks` (ulysses innermost). See the module docstring for the model.
     ``backward=False`` prices a forward pass only (inference, or forward-only benchmarks).
     A model with ``sliding_window`` (causal) or ``attention_chunk_size`` is priced as its average
     layer: ``window_layers`` of its ``layers`` with the window (skipped blocks, halo exchange),
-    ``chunked_layers`` in chunks (Llama 4), the rest full; memory is the largest of the kinds.
+    ``chunked_layers`` in chunks (Llama 4), the rest full.
     ``window=W`` (or None) or ``chunk_size=C`` prices one layer with that window or chunk size
     (from the same block plan the engine runs) instead.
     ``attention_forwards`` is how often attention runs forward per layer and step (1 plain; 2 with
     activation checkpointing, whose recomputation repeats it; ``topology.memory.attention_forwards``):
     each extra one adds a forward pass's attention kernels, ring steps and exchanges (not useful FLOPs).
-    Memory is the training step's peak per rank, :func:`topology.memory.step_memory` with ``memory_options``
-    (a ``topology.memory.MemoryOptions``; default: its defaults, activation checkpointing under FSDP2), or
-    its forward phase with ``backward=False``: one memory model for the planner and ``--max-seq``.
+    Memory is not part of it: the training step's peak is :func:`topology.memory.step_memory`'s, which
+    :func:`topology.planner.plan` checks each split with (``Plan.memory``).
     """
-    est = _timed(cluster, model, seq_len, ulysses, ring, dp, batch, dtype=dtype, layout=layout, causal=causal,
-                 backward=backward, window=window, chunk_size=chunk_size, attention_forwards=attention_forwards)
-    from .memory import MemoryOptions, step_memory  # here: topology.memory builds on this module
-
-    mem = step_memory(model, seq_len, ulysses, ring, dp, batch, memory_options or MemoryOptions(), dtype=dtype,
-                      layout=layout)
-    parts = {k: v for k, v in mem.persistent.items() if k != "activations"}
-    phase = mem.peak_phase if backward else "forward"
-    total = mem.phases[phase]
-    parts[f"activations and working sets ({phase})"] = total - sum(parts.values())
-    return replace(est, memory_bytes=total, memory_breakdown=parts)
-
-
-def _timed(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
-           dtype: Any, layout: Layout, causal: bool, backward: bool, window: Any, chunk_size: int | None,
-           attention_forwards: int) -> Estimate:
-    """:func:`estimate` without its memory (0): time, bytes and FLOPs."""
     if backward and attention_forwards > 1:
-        kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, window=window, chunk_size=chunk_size,
-                                  attention_forwards=1)
-        return _recomputed(_timed(cluster, model, seq_len, ulysses, ring, dp, batch, backward=True, **kw),
-                           _timed(cluster, model, seq_len, ulysses, ring, dp, batch, backward=False, **kw),
+        kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, window=window, chunk_size=chunk_size)
+        return _recomputed(estimate(cluster, model, seq_len, ulysses, ring, dp, batch, **kw),
+                           estimate(cluster, model, seq_len, ulysses, ring, dp, batch, backward=False, **kw),
                            attention_forwards - 1)
     if not isinstance(attention_forwards, int) or attention_forwards < 1 or (attention_forwards > 1 and not backward):
         raise ValueError(f"attention_forwards={attention_forwards!r} must be an integer >= 1 (1 without backward)")
@@ -653,8 +630,7 @@ def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, 
         ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=lay.padded_len, layers=model.layers,
         attention_s=times.kernel_fwd_s + times.kernel_bwd_s, ring_overhead_s=times.ring_overhead_s,
         rest_s=_rest_s(call, model, acc), a2a_s=times.a2a_s, ring_comm_s=times.ring_comm_s,
-        ring_exposed_s=times.ring_exposed_s, bytes_per_rank=nbytes, memory_bytes=0, memory_breakdown={},
-        a2a_link=times.a2a_link, ring_link=times.ring_link,
+        ring_exposed_s=times.ring_exposed_s, bytes_per_rank=nbytes, a2a_link=times.a2a_link, ring_link=times.ring_link,
         model_flops=_model_flops(call, model, window_share), peak_flops=acc.peak_tflops * 1e12, notes=tuple(notes),
     )  # fmt: skip
 
@@ -1088,7 +1064,7 @@ def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: in
         ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=lay.padded_len,
         layers=model.layers, attention_s=0.0, ring_overhead_s=0.0,
         rest_s=gemm * batch * lay.local_len / acc.dense_flops, a2a_s=0.0, ring_comm_s=0.0, ring_exposed_s=0.0,
-        bytes_per_rank=nbytes, memory_bytes=0, memory_breakdown={}, a2a_link="none",
+        bytes_per_rank=nbytes, a2a_link="none",
         ring_link=link, model_flops=useful * batch * seq_len, peak_flops=acc.peak_tflops * 1e12,
         linear_s=_linear_compute_s(call, model, acc), linear_comm_s=comm_s, linear_share=1.0,
     )  # fmt: skip

@@ -12,13 +12,13 @@ to imperfect overlap).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cluster import Cluster
 from .cost import Estimate, ModelShape, estimate
 from .layouts import granularity, head_split
-from .memory import MemoryOptions, attention_forwards, first_fitting, step_memory
+from .memory import MemoryEstimate, MemoryOptions, attention_forwards, first_fitting, step_memory
 from .placement import PlacementWarning, check_placement, divisors
 from .units import GiB
 
@@ -37,6 +37,8 @@ class Plan:
     ring: int
     dp: int
     estimate: Estimate
+    memory: MemoryEstimate      # the training step's peak with `options`, what the split was checked with
+    options: MemoryOptions
     rank: int = 0
     notes: tuple[str, ...] = ()
 
@@ -62,8 +64,8 @@ class Plan:
             f"{e.ring_link}, exposed {e.ring_exposed_s * ms:.2f} ms",
             "  bytes sent per rank per layer: "
             + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in e.bytes_per_rank.items()),
-            f"  memory per rank {e.memory_bytes / GiB:.1f} GiB: "
-            + ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.memory_breakdown.items() if v),
+            f"  memory per rank {self.memory.peak / GiB:.1f} GiB at {self.memory.peak_phase}: "
+            + ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.memory_breakdown.items() if v),
         ]
         if e.linear_share:
             lin = e.linear_s + e.linear_comm_s
@@ -72,10 +74,19 @@ class Plan:
         lines += [f"  note: {n}" for n in (*self.notes, *e.notes)]
         return "\n".join(lines)
 
+    @property
+    def memory_breakdown(self) -> dict[str, int]:
+        """The peak by part: the persistent ones (model states, the layout's permutations) and the rest."""
+        parts = {k: v for k, v in self.memory.persistent.items() if k != "activations"}
+        parts["activations and working sets"] = self.memory.peak - sum(parts.values())
+        return parts
+
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "ulysses": self.ulysses, "ring": self.ring, "dp": self.dp,
                 "notes": list(self.notes), **{k: v for k, v in self.estimate.to_dict().items()
-                                              if k not in ("ulysses", "ring", "dp")}}  # fmt: skip
+                                              if k not in ("ulysses", "ring", "dp")},
+                "memory_bytes": self.memory.peak, "memory_phase": self.memory.peak_phase,
+                "memory_breakdown": self.memory_breakdown, "memory_options": self.options.describe()}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,7 @@ class PlanList(list):
             e = p.estimate
             out.append(
                 f"{p.rank:>3} {p.ulysses:>4} {p.ring:>4} {p.dp:>4} {e.time_s * 1e3:>10.2f} {e.compute_s * 1e3:>9.2f} "
-                f"{e.a2a_s * 1e3:>8.2f} {e.ring_exposed_s * 1e3:>8.2f} {e.memory_bytes / GiB:>8.1f} "
+                f"{e.a2a_s * 1e3:>8.2f} {e.ring_exposed_s * 1e3:>8.2f} {p.memory.peak / GiB:>8.1f} "
                 f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%}  {e.a2a_link} / {e.ring_link}"
                 + (" *" if p.notes else "")
             )
@@ -132,6 +143,32 @@ class PlanList(list):
             "plans": [p.to_dict() for p in self],
             "rejected": [vars(x) for x in self.rejected],
         }
+
+
+def _split(cluster: Cluster, model: ModelShape, seq_len: int, u: int, r: int, d: int, batch: int, world: int,
+           budget: float, dtype: Any, layout: str, causal: bool, options: MemoryOptions | None,
+           ladder: list[tuple[str, MemoryOptions]] | None, host_memory: float | None) -> tuple | Rejected:
+    """One split: (its ranking key..., the Plan) when some option set fits it, else why not."""
+    rungs = ladder or [("", options or MemoryOptions())]
+    chosen = first_fitting(model, seq_len, u, r, d, batch, rungs, budget, host_memory=host_memory, dtype=dtype,
+                           layout=layout)
+    if chosen is None:
+        least = step_memory(model, seq_len, u, r, d, batch, _least(rungs[-1][1], model, u), dtype=dtype,
+                            layout=layout).peak
+        return Rejected(u, r, d, f"memory {least / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB"
+                        if least > budget else "offloaded checkpoints exceed the host memory")
+    name, opt, mem = chosen
+    forwards = attention_forwards(model, u, opt) if options is not None or ladder is not None else 1
+    est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal,
+                   attention_forwards=forwards)
+    with warnings.catch_warnings():  # the warnings become plan notes instead
+        warnings.simplefilter("ignore", PlacementWarning)
+        report = check_placement(cluster, u, r, d, warn=True, world_size=world)
+    notes = (*report.problems, *report.notes)
+    if ladder is not None:
+        notes = (f"memory options: {name} ({opt.describe()})", *notes)
+    rung = [n for n, _ in rungs].index(name)
+    return rung, est.time_s / d, -u, Plan(u, r, d, est, mem, opt, notes=notes)
 
 
 def _least(o: MemoryOptions, model: ModelShape, ulysses: int) -> MemoryOptions:
@@ -195,29 +232,11 @@ def plan(
             if seq_len < g:
                 rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
                 continue
-            rungs = ladder or [("", options or MemoryOptions())]
-            chosen = first_fitting(model, seq_len, u, r, d, batch, rungs, budget, host_memory=host_memory,
-                                   dtype=dtype, layout=layout)
-            if chosen is None:
-                least = step_memory(model, seq_len, u, r, d, batch, _least(rungs[-1][1], model, u), dtype=dtype,
-                                    layout=layout).peak
-                rejected.append(Rejected(u, r, d, f"memory {least / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB"
-                                         if least > budget else "offloaded checkpoints exceed the host memory"))
-                continue
-            name, opt, _ = chosen
-            forwards = attention_forwards(model, u, opt) if options is not None or ladder is not None else 1
-            est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal,
-                           attention_forwards=forwards, memory_options=opt)
-            with warnings.catch_warnings():  # the warnings become plan notes instead
-                warnings.simplefilter("ignore", PlacementWarning)
-                report = check_placement(cluster, u, r, d, warn=True, world_size=world)
-            notes = (*report.problems, *report.notes)
-            if ladder is not None:
-                notes = (f"memory options: {name} ({opt.describe()})", *notes)
-            rung = [n for n, _ in rungs].index(name)
-            feasible.append((rung, est.time_s / d, -u, Plan(u, r, d, est, notes=notes)))
+            one = _split(cluster, model, seq_len, u, r, d, batch, world, budget, dtype, layout, causal, options, ladder,
+                         host_memory)
+            (feasible if isinstance(one, tuple) else rejected).append(one)
     feasible.sort(key=lambda t: t[:3])
-    plans = [Plan(p.ulysses, p.ring, p.dp, p.estimate, rank=k + 1, notes=p.notes) for k, (*_, p) in enumerate(feasible)]
+    plans = [replace(p, rank=k + 1) for k, (*_, p) in enumerate(feasible)]
     header = (
         f"{cluster.describe()}\nmodel {model.name}: heads={model.heads} kv_heads={model.n_kv} head_dim={model.head_dim} "
         f"hidden={model.d_model} layers={model.layers}; seq_len={seq_len} batch={batch} world={world} "
