@@ -43,7 +43,7 @@ from .layouts import head_split, make_layout, module_chunks
 from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
-           "attention_forwards", "module_chunked", "keeps_output", "memory_ladder", "first_fitting"]
+           "attention_forwards", "module_chunked", "keeps_output", "memory_ladder", "first_fitting", "option_variants"]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -616,11 +616,7 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
         splits = [(u, cp // u) for u in range(1, cp + 1) if cp % u == 0 and (not heads_bound or u <= model.heads)]
     best: MaxSeq | None = None
     for u, r in splits:
-        c = head_split(model.heads, model.n_kv, u)[0][0]
-        chunk_options = sorted({min(hc, c) for hc in range(1, o.head_chunks + 1)})
-        tried = pins or ((True, False) if o.offload_checkpoints and o.pin_memory else (o.pin_memory,))
-        for hc, pin in [(hc, pin) for hc in chunk_options for pin in tried]:
-            opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
+        for opt in option_variants(model, u, o, pins):
 
             def fits(n: int) -> bool:
                 return _fitting(model, n * granularity, u, r, dp, 1, opt, memory_budget, host_memory, dtype,
@@ -638,7 +634,7 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             n = lo * granularity
             if best is None or n > best.seq_len or (n == best.seq_len and (u > best.ulysses or
-                                                                           hc < best.options.head_chunks)):
+                                                                           opt.head_chunks < best.options.head_chunks)):
                 best = MaxSeq(n, u, r, dp, opt, step_memory(model, n, u, r, dp, 1, opt, dtype=dtype, layout=layout))
     return best
 
@@ -677,16 +673,23 @@ def first_fitting(model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: 
     """The first rung of ``ladder`` (and within it the fewest head chunks, then pinned host buffers before
     pageable ones) whose step fits the device budget and the host memory: (its name, the options, the
     estimate), or None when none does. What `hybrid-cp plan --seq-len` reports per split."""
-    c = head_split(model.heads, model.n_kv, ulysses)[0][0]
     for name, o in ladder:
-        pins = (True, False) if o.offload_checkpoints and o.pin_memory else (o.pin_memory,)
-        for hc in sorted({min(k, c) for k in range(1, o.head_chunks + 1)}):
-            for pin in pins:
-                opt = MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
-                est = _fitting(model, seq_len, ulysses, ring, dp, batch, opt, memory_budget, host_memory, dtype, layout)
-                if est is not None:
-                    return name, opt, est
+        for opt in option_variants(model, ulysses, o):
+            est = _fitting(model, seq_len, ulysses, ring, dp, batch, opt, memory_budget, host_memory, dtype, layout)
+            if est is not None:
+                return name, opt, est
     return None
+
+
+def option_variants(model: ModelShape, ulysses: int, o: MemoryOptions,
+                    pins: tuple[bool, ...] | None = None) -> list[MemoryOptions]:
+    """What ``o`` offers on ``ulysses`` ranks, least invasive first: every ``head_chunks`` from 1 up to its own
+    (capped at the rank's query heads), each with pinned host buffers, then pageable ones when it offloads to
+    pinned memory (``pins`` fixes the choices)."""
+    c = head_split(model.heads, model.n_kv, ulysses)[0][0]
+    tried = pins or ((True, False) if o.offload_checkpoints and o.pin_memory else (o.pin_memory,))
+    return [MemoryOptions(**{**o.__dict__, "head_chunks": hc, "pin_memory": pin})
+            for hc in sorted({min(k, c) for k in range(1, o.head_chunks + 1)}) for pin in tried]
 
 
 def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype: Any = "bf16",

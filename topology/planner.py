@@ -17,8 +17,8 @@ from typing import Any
 
 from .cluster import Cluster
 from .cost import Estimate, ModelShape, estimate
-from .layouts import granularity, head_split
-from .memory import MemoryEstimate, MemoryOptions, attention_forwards, first_fitting, step_memory
+from .layouts import granularity
+from .memory import MemoryEstimate, MemoryOptions, attention_forwards, first_fitting, option_variants, step_memory
 from .placement import PlacementWarning, check_placement, divisors
 from .units import GiB
 
@@ -153,8 +153,8 @@ def _split(cluster: Cluster, model: ModelShape, seq_len: int, u: int, r: int, d:
     chosen = first_fitting(model, seq_len, u, r, d, batch, rungs, budget, host_memory=host_memory, dtype=dtype,
                            layout=layout)
     if chosen is None:
-        least = step_memory(model, seq_len, u, r, d, batch, _least(rungs[-1][1], model, u), dtype=dtype,
-                            layout=layout).peak
+        least = step_memory(model, seq_len, u, r, d, batch, option_variants(model, u, rungs[-1][1])[-1],
+                            dtype=dtype, layout=layout).peak   # the most head chunks the last rung allows
         return Rejected(u, r, d, f"memory {least / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB"
                         if least > budget else "offloaded checkpoints exceed the host memory")
     name, opt, mem = chosen
@@ -169,12 +169,6 @@ def _split(cluster: Cluster, model: ModelShape, seq_len: int, u: int, r: int, d:
         notes = (f"memory options: {name} ({opt.describe()})", *notes)
     rung = [n for n, _ in rungs].index(name)
     return rung, est.time_s / d, -u, Plan(u, r, d, est, mem, opt, notes=notes)
-
-
-def _least(o: MemoryOptions, model: ModelShape, ulysses: int) -> MemoryOptions:
-    """``o`` with its most head chunks the heads allow (the least memory it offers)."""
-    c = head_split(model.heads, model.n_kv, ulysses)[0][0]
-    return MemoryOptions(**{**o.__dict__, "head_chunks": min(o.head_chunks, c)})
 
 
 def plan(
