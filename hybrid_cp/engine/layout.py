@@ -61,7 +61,7 @@ class _ShardRecord:
 
 
 # What `shard` has seen on each mesh. A record, not a result: the documented contract is that
-# `attention`/`unshard` without `seq_len=` use the length `shard` saw (README, "Layouts"), and they
+# `attention`/`unshard` without `seq_len=` use the length `shard` saw (docs/usage.md, "Layouts"), and they
 # are called without anything from `shard` in hand. Weak keys: a dropped mesh drops its record.
 _RECORDS: "weakref.WeakKeyDictionary[CPMesh, _ShardRecord]" = weakref.WeakKeyDictionary()
 

@@ -203,7 +203,7 @@ NEUTRAL_KWARGS = frozenset({"position_ids", "shift_labels", "num_items_in_batch"
 NEUTRAL_WHEN_FALSE_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits"})
 
 _WHAT_TO_DO = ("train it without context parallelism, or use a family in "
-               "hybrid_cp.integrations.model_support.VERIFIED_FAMILIES (README, 'Supported model families')")
+               "hybrid_cp.integrations.model_support.VERIFIED_FAMILIES (docs/models.md)")
 
 
 def _own_class(module: torch.nn.Module) -> type:
