@@ -76,19 +76,35 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def _rel_norm(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
+
+
 @pytest.mark.parametrize("case", CP_CASES)
 def test_cp_trainer_matches_stock_trainer(results, case):
     model, kind, u, r = case.split(":")
     got = _load(results, f"cp-{model}_{kind}_{u}_{r}")
     want = _load(results, "ref-" + _ref(case).rsplit(":", 1)[0].replace(":", "_") + f"_dp{_dp(int(u), int(r))}")
+    # Bounds: fp32 round-off of another summation order (per-rank partial sums, all-reduces); worst seen over every
+    # case (`python benchmarks/hf_trainer_figures.py OUT`, bitwise the same over 5 runs): loss 1.7e-7, grad norm
+    # 1.05e-6 (gemma3), eval loss 1.7e-7: each bound keeps >= 50x over it.
     assert len(got["loss"]) == len(want["loss"]) >= 4
     assert _rel(got["loss"], want["loss"]) < 1e-5, (got["loss"], want["loss"])
     assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-4, (got["grad_norm"], want["grad_norm"])
     assert got["lr"] == want["lr"]
     assert _rel(got["eval_loss"], want["eval_loss"]) < 1e-5, (got["eval_loss"], want["eval_loss"])
     assert got["weights"].keys() == want["weights"].keys()
+    # Weights after 4 AdamW steps. Adam divides each gradient entry by its own RMS, so an entry that is near zero
+    # (embedding rows of tokens seen once) turns its fp32 round-off into a step difference of up to lr * noise /
+    # (sqrt(v) + eps): one element of one tensor sets the elementwise figure, a lottery on which entry sits near
+    # zero (gemma3 packed 2x2: 1.02e-4 with eps 1e-6, 8.9e-6 with 1e-5, 2.2e-5 with 1e-7; bitwise the same over 5
+    # runs, so any reordered sum elsewhere moves it). The tensor's norm is not a lottery (worst 1.25e-5, qwen2):
+    # it is the tight check; the elementwise bound keeps 10x over the worst element seen (1.02e-4).
+    norm = max(_rel_norm(got["weights"][k], want["weights"][k]) for k in want["weights"])
+    assert norm < 1e-4, norm
     worst = max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"])
-    assert worst < 1e-4, worst
+    assert worst < 1e-3, worst
 
 
 @pytest.mark.parametrize("kind", KINDS)
