@@ -389,7 +389,7 @@ def packed_comm_bytes_case(u: int, r: int, lens: list[int], h: int, hkv: int, d:
     ql, kl, vl = (hcp.shard(x.float(), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
     out = hcp.attention(ql, kl, vl, cp, causal=causal, cu_seqlens=cu)
     (out * hcp.shard(dout.float(), cp, cu_seqlens=cu)).sum().backward()
-    return {"ulysses_rank": cp.ulysses_rank, "total": hcp.comm_bytes(cp), "cu": cu}
+    return {"ulysses_rank": cp.ulysses_rank, "ring_rank": cp.ring_rank, "total": hcp.comm_bytes(cp), "cu": cu}
 
 
 # ---- sliding windows ----------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
     results = []
     for c in cases:
         h, hkv, d, causal, window = c["h"], c["hkv"], c["d"], c["causal"], c["window"]
-        window = window if causal else tuple(window)
+        window = window if causal or window is None else tuple(window)
         packed = "docs" in c
         lens = c["docs"] if packed else [c["n"]]
         cu = [0]

@@ -134,7 +134,7 @@ def test_hidden_lengths_raise_or_are_explicit(pool):
 def test_packed_bytes_equal_cost_model(pool, u, r, lens):
     for res in pool.run("dist_cases:packed_comm_bytes_case", u=u, r=r, lens=lens, h=8, hkv=2, d=16, causal=True):
         want = topology.comm_bytes(8, 2, 16, sum(lens), 1, u, r, 4, ulysses_rank=res["ulysses_rank"],
-                                   cu_seqlens=res["cu"])
+                                   ring_rank=res["ring_rank"], cu_seqlens=res["cu"])  # halo: per ring rank
         got = {s: res["total"].get(s, 0) for s in ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")}
         assert got == {s: want[s] for s in got}, (got, want)
 

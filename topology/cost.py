@@ -243,11 +243,11 @@ def comm_bytes(
     value is the maximum over ulysses ranks (taken per key). These are the formulas the engine's
     byte counter must satisfy exactly; see docs/planner.md for the derivation. For a packed row pass
     the documents' boundaries as ``cu_seqlens`` (``seq_len`` is then their total): the packed layout's
-    padding decides the local length, the formulas are the same. With a sliding ``window`` (an int W
-    with ``causal``, or ``(left, right)``) short enough for the engine's halo exchange, a rank sends
-    each ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring
-    values then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks). Attention
-    chunks (``chunk_size``, Llama 4's attention_chunk_size) take the halo exchange the same way.
+    padding decides the local length, the formulas are the same. When the layout's halo rule
+    (`Layout.halo`: what other ranks' queries can see fits one block) holds, under any mask (packed
+    rows of whole documents, a sliding ``window``, attention chunks ``chunk_size``), a rank sends each
+    ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring values
+    then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks).
     ``v_head_dim``: v's head dim when it differs from q/k's ``head_dim`` (MLA; None: the same).
     """
     check_counts(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
@@ -730,7 +730,7 @@ def _ring_comm_s(cluster: Cluster, call: _Call, nbytes: dict[str, int], halo: bo
     overlap = cluster.accelerator.ring_overlap
     if not halo:
         return (*_streamed_ring_s(xfer, call, step_fwd_s, step_bwd_s, overlap), cluster.tier_name(tier))
-    h_fwd, h_bwd = xfer(nbytes["ring_fwd"]), xfer(nbytes["ring_bwd"])
+    h_fwd, h_bwd = (xfer(nbytes[k]) if nbytes[k] else 0.0 for k in ("ring_fwd", "ring_bwd"))  # nothing read: no exchange
     back = h_bwd if call.backward else 0.0
     return h_fwd + back, _exposed(h_fwd, step_fwd_s, overlap) + back, cluster.tier_name(tier)
 

@@ -381,13 +381,22 @@ class Layout:
         return [(a, n) for a, n in merged]
 
     def halo(self, causal: bool, window, chunk_size: int | None = None) -> bool:
-        """Whether exchanging only the key rows each rank reads (the halo) moves fewer rows, for every
-        rank, than streaming whole blocks around the ring; decided identically on every rank."""
-        if (window is None and self.effective_chunk(chunk_size) is None) or self.ring == 1:
+        """Whether the ring exchanges only the key rows other ranks' queries can see (`needed_rows`, the
+        one visibility rule) instead of streaming whole blocks; decided identically on every rank, for
+        every mask: a packed row whose documents each sit whole on one ring rank moves no ring bytes.
+        Halo when, on every rank, the rows received plus the rows sent fit in one block: then its
+        buffers (received K/V kept for backward, their fp32 gradients, those of the rows sent, and the
+        fp32 home block) never exceed the streaming ring's two K/V and two fp32 dK/dV blocks, which the
+        memory model prices; wider reads stream whole blocks (skipping the invisible steps)."""
+        if self.ring == 1:
             return False
-        ring_rows = (self.ring - 1) * self.block_len
-        return all(sum(n for s in range(1, self.ring) for _, n in self.needed_rows(j, s, causal, window, chunk_size))
-                   < ring_rows for j in range(self.ring))
+        r = self.ring
+        for j in range(r):
+            moved = sum(n for s in range(1, r) for rank in (j, (j + s) % r)
+                        for _, n in self.needed_rows(rank, s, causal, window, chunk_size))
+            if moved > self.block_len:
+                return False
+        return True
 
     def key(self) -> tuple:
         return (self.kind, self.ulysses, self.ring, self.doc_lens, self.block_len)
