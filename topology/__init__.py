@@ -15,10 +15,12 @@ from importlib import import_module
 _EXPORTS = {
     "cluster": ["Accelerator", "Cluster", "ClusterError", "LinkSpec"],
     "cost": ["Estimate", "ModelShape", "comm_bytes", "estimate", "head_split"],
+    "degrees": ["degree_table"],
     "discovery": ["discover"],
     "placement": ["PlacementError", "PlacementReport", "PlacementWarning", "check_placement",
                   "fitting_ulysses_degrees", "mesh_ranks", "ring_groups", "ulysses_groups"],
     "planner": ["Plan", "PlanError", "PlanList", "Rejected", "plan"],
+    "schedule": ["Degree", "Group", "MicroBatch", "ScheduleError", "StepSchedule", "schedule_step", "uniform_degrees"],
     "units": ["dtype_bytes"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
