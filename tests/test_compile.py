@@ -97,3 +97,14 @@ def test_transformers_llama_with_module_head_chunks_compiles(pool):
             assert step["loss"] <= EXACT and step["grads"] <= EXACT, (rank, step)
         assert not any(row["attention_ops"]), (rank, row)   # no compiled attention op: the pipeline is eager
         assert row["steps"][-1]["frames"] == row["steps"][0]["frames"], (rank, row)
+
+
+def test_import_leaves_dynamo_out():
+    """`import hybrid_cp` does not load torch._dynamo (about 1 s of every process start): the engine's
+    graph breaks (`engine/eager.py`) and the custom ops (`engine/compiled.py`) load it on the first trace."""
+    import subprocess
+    import sys
+
+    code = "import sys, hybrid_cp; print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'hybrid_cp.engine.compiled'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

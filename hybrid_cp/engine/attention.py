@@ -14,7 +14,7 @@ import torch
 from topology.layouts import Layout
 
 from ..errors import ShapeError
-from .compiled import compiled_attention
+from .eager import eager_only
 from .heads import HeadMap, head_split
 from .kernels import AttentionKernel
 from .mesh import CPMesh
@@ -65,6 +65,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     heads it computes; summed over the cp ranks, the full gradient), as for every replicated parameter.
     """
     if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
+        from .compiled import compiled_attention  # on the first trace: `import hybrid_cp` leaves torch._dynamo out
+
         result = compiled_attention(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                     backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
                                     head_chunks=head_chunks, sinks=sinks, softcap=softcap, chunk_size=chunk_size)
@@ -107,4 +109,4 @@ def _eager_attention(*args, **kwargs):
     return attention(*args, **kwargs)
 
 
-_outside_graph = torch.compiler.disable(_eager_attention, recursive=True)   # a graph break, run eagerly
+_outside_graph = eager_only(_eager_attention)   # a graph break, run eagerly

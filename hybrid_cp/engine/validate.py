@@ -40,6 +40,7 @@ from ..errors import (
     ShapeError,
 )
 from .comm import comm_guard
+from .eager import eager_only
 from .kernels import AttentionKernel, can_on, get_kernel, kernel_needs, kernels_that_can
 from .layout import positions, row_layout
 
@@ -179,7 +180,7 @@ def history(cp) -> ValidationHistory:
     return _HISTORIES.setdefault(cp, ValidationHistory())
 
 
-@torch.compiler.disable  # a host collective and a history of signatures: never traced
+@eager_only  # a host collective and a history of signatures: never traced
 def agree_across_ranks(cp, values, names, error: Exception | None, what: str,
                        tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
     """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`
