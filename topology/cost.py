@@ -219,24 +219,10 @@ def _a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit
     return unit * (c_p + k_p) + unit_v * (k_p + c_i), unit_v * (c_p + k_i) + unit * (c_i + k_i)
 
 
-def comm_bytes(
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    batch: int,
-    ulysses: int,
-    ring: int,
-    dtype_bytes: int,
-    layout: str = "zigzag",
-    ulysses_rank: int | None = None,
-    cu_seqlens: Any = None,
-    causal: bool = True,
-    window: Any = None,
-    ring_rank: int | None = None,
-    v_head_dim: int | None = None,
-    chunk_size: int | None = None,
-) -> dict[str, int]:
+def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, ulysses: int, ring: int,
+               dtype_bytes: int, layout: str = "zigzag", ulysses_rank: int | None = None, cu_seqlens: Any = None,
+               causal: bool = True, window: Any = None, ring_rank: int | None = None, v_head_dim: int | None = None,
+               chunk_size: int | None = None) -> dict[str, int]:
     """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
 
     Keys ``ulysses_fwd``, ``ulysses_bwd``, ``ring_fwd``, ``ring_bwd``. With ``ulysses_rank=None`` each
@@ -248,7 +234,27 @@ def comm_bytes(
     rows of whole documents, a sliding ``window``, attention chunks ``chunk_size``), a rank sends each
     ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring values
     then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks).
-    ``v_head_dim``: v's head dim when it differs from q/k's ``head_dim`` (MLA; None: the same).
+
+    Args:
+        heads: Query heads.
+        kv_heads: Key/value heads.
+        head_dim: q/k head dim.
+        seq_len: Tokens per sequence (a packed row's total).
+        batch: Sequences.
+        ulysses: The ulysses degree.
+        ring: The ring degree.
+        dtype_bytes: Bytes per element.
+        layout: "zigzag" or "contiguous".
+        ulysses_rank: One ulysses rank; None: the maximum over them.
+        cu_seqlens: Packed documents' boundaries.
+        causal: Causal attention.
+        window: A sliding window (int, or (left, right) non-causal).
+        ring_rank: One ring rank; None: the maximum over them.
+        v_head_dim: v's head dim when it differs from `head_dim` (MLA); None: the same.
+        chunk_size: Attention chunk size.
+
+    Returns:
+        Bytes by stage: "ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd".
     """
     check_counts(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
                 ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
@@ -538,6 +544,25 @@ def estimate(
     each extra one adds a forward pass's attention kernels, ring steps and exchanges (not useful FLOPs).
     Memory is not part of it: the training step's peak is :func:`topology.memory.step_memory`'s, which
     :func:`topology.planner.plan` checks each split with (``Plan.memory``).
+
+    Args:
+        cluster: The cluster.
+        model: The model's shape.
+        seq_len: Tokens per sequence.
+        ulysses: The ulysses degree.
+        ring: The ring degree.
+        dp: The data-parallel degree.
+        batch: Sequences per CP group.
+        dtype: The compute dtype.
+        layout: "zigzag" or "contiguous".
+        causal: Causal attention.
+        backward: Price backward too.
+        window: A sliding window W for one layer, None for none; "model": the model's own layers.
+        chunk_size: An attention chunk size for one layer.
+        attention_forwards: Attention forward passes per layer and step.
+
+    Returns:
+        Time and bytes of one layer, by stage.
     """
     if backward and attention_forwards > 1:
         kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, window=window, chunk_size=chunk_size)

@@ -131,7 +131,16 @@ def discover(
     torch_module: Any = None,
     nvml: Any = None,
 ) -> Cluster:
-    """Describe the cluster this process runs in (see the module docstring for the sources)."""
+    """Describe the cluster this process runs in (see the module docstring for the sources).
+
+    Args:
+        env: Environment variables; None: `os.environ`.
+        torch_module: torch, for the visible CUDA devices (tests pass a fake); None: imported if available.
+        nvml: pynvml, for the active NVLinks (tests pass a fake); None: imported if available.
+
+    Returns:
+        The cluster.
+    """
     env = os.environ if env is None else env
     nodes, per_node, launcher = launcher_layout(env)
     if torch_module is None:

@@ -68,12 +68,31 @@ def check_layout(layout: str) -> str:
 
 
 def granularity(layout: str, ulysses: int, ring: int) -> int:
-    """Dense lengths are padded to a multiple of this: zigzag cuts 2*u*r pieces, contiguous u*r."""
+    """Dense lengths are padded to a multiple of this: zigzag cuts 2*u*r pieces, contiguous u*r.
+
+    Args:
+        layout: "zigzag" or "contiguous".
+        ulysses: The ulysses degree u.
+        ring: The ring degree r.
+
+    Returns:
+        The granularity in tokens.
+    """
     return (2 if check_layout(layout) == "zigzag" else 1) * ulysses * ring
 
 
 def padded_length(seq_len: int, layout: str, ulysses: int, ring: int) -> int:
-    """A dense `seq_len` rounded up to the layout's granularity (the engine pads at the end)."""
+    """A dense `seq_len` rounded up to the layout's granularity (the engine pads at the end).
+
+    Args:
+        seq_len: The unpadded length.
+        layout: "zigzag" or "contiguous".
+        ulysses: The ulysses degree u.
+        ring: The ring degree r.
+
+    Returns:
+        The padded length.
+    """
     g = granularity(layout, ulysses, ring)
     return -(-seq_len // g) * g
 

@@ -63,18 +63,48 @@ def _validate_degrees(world: int, ulysses: int, ring: int, dp: int | None) -> in
 
 
 def mesh_ranks(world: int, ulysses: int, ring: int, dp: int | None = None) -> list[list[list[int]]]:
-    """Global ranks as ``[dp][ring][ulysses]`` (ulysses innermost, contiguous)."""
+    """Global ranks as ``[dp][ring][ulysses]`` (ulysses innermost, contiguous).
+
+    Args:
+        world: Ranks in all.
+        ulysses: The ulysses degree.
+        ring: The ring degree.
+        dp: The data-parallel degree; None: world // (ulysses * ring).
+
+    Returns:
+        The ranks, indexed [dp][ring][ulysses].
+    """
     dp = _validate_degrees(world, ulysses, ring, dp)
     return [[[d * ulysses * ring + j * ulysses + i for i in range(ulysses)] for j in range(ring)] for d in range(dp)]
 
 
 def ulysses_groups(world: int, ulysses: int, ring: int, dp: int | None = None) -> list[list[int]]:
-    """Every ulysses group (the ranks of one all-to-all)."""
+    """Every ulysses group (the ranks of one all-to-all).
+
+    Args:
+        world: Ranks in all.
+        ulysses: The ulysses degree.
+        ring: The ring degree.
+        dp: The data-parallel degree; None: world // (ulysses * ring).
+
+    Returns:
+        The groups' ranks.
+    """
     return [grp for rep in mesh_ranks(world, ulysses, ring, dp) for grp in rep]
 
 
 def ring_groups(world: int, ulysses: int, ring: int, dp: int | None = None) -> list[list[int]]:
-    """Every ring group, in ring order (rank j sends to rank j+1 mod r)."""
+    """Every ring group, in ring order (rank j sends to rank j+1 mod r).
+
+    Args:
+        world: Ranks in all.
+        ulysses: The ulysses degree.
+        ring: The ring degree.
+        dp: The data-parallel degree; None: world // (ulysses * ring).
+
+    Returns:
+        The groups' ranks.
+    """
     return [[rep[j][i] for j in range(ring)] for rep in mesh_ranks(world, ulysses, ring, dp) for i in range(ulysses)]
 
 
@@ -82,6 +112,13 @@ def fitting_ulysses_degrees(cluster: Cluster, cp_size: int | None = None) -> lis
     """Ulysses degrees whose groups stay inside one NVLink domain (one node when there is none).
 
     With ``cp_size`` only degrees that divide it are returned, so ``ring = cp_size // u`` is integral.
+
+    Args:
+        cluster: The cluster.
+        cp_size: Keep only degrees dividing it.
+
+    Returns:
+        The degrees, ascending.
     """
     dom = min(cluster.domain_size, cluster.world_size)
     out = [u for u in range(1, dom + 1) if dom % u == 0]
@@ -133,6 +170,20 @@ def check_placement(
     that crosses nodes is expected and fine. Splitting a group across the two sockets of a PCIe box is
     only warned about (slow, but sometimes still the best choice: the planner prices it).
     ``world_size`` (default: the whole cluster) uses only the first ranks of the cluster.
+
+    Args:
+        cluster: The cluster.
+        ulysses: The ulysses degree.
+        ring: The ring degree.
+        dp: The data-parallel degree; None: what the world leaves.
+        warn: Warn instead of raising.
+        world_size: Ranks used; None: the whole cluster.
+
+    Returns:
+        What was checked, with the groups' nodes.
+
+    Raises:
+        PlacementError: A ulysses group spans nodes (unless `warn`).
     """
     world = cluster.world_size if world_size is None else world_size
     if not 1 <= world <= cluster.world_size:

@@ -171,36 +171,40 @@ def _split(cluster: Cluster, model: ModelShape, seq_len: int, u: int, r: int, d:
     return rung, est.time_s / d, -u, Plan(u, r, d, est, mem, opt, notes=notes)
 
 
-def plan(
-    cluster: Cluster,
-    model: ModelShape,
-    seq_len: int,
-    batch: int = 1,
-    world_size: int | None = None,
-    memory_budget: float | None = None,
-    *,
-    dp: int | None = None,
-    dtype: Any = "bf16",
-    layout: str = "zigzag",
-    causal: bool = True,
-    options: MemoryOptions | None = None,
-    ladder: list[tuple[str, MemoryOptions]] | None = None,
-    host_memory: float | None = None,
-) -> PlanList:
+def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, world_size: int | None = None,
+         memory_budget: float | None = None, *, dp: int | None = None, dtype: Any = "bf16", layout: str = "zigzag",
+         causal: bool = True, options: MemoryOptions | None = None, ladder: list[tuple[str, MemoryOptions]] | None = None,
+         host_memory: float | None = None) -> PlanList:
     """Rank every feasible (ulysses, ring, dp) split of ``world_size`` GPUs (default: all of them).
 
-    ``memory_budget`` is bytes per GPU (default: 90% of the accelerator's memory, leaving room for the
-    CUDA context, communication buffers and fragmentation); ``batch`` is sequences per CP group;
-    ``dp`` fixes the data-parallel degree (``dp=1``: one CP group over all GPUs). A split fits when its
-    training step's peak (``topology.memory.step_memory``, the model ``--max-seq`` searches with) fits the
-    budget, with ``options`` (the training's memory options; default ``MemoryOptions()``, checkpointing
-    under FSDP2), or with the first rung of ``ladder`` (``topology.memory.memory_ladder``) that fits, whose
-    name the plan notes; offloaded checkpoints must also fit ``host_memory`` bytes per GPU (None: unbounded).
-    The options also set how often attention runs forward per layer: with activation checkpointing the
-    recomputation repeats it (``topology.memory.attention_forwards``); with neither argument: once. With a
-    ladder, splits that fit on an earlier rung rank first: the later rungs' costs (the tiled MLP's and loss's
-    recomputation, offload's copies, head chunks' smaller kernels) are not in the time model.
-    Raises :class:`PlanError` when nothing fits, saying what to change.
+    A split fits when its training step's peak (``topology.memory.step_memory``, the model ``--max-seq``
+    searches with) fits the budget. The memory options also set how often attention runs forward per
+    layer (with activation checkpointing the recomputation repeats it, ``topology.memory.attention_forwards``;
+    with neither ``options`` nor ``ladder``: once).
+
+    Args:
+        cluster: The cluster (`Cluster.preset`, `discover`, or a YAML file's).
+        model: The model's shape.
+        seq_len: Tokens per sequence.
+        batch: Sequences per CP group.
+        world_size: GPUs to use; None: all of the cluster's.
+        memory_budget: Bytes per GPU; None: 90% of the accelerator's memory (room for the CUDA context,
+            communication buffers and fragmentation).
+        dp: Fix the data-parallel degree (1: one CP group over all GPUs); None: any.
+        dtype: The compute dtype ("bf16", "fp16", "fp32", bytes, or a torch dtype).
+        layout: "zigzag" or "contiguous".
+        causal: Causal attention.
+        options: The training's memory options; None: `MemoryOptions()` (checkpointing under FSDP2).
+        ladder: Memory options to try in order (``topology.memory.memory_ladder``): the first that fits is
+            used and named in the plan; splits that fit on an earlier rung rank first (the later rungs'
+            recomputation, copies and smaller kernels are not in the time model).
+        host_memory: Host bytes per GPU for offloaded checkpoints; None: unbounded.
+
+    Returns:
+        The feasible splits, best first (`.best`).
+
+    Raises:
+        PlanError: No split fits (the message says what to change).
     """
     if options is not None and ladder is not None:
         raise PlanError("give options= (one set of memory options) or ladder= (the first rung that fits), not both")

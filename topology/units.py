@@ -31,7 +31,17 @@ def dtype_name(dtype: Any) -> str:
 
 
 def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of ``dtype``: an int, a name like ``"bf16"`` or a ``torch.dtype``."""
+    """Bytes per element of ``dtype``: an int, a name like ``"bf16"`` or a ``torch.dtype``.
+
+    Args:
+        dtype: An int, a name like "bf16", or a `torch.dtype`.
+
+    Returns:
+        Bytes per element.
+
+    Raises:
+        ValueError: An unknown dtype.
+    """
     if isinstance(dtype, int) and not isinstance(dtype, bool):
         if dtype not in (1, 2, 4, 8):
             raise ValueError(f"dtype bytes={dtype} must be 1, 2, 4 or 8")

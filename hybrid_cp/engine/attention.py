@@ -37,32 +37,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
               sinks: torch.Tensor | None = None, softcap: float | None = None, chunk_size: int | None = None):
     """Exact attention over the whole row from this rank's shards.
 
-    q is [B, S_local, H, D], k [B, S_local, H_kv, D] and v [B, S_local, H_kv, D_v] (D_v may differ from D:
-    MLA after decompression; needs a kernel that can, "auto" picks one, on CPU math), laid out by
-    `hcp.shard`. Returns out [B, S_local, H, D_v] and, with `return_lse`, lse [B, H, S_local] in fp32 (not
-    differentiable; with sinks it includes them). The default softmax_scale is 1/sqrt(D).
-    Dense rows: `seq_len` is the unpadded global length (by default the length `hcp.shard` saw;
-    ambiguous lengths raise). Packed rows: `cu_seqlens` = [0, len_0, ..., total] (the same on every
-    rank, B = 1): no token attends across a document boundary; padding is invisible.
-    `window`: with causal=True an int W, each query sees the W keys ending at itself
-    (transformers' sliding_window); with causal=False (left, right), query i sees keys i - left ..
-    i + right (flash-attn's window_size). Positions count inside each document. Blocks no window
-    reaches are skipped, and short windows exchange only the halo rows between ring ranks.
-    `chunk_size` C (Llama 4's attention_chunk_size): query i sees key j only if j // C == i // C
-    (positions inside each document), on the same layout; blocks in other chunks are skipped.
-    `backend` is "auto", a registered kernel name, a kernel object, or (ring = 1, dense only) a
-    plain callable attn(q, k, v) -> out run on the gathered sequence.
-    `head_chunks` > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
-    one after another (or, with `hybrid_cp.engine.headchunk.OVERLAP = True`, each chunk's all-to-all
-    overlapping the previous chunk's compute): less attention memory, same
-    result (`hybrid_cp/engine/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
     Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
-    `softcap` > 0: logit soft-capping (Gemma 2), scores = softcap * tanh(scores * scale / softcap) before
-    the mask; needs a kernel that takes it ("auto" picks one; on CPU the math kernel).
-    `sinks` [H] (all H query heads, the same on every cp rank): one learnable logit per query head that
-    joins every row's softmax denominator (gpt-oss; transformers' `s_aux`), merged once after the ring;
-    the returned lse includes it. Its gradient on each rank is that rank's share (zero outside the query
-    heads it computes; summed over the cp ranks, the full gradient), as for every replicated parameter.
+
+    Args:
+        q: This rank's queries [B, S_local, H, D], laid out by `hcp.shard`.
+        k: This rank's keys [B, S_local, H_kv, D]; H must be a multiple of H_kv.
+        v: This rank's values [B, S_local, H_kv, D_v]. D_v may differ from D (MLA after
+            decompression): needs a kernel that can ("auto" picks one; on CPU math).
+        cp: The mesh from `hcp.init_cp_mesh`.
+        causal: Causal mask (query i sees keys <= i, inside its document for packed rows).
+        softmax_scale: Scale of q.k; None: 1/sqrt(D).
+        return_lse: Also return the fp32 log-sum-exp [B, H, S_local] (not differentiable; with sinks
+            it includes them).
+        backend: "auto", a registered kernel name, a kernel object, or (ring = 1, dense rows only) a
+            plain callable attn(q, k, v) -> out run on the gathered sequence.
+        seq_len: The unpadded global length of a dense row; None: the length `hcp.shard` saw
+            (ambiguous lengths raise).
+        cu_seqlens: Packed documents' boundaries [0, len_0, ..., total], the same on every rank, B = 1:
+            no token attends across a document boundary; padding is invisible.
+        window: With causal=True an int W: each query sees the W keys ending at itself (transformers'
+            sliding_window); with causal=False (left, right): query i sees keys i - left .. i + right
+            (flash-attn's window_size). Positions count inside each document. Blocks no window reaches
+            are skipped, and short windows exchange only the halo rows between ring ranks.
+        head_chunks: > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
+            one after another (or, with `hybrid_cp.engine.headchunk.OVERLAP = True`, each chunk's
+            all-to-all overlapping the previous chunk's compute): less attention memory, same result
+            (`hybrid_cp/engine/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
+        sinks: [H] (all H query heads, the same on every cp rank): one learnable logit per query head
+            that joins every row's softmax denominator (gpt-oss; transformers' `s_aux`), merged once
+            after the ring. Its gradient on each rank is that rank's share (zero outside the query heads
+            it computes; summed over the cp ranks, the full gradient), as for every replicated parameter.
+        softcap: > 0: logit soft-capping (Gemma 2), scores = softcap * tanh(scores * scale / softcap)
+            before the mask; needs a kernel that takes it ("auto" picks one; on CPU the math kernel).
+        chunk_size: C (Llama 4's attention_chunk_size): query i sees key j only if j // C == i // C
+            (positions inside each document), on the same layout; blocks in other chunks are skipped.
+
+    Returns:
+        out [B, S_local, H, D_v] in q's dtype, or (out, lse) with `return_lse`.
+
+    Raises:
+        ShapeError: Shapes that do not fit each other, the mesh or the layout.
+        InputTypeError: Wrong argument types or dtypes.
+        ConfigError: An unknown or unavailable backend, an invalid window, chunk size, scale or length.
+        InconsistentRanksError: The cp ranks were called with different arguments (`cp.validate`).
+        CommTimeoutError: A peer rank died or stopped calling (with `init_cp_mesh(timeout=...)`).
     """
     if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
         from .compiled import compiled_attention  # on the first trace: `import hybrid_cp` leaves torch._dynamo out

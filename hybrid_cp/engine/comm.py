@@ -48,11 +48,23 @@ def count(cp: "CPMesh", stage: str, nbytes: int) -> None:
 
 
 def comm_bytes(cp: "CPMesh") -> dict[str, int]:
-    """Bytes this rank has sent to other ranks, by stage, since the last `reset_comm_bytes`."""
+    """Bytes this rank has sent to other ranks, by stage, since the last `reset_comm_bytes`.
+
+    Args:
+        cp: The mesh.
+
+    Returns:
+        Bytes by stage: "ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd".
+    """
     return dict(counters(cp).sent_bytes)
 
 
 def reset_comm_bytes(cp: "CPMesh") -> None:
+    """Set `comm_bytes(cp)` back to zero (e.g. to count one step).
+
+    Args:
+        cp: The mesh.
+    """
     counters(cp).sent_bytes.clear()
 
 

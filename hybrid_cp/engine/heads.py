@@ -36,7 +36,16 @@ class HeadSplit:
 def head_split(heads: int, kv_heads: int, ulysses: int) -> HeadSplit:
     """Uneven split of H query heads over u ranks (counts differ by at most one); each rank gets
     exactly the KV heads its query heads use, so KV is replicated only when H_kv < u (or a
-    group straddles two ranks), never expanded to H."""
+    group straddles two ranks), never expanded to H.
+
+    Args:
+        heads: Query heads H.
+        kv_heads: Key/value heads H_kv (H a multiple of H_kv).
+        ulysses: The ulysses degree u (at most H).
+
+    Returns:
+        The split: each ulysses rank's query heads and the KV heads they use.
+    """
     try:
         ranks = _split(heads, kv_heads, ulysses)
     except ValueError as exc:  # topology's arithmetic raises plain ValueErrors; hybrid-cp raises CPErrors

@@ -163,6 +163,20 @@ def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -
 
     With `cu_seqlens` ([0, len_0, ..., total], flash-attn's varlen convention) `x` is a packed row
     of documents, laid out so that causal work is balanced over the ring ranks.
+
+    Args:
+        x: The full row, the same on every cp rank, with the sequence along `dim`.
+        cp: The mesh.
+        dim: The sequence dimension.
+        cu_seqlens: Packed documents' boundaries [0, len_0, ..., total]; None: a dense row.
+
+    Returns:
+        This rank's tokens, in `cp.layout`, padded to the layout's granularity.
+
+    Raises:
+        InputTypeError: `x` is not a tensor.
+        ShapeError: An empty sequence, or a packed row whose length is not `cu_seqlens[-1]`.
+        ConfigError: Invalid `cu_seqlens`.
     """
     _check_tensor(x, "shard")
     dim = dim % x.dim()
@@ -235,6 +249,20 @@ def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | No
 
     Autograd-aware: the backward gives each rank the slice of the full gradient at its tokens,
     which is right when the code after `unshard` runs identically on every cp rank.
+
+    Args:
+        x_local: This rank's tokens (as `shard` or `attention` returned them).
+        cp: The mesh.
+        dim: The sequence dimension.
+        seq_len: The unpadded length; None: the length `shard` saw.
+        cu_seqlens: Packed documents' boundaries, as given to `shard`.
+
+    Returns:
+        The full row, the same on every cp rank.
+
+    Raises:
+        ShapeError: A local length that does not match the mesh and layout.
+        ConfigError: An ambiguous length (several that pad to the same size): pass `seq_len`.
     """
     _check_tensor(x_local, "unshard")
     dim = dim % x_local.dim()
@@ -247,7 +275,20 @@ def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | No
 def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | None = None, *,
               cu_seqlens: Any = None) -> torch.Tensor:
     """Position ids of this rank's tokens: global positions of a dense row (pad slots get ids >=
-    seq_len), or positions inside each document of a packed row (restarting at 0; pad slots 0..)."""
+    seq_len), or positions inside each document of a packed row (restarting at 0; pad slots 0..).
+
+    Args:
+        seq_len: The unpadded global length of a dense row (None with `cu_seqlens`).
+        cp: The mesh.
+        device: Where the result lives; None: `cp.device`.
+        cu_seqlens: Packed documents' boundaries; positions then restart in every document.
+
+    Returns:
+        int64 position ids of this rank's tokens [S_local].
+
+    Raises:
+        ConfigError: A `seq_len` that is not a positive integer or disagrees with `cu_seqlens`.
+    """
     if cu_seqlens is None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         raise ConfigError(f"seq_len={seq_len!r} must be a positive integer (or pass cu_seqlens= for a packed row)")
     if cu_seqlens is not None:

@@ -105,6 +105,24 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     so a rank that stops calling would hang the others far past the timeout you chose).
     Logs the resolved configuration once on logger "hybrid_cp" (INFO) and warns about settings
     that silently cost performance.
+
+    Args:
+        ulysses: Ulysses (all-to-all) degree, inside a node; at most the head count.
+        ring: Ring degree, across nodes.
+        dp: Data-parallel degree; None: world_size // (ulysses * ring).
+        layout: "zigzag" (balanced causal work) or "contiguous".
+        plan: A `topology` plan instead of `ulysses`, `ring` and `dp`.
+        device: The device tensors live on; None: CUDA's current device, else CPU.
+        validate: True (agree on each new call pattern), "always", "debug" or False (docs/errors.md).
+        timeout: Timeout of every process group the mesh creates; None: the default group's.
+
+    Returns:
+        The mesh, with dims ("dp", "ring", "ulysses").
+
+    Raises:
+        ConfigError: Degrees that do not divide the world size, an unknown layout or validate mode,
+            a timeout that is not a `datetime.timedelta`.
+        SetupError: No process group (call `torch.distributed.init_process_group` first).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise SetupError("init_cp_mesh needs torch.distributed: call "
@@ -152,7 +170,11 @@ def destroy_cp_mesh(cp: CPMesh) -> None:
     afterwards; the default group stays). Why: every group keeps threads and sockets for the life of the
     process (gloo: three threads that wake up periodically, measured at 0.4-0.8 ms of CPU per group and
     second while idle, benchmarks/idle_groups.py), so a program that builds meshes again and again (a test
-    harness, re-meshing after a lost worker) should destroy those it no longer uses."""
+    harness, re-meshing after a lost worker) should destroy those it no longer uses.
+
+    Args:
+        cp: The mesh to destroy.
+    """
     default = dist.distributed_c10d._get_default_group()
     groups = [cp.ulysses_group, cp.ring_group, cp.ring_group_bwd, cp.cp_group, cp.dp_cp_group, cp.check_group]
     if cp.device_mesh is not None:

@@ -48,6 +48,14 @@ def shard_model(model: nn.Module, cp: CPMesh, **fully_shard_kwargs: Any) -> nn.M
     `reshard_after_forward`, `offload_policy`); `mesh` is chosen here. Call it after
     `apply_context_parallel` and before building the optimizer. FSDP2 averages gradients over the
     mesh, which with `hcp.cross_entropy` gives the single-device gradient.
+
+    Args:
+        model: The model, after `apply_context_parallel`.
+        cp: The mesh.
+        **fully_shard_kwargs: Passed to `fully_shard`.
+
+    Returns:
+        The model.
     """
     from torch.distributed.fsdp import fully_shard
 

@@ -403,19 +403,25 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     get their window in every layer, chunked layers (Llama 4) their ``attention_chunk_size``, and
     attention sinks (gpt-oss), logit soft-capping (Gemma 2) and value head dims other than the
     query/key one (multi-head latent attention: DeepSeek-V3) reach `hcp.attention`; non-causal
-    attention and masks other than right padding raise. `head_chunks` > 1 runs each attention module's heads in about that many chunks
-    starting at the Q/K/V projections (UPipe at the module level: whole GQA groups per chunk, each
-    chunk's projections and attention recomputed in backward, so Q/K/V of all heads never exist at once; chunk i + 1's
-    projection and all-to-all overlap chunk i's ring: `hybrid_cp/engine/modulechunk.py`; `module_chunks` says
-    how k splits between module chunks and `hcp.attention(head_chunks=...)` chunks inside them).
-    Modules without separate q/k/v/o projections of `num_attention_heads` heads, with attention sinks
-    or chunked attention keep engine-level chunks only (logged); a module that does more than o_proj(attention output) after its attention
-    call raises on its first forward. `chunk_projections=False` keeps the projections whole and
-    chunks inside `hcp.attention` only. `keep_attention_output` (module chunks): keep each chunk's
-    attention output and lse for backward instead of running its attention forward again there; None
-    (default): inside layers under activation checkpointing only (attention forward twice per layer
-    instead of three times, at one output-sized tensor in the recomputed layer), True: also in unchecked
-    layers (once instead of twice, one output-sized tensor per layer kept through forward). Returns the model.
+    attention and masks other than right padding raise.
+
+    Args:
+        model: A transformers causal LM of a verified family.
+        cp: The mesh.
+        head_chunks: > 1 runs each attention module's heads in about that many chunks of whole GQA groups
+            from the Q/K/V projections on, recomputed in backward (UPipe; `engine/modulechunk.py`; modules
+            without separate q/k/v/o projections, with sinks or chunked attention chunk inside `hcp.attention`).
+        chunk_projections: False keeps the projections whole and chunks inside `hcp.attention` only.
+        keep_attention_output: Keep each module chunk's attention output and lse for backward instead of
+            running attention forward again there. None: inside checkpointed layers only (two attention
+            forwards per layer instead of three); True: in every layer (one output-sized tensor each).
+
+    Returns:
+        The model.
+
+    Raises:
+        ConfigError: A family or setting that is not verified exact; with module chunks, on its first
+            forward, a module that does more than o_proj(attention output) after its attention call.
     """
     positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
     if keep_attention_output is not None and not isinstance(keep_attention_output, bool):

@@ -39,6 +39,14 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
 
     Positions whose input token or target token is masked out by `attention_mask` get
     `ignore_index` as well.
+
+    Args:
+        labels: Labels [B, S], not shifted.
+        ignore_index: The label of tokens that count in no loss.
+        attention_mask: Optional 0/1 mask [B, S].
+
+    Returns:
+        The targets [B, S].
     """
     out = torch.full_like(labels, ignore_index)
     out[:, :-1] = labels[:, 1:]
@@ -79,12 +87,24 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     ``max_length_q``/``max_length_k``: pass them to the model with the rest (they reach the attention
     layers as transformers' flash-attention keywords do).
 
-    Lengths that are not a multiple of the layout's granularity are padded at the end: pad tokens
-    get `pad_token_id`, `ignore_index` labels, mask 0 and positions >= S. Results are on `device`
-    (default `cp.device`). The returned dict has ``input_ids``, ``labels``, ``position_ids`` (and
-    the other keys given) and ``shift_labels`` (the same tensor as ``labels``: it tells a model under
-    `apply_context_parallel` that they are already next-token targets, so ``model(**out).loss`` is the
-    cp group's token mean); or feed ``labels`` to `hcp.cross_entropy`.
+    Args:
+        batch: Full-sequence tensors by name, as above.
+        cp: The mesh.
+        ignore_index: The label of tokens that count in no loss.
+        shift: Shift ``labels`` to next-token targets here, on the full sequence.
+        pad_token_id: The token id of the padding slots that lengths not a multiple of the layout's
+            granularity get at the end (with `ignore_index` labels, mask 0 and positions >= S).
+        device: Where the results live; None: `cp.device`.
+
+    Returns:
+        ``input_ids``, ``labels``, ``position_ids`` (and the other keys given), ``shift_labels`` (the
+        same tensor as ``labels``: it tells a model under `apply_context_parallel` that they are already
+        next-token targets, so ``model(**out).loss`` is the cp group's token mean; or feed ``labels`` to
+        `hcp.cross_entropy`), and the packed keys for packed rows.
+
+    Raises:
+        ShapeError: Tensors whose batch or sequence dims disagree.
+        ConfigError: Left padding or holes in ``attention_mask``, position ids that do not count up.
     """
     if batch.get("shift_labels") is not None:  # next-token targets already (a collator's, or shard_batch's own)
         batch = {**batch, "labels": batch["shift_labels"]}

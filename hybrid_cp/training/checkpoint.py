@@ -68,6 +68,14 @@ def replica_samples(step: int, global_batch: int, cp: "CPMesh") -> range:
     replica `d` of `dp` takes the d-th contiguous slice of ``global_batch // dp``. A resumed run on
     another dp degree thus sees the same sequences per step, and the loss (a global token mean)
     only changes by fp32 round-off.
+
+    Args:
+        step: The optimizer step (0-based).
+        global_batch: Sequences per optimizer step over all dp replicas.
+        cp: The mesh (its dp rank and degree).
+
+    Returns:
+        The global sample indices of this dp replica.
     """
     if not isinstance(global_batch, int) or global_batch < 1 or global_batch % cp.dp_size:
         raise ConfigError(f"global_batch={global_batch!r} must be a positive multiple of the dp degree "
@@ -173,6 +181,23 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
     states, `scheduler.state_dict()`, the split, the data position of every dp replica for
     `global_batch` (see `replica_samples`) and `extra` (JSON). `keep`: delete all but the newest
     `keep` complete checkpoints (and leftover partial ones) afterwards. Returns the final path.
+
+    Args:
+        directory: The run's checkpoint folder.
+        step: Optimizer steps done so far.
+        model: The (FSDP2-sharded) model.
+        optimizer: Its optimizer.
+        cp: The mesh.
+        scheduler: A learning-rate scheduler, if any.
+        global_batch: Sequences per optimizer step over all dp replicas (for `replica_samples`).
+        extra: JSON-serialisable data to keep with the checkpoint.
+        keep: Keep only the newest `keep` complete checkpoints.
+
+    Returns:
+        The checkpoint's folder.
+
+    Raises:
+        ConfigError: A `global_batch` that is not a positive multiple of the dp degree.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -265,6 +290,12 @@ def latest_checkpoint(directory: str | os.PathLike) -> CheckpointInfo | None:
 
     Newer partial (``.tmp``) or corrupt folders are skipped with a `UserWarning` naming them and
     saying why; older ones than the one returned are not inspected.
+
+    Args:
+        directory: The run's checkpoint folder.
+
+    Returns:
+        The newest complete checkpoint's info, or None.
     """
     for _, partial, path in _entries(Path(directory)):
         if partial:
@@ -281,6 +312,13 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints, and every partial one; return the deleted.
 
     Run by one process (`save_checkpoint` runs it on rank 0 after its own save has been renamed).
+
+    Args:
+        directory: The run's checkpoint folder.
+        keep: How many complete checkpoints to keep.
+
+    Returns:
+        The deleted folders.
     """
     _checked_keep(keep)
     complete, removed = 0, []
@@ -322,6 +360,20 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     depends on it). RNG states are restored per rank when the split is the one saved; on another
     split rank k takes saved rank k mod the saved world size (streams per rank cannot map exactly).
     Returns the checkpoint's info; continue with optimizer step ``info.step``.
+
+    Args:
+        directory: The run's checkpoint folder.
+        model: The model, built and sharded as for a fresh start.
+        optimizer: Its optimizer.
+        cp: The mesh (any split).
+        scheduler: A learning-rate scheduler, if any.
+        global_batch: Must equal the one saved, if given.
+
+    Returns:
+        The loaded checkpoint's info, or None when there is none.
+
+    Raises:
+        ConfigError: `global_batch` differs from the one saved.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -357,6 +409,12 @@ def restart_store(timeout: datetime.timedelta = datetime.timedelta(minutes=10)) 
     agent's store behind a prefix per attempt (TORCHELASTIC_RESTART_COUNT). On several nodes the
     agents count restarts separately (pytorch#135712), so a prefix could differ between nodes:
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun there (warned about on rank 0).
+
+    Args:
+        timeout: The store's timeout.
+
+    Returns:
+        A store for `init_process_group(store=...)`, or None.
     """
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

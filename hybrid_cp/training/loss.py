@@ -67,6 +67,22 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
     or dp*cp with `include_dp`): averaging per-rank parameter gradients over the dp x cp ranks
     (DDP, FSDP2, `shard_model`) then gives exactly the single-device gradient.
     The loss is computed in fp32 whatever the logits' dtype.
+
+    Args:
+        logits: This rank's logits [B, S_local, V] (or [N, V]).
+        labels: This rank's next-token targets [B, S_local] (or [N]).
+        cp: The mesh.
+        ignore_index: Targets with this value count in no loss.
+        reduction: "mean", "sum" or "none".
+        include_dp: Reduce over the dp replicas too.
+
+    Returns:
+        The loss (a scalar, the same on every rank; per token for "none"), in fp32.
+
+    Raises:
+        ConfigError: An unknown reduction, or labels outside the vocabulary.
+        InputTypeError: Logits that are not floating point, labels that are not integers.
+        ShapeError: Logits and labels that do not match.
     """
     if reduction not in REDUCTIONS:
         raise ConfigError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")

@@ -226,6 +226,20 @@ def offload_checkpoints(model: nn.Module, *, keep_first: bool = False, keep_last
     first one is fetched last, when nothing is left to overlap with). `pin_memory` and `prefetch`
     default to on with CUDA, off otherwise. Results are bitwise those without offload. Returns the model;
     `unoffload_checkpoints` undoes it.
+
+    Args:
+        model: A transformers model with non-reentrant activation checkpointing.
+        keep_first: Leave the first layer's input on the device.
+        keep_last: Leave the last layer's input on the device.
+        pin_memory: Pinned host buffers; None: on with CUDA.
+        prefetch: Fetch the next layer's input back during a layer's backward; None: on with CUDA.
+        log: If a list, the offload's events are appended to it (tests).
+
+    Returns:
+        The model.
+
+    Raises:
+        ConfigError: On the first training forward, a layer without non-reentrant checkpointing.
     """
     layers = _decoder_layers(model)
     if not layers:
@@ -240,7 +254,14 @@ def offload_checkpoints(model: nn.Module, *, keep_first: bool = False, keep_last
 
 
 def unoffload_checkpoints(model: nn.Module) -> nn.Module:
-    """Undo `offload_checkpoints` (the host buffers go when no graph holds them)."""
+    """Undo `offload_checkpoints` (the host buffers go when no graph holds them).
+
+    Args:
+        model: A model `offload_checkpoints` changed.
+
+    Returns:
+        The model.
+    """
     _, handles = model.__dict__.pop(OFFLOAD_ATTR, (None, ()))
     for h in handles:
         h.remove()

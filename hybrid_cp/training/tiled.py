@@ -104,10 +104,8 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
                         bias: torch.Tensor | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
     """`hcp.cross_entropy(F.linear(hidden, weight, bias), labels, cp, ...)` without materialising the logits.
 
-    `hidden` [B, S_local, E] (or [N, E]) are the final hidden states of this rank's shard (after the
-    final norm), `weight` [V, E] the output projection (LM head), `labels` [B, S_local] the shifted
-    labels from `hcp.shard_batch`. Only `chunk_tokens` tokens' logits exist at a time (default: 256 MiB
-    of fp32 logits, `default_loss_chunk(V)`), in forward and again in backward, which recomputes them.
+    Only `chunk_tokens` tokens' logits exist at a time, in forward and again in backward, which
+    recomputes them.
 
     Same semantics as `hcp.cross_entropy`: "mean" is the token mean over the whole sequence group (and
     every dp replica with `include_dp`), identical on every rank, 0 when no token is valid; "sum" the
@@ -115,6 +113,25 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     W times the single-device gradient (W = ranks reduced over), so averaging gradients over dp x cp
     (FSDP2, DDP) is exact. Logits and softmax are computed in fp32. "none" is not offered: per-token
     losses need no tiling, use `hcp.cross_entropy`.
+
+    Args:
+        hidden: This rank's final hidden states [B, S_local, E] (or [N, E]), after the final norm.
+        weight: The output projection's (LM head's) weight [V, E].
+        labels: This rank's next-token targets [B, S_local] (or [N]), from `hcp.shard_batch`.
+        cp: The mesh.
+        ignore_index: Targets with this value count in no loss.
+        reduction: "mean" or "sum".
+        include_dp: Reduce over the dp replicas too.
+        bias: The LM head's bias [V], if any.
+        chunk_tokens: Tokens per chunk; None: 256 MiB of fp32 logits (`default_loss_chunk(V)`).
+
+    Returns:
+        The loss, a scalar, the same on every rank.
+
+    Raises:
+        ConfigError: An unknown reduction, or labels outside the vocabulary.
+        InputTypeError: Tensors of the wrong dtype or device.
+        ShapeError: Shapes that do not match each other.
     """
     if reduction not in ("mean", "sum"):
         raise ConfigError(f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
@@ -173,6 +190,19 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
     computes `tiled_cross_entropy` of its input instead of logits; the model's returned logits are then
     empty. `tiled=False` is the plain path: logits, then `hcp.cross_entropy`. Semantics and gradient
     convention are `hcp.cross_entropy`'s. Extra keyword arguments go to the model call.
+
+    Args:
+        model: A transformers causal LM under `apply_context_parallel`.
+        batch: This rank's shard from `hcp.shard_batch`.
+        cp: The mesh.
+        tiled: Compute the loss in token chunks without logits.
+        chunk_tokens: Tokens per chunk; None: 256 MiB of fp32 logits.
+        ignore_index: Targets with this value count in no loss.
+        include_dp: Reduce over the dp replicas too.
+        **model_kwargs: Passed to the model call.
+
+    Returns:
+        The loss, a scalar, the same on every rank.
     """
     from .loss import cross_entropy
 
@@ -280,6 +310,16 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
     Exact for token-wise MLPs (Llama/Mistral/Qwen2/Qwen3 `*MLP`); mixture-of-experts blocks (router
     statistics over the whole batch) raise ValueError. Works with FSDP2 (`shard_model`) and with
     activation checkpointing. Call again to change the chunk; `untile_mlp` undoes it. Returns the model.
+
+    Args:
+        model: The model whose `mlp` modules are tiled.
+        chunk_tokens: Tokens per chunk.
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: A mixture-of-experts block.
     """
     _check_tile_chunk(chunk_tokens)
     mlps = _mlps(model)
@@ -329,6 +369,13 @@ def tile_norm(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
     Exact: each token's arithmetic is the module's own code; only the weight gradient's sum over chunks
     is ordered differently (accumulated in fp32 for 16-bit weights). Works with FSDP2, activation
     checkpointing and module-level head chunks (q/k norms). `untile_norm` undoes it. Returns the model.
+
+    Args:
+        model: The model whose RMSNorm modules are tiled.
+        chunk_tokens: Tokens (rows) per chunk.
+
+    Returns:
+        The model.
     """
     _check_tile_chunk(chunk_tokens)
     norms = _norms(model)
@@ -340,7 +387,14 @@ def tile_norm(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
 
 
 def untile_norm(model: nn.Module) -> nn.Module:
-    """Undo `tile_norm`."""
+    """Undo `tile_norm`.
+
+    Args:
+        model: A model `tile_norm` changed.
+
+    Returns:
+        The model.
+    """
     _untile(_norms(model), TILED_NORM_ATTR)
     return model
 
@@ -361,7 +415,14 @@ def _make_forward(module: nn.Module, original: Callable, chunk: int) -> Callable
 
 
 def untile_mlp(model: nn.Module) -> nn.Module:
-    """Undo `tile_mlp`."""
+    """Undo `tile_mlp`.
+
+    Args:
+        model: A model `tile_mlp` changed.
+
+    Returns:
+        The model.
+    """
     _untile(_mlps(model), TILED_MLP_ATTR)
     return model
 

@@ -28,7 +28,17 @@ _REGISTRY: dict[str, AttentionKernel] = {}
 
 
 def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = False) -> None:
-    """Make `kernel` selectable as `hcp.attention(..., backend=name)`."""
+    """Make `kernel` selectable as `hcp.attention(..., backend=name)`.
+
+    Args:
+        name: The backend name.
+        kernel: An object with the `AttentionKernel` interface (`name`, `supports`, `forward`, `backward`).
+        overwrite: Replace a kernel already registered under `name`.
+
+    Raises:
+        InputTypeError: `kernel` lacks the interface.
+        ConfigError: `name` is taken (without `overwrite`).
+    """
     if not isinstance(kernel, AttentionKernel):
         raise InputTypeError(f"kernel {kernel!r} must provide name, supports(), forward() and backward()")
     if name in _REGISTRY and not overwrite:
@@ -37,6 +47,8 @@ def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = Fal
 
 
 def available_kernels() -> list[str]:
+    """The registered kernel names (usable as `backend=`), sorted; whether one runs on given inputs is
+    `get_kernel`'s question."""
     return sorted(_REGISTRY)
 
 
@@ -64,6 +76,19 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
     Raises instead of falling back when a named backend cannot run the inputs. `needs` names the
     keywords the call will pass (e.g. "window", "cu_seqlens_q"): "auto" then skips kernels that
     do not take them (named backends are checked by the caller, which says which keyword is missing).
+
+    Args:
+        backend: "auto", a registered name, or a kernel object.
+        device: The inputs' device.
+        dtype: The inputs' dtype.
+        head_dim: The inputs' head dim.
+        needs: Keywords the call will pass to the kernel.
+
+    Returns:
+        The kernel that runs the call.
+
+    Raises:
+        ConfigError: An unknown backend, or a named one that cannot run these inputs.
     """
     if isinstance(backend, AttentionKernel) and not isinstance(backend, str):
         kernel = backend
