@@ -47,6 +47,7 @@ from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.loss import cross_entropy
 from .linear_layers import route_linear_layers
 from .model_support import check_attention_kwargs, check_model
+from .rope import route_rotaries, row_extent
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
 _HOOK_ATTR = "_hybrid_cp_hook"
@@ -55,11 +56,13 @@ _HOOK_ATTR = "_hybrid_cp_hook"
 class _MeshRef:
     """Holds the mesh on each module; copying a model shares it instead of copying process groups."""
 
-    __slots__ = ("cp", "head_chunks")
+    __slots__ = ("cp", "head_chunks", "rotaries", "row")
 
     def __init__(self, cp: CPMesh, head_chunks: int = 1):
         self.cp = cp
         self.head_chunks = head_chunks
+        self.rotaries = 0   # rotary modules that read the row's extent (`rope.route_rotaries`)
+        self.row = None     # ... and that extent, of the model's current call (`rope.row_extent`)
 
     def __deepcopy__(self, memo):
         return self
@@ -223,16 +226,20 @@ def _register() -> None:
 
 
 @torch.compiler.disable  # host-side checks and a collective: runs eagerly under torch.compile (no recompiles)
-def _pre_forward(cp: CPMesh, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's positional inputs as keywords, checked and agreed on across the cp group
     (`validate.model_inputs`, which fills in missing position ids); the padding mask, once checked,
-    is dropped (causal attention is exact for the real tokens of right-padded rows)."""
+    is dropped (causal attention is exact for the real tokens of right-padded rows); the row's extent for
+    rotaries that depend on it (`rope`)."""
+    cp = ref.cp
     if args:
         kwargs = dict(kwargs)
         for name, value in zip(("input_ids", "attention_mask", "position_ids"), args):
             kwargs[name] = value
         args = ()
     kwargs = model_inputs(cp, kwargs)
+    if ref.rotaries:
+        ref.row = row_extent(cp, kwargs)
     if kwargs.get("attention_mask") is not None:
         kwargs["attention_mask"] = None
     kwargs["use_cache"] = False
@@ -442,6 +449,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks)
+    ref.rotaries = route_rotaries(model, ref)   # dynamic rope types: computed from the whole row (rope.py)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
     if hasattr(type(model), "loss_function"):
@@ -465,7 +473,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     old = model.__dict__.get(_HOOK_ATTR)
     if old is not None:
         old.remove()
-    handle = model.register_forward_pre_hook(lambda mod, a, kw: _pre_forward(cp, mod, a, kw), with_kwargs=True)
+    handle = model.register_forward_pre_hook(lambda mod, a, kw: _pre_forward(ref, mod, a, kw), with_kwargs=True)
     model.__dict__[_HOOK_ATTR] = handle
     return model
 
