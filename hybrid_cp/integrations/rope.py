@@ -31,6 +31,7 @@ import torch
 
 from topology.layouts import PAD, granularity
 
+from ..engine.eager import eager_only
 from ..engine.layout import positions, recorded_lengths, row_layout
 from ..engine.mesh import CPMesh
 from ..errors import ConfigError, SetupError
@@ -109,7 +110,7 @@ class RowRotary:
     def __init__(self, module: torch.nn.Module, original, holder):
         self.module, self.original, self.holder = module, original, holder
 
-    @torch.compiler.disable  # host-side grouping of a packed row; the rotary is small
+    @eager_only  # host-side grouping of a packed row; the rotary is small
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
         row = self.holder.row
         name = type(self.module).__name__
