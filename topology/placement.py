@@ -72,7 +72,7 @@ def mesh_ranks(world: int, ulysses: int, ring: int, dp: int | None = None) -> li
         dp: The data-parallel degree; None: world // (ulysses * ring).
 
     Returns:
-        The ranks, indexed [dp][ring][ulysses].
+        The ranks, indexed ``[dp][ring][ulysses]``.
     """
     dp = _validate_degrees(world, ulysses, ring, dp)
     return [[[d * ulysses * ring + j * ulysses + i for i in range(ulysses)] for j in range(ring)] for d in range(dp)]

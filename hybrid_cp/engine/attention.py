@@ -33,8 +33,9 @@ def _needs_grad(*tensors) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
-              cu_seqlens=None, window: int | tuple[int, int] | None = None, head_chunks: int = 1,
-              sinks: torch.Tensor | None = None, softcap: float | None = None, chunk_size: int | None = None):
+              cu_seqlens: torch.Tensor | list[int] | None = None, window: int | tuple[int, int] | None = None,
+              head_chunks: int = 1, sinks: torch.Tensor | None = None, softcap: float | None = None,
+              chunk_size: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the whole row from this rank's shards.
 
     Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
