@@ -231,7 +231,7 @@ def test_offloaded_inputs_leave_the_device_as_the_model_says(pool):
 ])
 def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, check):
     """UPipe's runs (arXiv 2602.21196, its run scripts' grids) at their own split, every option, 80e9 bytes
-    per GPU and the DGX's host memory: docs/memory.md's comparison table. Unchunked at ring size 1 our engine
+    per GPU and the DGX's host memory: benchmarks/results/memory.md's comparison table. Unchunked at ring size 1 our engine
     holds less than the reference's in backward (the whole-block fast path: no fp32 accumulators; every exchange's
     parts freed once packed), so the Ulysses and UPipe rows are held to issue 20's ranges (2.7-4.2M; 5.24-6.5M),
     not to the reference's 3M and 5Mi."""

@@ -1,4 +1,4 @@
-"""The cost model against published measurements (details and sources in docs/planner.md)."""
+"""The cost model against published measurements (details and sources in benchmarks/results/planner.md)."""
 
 from topology import published
 
