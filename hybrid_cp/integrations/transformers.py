@@ -401,11 +401,9 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
     `hcp.shard_batch`) returns this rank's logits [B, S_local, V]; compute the loss with
-    `hcp.cross_entropy`. Accepts the families verified exact (`model_support.VERIFIED_FAMILIES`:
-    Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, OLMo 2, GLM-4, ... with GQA/MQA and their MoE blocks)
-    and raises ConfigError, on every rank before any collective, for every other model and for
-    settings it would get wrong (`model_support.check_model`: sequence mixers such as linear
-    attention or Mamba layers, attention dropout, router auxiliary losses).
+    `hcp.cross_entropy`. Accepts the families verified exact (`model_support.VERIFIED_FAMILIES`, docs/models.md)
+    and raises ConfigError, on every rank before any collective, for every other model and for settings it
+    would get wrong (`model_support.check_model`: sequence mixers, attention dropout, router auxiliary losses).
     Sliding-window layers (``sliding_window``, or ``layer_types`` that mix window and full layers)
     get their window in every layer, chunked layers (Llama 4) their ``attention_chunk_size``, and
     attention sinks (gpt-oss), logit soft-capping (Gemma 2) and value head dims other than the
