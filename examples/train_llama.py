@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 import hybrid_cp as hcp
-from hybrid_cp.cli.demo import sample_batch, stdlib_corpus
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing.data import sample_batch, stdlib_corpus
 from hybrid_cp.training.batch import shard_batch
 from hybrid_cp.training.checkpoint import load_checkpoint, replica_samples, restart_store, save_checkpoint
 from hybrid_cp.training.loss import cross_entropy

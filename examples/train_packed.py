@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hybrid_cp as hcp
-from hybrid_cp.cli.demo import build_model, stdlib_corpus, tiny_llama_config
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
 from hybrid_cp.testing import local_rendezvous
+from hybrid_cp.testing.data import build_model, stdlib_corpus, tiny_llama_config
 from hybrid_cp.training.batch import shard_batch
 from hybrid_cp.training.loss import cross_entropy
 
