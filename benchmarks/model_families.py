@@ -32,7 +32,8 @@ REASONS = [
     (r"is_encoder_decoder", "encoder-decoder"),
     (r"layer_types", "layer kinds other than full/sliding/chunked attention (layer_types)"),
     (r"attention registry", "attention not dispatched through transformers' registry"),
-    (r"attention_dropout", "attention dropout in the default config"),
+    (r"add_cross_attention", "cross-attention"),
+    (r"dropout would draw", "dropout in the default config"),
     (r"varies per layer", "per-layer configurations"),
     (r"has not been verified", "not verified yet (no parity test)"),
 ]

@@ -13,10 +13,11 @@ pytest.importorskip("transformers")
 
 from test_training import _fake_mesh  # noqa: E402
 
-from hybrid_cp.errors import ConfigError  # noqa: E402
+from hybrid_cp.errors import ConfigError, ShapeError  # noqa: E402
 from hybrid_cp.integrations.model_support import VERIFIED_FAMILIES, check_model  # noqa: E402
 from hybrid_cp.integrations.transformers import apply_context_parallel  # noqa: E402
-from hybrid_cp.testing import families  # noqa: E402
+from hybrid_cp.testing import families, mesh_description  # noqa: E402
+from hybrid_cp.training.batch import shard_batch  # noqa: E402
 
 GUARD = "apply_context_parallel refuses"
 TOL = 1e-5
@@ -57,10 +58,17 @@ REFUSED = [
     ("bloom", {}, "attention registry"),
     ("mixtral", {"output_router_logits": True}, "output_router_logits"),
     ("llama", {"attention_dropout": 0.1}, "attention_dropout"),
+    # every dropout field, not only attention_dropout: GPT-2's defaults, Seed-OSS's residual dropout, OPT's LayerDrop
+    ("gpt2", {}, "attn_pdrop=0.1"),
+    ("gpt2", {"attn_pdrop": 0.0, "embd_pdrop": 0.0}, "resid_pdrop=0.1"),
+    ("seed_oss", {}, "residual_dropout=0.1"),
+    ("opt", {"dropout": 0.0, "layerdrop": 0.1}, "layerdrop=0.1"),
+    ("gpt2", {"attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "add_cross_attention": True},
+     "add_cross_attention"),
 ]
 
 
-@pytest.mark.parametrize("model_type,overrides,named", REFUSED, ids=[r[0] for r in REFUSED])
+@pytest.mark.parametrize("model_type,overrides,named", REFUSED, ids=[f"{r[0]}-{r[2]}" for r in REFUSED])
 def test_refusal_names_the_module_or_field(model_type, overrides, named):
     model = families.build(families.tiny_config(model_type, **overrides), "meta")
     with pytest.raises(ConfigError, match=GUARD) as info:
@@ -84,6 +92,51 @@ def test_a_verified_family_with_an_unverified_module_is_refused():
     model.model.layers[1].mlp.add_module("shift", Shift())
     with pytest.raises(ConfigError, match="model.layers.1.mlp.shift .Shift. is not among the modules"):
         check_model(model)
+
+
+def test_media_tensors_are_refused_by_name_not_sliced():
+    """A VLM batch's pixel_values [images, channels, h, w] would be cut along its channels by a per-token shard."""
+    cp = mesh_description(2, 2)
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "pixel_values": torch.zeros(2, 16, 8, 8)}
+    with pytest.raises(ShapeError, match=r"batch\['pixel_values'\] .* holds media"):
+        shard_batch(batch, cp)
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "token_type_ids": torch.zeros(2, 16, dtype=torch.long)}
+    assert shard_batch(batch, cp)["token_type_ids"].shape == (2, 4)   # per-token tensors are still sharded
+
+
+def _attention_modules(model_type: str, **overrides) -> dict:
+    config = families.walk_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = families.build(config, "meta")
+    return {name: m for name, m in model.named_modules() if name.endswith("self_attn")}
+
+
+@pytest.mark.parametrize("model_type,overrides,flag", [
+    ("gemma4_text", {}, "store_full_length_kv"),   # stores its K/V for the KV-sharing layers after it
+    ("gemma3n_text", {}, "store_full_length_kv"),
+    ("zamba2", {"use_shared_attention_adapter": True}, "linear_q_adapter_list"),   # LoRA adapters on q/k/v
+])
+def test_module_head_chunks_skip_layers_that_use_whole_heads(model_type, overrides, flag):
+    """Module-level head chunks cut q/k/v to a chunk's heads: a layer that stores its K/V for later layers would
+    store one chunk's, adapters would add full-width outputs to cut projections. Those keep engine chunks."""
+    from hybrid_cp.integrations.transformers import _chunk_module
+
+    cp = mesh_description(2, 2)
+    modules = _attention_modules(model_type, **overrides)
+    special = [m for m in modules.values() if getattr(m, flag, False)]
+    plain = [m for m in modules.values() if not any(getattr(m, f, False) for f in (flag, "is_kv_shared_layer"))
+             and not hasattr(m, "linear_q_adapter_list")]   # reuse layers (KV sharing) also keep whole heads
+    assert special, f"no {flag} layer in the {model_type} test model"
+    assert not any(_chunk_module(m, cp, 2) for m in special)
+    assert all("forward" not in m.__dict__ for m in special)
+    assert all(_chunk_module(m, cp, 2) for m in plain)
+
+
+def test_a_mixer_that_gets_no_boundaries_of_a_packed_row_raises(pool):
+    """A routed mixer whose layer drops the packed row's boundaries would scan across documents: it raises."""
+    for row in pool.run("guard_cases:packed_row_without_boundaries", u=2, r=2):
+        assert row.startswith("ConfigError") and "JambaMambaMixer received no cu_seq_lens_q" in row, row
 
 
 def _window(model_type: str) -> dict:

@@ -128,8 +128,16 @@ def _refuse_cache(m: torch.nn.Module, cache: Any, kwargs: dict) -> None:
 
 
 def _call_layout(cp: CPMesh, m: torch.nn.Module, hidden_states: torch.Tensor, cache: Any, kwargs: dict):
-    """A routed mixer's call: a cache refused, then the rows' layout (packed documents from `cu_seq_lens_q`)."""
+    """A routed mixer's call: a cache refused, then the rows' layout (packed documents from `cu_seq_lens_q`).
+    A mixer that gets no boundaries while the model was called with a packed row raises: its model or layer
+    dropped them on the way (pure Mamba / Mamba2 / RWKV models call their blocks without `**kwargs`), and the
+    scan would run across documents."""
     _refuse_cache(m, cache, kwargs)
+    if kwargs.get("cu_seq_lens_q") is None and getattr(m.__dict__.get("_hybrid_cp_mesh"), "packed", False):
+        raise ConfigError(f"{type(m).__name__} received no cu_seq_lens_q although the model was called with a packed "
+                          f"row: its model or decoder layer does not pass the row's document boundaries on to it, so "
+                          f"its scan would run across documents. Packed rows are not supported for this family; "
+                          f"pass dense (padded) rows")
     return row_layout(cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"), causal=True,
                       what=type(m).__name__)
 

@@ -262,11 +262,34 @@ def _config_refusals(config: Any) -> list[str]:
     return found
 
 
-def _settings_refused(where: str, cfg: Any) -> list[str]:
+# every config field that switches on dropout in a causal LM's body (attention_dropout, GPT-2's attn_pdrop /
+# resid_pdrop / embd_pdrop, hidden_dropout, Seed-OSS's residual_dropout, OPT's dropout and layerdrop, ...): each
+# rank would draw its own masks (LayerDrop would even skip different layers, and their collectives, per rank);
+# fields of classification / summary heads, which a causal LM does not run, are not among them
+_DROPOUT_FIELD = re.compile(r"dropout|pdrop|layerdrop|drop_path")
+_HEAD_FIELDS = ("classifier_", "summary_")
+
+
+def _dropout_refused(where: str, cfg: Any) -> list[str]:
+    """The dropout fields of `cfg` that are switched on, each with its fix."""
+    to_dict = getattr(cfg, "to_dict", None)
+    names = sorted(to_dict()) if callable(to_dict) else []
     found = []
-    drop = _field(cfg, "attention_dropout", 0.0) or 0.0
-    if drop > 0:
-        found.append(f"{where}.attention_dropout={drop}: set it to 0.0 for context-parallel training")
+    for name in names:
+        if not _DROPOUT_FIELD.search(name) or name.startswith(_HEAD_FIELDS):
+            continue
+        value = _field(cfg, name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found.append(f"{where}.{name}={value}: dropout would draw different random masks on every rank (not "
+                         f"the single-process step); set it to 0.0 for context-parallel training")
+    return found
+
+
+def _settings_refused(where: str, cfg: Any) -> list[str]:
+    found = _dropout_refused(where, cfg)
+    if _field(cfg, "add_cross_attention", False):
+        found.append(f"{where}.add_cross_attention=True: cross-attention attends to encoder states, not the sharded "
+                     f"sequence; set it to False (decoder-only causal LMs are supported)")
     chunk = _field(cfg, "attention_chunk_size")
     kinds = _field(cfg, "layer_types") or []
     if chunk is not None and not kinds:

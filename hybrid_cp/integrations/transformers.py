@@ -56,13 +56,14 @@ _HOOK_ATTR = "_hybrid_cp_hook"
 class _MeshRef:
     """Holds the mesh on each module; copying a model shares it instead of copying process groups."""
 
-    __slots__ = ("cp", "head_chunks", "rotaries", "row")
+    __slots__ = ("cp", "head_chunks", "rotaries", "row", "packed")
 
     def __init__(self, cp: CPMesh, head_chunks: int = 1):
         self.cp = cp
         self.head_chunks = head_chunks
         self.rotaries = 0   # rotary modules that read the row's extent (`rope.route_rotaries`)
         self.row = None     # ... and that extent, of the model's current call (`rope.row_extent`)
+        self.packed = False  # whether the current call is a packed row (routed mixers check they got its boundaries)
 
     def __deepcopy__(self, memo):
         return self
@@ -238,6 +239,7 @@ def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: di
             kwargs[name] = value
         args = ()
     kwargs = model_inputs(cp, kwargs)
+    ref.packed = kwargs.get("cu_seq_lens_q") is not None
     if ref.rotaries:
         ref.row = row_extent(cp, kwargs)
     if kwargs.get("attention_mask") is not None:
@@ -369,15 +371,29 @@ class _ModuleChunks:
                                        keep_output=self._keep()), None
 
 
+# attention modules that use their whole-head K/V or projections outside the attention call: a layer that stores
+# its K/V for later layers (Gemma 3n / Gemma 4 KV sharing) would store one chunk's heads; LoRA-style adapters
+# (Zamba2's `linear_q_adapter_list`, ...) add full-width outputs to projections cut to a chunk
+_WHOLE_HEAD_FLAGS = ("store_full_length_kv", "is_kv_shared_layer")
+_ADAPTER_SUFFIX = "_adapter_list"
+
+
+def _keeps_whole_heads(module: torch.nn.Module) -> bool:
+    """Whether `module` must run its heads whole (module-level chunks would compute something else)."""
+    return (any(getattr(module, flag, False) for flag in _WHOLE_HEAD_FLAGS)
+            or any(name.endswith(_ADAPTER_SUFFIX) for name in module._modules))
+
+
 def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=None,
                   keep_output: bool | None = None) -> bool:
     """Make an attention module run its heads in chunks from the projections on (UPipe at the module
     level, `_ModuleChunks`); returns False for modules without separate q/k/v/o projections of
     `num_attention_heads` x `head_dim`, for modules with attention sinks (the module chunk pipeline does not
-    carry their gradient) and for chunked-attention layers (it takes no chunk size): they keep engine-level chunks."""
+    carry their gradient), for chunked-attention layers (it takes no chunk size) and for modules that keep whole
+    heads (`_keeps_whole_heads`: KV-sharing store layers, adapters): they keep engine-level chunks."""
     if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in _PROJECTIONS):
         return False
-    if getattr(module, "sinks", None) is not None or _layer_chunk(module) is not None:
+    if getattr(module, "sinks", None) is not None or _layer_chunk(module) is not None or _keeps_whole_heads(module):
         return False
     d = getattr(module, "head_dim", None)
     if not isinstance(d, int) or module.q_proj.out_features % d or module.k_proj.out_features % d:
@@ -395,6 +411,28 @@ def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=N
     return True
 
 
+def _chunk_attention_modules(model: torch.nn.Module, cp: CPMesh, head_chunks: int, chunk_projections: bool,
+                             keep_attention_output: bool | None) -> None:
+    """`apply_context_parallel`'s head chunks: module-level where `_chunk_module` can, else inside `hcp.attention`
+    (logged when head chunks were asked for)."""
+    named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
+    attention_modules = [m for _, m in named]
+    layers = [weakref.ref(model.get_submodule(name.rpartition(".")[0])) if "." in name else None for name, _ in named]
+    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1, layer, keep_attention_output)
+               for m, layer in zip(attention_modules, layers)]
+    if not chunk_projections:
+        for m in attention_modules:
+            m.__dict__["_hybrid_cp_engine_chunks"] = head_chunks
+    elif head_chunks > 1 and not all(chunked):
+        import logging
+
+        logging.getLogger("hybrid_cp").warning(
+            "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections of num_attention_heads x "
+            "head_dim, or have attention sinks, chunked attention, KV-sharing or adapters, and chunk their heads "
+            "inside hcp.attention only (Q/K/V of all heads exist at once there)", head_chunks,
+            chunked.count(False), len(chunked))
+
+
 def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1,
                            chunk_projections: bool = True, keep_attention_output: bool | None = None) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
@@ -407,8 +445,9 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     Sliding-window layers (``sliding_window``, or ``layer_types`` that mix window and full layers)
     get their window in every layer, chunked layers (Llama 4) their ``attention_chunk_size``, and
     attention sinks (gpt-oss), logit soft-capping (Gemma 2) and value head dims other than the
-    query/key one (multi-head latent attention: DeepSeek-V3) reach `hcp.attention`; non-causal
-    attention and masks other than right padding raise.
+    query/key one (multi-head latent attention: DeepSeek-V3) reach `hcp.attention`; dynamic rope types
+    (longrope, dynamic NTK) see the whole row's extent (`rope.py`); non-causal attention and masks other than
+    right padding raise.
 
     Args:
         model: A transformers causal LM of a verified family.
@@ -447,27 +486,12 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks)
-    ref.rotaries = route_rotaries(model, ref)   # dynamic rope types: computed from the whole row (rope.py)
+    ref.rotaries = route_rotaries(model, ref)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref
     if hasattr(type(model), "loss_function"):
         model.loss_function = _CPLoss(ref)
-    named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
-    attention_modules = [m for _, m in named]
-    layers = [weakref.ref(model.get_submodule(name.rpartition(".")[0])) if "." in name else None for name, _ in named]
-    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1, layer, keep_attention_output)
-               for m, layer in zip(attention_modules, layers)]
-    if not chunk_projections:
-        for m in attention_modules:
-            m.__dict__["_hybrid_cp_engine_chunks"] = head_chunks
-    elif head_chunks > 1 and not all(chunked):
-        import logging
-
-        logging.getLogger("hybrid_cp").warning(
-            "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections of num_attention_heads x "
-            "head_dim, or have attention sinks or chunked attention, and chunk their heads "
-            "inside hcp.attention only (Q/K/V of all heads exist at once there)", head_chunks,
-            chunked.count(False), len(chunked))
+    _chunk_attention_modules(model, cp, head_chunks, chunk_projections, keep_attention_output)
     old = model.__dict__.get(_HOOK_ATTR)
     if old is not None:
         old.remove()

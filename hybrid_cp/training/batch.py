@@ -103,12 +103,13 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         `hcp.cross_entropy`), and the packed keys for packed rows.
 
     Raises:
-        ShapeError: Tensors whose batch or sequence dims disagree.
+        ShapeError: Tensors whose batch or sequence dims disagree; media (`MEDIA_KEYS`: pixel_values, ...).
         ConfigError: Left padding or holes in ``attention_mask``, position ids that do not count up.
     """
     if batch.get("shift_labels") is not None:  # next-token targets already (a collator's, or shard_batch's own)
         batch = {**batch, "labels": batch["shift_labels"]}
         shift = False
+    _refuse_media(batch)
     ids, mask, pos = batch_arguments(batch, ignore_index)
     device = torch.device(device) if device is not None else cp.device
     b, s = ids.shape
@@ -143,6 +144,23 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
 def _take(x: torch.Tensor, cp: "CPMesh", lay: Layout, device: torch.device, pad) -> torch.Tensor:
     """This rank's tokens of the [B, S, ...] tensor `x` on `device`."""
     return shard_tokens(x, cp, 1, lay, pad).to(device).contiguous()
+
+
+# batch entries that hold media or per-item metadata, never one value per token: sharding them along dim 1 would cut
+# channels or grid rows (multimodal models need their features placed on the right shard, not supported yet)
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
+              "pixel_attention_mask", "input_features", "input_features_mask", "feature_attention_mask",
+              "audio_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_embeds")
+
+
+def _refuse_media(batch: Mapping[str, Any]) -> None:
+    """Media tensors (`MEDIA_KEYS`) raise by name, before any shape check could call them mis-shaped tokens."""
+    media = [key for key in MEDIA_KEYS if isinstance(batch, Mapping) and isinstance(batch.get(key), torch.Tensor)]
+    if media:
+        raise ShapeError(f"batch[{media[0]!r}] (shape {tuple(batch[media[0]].shape)}) holds media, not one value per "
+                         f"token: hcp.shard_batch would cut it along its dim 1. Media inputs (images, audio) are "
+                         f"not supported under context parallelism: drop {media} from the batch (a text-only "
+                         f"row), or train the multimodal model without context parallelism")
 
 
 def _shard_rest(batch: Mapping[str, Any], cp: "CPMesh", lay: Layout, device: torch.device,
