@@ -7,6 +7,7 @@ from .engine.heads import head_split
 from .engine.kernels import AttentionKernel, available_kernels, get_kernel, register_kernel
 from .engine.layout import granularity, padded_length, positions, shard, unshard
 from .engine.mesh import CPMesh, destroy_cp_mesh, init_cp_mesh
+from .engine.meshes import CPMeshes, init_cp_meshes
 from .errors import *  # noqa: F403 (the error classes: errors.__all__)
 from .training.batch import shard_batch, shift_labels
 from .training.checkpoint import (
@@ -18,6 +19,7 @@ from .training.checkpoint import (
            restart_store,
            save_checkpoint,
 )
+from .training.dynamic import dynamic_loss, micro_batches, schedule_documents
 from .training.loss import cross_entropy
 from .training.offload import offload_checkpoints, unoffload_checkpoints
 from .training.tiled import lm_loss, tile_mlp, tile_norm, tiled_cross_entropy, untile_mlp, untile_norm
@@ -27,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "attention", "shard_batch", "shift_labels",
            "cross_entropy", "init_cp_mesh", "destroy_cp_mesh", "CPMesh", "shard", "unshard", "positions", "granularity", "padded_length", "comm_bytes", "reset_comm_bytes", "head_split", "AttentionKernel",
            "register_kernel", "get_kernel", "available_kernels"]
+__all__ += ["init_cp_meshes", "CPMeshes", "schedule_documents", "micro_batches", "dynamic_loss"]
 __all__ += ["offload_checkpoints", "unoffload_checkpoints", "tile_norm", "untile_norm"]
 __all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "replica_samples",
             "restart_store", "CheckpointInfo"]

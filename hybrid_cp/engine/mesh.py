@@ -95,7 +95,8 @@ class CPMesh:
 
 def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int | None = None,
                  layout: str = "zigzag", plan: Any = None, device: str | torch.device | None = None,
-                 validate: bool | str = True, timeout: datetime.timedelta | None = None) -> CPMesh:
+                 validate: bool | str = True, timeout: datetime.timedelta | None = None,
+                 share_world_with: CPMesh | None = None) -> CPMesh:
     """Build the ("dp", "ring", "ulysses") mesh after `torch.distributed.init_process_group`.
 
     `plan` may be a `topology` plan (anything with integer `ulysses`, `ring`, `dp` attributes)
@@ -103,6 +104,8 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     `timeout` applies to every group the mesh creates; by default they inherit the default
     process group's timeout (torch's `new_group` would otherwise give them its 30-minute default,
     so a rank that stops calling would hang the others far past the timeout you chose).
+    `share_world_with`: a mesh over the same world whose all-ranks group and mesh (`dp_cp_group`,
+    `dp_cp_mesh`: the loss's and FSDP2's) this one reuses instead of creating its own (`hcp.init_cp_meshes`).
     Logs the resolved configuration once on logger "hybrid_cp" (INFO) and warns about settings
     that silently cost performance.
 
@@ -115,6 +118,7 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
         device: The device tensors live on; None: CUDA's current device, else CPU.
         validate: True (agree on each new call pattern), "always", "debug" or False (docs/errors.md).
         timeout: Timeout of every process group the mesh creates; None: the default group's.
+        share_world_with: A mesh whose all-ranks group and mesh this one reuses (`hcp.init_cp_meshes`).
 
     Returns:
         The mesh, with dims ("dp", "ring", "ulysses").
@@ -149,7 +153,8 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     # mesh keeps a destroyed mesh's cached plans (and groups) from reaching this one (destroy_cp_mesh)
     serial = next(_SERIAL)
     cp_flat = _flattened(mesh, ("ring", "ulysses"), f"cp_{serial}", timeout)
-    dp_cp = _flattened(mesh, ("dp", "ring", "ulysses"), f"dp_cp_{serial}", timeout)  # the loss's and FSDP2's
+    dp_cp = (share_world_with.dp_cp_mesh if share_world_with is not None   # the loss's and FSDP2's
+             else _flattened(mesh, ("dp", "ring", "ulysses"), f"dp_cp_{serial}", timeout))
     # The validation all-reduce has a host (gloo) group of its own: it never syncs the device, and a
     # rank that checks while the others skip (validate=True) can only time out, never pair its
     # check with another collective.
@@ -171,10 +176,14 @@ def destroy_cp_mesh(cp: CPMesh) -> None:
     process (gloo: three threads that wake up periodically, measured at 0.4-0.8 ms of CPU per group and
     second while idle, benchmarks/idle_groups.py), so a program that builds meshes again and again (a test
     harness, re-meshing after a lost worker) should destroy those it no longer uses.
+    A family of meshes (`hcp.init_cp_meshes`) is destroyed whole.
 
     Args:
-        cp: The mesh to destroy.
+        cp: The mesh (or family of meshes) to destroy.
     """
+    if isinstance(getattr(cp, "meshes", None), dict):   # a CPMeshes (engine/meshes.py): it knows what it shares
+        cp.destroy()
+        return
     default = dist.distributed_c10d._get_default_group()
     groups = [cp.ulysses_group, cp.ring_group, cp.ring_group_bwd, cp.cp_group, cp.dp_cp_group, cp.check_group]
     if cp.device_mesh is not None:

@@ -30,6 +30,7 @@ for Llama 4's temperature-tuned NoPE layers it rescales the queries to the token
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -56,7 +57,7 @@ _HOOK_ATTR = "_hybrid_cp_hook"
 class _MeshRef:
     """Holds the mesh on each module; copying a model shares it instead of copying process groups."""
 
-    __slots__ = ("cp", "head_chunks", "rotaries", "row", "packed")
+    __slots__ = ("cp", "head_chunks", "rotaries", "row", "packed", "fixed")
 
     def __init__(self, cp: CPMesh, head_chunks: int = 1):
         self.cp = cp
@@ -64,6 +65,7 @@ class _MeshRef:
         self.rotaries = 0   # rotary modules that read the row's extent (`rope.route_rotaries`)
         self.row = None     # ... and that extent, of the model's current call (`rope.row_extent`)
         self.packed = False  # whether the current call is a packed row (routed mixers check they got its boundaries)
+        self.fixed = ""   # what bound `cp` at patch time (module chunks, linear layers): `use_mesh` refuses then
 
     def __deepcopy__(self, memo):
         return self
@@ -484,7 +486,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
+    routed = route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks)
     ref.rotaries = route_rotaries(model, ref)
     for m in model.modules():
@@ -492,6 +494,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     if hasattr(type(model), "loss_function"):
         model.loss_function = _CPLoss(ref)
     _chunk_attention_modules(model, cp, head_chunks, chunk_projections, keep_attention_output)
+    ref.fixed = _mesh_bound_by(routed, model, head_chunks)
     old = model.__dict__.get(_HOOK_ATTR)
     if old is not None:
         old.remove()
@@ -500,4 +503,37 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     return model
 
 
-__all__ = ["apply_context_parallel", "hybrid_cp_attention_forward", "ATTN_IMPLEMENTATION"]
+def _mesh_bound_by(routed: int, model: torch.nn.Module, head_chunks: int) -> str:
+    """What keeps the mesh it was patched with (`use_mesh` refuses those models), or ""."""
+    if routed:
+        return f"{routed} linear-attention/Mamba mixers"
+    chunked = any("forward" in m.__dict__ for name, m in model.named_modules() if name.endswith("self_attn"))
+    return f"head_chunks={head_chunks} module chunks" if chunked else ""
+
+
+@contextlib.contextmanager
+def use_mesh(model: torch.nn.Module, cp: CPMesh):
+    """Run a model patched by `apply_context_parallel` on mesh `cp` inside the block (a dynamic schedule's
+    micro-batch, `hcp.DynamicStep`): its attention, input checks and loss read the mesh per call. Run the
+    backward inside the block too: activation checkpointing recomputes the forward there. Models whose
+    patching bound the mesh into modules (module chunks with head_chunks > 1, linear-attention and Mamba
+    mixers) raise ConfigError: they are not verified with per-micro-batch meshes."""
+    ref = model.__dict__.get("_hybrid_cp_mesh")
+    if ref is None:
+        raise SetupError("use_mesh needs a model patched by apply_context_parallel(model, cp) first")
+    if ref.fixed:
+        raise ConfigError(f"this model's {ref.fixed} keep the mesh they were patched with; dynamic degrees are "
+                          f"verified with head_chunks=1 on softmax-attention models only")
+    if not isinstance(cp, CPMesh):
+        raise InputTypeError(f"cp must be a CPMesh, got {type(cp).__name__}")
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    if heads is not None and heads < cp.ulysses_size:
+        raise ShapeError(f"the model has {heads} attention heads but this mesh has ulysses={cp.ulysses_size}")
+    old, ref.cp = ref.cp, cp
+    try:
+        yield model
+    finally:
+        ref.cp = old
+
+
+__all__ = ["apply_context_parallel", "hybrid_cp_attention_forward", "ATTN_IMPLEMENTATION", "use_mesh"]

@@ -1,0 +1,111 @@
+"""Dynamic context-parallel degrees on every rank of a worker pool: a tiny Llama trained on a schedule of
+mixed degrees against one process on the same global batch. They return errors; the tests assert."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from train_cases import VOCAB, _full_grad, _rel, tiny_model
+
+import hybrid_cp as hcp
+from hybrid_cp.integrations.fsdp import average_gradients, shard_model
+from hybrid_cp.integrations.transformers import apply_context_parallel, use_mesh
+from hybrid_cp.training.batch import shard_batch
+
+# per step: documents of the GLOBAL batch (C = 24 tokens per rank: 70 and 50 need 4 ranks, 40 and 33 two)
+STEPS = [[70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5], [50, 30, 12, 3, 24, 8, 17, 6, 1, 26]]
+SPLITS = {1: (1, 1), 2: (1, 2), 4: (2, 2)}   # ring-only, and ulysses x ring
+C = 24
+
+
+def _docs(step: int, lengths: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def _reference(model, docs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """One process: the sum of every document's token losses over the step's N valid targets."""
+    total, n = 0.0, 0
+    for ids in docs:
+        logits = model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None]).logits
+        total = total + F.cross_entropy(logits[0, :-1], ids[1:], reduction="sum")
+        n += len(ids) - 1
+    loss = total / n
+    loss.backward()
+    return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def _step(model, meshes, sched, docs) -> torch.Tensor:
+    """This rank's micro-batches; returns the step's loss (summed over the world)."""
+    total = torch.zeros(())
+    for mb in hcp.micro_batches(sched, meshes):
+        if mb.idle:
+            continue
+        row = {"input_ids": torch.cat([docs[d] for d in mb.docs])[None],
+               "cu_seq_lens_q": torch.tensor(mb.cu_seqlens, dtype=torch.int32)}
+        with use_mesh(model, mb.cp):
+            local = shard_batch(row, mb.cp)
+            logits = model(**{k: v for k, v in local.items() if k not in ("labels", "shift_labels")}).logits
+            loss = hcp.dynamic_loss(logits, local["labels"], sched)
+            loss.backward()
+        total += loss.detach()
+    dist.all_reduce(total)
+    return total
+
+
+def dynamic_training(checkpoint: bool = False) -> dict:
+    """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step."""
+    meshes = hcp.init_cp_meshes([1, 2, 4], splits=SPLITS)
+    model = apply_context_parallel(tiny_model("llama"), meshes.mesh(1))
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = tiny_model("llama")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
+    out = {"loss": [], "grad": [], "degrees": [], "microbatches": []}
+    for step, lengths in enumerate(STEPS):
+        docs = _docs(step, lengths)
+        sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)   # every rank reduces every gradient, also after idle micro-batches
+        loss = _step(model, meshes, sched, docs)
+        average_gradients(model)
+        ref_loss, ref_grads = _reference(ref, docs)
+        out["loss"].append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        out["grad"].append(max(_rel(_full_grad(p), ref_grads[k]) for k, p in model.named_parameters()))
+        out["degrees"].append(sorted({g.degree for mb in sched.microbatches for g in mb.groups if g.docs}))
+        out["microbatches"].append(len(sched.microbatches))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    hcp.destroy_cp_mesh(meshes)
+    return out
+
+
+def disagreeing_batch() -> dict:
+    """Rank 1 schedules a different batch: every rank must raise the typed error, no rank may hang."""
+    meshes = hcp.init_cp_meshes([1, 2, 4], splits=SPLITS)
+    lengths = list(STEPS[0])
+    if dist.get_rank() == 1:
+        lengths[3] += 1
+    sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
+    try:
+        next(iter(hcp.micro_batches(sched, meshes)))
+        got = "no error"
+    except hcp.InconsistentRanksError as exc:
+        got = type(exc).__name__ + ": " + str(exc)
+    hcp.destroy_cp_mesh(meshes)
+    return {"error": got}
+
+
+def family_shape() -> dict:
+    """The family's meshes: their splits, the aligned cp blocks, and the shared all-ranks group."""
+    meshes = hcp.init_cp_meshes(splits=SPLITS)
+    me = dist.get_rank()
+    out = {k: {"split": (m.ulysses_size, m.ring_size), "cp_rank": m.rank, "block": me // k,
+               "shared_world": m.dp_cp_group is meshes.mesh(1).dp_cp_group} for k, m in meshes.meshes.items()}
+    hcp.destroy_cp_mesh(meshes)
+    return out
+
+
+__all__ = ["dynamic_training", "disagreeing_batch", "family_shape", "shard_model"]
