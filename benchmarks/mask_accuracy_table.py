@@ -9,14 +9,12 @@ Runs 8 local gloo processes (about a minute on 2 idle cores).
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Iterator
 
 from hybrid_cp.cli.table import table_lines
 from hybrid_cp.testing import WorkerPool
 from hybrid_cp.testing.cases import packed_cases, window_cases
 
-TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")  # the dist_cases tasks
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
@@ -26,7 +24,7 @@ def rows(pool: WorkerPool) -> Iterator[list[str]]:
     for u, r in MESHES:
         for name, target, cases in (("packed documents", "packed_errors", packed_cases(u, seed=u * 10 + r)),
                                     ("sliding window", "window_errors", window_cases(u))):
-            measured = [row for rank in pool.run(f"dist_cases:{target}", u=u, r=r, layout="zigzag", cases=cases,
+            measured = [row for rank in pool.run(f"hybrid_cp.testing.parity:{target}", u=u, r=r, layout="zigzag", cases=cases,
                                               timeout=600) for row in rank]
             yield [f"{u} x {r}", name, str(len(cases)), *(f"{max(row[t] for row in measured):.1e}" for t in TENSORS)]
 
@@ -36,7 +34,7 @@ def main() -> None:
     ap.add_argument("--out", help="also write the table to this Markdown file")
     args = ap.parse_args()
     lines = []
-    with WorkerPool(8, extra_paths=[TESTS]) as pool:
+    with WorkerPool(8) as pool:
         for line in table_lines(["mesh (u x r)", "mask", "cases", *TENSORS], rows(pool), markdown=True):
             lines.append(line)
             if len(lines) > 2:  # each row as it is measured (the header goes only into the file)

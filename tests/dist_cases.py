@@ -9,125 +9,23 @@ import torch
 import torch.distributed as dist
 
 import hybrid_cp as hcp
-from hybrid_cp.engine.kernels import get_kernel
 
-MESH_CACHE = 10
-_MESHES: dict = {}
-_REFS: dict = {}
-
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def mesh(u: int, r: int, layout: str = "zigzag", validate: bool | str = True) -> hcp.CPMesh:
-    """Meshes are cached: building one creates process groups (every rank, in the same order). Cases that
-    make one rank call differently use validate="always": under the default (True) a shared mesh's
-    earlier calls decide which calls are checked, and a lone deviation would wait for the timeout.
-    At most `MESH_CACHE` are kept (the least recently used is destroyed): every live group costs CPU
-    while idle (benchmarks/idle_groups.py), and the suite would otherwise hold hundreds per worker."""
-    key = (u, r, layout, validate)
-    if key in _MESHES:
-        _MESHES[key] = _MESHES.pop(key)   # most recently used last
-    else:
-        while len(_MESHES) >= MESH_CACHE:
-            hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
-        _MESHES[key] = hcp.init_cp_mesh(u, r, layout=layout, validate=validate)
-    return _MESHES[key]
-
-
-def reference(q, k, v, dout, causal: bool, scale: float):
-    """Single-device attention by autograd in fp64 (independent of the package's kernels)."""
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    h = q.shape[2]
-    ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
-
-
-def _ref_key(c: dict) -> tuple:
-    return (c["b"], c["n"], c["h"], c["hkv"], c["d"], c["causal"])
-
-
-def _fill_references(cases: list[dict]) -> None:
-    """fp64 references, computed once per session and split over the ranks (they are slow)."""
-    world, me = dist.get_world_size(), dist.get_rank()
-    missing = sorted({_ref_key(c) for c in cases} - set(_REFS))
-    mine = {}
-    for i, key in enumerate(missing):
-        if i % world == me:
-            b, n, h, hkv, d, causal = key
-            inputs = _inputs(hash(key) % 10007, b, n, h, hkv, d)
-            mine[key] = (inputs, reference(*inputs, causal, 1 / math.sqrt(d)))
-    for i, key in enumerate(missing):
-        item = [mine.get(key)]
-        dist.broadcast_object_list(item, src=i % world)
-        _REFS[key] = item[0]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
-    """Largest elementwise error relative to the largest reference magnitude (at least `floor`)."""
-    if b.numel() == 0:  # a rank without real tokens (e.g. a 1-token packed row on 2 ranks): nothing to compare;
-        return 0.0      # raising here on that rank alone would leave the others waiting in unshard's all-gather
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(floor)).item()
-
-
-def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error in the Frobenius norm: stable under rounding noise (used for bf16)."""
-    return (torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double())).item()
-
-
-def _inputs(seed: int, b: int, n: int, h: int, hkv: int, d: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
-    return q, k, v, dout
-
-
-def _cp_run(cp, q, k, v, dout, causal, dtype, backend):
-    ql, kl, vl = (hcp.shard(x.to(dtype), cp).requires_grad_() for x in (q, k, v))
-    out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, return_lse=True, backend=backend)
-    (out * hcp.shard(dout.to(dtype), cp)).sum().backward()
-    return out.detach(), lse, ql.grad, kl.grad, vl.grad
-
-
-def attention_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
-    """For each case, relative errors of out/lse/dq/dk/dv against the fp64 reference.
-
-    bf16 cases also report the single-device bf16 error of the same backend ("base_*")."""
-    cp = mesh(u, r, layout)
-    _fill_references(cases)
-    results = []
-    for c in cases:
-        n, d = c["n"], c["d"]
-        dtype, causal, backend = DTYPES[c["dtype"]], c["causal"], c.get("backend", "auto")
-        (q, k, v, dout), ref = _REFS[_ref_key(c)]
-        got = _cp_run(cp, q, k, v, dout, causal, dtype, backend)
-        keep = torch.nonzero(hcp.positions(n, cp) < n).flatten()
-        metric = _rel if dtype in (torch.float64, torch.float32) else _rel_norm
-        names, dims = ["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1]
-
-        def local(x, dim):  # this rank's real (non-pad) tokens of a full-sequence tensor
-            return hcp.shard(x, cp, dim=dim).index_select(dim, keep)
-
-        err = {name: metric(gt.index_select(dim, keep), local(rf, dim))
-               for name, dim, rf, gt in zip(names, dims, ref, got)}
-        if dtype not in (torch.float64, torch.float32):
-            # The same backend on one device, judged on the same tokens: the error budget.
-            kern = get_kernel(backend, q.device, dtype, d)
-            qd, kd, vd, dd = (x.to(dtype) for x in (q, k, v, dout))
-            o1, l1 = kern.forward(qd, kd, vd, causal=causal, scale=1 / math.sqrt(d))
-            g1 = kern.backward(dd, qd, kd, vd, o1, l1, causal=causal, scale=1 / math.sqrt(d))
-            for name, dim, a, rf in zip(names, dims, (o1, l1) + tuple(g1), ref):
-                err["base_" + name] = metric(local(a, dim), local(rf, dim))
-        results.append({**c, **err})
-    return results
+# The parity runs, the fp64 references and the mesh cache live in hybrid_cp.testing.parity (the benchmarks
+# run them too); re-exported here under the names the case modules import.
+from hybrid_cp.testing.parity import (  # noqa: F401 (re-exported)
+           DTYPES,
+           MESH_CACHE,
+           attention_errors,
+           masked_reference,
+           mesh,
+           packed_errors,
+           reference,
+           visibility,
+           window_errors,
+)
+from hybrid_cp.testing.parity import random_inputs as _inputs
+from hybrid_cp.testing.parity import rel as _rel
+from hybrid_cp.testing.parity import rel_norm as _rel_norm  # noqa: F401 (re-exported)
 
 
 def unshard_roundtrip(u: int, r: int, layout: str, n: int) -> dict:
@@ -209,7 +107,6 @@ def callable_backend(u: int, n: int, causal: bool) -> dict:
                 [ref[0], ref[2], ref[3], ref[4]])}
 
 
-
 def destroyed_mesh(u: int, r: int) -> dict:
     """hcp.destroy_cp_mesh: the mesh's process groups are gone (nothing keeps them, so their threads end), a
     destroyed mesh raises SetupError (before any collective) in attention and in the loss, and FSDP2 on a
@@ -278,33 +175,6 @@ def mesh_errors() -> dict:
 
 # ---- packed documents ---------------------------------------------------------------------------
 
-def visibility(doc_lens: list[int], causal: bool, window=None) -> torch.Tensor:
-    """[N, N] bool: key j visible to query i inside the same document, under the mask and window
-    (window W with causal: the W keys ending at i; (left, right) without: i - left .. i + right)."""
-    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
-    pos = torch.cat([torch.arange(n) for n in doc_lens])
-    diff = pos[None, :] - pos[:, None]  # key position - query position
-    visible = doc[:, None] == doc[None, :]
-    if causal:
-        visible &= diff <= 0
-        if window is not None:
-            visible &= diff > -window
-    elif window is not None:
-        visible &= (diff >= -window[0]) & (diff <= window[1])
-    return visible
-
-
-def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor):
-    """Attention by fp64 autograd over the whole row with a [N, N] visibility mask."""
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    h = q.shape[2]
-    ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
-    s = (torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale).masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
-
 
 def assert_errors(rows_per_rank, limit: float = 1e-5, tensors=("out", "lse", "dq", "dk", "dv")) -> None:
     """Every rank's every case has relative errors <= limit in every tensor."""
@@ -312,44 +182,6 @@ def assert_errors(rows_per_rank, limit: float = 1e-5, tensors=("out", "lse", "dq
         for row in rows:
             bad = {t: row[t] for t in tensors if not row[t] <= limit}
             assert not bad, f"rank {rank}, case {row}: relative errors {bad} exceed {limit}"
-
-
-def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
-    """For each packed case, relative errors of out/lse/dq/dk/dv on this rank's real tokens against
-    the per-document fp64 reference, and the largest magnitude found in pad slots (must be 0)."""
-    from topology.layouts import PAD
-
-    cp = mesh(u, r, layout)
-    results = []
-    for c in cases:
-        lens, h, hkv, d, causal = c["docs"], c["h"], c["hkv"], c["d"], c["causal"]
-        dtype = DTYPES[c.get("dtype", "fp32")]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        q, k, v, dout = _inputs(c.get("seed", 3), 1, cu[-1], h, hkv, d)
-        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal))
-        ql, kl, vl = (hcp.shard(x.to(dtype), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
-        out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, cu_seqlens=cu, return_lse=True,
-                                 backend=c.get("backend", "auto"))
-        (out * hcp.shard(dout.to(dtype), cp, cu_seqlens=cu)).sum().backward()
-        got = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
-        lay = hcp.engine.layout.row_layout(cp, cu_seqlens=cu)
-        real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
-        keep, pads = torch.nonzero(real).flatten(), torch.nonzero(~real).flatten()
-        err, pad_max = {}, 0.0
-        for name, dim, rf, gt in zip(["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref, got):
-            # relative to max(|ref|, 1): one-token documents have dq = dk = 0 exactly, only round-off remains
-            err[name] = _rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, cu_seqlens=cu).index_select(dim, keep),
-                             floor=1.0)
-            if name != "lse" and pads.numel():
-                pad_max = max(pad_max, gt.index_select(dim, pads).abs().max().item())
-        if pads.numel():
-            err["lse_pad_is_neg_inf"] = bool(torch.isneginf(lse.index_select(2, pads)).all())
-        back = hcp.unshard(out.detach(), cp, cu_seqlens=cu)
-        err["unshard_ok"] = tuple(back.shape) == (1, cu[-1], h, d) and _rel(back, ref[0]) <= 1e-5
-        results.append({**c, **err, "pad_max": pad_max})
-    return results
 
 
 def hidden_length_case() -> dict:
@@ -393,41 +225,6 @@ def packed_comm_bytes_case(u: int, r: int, lens: list[int], h: int, hkv: int, d:
 
 
 # ---- sliding windows ----------------------------------------------------------------------------
-
-def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
-    """Relative errors of windowed attention (dense rows, or packed with `docs`) on this rank's real
-    tokens against the fp64 reference, plus the bytes each ring stage sent."""
-    from topology.layouts import PAD
-
-    cp = mesh(u, r, layout)
-    results = []
-    for c in cases:
-        h, hkv, d, causal, window = c["h"], c["hkv"], c["d"], c["causal"], c["window"]
-        window = window if causal or window is None else tuple(window)
-        packed = "docs" in c
-        lens = c["docs"] if packed else [c["n"]]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        kw = {"cu_seqlens": cu} if packed else {}
-        dtype = DTYPES[c.get("dtype", "fp32")]
-        q, k, v, dout = _inputs(c.get("seed", 4), 1, cu[-1], h, hkv, d)
-        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal, window))
-        hcp.reset_comm_bytes(cp)
-        ql, kl, vl = (hcp.shard(x.to(dtype), cp, **kw).requires_grad_() for x in (q, k, v))
-        out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, window=window, return_lse=True,
-                                 backend=c.get("backend", "auto"), seq_len=None if packed else cu[-1], **kw)
-        (out * hcp.shard(dout.to(dtype), cp, **kw)).sum().backward()
-        lay = hcp.engine.layout.row_layout(cp, seq_len=None if packed else cu[-1], **kw)
-        real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
-        keep = torch.nonzero(real).flatten()
-        # relative to max(|ref|, 1): with W = 1 the exact dq and dk are 0 and only round-off remains
-        err = {name: _rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **kw).index_select(dim, keep), floor=1.0)
-               for name, dim, rf, gt in zip(["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref,
-                                             (out.detach(), lse, ql.grad, kl.grad, vl.grad))}
-        results.append({**c, **err, "bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank,
-                        "ulysses_rank": cp.ulysses_rank})
-    return results
 
 
 def window_bytes_case(u: int, r: int, n: int, h: int, hkv: int, d: int, window) -> dict:
