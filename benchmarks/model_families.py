@@ -28,6 +28,7 @@ REASONS = [
     (r"module \S+ \(\w+\) is a token-mixing convolution", "token-mixing convolutions"),
     (r"module \S+ \(\w+\) is a recurrence", "recurrences (RWKV, xLSTM)"),
     (r"module \S+ \(\w+\) is a sparse-attention indexer", "sparse-attention indexers (DeepSeek sparse attention)"),
+    (r"samples experts with Gumbel noise", "random routing in training mode (phimoe's sparsemixer)"),
     (r"attention_chunk_size=\S+ without", "chunked attention without layer_types"),
     (r"is_encoder_decoder", "encoder-decoder"),
     (r"layer_types", "layer kinds other than full/sliding/chunked attention (layer_types)"),

@@ -30,7 +30,7 @@ def walk() -> dict[str, tuple[str, str]]:
 
 # model types whose causal-LM class is a verified family's model: AutoModelForCausalLM on a Llama4Config
 # builds the text-only Llama4ForCausalLM (config.model_type 'llama4_text')
-BUILDS_VERIFIED = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text"}
+BUILDS_VERIFIED = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "gpt-sw3": "gpt2"}
 
 
 def test_walk_accepts_exactly_the_verified_families():
@@ -59,12 +59,12 @@ REFUSED = [
     ("mixtral", {"output_router_logits": True}, "output_router_logits"),
     ("llama", {"attention_dropout": 0.1}, "attention_dropout"),
     # every dropout field, not only attention_dropout: GPT-2's defaults, Seed-OSS's residual dropout, OPT's LayerDrop
-    ("gpt2", {}, "attn_pdrop=0.1"),
-    ("gpt2", {"attn_pdrop": 0.0, "embd_pdrop": 0.0}, "resid_pdrop=0.1"),
-    ("seed_oss", {}, "residual_dropout=0.1"),
-    ("opt", {"dropout": 0.0, "layerdrop": 0.1}, "layerdrop=0.1"),
-    ("gpt2", {"attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "add_cross_attention": True},
-     "add_cross_attention"),
+    ("gpt2", {"attn_pdrop": 0.1}, "attn_pdrop=0.1"),
+    ("gpt2", {"resid_pdrop": 0.1}, "resid_pdrop=0.1"),
+    ("seed_oss", {"residual_dropout": 0.1}, "residual_dropout=0.1"),
+    ("opt", {"layerdrop": 0.1}, "layerdrop=0.1"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
+    ("phimoe", {}, "sparsemixer"),   # random routing in training mode: no CP step equals the single-process one
 ]
 
 
@@ -150,17 +150,44 @@ HYBRID_FAMILIES = {"qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_
                    "lfm2", "lfm2_moe", "jamba", "minimax"}   # the last four: tests/test_hybrid_more.py
 
 
+# gradients that are zero in exact arithmetic: a key bias without rotary adds one score to every key of a query,
+# which softmax ignores (OPT); their relative error compares rounding with rounding, so they count against the
+# model's largest gradient only
+ZERO_GRADIENTS = {"opt": ("k_proj.bias",)}
+
+
+def _assert_parity(name: str, rank: int, row: dict) -> None:
+    assert not row["missing"], (name, row)
+    assert row["loss"] <= TOL and row.get("logits", 0.0) <= TOL, (name, rank, row)
+    assert row["grad"] <= 10 * TOL and row.get("grad_vs_largest", 0.0) <= 10 * TOL, (name, rank, row)
+
+
 @pytest.mark.parametrize("model_type", sorted(set(VERIFIED_FAMILIES) - HYBRID_FAMILIES))
 def test_verified_family_matches_single_process(pool, model_type):
     if model_type not in walk():
         pytest.skip(f"model_type {model_type!r} is not in the installed transformers")
     rows = pool.run("train_cases:model_parity", u=2, r=2, kind=model_type, hkv=None, s=100, pad=True,
-                    config=_window(model_type), generic=True)
+                    config=_window(model_type), generic=True, exclude=ZERO_GRADIENTS.get(model_type, ()))
     for rank, row in enumerate(rows):
-        assert not row["missing"], row
-        for key in ("logits", "loss"):
-            assert row[key] <= TOL, (model_type, rank, key, row)
-        assert row["grad"] <= 10 * TOL, (model_type, rank, row)
+        _assert_parity(model_type, rank, row)
+
+
+# families verified in this wave (#32): also packed rows on (2, 2) and both on a ring of four, one pool task per mesh
+NEW_FAMILIES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen", "seed_oss", "ernie4_5_moe", "afmoe", "laguna")
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda m: f"u{m[0]}r{m[1]}")
+def test_new_families_dense_and_packed(pool, mesh):
+    kinds = [t for t in NEW_FAMILIES if t in walk()]
+    runs = [dict(name=f"{t} packed", kind=t, packed=True, exclude=ZERO_GRADIENTS.get(t, ())) for t in kinds]
+    if mesh != (2, 2):   # (2, 2) dense: test_verified_family_matches_single_process
+        runs += [dict(name=t, kind=t, hkv=None, generic=True, config=_window(t), exclude=ZERO_GRADIENTS.get(t, ()))
+                 for t in kinds]
+    for rank, row in enumerate(pool.run("train_cases:family_runs", u=mesh[0], r=mesh[1], runs=runs)):
+        assert len(row) == len(runs)
+        for name, errors in row.items():
+            _assert_parity(name, rank, errors)
+            assert errors.get("leak") is None or errors["leak"] > 1e3 * TOL, (name, errors)
 
 
 def test_refused_families_raise_on_every_rank_before_any_collective(pool):

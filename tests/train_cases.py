@@ -83,7 +83,7 @@ def reference(model, batch):
         labels = labels.masked_fill(mask[:, 1:] == 0, -100)
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), loss.detach(), grads
 
 
@@ -96,11 +96,23 @@ def _full_grad(p):
     return g.full_tensor() if hasattr(g, "full_tensor") else g
 
 
+def _grad_errors(grads: dict, ref_grads: dict, exclude: tuple = ()) -> tuple[float, str, float]:
+    """(worst relative error, its parameter, worst error relative to the largest reference gradient); parameters
+    whose name ends with one of `exclude` count only in the last (gradients that are zero in exact arithmetic:
+    their relative error compares rounding with rounding)."""
+    errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads if n in grads and not n.endswith(tuple(exclude))}
+    worst = max(errs, key=errs.get)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    vs_largest = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads if n in grads) / scale
+    return errs[worst], worst, vs_largest
+
+
 def model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp: bool = False, b: int = 2, s: int = 100,
-                 pad: bool = True, checkpoint: bool = False, config: dict | None = None, generic: bool = False) -> dict:
+                 pad: bool = True, checkpoint: bool = False, config: dict | None = None, generic: bool = False,
+                 exclude: tuple = ()) -> dict:
     """logits / loss / every parameter gradient under CP vs one process (fp32); `config`
     overrides the tiny model's configuration (e.g. a sliding window); `generic` builds any family's
-    default configuration made tiny."""
+    default configuration made tiny; `exclude`: see `_grad_errors`."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad)
     config = config or {}
@@ -120,11 +132,10 @@ def model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp:
         average_gradients(model)
     full_logits = hcp.unshard(logits.detach(), cp, dim=1, seq_len=s)
     keep = batch["attention_mask"].bool() if pad else torch.ones(b, s, dtype=torch.bool)
-    grads = {n: _full_grad(p) for n, p in model.named_parameters()}
-    grad_errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
-    worst = max(grad_errs, key=grad_errs.get)
+    grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
+    grad, worst, vs_largest = _grad_errors(grads, ref_grads, exclude)
     return {"logits": _rel(full_logits[keep], ref_logits[keep]), "loss": abs(loss.item() - ref_loss.item()) /
-            abs(ref_loss.item()), "grad": grad_errs[worst], "worst_param": worst,
+            abs(ref_loss.item()), "grad": grad, "worst_param": worst, "grad_vs_largest": vs_largest,
             "missing": sorted(set(ref_grads) ^ set(grads))}
 
 
@@ -335,12 +346,12 @@ def packed_reference(model, batch: dict, doc_lens=PACKED_DOC_LENS):
         start += n
     loss = total / count
     loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp: bool = False,
                         explicit_cu: bool = False, tiled_loss: bool = False, checkpoint: bool = False,
-                        doc_lens: tuple = PACKED_DOC_LENS, head_chunks: int = 1) -> dict:
+                        doc_lens: tuple = PACKED_DOC_LENS, head_chunks: int = 1, exclude: tuple = ()) -> dict:
     """Loss and every parameter gradient of one packed-row step under CP vs the per-document reference
     (`tiled_loss`: through `hcp.lm_loss` on the shard_batch dict instead of logits + cross_entropy)."""
     cp = mesh(u, r)
@@ -366,13 +377,10 @@ def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2
     loss.backward()
     if not fsdp:
         average_gradients(model)
-    grads = {n: _full_grad(p) for n, p in model.named_parameters()}
-    grad_errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads if n in grads}
-    worst = max(grad_errs, key=grad_errs.get)
-    scale = max(g.abs().max().item() for g in ref_grads.values())
-    abs_errs = {n: (grads[n] - ref_grads[n]).abs().max().item() / scale for n in ref_grads if n in grads}
-    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad_errs[worst],
-            "grad_vs_largest": max(abs_errs.values()),
+    grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
+    grad, worst, vs_largest = _grad_errors(grads, ref_grads, exclude)
+    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad,
+            "grad_vs_largest": vs_largest,
             "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads)),
             "cp_loss": loss.item(), "ref_loss": ref_loss.item(),
             "leak": _leak(kind, hkv, ref_grads) if doc_lens == PACKED_DOC_LENS else None}
@@ -392,7 +400,7 @@ def _leak(kind: str, hkv: int, ref_grads: dict) -> float:
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         labels = shift_labels(batch["labels"])
         F.cross_entropy(logits[0], labels[0], ignore_index=-100).backward()
-        _LEAKS[kind, hkv] = max(_rel(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+        _LEAKS[kind, hkv] = max(_rel(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.grad is not None)
     return _LEAKS[kind, hkv]
 
 

@@ -36,6 +36,8 @@ GEMMA2 = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding T
 # model_type -> (class-name stem, the classes after the stem) of every transformers module the
 # family's verified tiny model contains. Some families reuse another's classes (exaone: Llama's).
 VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
+    "afmoe": ("Afmoe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding SparseMoeBlock "
+                       "TokenChoiceRouter"),
     "apertus": ("Apertus", DENSE),
     # hybrid: Mamba2 mixers routed by `linear_layers` (docs/linear.md)
     "bamba": ("Bamba", "Attention DecoderLayer ForCausalLM MLP Mixer Model RMSNorm RMSNormGated RotaryEmbedding"),
@@ -57,6 +59,8 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "diffllama": ("DiffLlama", DENSE),
     "ernie4_5": ("Ernie4_5", DENSE),
     "exaone": ("Llama", DENSE),
+    "ernie4_5_moe": ("Ernie4_5_Moe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
+                                     "SparseMoeBlock Statics TopKRouter"),
     # hybrid: attention and a Mamba2 mixer side by side in every layer, the mixer routed by `linear_layers`
     "falcon_h1": ("FalconH1", "Attention DecoderLayer ForCausalLM MLP Mixer Model RMSNorm RMSNormGated "
                               "RotaryEmbedding"),
@@ -74,6 +78,11 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "glm4_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                             "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "glm4_moe_lite": ("Glm4MoeLite", MLA_MOE),
+    "codegen": ("CodeGen", "Attention Block ForCausalLM MLP Model RotaryEmbedding"),
+    # absolute positions (learned wpe, sinusoidal rotary tables) read the global position ids the pre-hook supplies
+    "gpt2": ("GPT2", "Attention Block LMHeadModel MLP Model"),
+    "gpt_bigcode": ("GPTBigCode", "Attention Block ForCausalLM MLP Model"),
+    "gptj": ("GPTJ", "Attention Block ForCausalLM MLP Model RotaryEmbedding"),
     "gpt_neox": ("GPTNeoX", "Attention ForCausalLM Layer MLP Model RotaryEmbedding"),
     "gpt_oss": ("GptOss", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding TopKRouter"),
     "granite": ("Granite", DENSE),
@@ -93,6 +102,8 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "internlm3": ("Llama", DENSE),
     "iquestcoder": ("Llama", DENSE),
     "jais2": ("Jais2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
+    "laguna": ("Laguna", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding SparseMoeBlock "
+                         "TopKRouter"),
     # hybrid: Mamba-1 mixers (conv halo + selective scan) routed by `linear_layers`, attention, MoE every other layer
     "jamba": ("Jamba", "Attention AttentionDecoderLayer Experts ForCausalLM MLP MambaDecoderLayer MambaMixer Model "
                        "RMSNorm SparseMoeBlock TopKRouter"),
@@ -130,6 +141,7 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "nemotron_h": ("NemotronH", "Attention Block Experts ForCausalLM MLP Mamba2Mixer Model MoE RMSNorm RMSNormGated "
                                 "TopkRouter"),
     "nemotron": ("Nemotron", "Attention DecoderLayer ForCausalLM LayerNorm1P MLP Model RotaryEmbedding"),
+    "opt": ("OPT", "Attention Decoder DecoderLayer ForCausalLM LearnedPositionalEmbedding Model"),
     "olmo": ("Olmo", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
     "olmo2": ("Olmo2", DENSE),
     "olmo3": ("Olmo3", DENSE),
@@ -150,12 +162,21 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "sarvam_mla": ("DeepseekV3", MLA_MOE),
     "sarvam_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
                               "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
+    "seed_oss": ("SeedOss", DENSE),
     "smollm3": ("SmolLM3", DENSE),
     "solar_open": ("SolarOpen", "Attention DecoderLayer Experts ForCausalLM MLP "
                                 "MoE Model RMSNorm RotaryEmbedding TopkRouter"),
     "starcoder2": ("Starcoder2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
     "vaultgemma": ("VaultGemma", GEMMA2),
     "youtu": ("Youtu", DENSE),
+}
+
+# families whose modules are token-wise but whose training step cannot equal the single-process one, with why
+# (the guard's message and the family table give the reason)
+REFUSED_FAMILIES = {
+    "phimoe": "its router (sparsemixer) samples experts with Gumbel noise and random masks per token whenever the "
+              "model is in training mode, from each rank's own random stream: a CP step is only distributionally "
+              "the single-process one (its longrope rotary is exact: hybrid_cp.integrations.rope)",
 }
 
 # torch modules that act on each token on its own (containers hold modules that are checked themselves)
@@ -355,6 +376,9 @@ def check_model(model: torch.nn.Module) -> None:
                        f"registry (_supports_attention_backend=False), so hybrid-cp cannot replace its attention; "
                        f"{_WHAT_TO_DO}")
     reasons += _config_refusals(config)
+    if model_type in REFUSED_FAMILIES:
+        reasons.append(f"model_type {model_type!r} cannot be made exact under context parallelism: "
+                       f"{REFUSED_FAMILIES[model_type]}; {_WHAT_TO_DO}")
     if not reasons and family is None:
         reasons.append(f"this model family has not been verified exact under context parallelism (every module "
                        f"other than the attention function must act token by token, and each verified family "
@@ -383,4 +407,4 @@ def check_attention_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> N
                           f"something else. Remove the option, or {_WHAT_TO_DO}")
 
 
-__all__ = ["VERIFIED_FAMILIES", "check_model", "check_attention_kwargs"]
+__all__ = ["VERIFIED_FAMILIES", "REFUSED_FAMILIES", "check_model", "check_attention_kwargs"]

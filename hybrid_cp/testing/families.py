@@ -18,7 +18,10 @@ VOCAB = 256
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, moe_intermediate_size=32,
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            attention_dropout=0.0, tie_word_embeddings=False)
+            attention_dropout=0.0, tie_word_embeddings=False,
+            # every dropout field off (GPT-2's, OPT's, Seed-OSS's defaults draw per-rank masks: the guard refuses them)
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, residual_dropout=0.0, hidden_dropout=0.0, dropout=0.0,
+            activation_dropout=0.0, layerdrop=0.0)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 # multi-head latent attention (any config with kv_lora_rank): query/key head dim 16 + 8, value head dim 16;
 # the decompressed keys have every query head (transformers' eager attention needs kv heads = heads), and
@@ -39,6 +42,7 @@ VARIANTS = {
                         moe_layers=[1], intermediate_size_mlp=128),   # chunked + RoPE, full + NoPE + temperature
     # a short-convolution layer next to the attention one (LFM2's tiny default has none; LFM2-MoE's does not
     # build without layer_types), the second layer's MLP an MoE block
+    "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),   # rotary on half of the tiny head dim (16)
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
 }
