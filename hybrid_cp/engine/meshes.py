@@ -97,7 +97,25 @@ def init_cp_meshes(degrees: list[int] | None = None, *, splits: dict[int, tuple[
     """Build, collectively on every rank, one mesh per allowed degree (default every power of two that
     divides the world). Each degree's (ulysses, ring): `cost` (from `topology.degree_table`, which asks the
     planner and the memory model, and also prices the groups for the scheduler), else `splits`, else
-    `default_splits` (ulysses inside a node, bounded by `heads`). Free it with `hcp.destroy_cp_mesh`."""
+    `default_splits` (ulysses inside a node, bounded by `heads`). Free it with `hcp.destroy_cp_mesh`.
+
+    Args:
+        degrees: The allowed degrees (powers of two dividing the world); None: all of them.
+        splits: (ulysses, ring) per degree, when `cost` is not given.
+        heads: Query heads: bounds the default splits' ulysses degree.
+        per_node: Ranks per node for the default splits; None: LOCAL_WORLD_SIZE, else the world.
+        cost: `topology.degree_table`'s degrees (splits and costs).
+        layout: "zigzag" or "contiguous".
+        validate: As `init_cp_mesh`'s.
+        timeout: As `init_cp_mesh`'s.
+
+    Returns:
+        The family of meshes, one per degree.
+
+    Raises:
+        ConfigError: A degree that is not a power of two dividing the world size.
+        SetupError: No process group.
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise SetupError("init_cp_meshes needs torch.distributed: call torch.distributed.init_process_group(...) first")
     world = dist.get_world_size()

@@ -39,7 +39,20 @@ def schedule_documents(lengths: Sequence[int], meshes: "CPMeshes", tokens_per_ra
                        targets: Sequence[int] | None = None) -> StepSchedule:
     """The step's schedule (`topology.schedule.schedule_step`) for the documents of the GLOBAL batch
     (`lengths`, identical on every rank) over the family's degrees; pure, no communication.
-    `targets`: valid targets per document (default ``len - 1``). Raises ConfigError."""
+    `targets`: valid targets per document (default ``len - 1``). Raises ConfigError.
+
+    Args:
+        lengths: Every document's length in the global batch.
+        meshes: The family from `init_cp_meshes`.
+        tokens_per_rank: Tokens one rank holds in a micro-batch.
+        targets: Valid targets per document; None: ``len - 1`` each.
+
+    Returns:
+        The step's schedule.
+
+    Raises:
+        ConfigError: The documents cannot be scheduled on these degrees.
+    """
     try:
         return schedule_step(list(lengths), meshes.world, tokens_per_rank, meshes.degrees, targets)
     except ScheduleError as exc:
@@ -81,7 +94,19 @@ class RankMicroBatch:
 
 
 def micro_batches(sched: StepSchedule, meshes: "CPMeshes", rank: int | None = None) -> Iterator[RankMicroBatch]:
-    """This rank's micro-batches, in order, after the digest check (`agree`): the same count on every rank."""
+    """This rank's micro-batches, in order, after the digest check (`agree`): the same count on every rank.
+
+    Args:
+        sched: The step's schedule (`schedule_documents`).
+        meshes: The family from `init_cp_meshes`.
+        rank: The rank; None: this process's.
+
+    Returns:
+        This rank's micro-batches, in order.
+
+    Raises:
+        InconsistentRanksError: The ranks hold different schedules (on every rank).
+    """
     agree(sched, meshes)
     me = dist.get_rank() if rank is None else rank
     for i, group in enumerate(sched.for_rank(me)):
@@ -96,7 +121,18 @@ def dynamic_loss(logits: torch.Tensor, labels: torch.Tensor, sched: StepSchedule
     """This rank's share of the step's token-mean cross entropy: value (sum of its token losses) / N,
     gradient W / N per token loss (module docstring). `logits` [B, S_local, V] and `labels` [B, S_local]
     are this rank's shard with next-token targets (`hcp.shard_batch`'s labels). No communication: sum the
-    values over micro-batches and all-reduce them over the world to log the step's loss."""
+    values over micro-batches and all-reduce them over the world to log the step's loss.
+
+    Args:
+        logits: This rank's logits [B, S_local, V].
+        labels: This rank's next-token targets [B, S_local].
+        sched: The step's schedule.
+        ignore_index: Targets with this value count in no loss.
+        world: The world size W; None: the schedule's.
+
+    Returns:
+        This rank's share of the step's loss (a scalar).
+    """
     w = sched.world if world is None else world
     n = max(sched.targets, 1)
     local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device),
