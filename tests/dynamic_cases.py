@@ -12,6 +12,7 @@ import hybrid_cp as hcp
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel, use_mesh
 from hybrid_cp.training.batch import shard_batch
+from topology.schedule import Degree
 
 # per step: documents of the GLOBAL batch (C = 24 tokens per rank: 70 and 50 need 4 ranks, 40 and 33 two)
 STEPS = [[70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5], [50, 30, 12, 3, 24, 8, 17, 6, 1, 26]]
@@ -36,11 +37,17 @@ def _reference(model, docs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 
-def _step(model, meshes, sched, docs) -> torch.Tensor:
-    """This rank's micro-batches; returns the step's loss (summed over the world)."""
-    total = torch.zeros(())
+def _step(model, meshes, sched, docs) -> tuple[torch.Tensor, int]:
+    """This rank's micro-batches; returns the step's loss (summed over the world). An idle rank runs a
+    one-token placeholder (loss * 0): FSDP2 needs every rank in every micro-batch's gathers. Also returns
+    how many placeholders this rank ran."""
+    total, idle = torch.zeros(()), 0
     for mb in hcp.micro_batches(sched, meshes):
         if mb.idle:
+            with use_mesh(model, mb.cp):
+                inputs = {k: v for k, v in mb.placeholder_batch().items() if k not in ("labels", "shift_labels")}
+                (model(**inputs).logits.sum() * 0).backward()
+            idle += 1
             continue
         row = {"input_ids": torch.cat([docs[d] for d in mb.docs])[None],
                "cu_seq_lens_q": torch.tensor(mb.cu_seqlens, dtype=torch.int32)}
@@ -51,25 +58,30 @@ def _step(model, meshes, sched, docs) -> torch.Tensor:
             loss.backward()
         total += loss.detach()
     dist.all_reduce(total)
-    return total
+    return total, idle
 
 
-def dynamic_training(checkpoint: bool = False) -> dict:
-    """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step."""
-    meshes = hcp.init_cp_meshes([1, 2, 4], splits=SPLITS)
+def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bool = False) -> dict:
+    """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step (`fsdp`: the
+    model sharded by FSDP2 over the family's shared all-ranks mesh; `flat_cost`: degrees priced alike, so
+    idle blocks are not doubled and idle ranks run placeholders)."""
+    cost = [Degree(k, u, r) for k, (u, r) in SPLITS.items()] if flat_cost else None
+    meshes = hcp.init_cp_meshes([1, 2, 4], splits=SPLITS, cost=cost)
     model = apply_context_parallel(tiny_model("llama"), meshes.mesh(1))
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp:
+        shard_model(model, meshes.mesh(1))
     ref = tiny_model("llama")
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
-    out = {"loss": [], "grad": [], "degrees": [], "microbatches": []}
-    for step, lengths in enumerate(STEPS):
+    out = {"loss": [], "grad": [], "degrees": [], "microbatches": [], "idle": 0}
+    for step, lengths in enumerate(STEPS + ([[50, 40, 3]] if flat_cost else [])):   # 3rd: rank 3 idle once
         docs = _docs(step, lengths)
         sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)   # every rank reduces every gradient, also after idle micro-batches
-        loss = _step(model, meshes, sched, docs)
-        average_gradients(model)
+        loss, idle = _step(model, meshes, sched, docs)
+        out["idle"] += idle
+        if not fsdp:
+            average_gradients(model)
         ref_loss, ref_grads = _reference(ref, docs)
         out["loss"].append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         out["grad"].append(max(_rel(_full_grad(p), ref_grads[k]) for k, p in model.named_parameters()))
@@ -108,4 +120,4 @@ def family_shape() -> dict:
     return out
 
 
-__all__ = ["dynamic_training", "disagreeing_batch", "family_shape", "shard_model"]
+__all__ = ["dynamic_training", "disagreeing_batch", "family_shape"]

@@ -26,13 +26,15 @@ def test_family_of_meshes_on_aligned_blocks(pool4):
             assert m["shared_world"]
 
 
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
-def test_mixed_degrees_train_like_one_process(pool4, checkpoint):
-    rows = pool4.run("dynamic_cases:dynamic_training", checkpoint=checkpoint)
+@pytest.mark.parametrize("checkpoint,fsdp,flat_cost", [(False, False, False), (True, False, False), (False, True, True)],
+                         ids=["plain", "checkpointed", "fsdp2-with-idle-ranks"])
+def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost):
+    rows = pool4.run("dynamic_cases:dynamic_training", checkpoint=checkpoint, fsdp=fsdp, flat_cost=flat_cost)
     for res in rows:
         assert all(len(d) >= 2 and 4 in d for d in res["degrees"]), res   # really mixed degrees
         # fp32: reduction order only (worst seen 8.6e-8 loss, 6.7e-7 gradient over 3 runs, both modes)
         assert max(res["loss"]) <= 1e-5 and max(res["grad"]) <= 1e-4, res
+    assert (sum(res["idle"] for res in rows) > 0) == flat_cost   # placeholders ran where ranks were idle
 
 
 def test_a_rank_with_another_batch_raises_on_every_rank(pool4):

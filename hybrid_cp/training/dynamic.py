@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from topology.schedule import Group, ScheduleError, StepSchedule, schedule_step
 
 from ..errors import ConfigError, InconsistentRanksError
+from .batch import shard_batch
 from .loss import GroupReduced
 
 if TYPE_CHECKING:
@@ -74,11 +75,12 @@ def agree(sched: StepSchedule, meshes: "CPMeshes") -> None:
 
 @dataclass(frozen=True)
 class RankMicroBatch:
-    """This rank's part of one micro-batch: its group's mesh `cp` (None for an idle rank block), the group
-    and its documents (indices into the step's documents) with their packed boundaries."""
+    """This rank's part of one micro-batch: its group's mesh `cp` (an idle rank gets the degree-1 mesh, for
+    a placeholder forward), the group and its documents (indices into the step's documents) with their
+    packed boundaries."""
 
     index: int
-    cp: "CPMesh | None"
+    cp: "CPMesh"
     group: Group
     cu_seqlens: tuple[int, ...]
 
@@ -88,9 +90,16 @@ class RankMicroBatch:
 
     @property
     def idle(self) -> bool:
-        """No documents for this rank in this micro-batch (possible only when the world has more ranks
-        than work); under FSDP2 run a placeholder forward (loss * 0) to keep the collectives aligned."""
+        """No documents for this rank in this micro-batch (possible when the world has more ranks than
+        work); under FSDP2 run a placeholder forward and backward (one token on `cp`, loss * 0) so that
+        every rank joins the same parameter gathers and gradient reductions."""
         return not self.group.docs
+
+
+    def placeholder_batch(self) -> dict:
+        """An idle rank's input under FSDP2: one pad token sharded on `cp` (its label ignored); run the model
+        on it and back-propagate its output times 0."""
+        return shard_batch({"input_ids": torch.zeros(1, 1, dtype=torch.long)}, self.cp)
 
 
 def micro_batches(sched: StepSchedule, meshes: "CPMeshes", rank: int | None = None) -> Iterator[RankMicroBatch]:
@@ -113,7 +122,7 @@ def micro_batches(sched: StepSchedule, meshes: "CPMeshes", rank: int | None = No
         cu = [0]
         for d in group.docs:
             cu.append(cu[-1] + sched.lengths[d])
-        yield RankMicroBatch(i, meshes.mesh(group.degree) if group.docs else None, group, tuple(cu))
+        yield RankMicroBatch(i, meshes.mesh(group.degree if group.docs else 1), group, tuple(cu))
 
 
 def dynamic_loss(logits: torch.Tensor, labels: torch.Tensor, sched: StepSchedule, ignore_index: int = -100,
