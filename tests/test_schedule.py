@@ -117,3 +117,20 @@ def test_a_thousand_documents_at_world_64_schedule_fast():
         best = min(best, time.perf_counter() - t0)
     _check(sched, lengths, 64, 8192)
     assert best < 0.1, best
+
+
+def test_plan_lengths_command(tmp_path, capsys):
+    """`hybrid-cp plan --lengths`: a file or a lognormal distribution, table or JSON."""
+    from hybrid_cp.cli.plan import main
+
+    base = ["--preset", "dgx-h100", "--model", "llama3-8b", "--tokens-per-rank", "8K"]
+    path = tmp_path / "lengths.txt"
+    path.write_text("# one long document and short ones\n40000, 900 1200\n" + "700\n" * 60)
+    assert main([*base, "--lengths", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "digest" in out and "saved" in out and "fixed u8r1" in out and "dynamic" in out
+    assert main([*base, "--lengths", "lognormal:median=2K,sigma=1.5,total=256K", "--json"]) == 0
+    data = __import__("json").loads(capsys.readouterr().out)
+    dyn = data["runs"][0]
+    assert dyn["label"] == "dynamic" and dyn["tokens"] == 256 * 1024 and dyn["bytes"] >= data["bound_bytes"]
+    assert main([*base, "--lengths", str(tmp_path / "missing.txt")]) != 0

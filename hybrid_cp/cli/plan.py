@@ -3,6 +3,7 @@
     hybrid-cp plan --preset dgx-h100 --nodes 4 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1M
     hybrid-cp plan --cluster my_cluster.yaml --model llama3-8b --seq-len 512K --json
     hybrid-cp plan --discover --model llama3-8b --seq-len 128K --plot splits.png
+    hybrid-cp plan --preset dgx-h100 --model llama3-8b --lengths lognormal:median=2K,sigma=1.5,total=512K
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from topology.planner import PlanError, PlanList, plan
 from topology.units import GiB
 
 from .command import Command, UsageError, fail
+from .plan_lengths import lengths_main
 
 __all__ = ["COMMAND", "main", "parse_count", "parse_bytes", "plot_plans"]
 
@@ -70,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_linear_arguments(p)
     w = p.add_argument_group("workload")
     w.add_argument("--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)")
+    w.add_argument("--lengths", metavar="FILE|lognormal:...",
+                   help="one global batch's document lengths (a file, or lognormal:median=2K,sigma=1.5,total=512K): "
+                        "print the dynamic-degree schedule next to the fixed splits")
+    w.add_argument("--tokens-per-rank", type=parse_count, default=8192,
+                   help="with --lengths: tokens one rank holds per micro-batch (default 8K)")
     w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
     w.add_argument("--world-size", type=int, help="GPUs to use (default: all)")
     w.add_argument("--dp", type=int, help="fix the data-parallel degree (1 = one CP group over all GPUs)")
@@ -177,11 +184,14 @@ def plot_plans(plans: PlanList, path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``hybrid-cp plan`` on parsed flags; returns the process exit code."""
-    if args.seq_len is None and not args.max_seq:
-        raise UsageError("--seq-len is required (or --max-seq to find the longest sequence that fits)")
+    if args.seq_len is None and not args.max_seq and not args.lengths:
+        raise UsageError("--seq-len is required (or --max-seq to find the longest sequence that fits, or --lengths "
+                         "for a batch of documents)")
     try:
         cluster = _cluster(args)
         model = _model(args)
+        if args.lengths:
+            return lengths_main(args, cluster, model, parse_count)
         if args.max_seq:
             return max_seq_main(args, cluster, model)
         host = _check_memory_flags(args, cluster)
