@@ -6,6 +6,7 @@ from .engine.comm import comm_bytes, reset_comm_bytes
 from .engine.heads import head_split
 from .engine.kernels import AttentionKernel, available_kernels, get_kernel, register_kernel
 from .engine.layout import granularity, padded_length, positions, shard, unshard
+from .engine.masks import AttnMask
 from .engine.mesh import CPMesh, destroy_cp_mesh, init_cp_mesh
 from .engine.meshes import CPMeshes, init_cp_meshes
 from .errors import *  # noqa: F403 (the error classes: errors.__all__)
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "attention", "shard_batch", "shift_labels",
            "cross_entropy", "init_cp_mesh", "destroy_cp_mesh", "CPMesh", "shard", "unshard", "positions", "granularity", "padded_length", "comm_bytes", "reset_comm_bytes", "head_split", "AttentionKernel",
            "register_kernel", "get_kernel", "available_kernels"]
+__all__ += ["AttnMask"]
 __all__ += ["init_cp_meshes", "CPMeshes", "schedule_documents", "micro_batches", "dynamic_loss"]
 __all__ += ["offload_checkpoints", "unoffload_checkpoints", "tile_norm", "untile_norm"]
 __all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "replica_samples",

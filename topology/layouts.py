@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .masks import band
+
 LAYOUTS = ("zigzag", "contiguous")
 PAD = -1  # the document id of pad rows
 
@@ -158,30 +160,6 @@ def _visible(nq: int, nk: int, causal: bool, window: tuple[int, int] | None) -> 
         return total
 
     return on_diagonals(lo, hi) if lo <= hi else 0
-
-
-UNBOUNDED = 1 << 60
-
-
-def band(causal: bool, window) -> tuple[int, int]:
-    """The visible key-minus-query position offsets [lo, hi] of a mask; +-UNBOUNDED when open.
-
-    ``window=W`` (an int, causal): W keys including the query itself (transformers'
-    ``sliding_window``); ``window=(left, right)`` (non-causal): i - left <= j <= i + right."""
-    if window is None:
-        return (-UNBOUNDED, 0) if causal else (-UNBOUNDED, UNBOUNDED)
-    if causal:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r} with causal=True must be an int W >= 1: each query sees the W keys "
-                             f"ending at itself (transformers' sliding_window); for local non-causal attention pass "
-                             f"causal=False and window=(left, right)")
-        return -(window - 1), 0
-    if not (isinstance(window, (tuple, list)) and len(window) == 2 and
-            all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in window)):
-        raise ValueError(f"window={window!r} with causal=False must be (left, right), two ints >= 0: query i sees "
-                         f"keys i - left .. i + right (flash-attn's window_size); for a causal sliding window pass "
-                         f"causal=True and window=W")
-    return -window[0], window[1]
 
 
 def _chunk_pair(q_row: int, q_pos: int, nq: int, k_row: int, k_pos: int, nk: int,

@@ -1,0 +1,216 @@
+"""topology.masks / hcp.AttnMask: every builder and query against a dense boolean matrix built from
+the definition (query i sees key j iff some slice holds i, j and lo <= j - i <= hi). No torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hybrid_cp as hcp
+from hybrid_cp.errors import ConfigError
+from topology.masks import AttnMask, band_cells
+
+N = 24  # rows of the random masks: small enough for dense matrices, long enough for many slices
+
+
+def dense_of(n: int, slices) -> np.ndarray:
+    """The mask from its definition, one slice at a time (cells counted, so overlaps show as 2)."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    out = np.zeros((n, n), dtype=int)
+    for qa, qb, ka, kb, lo, hi in slices:
+        out += ((i >= qa) & (i < qb) & (j >= ka) & (j < kb) & (lo is None or j - i >= lo)
+                & (hi is None or j - i <= hi))
+    return out
+
+
+def band_values():
+    return st.one_of(st.none(), st.integers(-N, N))
+
+
+@st.composite
+def raw_slice(draw, n=N):
+    qa = draw(st.integers(0, n - 1))
+    ka = draw(st.integers(0, n - 1))
+    return (qa, draw(st.integers(qa + 1, n)), ka, draw(st.integers(ka + 1, n)), draw(band_values()),
+            draw(band_values()))
+
+
+@st.composite
+def disjoint_slices(draw):
+    """Random slices, each kept only if it shares no cell with those before (checked densely)."""
+    kept, cover = [], np.zeros((N, N), dtype=int)
+    for s in draw(st.lists(raw_slice(), max_size=8)):
+        if s[4] is not None and s[5] is not None and s[4] > s[5]:
+            continue
+        cells = dense_of(N, [s])
+        if not (cells & cover).any():
+            kept.append(s)
+            cover += cells
+    return kept
+
+
+@settings(max_examples=150, deadline=None)
+@given(disjoint_slices())
+def test_from_slices_matches_the_definition(slices):
+    m = AttnMask.from_slices(N, slices)
+    dense = dense_of(N, slices)
+    assert (dense_of(N, m.slices) == dense).all()  # the canonical form keeps every cell, once
+    assert m.cells() == dense.sum()
+    assert m == AttnMask.from_slices(N, list(reversed(slices)))  # canonical: order does not matter
+
+
+@settings(max_examples=150, deadline=None)
+@given(disjoint_slices(), st.integers(0, N - 1), st.integers(1, N), st.integers(0, N - 1), st.integers(1, N))
+def test_count_clip_and_visible_keys_match_the_definition(slices, qa, qn, ka, kn):
+    m = AttnMask.from_slices(N, slices)
+    dense = dense_of(N, slices)
+    qb, kb = min(N, qa + qn), min(N, ka + kn)
+    assert m.count(qa, qb, ka, kb) == dense[qa:qb, ka:kb].sum()
+    clipped = np.zeros_like(dense)
+    clipped[qa:qb, ka:kb] = dense[qa:qb, ka:kb]
+    assert (dense_of(N, m.clip(qa, qb, ka, kb)) == clipped).all()
+    seen = dense[qa:qb].any(axis=0)
+    ranges = m.visible_keys(qa, qb)
+    covered = np.zeros(N, dtype=bool)
+    for a, b in ranges:
+        covered[a:b] = True
+    assert (covered == seen).all()
+    assert all(b < c for (_, b), (c, _) in zip(ranges, ranges[1:]))  # merged: gaps between ranges
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 12), st.integers(1, 12), st.integers(0, 12), st.integers(1, 12),
+       st.integers(-15, 15), st.integers(-15, 15))
+def test_band_cells_is_the_dense_count(qa, nq, ka, nk, lo, hi):
+    assert band_cells(qa, qa + nq, ka, ka + nk, lo, hi) == dense_of(30, [(qa, qa + nq, ka, ka + nk, lo, hi)]).sum()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(raw_slice(), min_size=2, max_size=6))
+def test_slices_sharing_a_cell_are_refused(slices):
+    slices = [s for s in slices if s[4] is None or s[5] is None or s[4] <= s[5]]
+    if (dense_of(N, slices) > 1).any():
+        with pytest.raises(ValueError, match=r"slices\[\d+\]=.* and slices\[\d+\]=.* share \d+ \(query, key\) cells"):
+            AttnMask.from_slices(N, slices)
+    else:
+        AttnMask.from_slices(N, slices)
+
+
+def test_rectangles_may_overlap_where_their_bands_share_no_cell():
+    m = AttnMask.from_slices(8, [(0, 8, 0, 8, None, 0), (0, 8, 0, 8, 1, None)])  # causal + strictly-future
+    assert m.cells() == 64
+
+
+def test_rows_that_see_nothing_are_allowed():
+    m = AttnMask.from_slices(10, [(2, 5, 0, 3, None, None)])
+    assert m.count(0, 2) == 0 and m.visible_keys(0, 2) == () and m.visible_keys(5, 10) == ()
+    assert AttnMask.from_slices(10, []).cells() == 0
+
+
+def lengths(max_docs=5, low=1):
+    return st.lists(st.integers(low, 9), min_size=1, max_size=max_docs)
+
+
+def cumulative(lens):
+    return [0] + list(np.cumsum(lens).tolist())
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths(), st.booleans(), st.one_of(st.none(), st.integers(1, 6)), st.one_of(st.none(), st.integers(1, 5)))
+def test_documents(lens, causal, width, chunk):
+    cu, n = cumulative(lens), sum(lens)
+    window = width if causal or width is None else (width, width // 2)
+    m = AttnMask.documents(cu, causal=causal, window=window, chunk_size=chunk)
+    doc = np.repeat(np.arange(len(lens)), lens)
+    pos = np.arange(n) - np.array(cu[:-1])[doc]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    want = doc[:, None] == doc[None, :]
+    if causal:
+        want &= j <= i
+        if width is not None:
+            want &= j > i - width
+    elif width is not None:
+        want &= (j >= i - width) & (j <= i + width // 2)
+    if chunk is not None:
+        want &= pos[:, None] // chunk == pos[None, :] // chunk
+    assert (dense_of(n, m.slices) == want).all()
+
+
+def test_documents_of_one_document_is_causal_attention():
+    assert AttnMask.documents([0, 6]) == AttnMask.from_slices(6, [(0, 6, 0, 6, None, 0)])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6), st.booleans())
+def test_blocks(runs, causal):
+    ids, next_id = [], 1
+    for kind, n in runs:  # kind 0: text (id 0 or -1); else a new block id
+        ids += [-(n % 2)] * n if kind == 0 else [next_id] * n
+        next_id += kind != 0
+    n = len(ids)
+    m = AttnMask.blocks(ids, causal=causal)
+    arr = np.array(ids)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    want = np.ones((n, n), dtype=bool) if not causal else (j <= i) | ((arr[:, None] == arr[None, :]) & (arr[:, None] > 0))
+    assert (dense_of(n, m.slices) == want).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths(), st.data())
+def test_prefix_lm(lens, data):
+    prefixes = [data.draw(st.integers(0, n)) for n in lens]
+    cu, n = cumulative(lens), sum(lens)
+    m = AttnMask.prefix_lm(cu, prefixes)
+    doc = np.repeat(np.arange(len(lens)), lens)
+    pos = np.arange(n) - np.array(cu[:-1])[doc]
+    in_prefix = pos < np.array(prefixes)[doc]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    want = (doc[:, None] == doc[None, :]) & ((j <= i) | (in_prefix[:, None] & in_prefix[None, :]))
+    assert (dense_of(n, m.slices) == want).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), lengths(6))
+def test_shared_prefix(prompt, completions):
+    m = AttnMask.shared_prefix(prompt, completions)
+    n = prompt + sum(completions)
+    owner = np.repeat(np.arange(len(completions) + 1), [prompt] + completions)  # 0: the prompt
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    want = (j <= i) & ((owner[None, :] == 0) | (owner[:, None] == owner[None, :]))
+    assert (dense_of(n, m.slices) == want).all()
+    assert m.components() == ((0, n),)
+
+
+def test_components_of_documents_are_the_documents():
+    assert AttnMask.documents([0, 3, 7, 12]).components() == ((0, 3), (3, 7), (7, 12))
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda M: M.from_slices(0, []), r"n=0 must be an int >= 1"),
+    (lambda M: M.from_slices(4, [(0, 5, 0, 4, None, 0)]), r"slices\[0\]=.*0 <= q_start < q_end <= n"),
+    (lambda M: M.from_slices(4, [(0, 4, 0, 4, 2, 1)]), r"lo=2 > hi=1"),
+    (lambda M: M.from_slices(4, [(0, 4, 0, 4)]), r"must be \(q_start, q_end, k_start, k_end, lo, hi\)"),
+    (lambda M: M.from_slices(4, [(0, 4.0, 0, 4, None, 0)]), r"slices\[0\].q_end=4.0 must be an int"),
+    (lambda M: M.documents([1, 4]), r"cu_seqlens=\[1, 4\] must start at 0"),
+    (lambda M: M.documents([0, 4], window=0), r"window=0 with causal=True"),
+    (lambda M: M.documents([0, 4], chunk_size=0), r"chunk_size=0 must be an int >= 1"),
+    (lambda M: M.blocks([1, 1, 0, 1]), r"id 1 starts a second block at token 3"),
+    (lambda M: M.blocks(["a"]), r"block_ids\[0\]='a' must be an int"),
+    (lambda M: M.prefix_lm([0, 4], [5]), r"prefix_lens\[0\]=5 exceeds document 0's length 4"),
+    (lambda M: M.prefix_lm([0, 4], [1, 1]), r"prefix_lens has 2 entries but cu_seqlens holds 1"),
+    (lambda M: M.shared_prefix(0, [3]), r"prompt_len=0 must be an int >= 1"),
+    (lambda M: M.shared_prefix(3, [2, 0]), r"completion_lens\[1\]=0 must be an int >= 1"),
+])
+def test_bad_inputs_raise_config_error_naming_the_argument(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build(hcp.AttnMask)
+    with pytest.raises(ValueError, match=match):  # topology's own class raises plain ValueErrors
+        build(AttnMask)
+
+
+def test_public_mask_is_topologys_value():
+    m = hcp.AttnMask.shared_prefix(4, [2, 3])
+    assert isinstance(m, hcp.AttnMask) and isinstance(m, AttnMask)
+    assert hash(m) == hash(AttnMask.shared_prefix(4, [2, 3]))
