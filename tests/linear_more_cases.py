@@ -165,7 +165,16 @@ MORE = {"lfm2": dict(layer_types=["conv", "full_attention"], conv_bias=True),
         "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1, conv_bias=True),
         "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
                       mamba_d_state=8, mamba_dt_rank=4, initializer_range=0.2),
-        "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4, initializer_range=0.2)}
+        "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4, initializer_range=0.2),
+        # #32: mixers identical to routed ones (Qwen3.5's Gated DeltaNet, Bamba's Mamba2, LFM2's short convolution)
+        "qwen3_5_moe_text": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                 linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                                 linear_value_head_dim=8, initializer_range=0.2),
+        "lara_mini": dict(num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"], sliding_window=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                          linear_value_head_dim=8, initializer_range=0.2),
+        "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
+                                 mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=4, initializer_range=0.2),
+        "lfm3": dict(layer_types=["conv", "full_attention"], conv_bias=True)}
 
 
 def more_parity(u: int, r: int, kinds: list[str], fsdp: bool = False, routed: bool = True,

@@ -47,11 +47,12 @@ from ..engine.recurrence import GatedDelta, Lightning, Mamba, Mamba2, causal_con
 from ..errors import ConfigError
 
 # the Gated DeltaNet classes whose forward `_GatedDeltaNetForward` reproduces (verified by a parity test)
-GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet")
+GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                          "LaraMiniGatedDeltaNet")
 # the Mamba2 mixers whose forward `_Mamba2Forward` reproduces (verified by a parity test)
-MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer")
+MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer")
 # LFM2's gated short convolutions, Jamba's Mamba-1 mixer, MiniMax's lightning attention (each parity-tested)
-SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv")
+SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 MAMBA_CLASSES = ("JambaMambaMixer",)
 LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 # decoder layers that call their mixer without the packed row's keywords (routed to pass cu_seq_lens_q on)

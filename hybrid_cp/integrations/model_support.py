@@ -89,6 +89,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "granite_swa": ("GraniteSWA", DENSE),
     "granitemoe": ("GraniteMoe", "Attention DecoderLayer Experts ForCausalLM "
                                  "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
+    # hybrid: Granite 4.0-H, Mamba2 layers (Bamba's mixer, routed by `linear_layers`), attention (RoPE or NoPE), MoE
+    "granitemoehybrid": ("GraniteMoeHybrid", "Attention DecoderLayer Experts ForCausalLM MLP MambaLayer MoE Model "
+                                             "RMSNorm RMSNormGated RotaryEmbedding TopKRouter"),
     "granitemoeshared": ("GraniteMoeShared", "Attention DecoderLayer Experts ForCausalLM "
                                              "MoE Model RMSNorm RotaryEmbedding TopKRouter"),
     "granitemoe_swa": ("GraniteMoeSWA", "Attention DecoderLayer Experts ForCausalLM MoE Model RMSNorm "
@@ -113,6 +116,10 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                              "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
     # hybrid: gated short convolutions (`Lfm2ShortConv`, the halo) routed by `linear_layers`, and attention
     "lfm2": ("Lfm2", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding ShortConv"),
+    "lfm3": ("Lfm3", "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding ShortConv"),
+    # hybrid: Gated DeltaNet (Qwen3.5's), sliding and full attention, MoE
+    "lara_mini": ("LaraMini", "Attention DecoderLayer Experts ForCausalLM GatedDeltaNet MLP Model RMSNorm RMSNormGated "
+                              "RotaryEmbedding SparseMoeBlock TopKRouter"),
     "lfm2_moe": ("Lfm2Moe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding ShortConv "
                             "SparseMoeBlock TopKRouter"),
     "llama": ("Llama", DENSE),
@@ -157,6 +164,8 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     # hybrid: Gated DeltaNet blocks routed by `linear_layers` (docs/linear.md), gated attention every 4th layer
     "qwen3_next": ("Qwen3Next", "Attention DecoderLayer Experts ForCausalLM GatedDeltaNet MLP Model RMSNorm "
                                 "RMSNormGated RotaryEmbedding SparseMoeBlock TopKRouter"),
+    "qwen3_5_moe_text": ("Qwen3_5Moe", "Attention DecoderLayer Experts ForCausalLM GatedDeltaNet MLP RMSNorm "
+                                       "RMSNormGated SparseMoeBlock TextModel TextRotaryEmbedding TopKRouter"),
     "qwen3_5_text": ("Qwen3_5", "Attention DecoderLayer ForCausalLM GatedDeltaNet MLP RMSNorm RMSNormGated TextModel "
                                 "TextRotaryEmbedding"),
     "sarvam_mla": ("DeepseekV3", MLA_MOE),
@@ -193,10 +202,12 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 ROUTED_LAYER_TYPES = ("linear_attention",)
 # per family, the further layer kinds that act token by token or pair attention with a routed mixer
 # (Nemotron-H's MoE and MLP blocks; Falcon-H1's 'hybrid' layers: attention and a Mamba2 mixer in parallel)
-FAMILY_LAYER_TYPES = {"nemotron_h": ("moe", "mlp"), "falcon_h1": ("hybrid",), "lfm2": ("conv",), "lfm2_moe": ("conv",)}
+FAMILY_LAYER_TYPES = {"nemotron_h": ("moe", "mlp"), "falcon_h1": ("hybrid",), "lfm2": ("conv",), "lfm2_moe": ("conv",),
+                      "lfm3": ("conv",)}
 # families whose attention modules call ALL_ATTENTION_FUNCTIONS.get_interface although their model class
 # leaves `_supports_attention_backend` False (read in their modeling code; the parity test proves it)
-REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1", "jamba")
+REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1", "jamba", "qwen3_5_moe_text",
+                     "lara_mini")
 # mixers whose token mixing `linear_layers` makes context parallel (their submodules, e.g. the short
 # convolution, are covered by it)
 ROUTED_MIXERS = GATED_DELTANET_CLASSES + MAMBA2_CLASSES + SHORT_CONV_CLASSES + MAMBA_CLASSES + LIGHTNING_CLASSES
