@@ -42,12 +42,14 @@ def degree_table(cluster: Cluster, model: ModelShape, world: int, tokens_per_ran
         except PlanError as exc:
             raise ScheduleError(f"degree {k}: no split of {k} GPUs holds tokens_per_rank={tokens_per_rank} "
                                 f"({seq} tokens per group): lower tokens_per_rank\n{exc}") from exc
-        out.append(_fitted(cluster, model, k, best.ulysses, best.ring, seq, dtype))
+        out.append(fitted_degree(cluster, model, k, best.ulysses, best.ring, seq, dtype))
     return out
 
 
-def _fitted(cluster: Cluster, model: ModelShape, k: int, u: int, r: int, seq: int, dtype: Any) -> Degree:
-    """The quadratic through the layer times at seq / 4, seq / 2 and seq (exact for a quadratic model)."""
+def fitted_degree(cluster: Cluster, model: ModelShape, k: int, u: int, r: int, seq: int,
+                  dtype: Any = "bf16") -> Degree:
+    """Degree k on split (u, r), priced by the quadratic through its layer times at seq / 4, seq / 2 and
+    seq (exact for a quadratic model)."""
     xs = [max(seq // 4, 2 * k), max(seq // 2, 4 * k), seq]
     ys = [estimate(cluster, model, x, u, r, dtype=dtype).time_s for x in xs]
     (x0, x1, x2), (y0, y1, y2) = xs, ys
@@ -58,4 +60,4 @@ def _fitted(cluster: Cluster, model: ModelShape, k: int, u: int, r: int, seq: in
     return Degree(k, u, r, quad=quad, lin=lin, fixed=fixed)
 
 
-__all__ = ["degree_table", "powers_of_two"]
+__all__ = ["degree_table", "fitted_degree", "powers_of_two"]
