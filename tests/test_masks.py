@@ -214,3 +214,111 @@ def test_public_mask_is_topologys_value():
     m = hcp.AttnMask.shared_prefix(4, [2, 3])
     assert isinstance(m, hcp.AttnMask) and isinstance(m, AttnMask)
     assert hash(m) == hash(AttnMask.shared_prefix(4, [2, 3]))
+
+
+# ---- plan coverage: a mask intersected with each rank's rows, on every layout and mesh (u*r <= 8) -----
+
+MESHES = [(u, r) for u in range(1, 9) for r in range(1, 9) if u * r <= 8]
+
+
+def layouts_of(n: int, doc_lens: list[int], ulysses: int, ring: int):
+    from topology.layouts import DenseContiguous, DenseZigzag, Packed
+
+    yield DenseZigzag(n, ulysses, ring)
+    yield DenseContiguous(n, ulysses, ring)
+    for policy in ("balanced", "zigzag", "contiguous"):
+        yield Packed(tuple(doc_lens), ulysses, ring, policy)
+
+
+def kernel_cells(step, pair):
+    """The (query row, key row) cells a kernel call computes for one pair, by the Step's mask rule."""
+    q0, nq, k0, nk = pair
+    i, j = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
+    if step.causal:
+        assert nq == nk
+        keep = j <= i
+    elif step.window is None:
+        keep = np.ones_like(i, dtype=bool)
+    else:
+        left, right = step.window
+        d = j - i - (nk - nq)
+        keep = ((d >= -left) if left >= 0 else True) & ((d <= right) if right >= 0 else True)
+    return q0 + i[keep], k0 + j[keep]
+
+
+def replay(layout, mask) -> np.ndarray:
+    """How many times the plan computes each (query token, key token) cell, over all ranks and steps."""
+    n = mask.seq_len
+    tokens = []
+    for j in range(layout.ring):
+        rows = np.full(layout.block_len, -1)
+        for row, tok, count in layout.row_runs(j):
+            rows[row:row + count] = np.arange(tok, tok + count)
+        tokens.append(rows)
+    out = np.zeros((n, n), dtype=int)
+    for j in range(layout.ring):
+        for s in range(layout.ring):
+            for step in layout.mask_tasks(j, s, mask):
+                for pair in step.pairs:
+                    qi, ki = kernel_cells(step, pair)
+                    tq, tk = tokens[j][qi], tokens[(j - s) % layout.ring][ki]
+                    assert (tq >= 0).all() and (tk >= 0).all(), "a pad row entered a kernel call"
+                    np.add.at(out, (tq, tk), 1)
+    return out
+
+
+@st.composite
+def mask_and_docs(draw):
+    """A random mask (any builder, or random disjoint slices) and a random cut of its row into
+    documents for the packed layouts."""
+    kind = draw(st.sampled_from(["slices", "documents", "blocks", "prefix_lm", "shared_prefix"]))
+    if kind == "slices":
+        mask = AttnMask.from_slices(N, draw(disjoint_slices()))
+    elif kind == "documents":
+        lens = draw(lengths())
+        causal = draw(st.booleans())
+        width = draw(st.one_of(st.none(), st.integers(1, 5)))
+        mask = AttnMask.documents(cumulative(lens), causal, None if width is None else (width if causal else (width, 1)),
+                                  draw(st.one_of(st.none(), st.integers(1, 4))))
+    elif kind == "blocks":
+        runs = draw(st.lists(st.tuples(st.booleans(), st.integers(1, 5)), min_size=1, max_size=6))
+        mask = AttnMask.blocks([b * (t + 1) for t, (b, n) in enumerate(runs) for _ in range(n)])
+    elif kind == "prefix_lm":
+        lens = draw(lengths())
+        mask = AttnMask.prefix_lm(cumulative(lens), [draw(st.integers(0, n)) for n in lens])
+    else:
+        mask = AttnMask.shared_prefix(draw(st.integers(1, 8)), draw(lengths(4)))
+    n = mask.seq_len
+    cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=4)) if n > 1 else []))
+    return mask, [b - a for a, b in zip([0] + cuts, cuts + [n])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(mask_and_docs(), st.sampled_from(MESHES))
+def test_plan_computes_every_visible_cell_exactly_once(case, mesh):
+    mask, doc_lens = case
+    dense = dense_of(mask.seq_len, mask.slices)
+    for layout in layouts_of(mask.seq_len, doc_lens, *mesh):
+        assert (replay(layout, mask) == dense).all(), layout
+        work = sum(t.work() for j in range(layout.ring) for s in range(layout.ring)
+                   for t in layout.mask_tasks(j, s, mask))
+        assert work == mask.cells() == dense.sum(), layout
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths(), st.booleans(), st.one_of(st.none(), st.integers(1, 5)), st.one_of(st.none(), st.integers(1, 4)),
+       st.sampled_from(MESHES))
+def test_documents_mask_plans_the_same_work_and_rows_as_the_layouts_own_plan(lens, causal, width, chunk, mesh):
+    """The mask path reproduces today's plan for what today's options express: per rank and step,
+    the same visible cells and the same key rows read (what the ring sends)."""
+    from topology.layouts import Packed
+
+    window = None if width is None else (width if causal else (width, 1))
+    mask = AttnMask.documents(cumulative(lens), causal, window, chunk)
+    layout = Packed(tuple(lens), *mesh)
+    for j in range(layout.ring):
+        for s in range(layout.ring):
+            assert sum(t.work() for t in layout.mask_tasks(j, s, mask)) == \
+                sum(t.work() for t in layout.tasks(j, s, causal, window, chunk))
+            rows = {a + x for t in layout.mask_tasks(j, s, mask) for _, _, a, n in t.pairs for x in range(n)}
+            assert rows == {a + x for a, n in layout.needed_rows(j, s, causal, window, chunk) for x in range(n)}

@@ -14,10 +14,11 @@ computes, and the causal work per rank.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .masks import band
+from .masks import AttnMask, band
 
 LAYOUTS = ("zigzag", "contiguous")
 PAD = -1  # the document id of pad rows
@@ -322,26 +323,47 @@ class Layout:
                     pairs.append(pair)
             return (Step(tuple(pairs), causal and src == ring_rank),) if pairs else ()
         lo, hi = band(causal, window)
-        groups: dict[tuple, list[list[tuple[int, int, int, int]]]] = {}
+        found = []
         for sp in keys:  # run by run: a window's reach and a chunk's bounds depend on document positions
             by_chunk: dict[int, list[tuple[int, int, int]]] = {}
             for run in _runs(sp, chunk):  # the visiting runs, by attention chunk
                 by_chunk.setdefault(0 if chunk is None else run[1] // chunk, []).append(run)
             for q_row, q_pos, nq in _runs(queries[sp.doc], chunk):
                 for k_row, k_pos, nk in by_chunk.get(0 if chunk is None else q_pos // chunk, ()):
-                    found = _chunk_pair(q_row, q_pos, nq, k_row, k_pos, nk, lo, hi)
-                    if found is not None:
-                        pair, is_causal, win = found
-                        calls = groups.setdefault((is_causal, win), [])
-                        # one kernel call never repeats a query row (its results merge by row)
-                        home = next((c for c in calls if all(pair[0] + pair[1] <= a or a + n <= pair[0]
-                                                             for a, n, _, _ in c)), None)
-                        if home is None:
-                            calls.append([pair])
-                        else:
-                            home.append(pair)
-        return tuple(Step(tuple(sorted(c)), mask[0], mask[1]) for mask, calls in sorted(groups.items(), key=str)
-                     for c in calls)
+                    found.append(_chunk_pair(q_row, q_pos, nq, k_row, k_pos, nk, lo, hi))
+        return _calls(found)
+
+    def mask_tasks(self, ring_rank: int, step: int, mask: AttnMask) -> tuple[Step, ...]:
+        """`tasks` under any `AttnMask` over the row's global token positions: every slice cut by each
+        (query run of `ring_rank`, key run of the visiting block) pair is one `_chunk_pair`, so each
+        visible cell is computed once, by the rank holding its query. Any layout of `mask.seq_len`
+        tokens serves (exactness does not depend on where the tokens sit; balance does). Cached."""
+        if mask.seq_len != self.seq_len:
+            raise ValueError(f"mask.seq_len={mask.seq_len} differs from the layout's {self.seq_len} tokens")
+        cache = self.__dict__.setdefault("_task_cache", {})
+        key = (ring_rank, step, mask)
+        if key not in cache:
+            keys = self.row_runs((ring_rank - step) % self.ring)
+            starts = [tok for _, tok, _ in keys]
+            found = []
+            for q_row, q_tok, nq in self.row_runs(ring_rank):
+                for s in mask.clip(q_tok, q_tok + nq):
+                    lo, hi = s.offsets()
+                    for k_row, k_tok, nk in keys[max(0, bisect_right(starts, s.k_start) - 1):]:
+                        if k_tok >= s.k_end:
+                            break
+                        a, b = max(k_tok, s.k_start), min(k_tok + nk, s.k_end)
+                        if a < b:
+                            found.append(_chunk_pair(q_row + s.q_start - q_tok, s.q_start, s.q_end - s.q_start,
+                                                     k_row + a - k_tok, a, b - a, lo, hi))
+            cache[key] = _calls(found)
+        return cache[key]
+
+    def row_runs(self, ring_rank: int) -> list[tuple[int, int, int]]:
+        """(ring-block row, global token, count) of the real (non-pad) rows of a ring block, by token."""
+        starts = self.doc_starts
+        return sorted(((row, starts[sp.doc] + pos, n) for sp in self.spans(ring_rank) if sp.doc != PAD
+                       for row, pos, n in _runs(sp, None)), key=lambda run: run[1])
 
     def step(self, ring_rank: int, step: int, causal: bool) -> Step | None:
         """The single kernel call of a ring step without a window (None if the block is invisible)."""
@@ -407,6 +429,24 @@ class Layout:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(u={self.ulysses}, r={self.ring}, docs={len(self.doc_lens)}, "
                 f"tokens={self.seq_len}, padded={self.padded_len})")
+
+
+def _calls(found) -> tuple[Step, ...]:
+    """`_chunk_pair` results (None: invisible) grouped into kernel calls: one per mask, and within a
+    mask as few calls as keep each call's query rows disjoint (its results merge by row)."""
+    groups: dict[tuple, list[list[tuple[int, int, int, int]]]] = {}
+    for item in found:
+        if item is None:
+            continue
+        pair, is_causal, win = item
+        calls = groups.setdefault((is_causal, win), [])
+        home = next((c for c in calls if all(pair[0] + pair[1] <= a or a + n <= pair[0] for a, n, _, _ in c)), None)
+        if home is None:
+            calls.append([pair])
+        else:
+            home.append(pair)
+    return tuple(Step(tuple(sorted(c)), mask[0], mask[1]) for mask, calls in sorted(groups.items(), key=str)
+                 for c in calls)
 
 
 def _runs(span: Span, chunk: int | None):
