@@ -172,7 +172,7 @@ class AttnMask:
         return cls.from_slices(cu[-1], slices)
 
     @classmethod
-    def blocks(cls, block_ids, causal: bool = True) -> AttnMask:
+    def blocks(cls, block_ids, causal: bool = True, window: int | None = None) -> AttnMask:
         """Bidirectional blocks in a causal row (image tokens in Gemma 3, PaliGemma, Gemma 4).
 
         Args:
@@ -180,6 +180,8 @@ class AttnMask:
                 see the whole block and everything before it. Tokens with id <= 0 are causal.
                 (transformers' ``block_sequence_ids`` count from 0 with -1 for text: add 1.)
             causal: False makes the base mask bidirectional, so every token sees the whole row.
+            window: With causal=True, Gemma 3's sliding layers: every token sees only keys
+                j > i - window (transformers' AND of the window with causal OR block).
 
         Returns:
             The mask.
@@ -191,7 +193,10 @@ class AttnMask:
         if not ids:
             raise cls.error("block_ids=[] is empty: pass one int per token of the row")
         if not causal:
+            if window is not None:
+                raise cls.error(f"window={window!r} with causal=False: blocks take a window only on a causal row")
             return cls.from_slices(len(ids), [(0, len(ids), 0, len(ids), None, None)])
+        lo = None if window is None else -(cls._count("window", window, minimum=1) - 1)
         runs, seen = [], {}
         for i, x in enumerate(ids):
             if runs and (runs[-1][2] == x if x > 0 else runs[-1][2] <= 0):
@@ -202,7 +207,7 @@ class AttnMask:
                                 f"token {seen[x]}); give every contiguous block its own id")
             seen.setdefault(x, i)
             runs.append([i, i + 1, x])
-        return cls.from_slices(len(ids), [(a, b, 0, b, None, None if x > 0 else 0) for a, b, x in runs])
+        return cls.from_slices(len(ids), [(a, b, 0, b, lo, None if x > 0 else 0) for a, b, x in runs])
 
     @classmethod
     def prefix_lm(cls, cu_seqlens, prefix_lens) -> AttnMask:
