@@ -61,12 +61,18 @@ def _step(model, meshes, sched, docs) -> tuple[torch.Tensor, int]:
     return total, idle
 
 
-def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bool = False) -> dict:
+SPLITS8 = {**SPLITS, 8: (2, 4)}
+STEPS8 = [[150, 70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5, 60, 18, 7], [180, 50, 30, 12, 3, 24, 8, 17, 6, 1, 26, 44]]
+
+
+def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bool = False,
+                     eight: bool = False) -> dict:
     """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step (`fsdp`: the
     model sharded by FSDP2 over the family's shared all-ranks mesh; `flat_cost`: degrees priced alike, so
     idle blocks are not doubled and idle ranks run placeholders)."""
-    cost = [Degree(k, u, r) for k, (u, r) in SPLITS.items()] if flat_cost else None
-    meshes = hcp.init_cp_meshes([1, 2, 4], splits=SPLITS, cost=cost)
+    splits = SPLITS8 if eight else SPLITS   # eight: the 8-rank pool, degrees 1/2/4/8
+    cost = [Degree(k, u, r) for k, (u, r) in splits.items()] if flat_cost else None
+    meshes = hcp.init_cp_meshes(sorted(splits), splits=splits, cost=cost)
     model = apply_context_parallel(tiny_model("llama"), meshes.mesh(1))
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,7 +81,8 @@ def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bo
     ref = tiny_model("llama")
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     out = {"loss": [], "grad": [], "degrees": [], "microbatches": [], "idle": 0}
-    for step, lengths in enumerate(STEPS + ([[50, 40, 3]] if flat_cost else [])):   # 3rd: rank 3 idle once
+    steps = STEPS8 if eight else STEPS + ([[50, 40, 3]] if flat_cost else [])   # 3rd: rank 3 idle once
+    for step, lengths in enumerate(steps):
         docs = _docs(step, lengths)
         sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
         loss, idle = _step(model, meshes, sched, docs)

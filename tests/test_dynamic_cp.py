@@ -40,3 +40,12 @@ def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost
 def test_a_rank_with_another_batch_raises_on_every_rank(pool4):
     for res in pool4.run("dynamic_cases:disagreeing_batch", timeout=120):
         assert res["error"].startswith("InconsistentRanksError"), res
+
+
+@pytest.mark.slow   # ~80 s on 2 cores; the 4-rank cases cover the same logic
+def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool):
+    """The session's 8-rank pool: degrees 1/2/4/8 (splits 1x1, 1x2, 2x2, 2x4) in one step."""
+    rows = pool.run("dynamic_cases:dynamic_training", eight=True)
+    for res in rows:
+        assert all(8 in d and 1 in d for d in res["degrees"]), res
+        assert max(res["loss"]) <= 1e-5 and max(res["grad"]) <= 1e-4, res   # fp32 reduction order only

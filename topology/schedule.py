@@ -273,22 +273,22 @@ def _roomiest(heap: list, groups: list[list], n: int, room: int) -> int | None:
 
 
 def _expand(groups: list[list], free: bytearray, table: dict[int, Degree]) -> None:
-    """Give idle aligned blocks to the slowest groups: double a group into its free buddy block while
+    """Give idle ranks to the slowest groups: double a group (into its free buddy block, or moved to a
+    free aligned block of twice its size: a group's place within a micro-batch is free to choose) while
     the doubled degree is allowed and its predicted time falls."""
     changed = True
     while changed:
         changed = False
         for grp in sorted(groups, key=lambda g: (-table[g[1]].time_s(g[4], g[3]), g[0])):
             first, k, _, tokens, squares = grp
-            if 2 * k not in table:
+            if 2 * k not in table or table[2 * k].time_s(squares, tokens) >= table[k].time_s(squares, tokens):
                 continue
-            buddy = first ^ k
-            if buddy + k > len(free) or free[buddy:buddy + k] != b"\x01" * k:
+            free[first:first + k] = b"\x01" * k   # released, then taken back as part of the doubled block
+            start = _open_block(free, 2 * k)
+            if start is None:
+                free[first:first + k] = bytes(k)
                 continue
-            if table[2 * k].time_s(squares, tokens) >= table[k].time_s(squares, tokens):
-                continue
-            free[buddy:buddy + k] = bytes(k)
-            grp[0], grp[1] = min(first, buddy), 2 * k
+            grp[0], grp[1] = start, 2 * k
             changed = True
             break
 
