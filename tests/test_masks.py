@@ -320,17 +320,19 @@ def test_plan_computes_every_visible_cell_exactly_once(case, mesh):
 def test_documents_mask_plans_the_same_work_and_rows_as_the_layouts_own_plan(lens, causal, width, chunk, mesh):
     """The mask path reproduces today's plan for what today's options express: per rank and step,
     the same visible cells and the same key rows read (what the ring sends)."""
-    from topology.layouts import Packed
+    from topology.layouts import DenseContiguous, DenseZigzag, Packed
 
     window = None if width is None else (width if causal else (width, 1))
     mask = AttnMask.documents(cumulative(lens), causal, window, chunk)
-    layout = Packed(tuple(lens), *mesh)
-    for j in range(layout.ring):
-        for s in range(layout.ring):
-            assert sum(t.work() for t in layout.mask_tasks(j, s, mask)) == \
-                sum(t.work() for t in layout.tasks(j, s, causal, window, chunk))
-            rows = {a + x for t in layout.mask_tasks(j, s, mask) for _, _, a, n in t.pairs for x in range(n)}
-            assert rows == {a + x for a, n in layout.needed_rows(j, s, causal, window, chunk) for x in range(n)}
+    one_document = AttnMask.documents([0, sum(lens)], causal, window, chunk)
+    for layout, m in ((Packed(tuple(lens), *mesh), mask), (DenseZigzag(sum(lens), *mesh), one_document),
+                      (DenseContiguous(sum(lens), *mesh), one_document)):
+        for j in range(layout.ring):
+            for s in range(layout.ring):
+                assert sum(t.work() for t in layout.mask_tasks(j, s, m)) == \
+                    sum(t.work() for t in layout.tasks(j, s, causal, window, chunk))
+                rows = {a + x for t in layout.mask_tasks(j, s, m) for _, _, a, n in t.pairs for x in range(n)}
+                assert rows == {a + x for a, n in layout.needed_rows(j, s, causal, window, chunk) for x in range(n)}
 
 
 def test_mask_balanced_layout_balances_trees_and_rag_blocks():
