@@ -83,7 +83,18 @@ def training_args(out: str, accumulation: int, batch: int, eval_batch: int = 1, 
 def history(trainer) -> dict:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
-            "lr": [h["learning_rate"] for h in logs]}
+            "lr": [h["learning_rate"] for h in logs], "cp_comm_bytes": [h.get("cp_comm_bytes") for h in logs]}
+
+
+def counted_bytes(trainer) -> int:
+    """Every byte all ranks counted in the cp exchanges so far (what the log entries' cp_comm_bytes add up to)."""
+    import torch.distributed as dist
+
+    import hybrid_cp as hcp
+
+    sent = torch.tensor([sum(hcp.comm_bytes(trainer.cp).values())], dtype=torch.int64)
+    dist.all_reduce(sent)
+    return int(sent.item())
 
 
 def run_case(case: str, role: str, out: str) -> dict:
@@ -113,6 +124,8 @@ def run_case(case: str, role: str, out: str) -> dict:
     deferred = _count_calls(trainer, "_defer_fsdp_gradient_reduction")
     trainer.train()
     result = history(trainer)
+    if role == "cp":
+        result["counted_bytes"] = counted_bytes(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     result["weights"] = full_weights(trainer.model)
     if name.endswith("+fsdp2"):   # the full checkpoint gathered from the shards (tests: from_pretrained, one process)
@@ -349,6 +362,8 @@ def run_sft(case: str, role: str, out: str) -> dict:
     trainer = CPSFTTrainer(**common, ulysses=u, ring=r) if role == "cp" else SFTTrainer(**common)
     trainer.train()
     result = history(trainer)
+    if role == "cp":
+        result["counted_bytes"] = counted_bytes(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     result["weights"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return result

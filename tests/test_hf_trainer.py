@@ -93,6 +93,10 @@ def test_cp_trainer_matches_stock_trainer(results, case):
     assert _rel(got["loss"], want["loss"]) < 1e-5, (got["loss"], want["loss"])
     assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-4, (got["grad_norm"], want["grad_norm"])
     assert got["lr"] == want["lr"]
+    # cp_comm_bytes: every training log entry has the bytes all ranks sent since the previous one; they add up
+    # to what the ranks counted (u * r > 1 sends on every step)
+    assert all(isinstance(b, int) and b > 0 for b in got["cp_comm_bytes"]) or int(u) * int(r) == 1, got["cp_comm_bytes"]
+    assert sum(got["cp_comm_bytes"]) == got["counted_bytes"], (got["cp_comm_bytes"], got["counted_bytes"])
     assert _rel(got["eval_loss"], want["eval_loss"]) < 1e-5, (got["eval_loss"], want["eval_loss"])
     assert got["weights"].keys() == want["weights"].keys()
     # Weights after 4 AdamW steps. Adam divides each gradient entry by its own RMS, so an entry that is near zero

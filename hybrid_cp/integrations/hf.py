@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engine.comm import comm_bytes
 from ..engine.mesh import CPMesh, init_cp_mesh
 from ..errors import ConfigError, SetupError
 from ..training.batch import shard_batch
@@ -390,6 +391,18 @@ class CPTrainerMixin:
             super().__init__(*args, **kwargs)
         if training_args is None:
             check_training_arguments(self.args)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The stock log entry; a training entry also gets `cp_comm_bytes`: the bytes all ranks together sent
+        in the context-parallel exchanges (all-to-all and ring, forward and backward) since the previous entry
+        (one all-reduce: every rank logs at the same steps)."""
+        if "loss" in logs and dist.is_initialized():
+            sent = torch.tensor([sum(comm_bytes(self.cp).values())], dtype=torch.int64, device=self.cp.device)
+            dist.all_reduce(sent, group=self.cp.dp_cp_group)
+            total = int(sent.item())
+            logs = {**logs, "cp_comm_bytes": total - getattr(self, "_cp_bytes_logged", 0)}
+            self._cp_bytes_logged = total
+        super().log(logs, *args, **kwargs)
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
