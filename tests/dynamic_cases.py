@@ -66,19 +66,19 @@ STEPS8 = [[150, 70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5, 60, 18, 7], [180, 50,
 
 
 def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bool = False,
-                     eight: bool = False) -> dict:
+                     eight: bool = False, kind: str = "llama") -> dict:
     """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step (`fsdp`: the
     model sharded by FSDP2 over the family's shared all-ranks mesh; `flat_cost`: degrees priced alike, so
     idle blocks are not doubled and idle ranks run placeholders)."""
     splits = SPLITS8 if eight else SPLITS   # eight: the 8-rank pool, degrees 1/2/4/8
     cost = [Degree(k, u, r) for k, (u, r) in splits.items()] if flat_cost else None
     meshes = hcp.init_cp_meshes(sorted(splits), splits=splits, cost=cost)
-    model = apply_context_parallel(tiny_model("llama"), meshes.mesh(1))
+    model = apply_context_parallel(tiny_model(kind), meshes.mesh(1))   # gemma3: sliding-window layers too
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
         shard_model(model, meshes.mesh(1))
-    ref = tiny_model("llama")
+    ref = tiny_model(kind)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     out = {"loss": [], "grad": [], "degrees": [], "microbatches": [], "idle": 0}
     steps = STEPS8 if eight else STEPS + ([[50, 40, 3]] if flat_cost else [])   # 3rd: rank 3 idle once
