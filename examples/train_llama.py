@@ -134,6 +134,7 @@ def resume(args, model, opt, scheduler, cp) -> int:
     """The optimizer steps already done: those of the newest checkpoint with --resume, else 0."""
     if not args.resume:
         return 0
+    os.makedirs(args.save_dir, exist_ok=True)   # a first run: load_checkpoint refuses a folder that does not exist
     info = load_checkpoint(args.save_dir, model, opt, cp, scheduler=scheduler, global_batch=args.batch * cp.dp_size)
     start = info.step if info is not None else 0
     if dist.get_rank() == 0:

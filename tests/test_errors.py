@@ -88,7 +88,7 @@ def _checks_per_step(steps: list[list[str]]) -> list[int]:
     """How many calls of each step validate=True checks, for a sequence of call signatures."""
     from types import SimpleNamespace
 
-    from hybrid_cp.engine.validate import _advance, _agreed, _predicted
+    from hybrid_cp.engine.agreement import _advance, _agreed, _predicted
 
     cp = SimpleNamespace(signatures=[], signature_period=None)
     out = []

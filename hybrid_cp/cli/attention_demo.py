@@ -20,6 +20,7 @@ from hybrid_cp.engine.layout import local_indices, padded_length
 from hybrid_cp.testing import WorkerPool
 from topology import comm_bytes
 
+from .bench import check_shape
 from .command import Command
 from .table import format_table
 
@@ -112,6 +113,7 @@ def _bytes_table(results: list[dict], a: argparse.Namespace) -> None:
 
 def run(a: argparse.Namespace) -> int:
     """`hybrid-cp attention-demo` on parsed flags: 0 when every error is within the tolerance."""
+    check_shape(a)   # before any process starts: a bad flag is a usage error, not a traceback from 8 ranks
     world = a.ulysses * a.ring
     print(f"hybrid-cp attention demo: {world} gloo processes, ulysses={a.ulysses} x ring={a.ring}, "
           f"causal GQA (H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}), {a.seq_len} tokens, {a.dtype}")

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
-def _check_shape(a: argparse.Namespace) -> int:
+def check_shape(a: argparse.Namespace) -> int:
     """The KV heads (default: --heads) once the flags make a shape the engine can run."""
     kv = a.kv_heads or a.heads
     for name in ("ulysses", "ring", "seq_len", "heads", "head_dim", "repeats"):
@@ -56,7 +56,7 @@ def _check_shape(a: argparse.Namespace) -> int:
 
 def run(a: argparse.Namespace) -> int:
     """`hybrid-cp bench` on parsed flags."""
-    kv = _check_shape(a)
+    kv = check_shape(a)
     cluster = None
     if a.cluster:
         from topology.cluster import Cluster, ClusterError

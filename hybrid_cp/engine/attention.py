@@ -96,7 +96,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
                               head_chunks=head_chunks, sinks=sinks, softcap=softcap, chunk_size=chunk_size)
     lay, kernel, window = checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
                                        head_chunks, _needs_grad(q, k, v, sinks), softcap=softcap, sinks=sinks,
-                                       chunk_size=chunk_size)
+                                       chunk_size=chunk_size, return_lse=return_lse)
     if kernel is None:  # plain local-attention callable (ring = 1)
         return _local_callable(q, k, v, cp, lay, backend)
     call = plan_call(cp, lay, kernel, window, causal, softmax_scale, tuple(q.shape), k.shape[2], q.device,

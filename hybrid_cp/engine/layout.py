@@ -24,7 +24,9 @@ by `topology.layouts.layout_of`, which the planner uses too.
 from __future__ import annotations
 
 import logging
+import numbers
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable
@@ -34,7 +36,9 @@ import torch.distributed as dist
 
 from topology.layouts import LAYOUTS, PAD, Layout, granularity, layout_of, padded_length
 
-from ..errors import ConfigError, InputTypeError, ShapeError
+from ..errors import ConfigError, CPError, InputTypeError, ShapeError
+from .agreement import agree_across_ranks, digest, require_mesh, validates
+from .comm import comm_guard
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -48,16 +52,24 @@ def boundaries(cu_seqlens: Any) -> list[int]:
             raise ShapeError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, len_0 + len_1, ..., total], "
                              f"got dtype {cu_seqlens.dtype} and shape {tuple(cu_seqlens.shape)}")
         return cu_seqlens.tolist()
-    if not isinstance(cu_seqlens, (list, tuple)) or not all(isinstance(x, int) for x in cu_seqlens):
-        raise ConfigError(f"cu_seqlens must be a 1-D integer tensor or list [0, len_0, ..., total], "
-                          f"got {type(cu_seqlens).__name__}")
-    return list(cu_seqlens)
+    if not isinstance(cu_seqlens, (list, tuple)) or not all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens):
+        kinds = sorted({type(x).__name__ for x in cu_seqlens}) if isinstance(cu_seqlens, (list, tuple)) else []
+        raise ConfigError(f"cu_seqlens must be a 1-D integer tensor or a list of ints [0, len_0, ..., total], "
+                          f"got a {type(cu_seqlens).__name__}{f' of {kinds}' if kinds else ''}")
+    return [int(x) for x in cu_seqlens]   # numpy integers too
 
 
 @dataclass
 class _ShardRecord:
     lengths: dict[int, set[int]] = field(default_factory=dict)   # padded size -> dense lengths shard saw
     padding_warned: set[tuple[int, int]] = field(default_factory=set)
+    # (local length, total, digest of the documents) of the packed rows sharded lately, newest last
+    packed: "OrderedDict[tuple[int, int, int], None]" = field(default_factory=OrderedDict)
+    guessed: bool = False   # warned that a length was inferred without any record
+
+
+_PACKED_RECORDS = 64   # packed rows bring a new layout every step: remember the recent ones only
 
 
 # What `shard` has seen on each mesh. A record, not a result: the documented contract is that
@@ -75,12 +87,88 @@ def recorded_lengths(cp: "CPMesh") -> dict[int, set[int]]:
     return _record(cp).lengths
 
 
+def forget_shards(cp: "CPMesh") -> None:
+    """Forget the rows `shard`/`shard_batch` have cut on `cp` (what the provenance checks compare with)."""
+    _RECORDS.pop(cp, None)
+
+
 def shard_layout(cp: "CPMesh", seq_len: int) -> Layout:
     """The dense layout `shard`/`shard_batch` cut a row of `seq_len` tokens with; the length is
     recorded, so that later calls without ``seq_len=`` can tell a unique length from an ambiguous one."""
     lay = layout_of(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=seq_len)
     recorded_lengths(cp).setdefault(lay.padded_len, set()).add(seq_len)
     return lay
+
+
+def record_packed(cp: "CPMesh", lay: Layout) -> None:
+    """Remember a packed row `shard`/`shard_batch` cut, so that a call on its shards that forgets
+    ``cu_seqlens=`` (or passes it for a dense shard) can be told."""
+    packed = _record(cp).packed
+    packed[(lay.local_len, lay.seq_len, digest(lay.doc_lens))] = None
+    packed.move_to_end((lay.local_len, lay.seq_len, digest(lay.doc_lens)))
+    while len(packed) > _PACKED_RECORDS:
+        packed.popitem(last=False)
+
+
+def _layout_of(cp: "CPMesh", what: str, **kwargs: Any) -> Layout:
+    """topology's layout, its ValueErrors (boundaries that do not describe a row) as ConfigError."""
+    try:
+        return layout_of(cp.layout, cp.ulysses_size, cp.ring_size, **kwargs)
+    except ValueError as exc:
+        if isinstance(exc, CPError):
+            raise
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def _mesh_name(cp: "CPMesh") -> str:
+    return f"ulysses={cp.ulysses_size} x ring={cp.ring_size}, {cp.layout!r} layout"
+
+
+def _unrecorded(cp: "CPMesh", local_len: int, padded: int, what: str) -> None:
+    """A dense length to be inferred that no `shard` on this mesh produced: say what the tensor most
+    likely is (docs/errors.md, "Provenance"); warn once when nothing was recorded anywhere."""
+    rec = _record(cp)
+    if any(key[0] == local_len for key in rec.packed):
+        raise ConfigError(f"{what}: the shard has the local length ({local_len}) of a packed row that hcp.shard cut "
+                          f"with cu_seqlens= on this mesh, but no cu_seqlens was passed here; pass the same "
+                          f"cu_seqlens= (without it the documents would attend to each other)")
+    if rec.lengths:
+        lens = sorted(n for group in rec.lengths.values() for n in group)
+        local = sorted(p // cp.size for p in rec.lengths)
+        raise ShapeError(f"{what}: local length {local_len} matches no row hcp.shard cut on this mesh (rows of "
+                         f"{lens[-8:]} tokens: local lengths {local[-8:]}). Tensors must be this rank's shard with the "
+                         f"sequence in dim 1, [B, S, H, D]: a [B, H, S, D] tensor (transpose(1, 2) first), the full "
+                         f"row (shard it with hcp.shard, a model's batch with hcp.shard_batch) or a shard of another "
+                         f"mesh does not fit. If the length is right, pass seq_len= explicitly")
+    for other, their in list(_RECORDS.items()):
+        if other is not cp and _mesh_name(other) != _mesh_name(cp) and any(
+                p // other.size == local_len for p in their.lengths):
+            raise ShapeError(f"{what}: nothing was sharded on this mesh ({_mesh_name(cp)}), but local length "
+                             f"{local_len} is that of a row hcp.shard cut on another mesh ({_mesh_name(other)}), "
+                             f"where tokens sit in another order; shard with the mesh you attend with (or pass "
+                             f"seq_len= if the tensors are this mesh's shards)")
+    if not rec.guessed:
+        rec.guessed = True
+        logging.getLogger("hybrid_cp").warning(
+            "%s: the global length is inferred as %d from local length %d: no hcp.shard/shard_batch call on this "
+            "mesh recorded a length to check it against; pass seq_len= (or cu_seqlens=) to be sure", what, padded,
+            local_len)
+
+
+def _dense_for_packed(cp: "CPMesh", lay: Layout, what: str) -> None:
+    """cu_seqlens passed for shards that `shard` did not cut with them: it cut a dense row of that length on
+    this mesh, or a packed row of that length with other boundaries, and no packed row like this one."""
+    rec = _record(cp)
+    if (lay.local_len, lay.seq_len, digest(lay.doc_lens)) in rec.packed:
+        return
+    if any(lay.seq_len in group for group in rec.lengths.values()):
+        raise ConfigError(f"{what}: cu_seqlens= describes a packed row of {lay.seq_len} tokens, but hcp.shard cut a "
+                          f"{lay.seq_len}-token row on this mesh without cu_seqlens (a dense layout: tokens in another "
+                          f"order); pass the same cu_seqlens= to hcp.shard, or none to both")
+    if any(key[:2] == (lay.local_len, lay.seq_len) for key in rec.packed):
+        raise ConfigError(f"{what}: these cu_seqlens ({len(lay.doc_lens)} documents, total {lay.seq_len}) are not the "
+                          f"ones hcp.shard cut a {lay.seq_len}-token packed row with on this mesh lately; pass "
+                          f"every call of a row the same cu_seqlens")
 
 
 def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | None = None,
@@ -97,7 +185,9 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
     if cu_seqlens is not None:
         if seq_len is not None:
             raise ConfigError(f"{what}: pass cu_seqlens= or seq_len=, not both (a packed row's length is cu_seqlens[-1])")
-        lay = layout_of(cp.layout, u, r, cu_seqlens=boundaries(cu_seqlens))
+        lay = _layout_of(cp, what, cu_seqlens=boundaries(cu_seqlens))
+        if local_len is not None and local_len == lay.local_len:
+            _dense_for_packed(cp, lay, what)
         if local_len is not None and local_len != lay.local_len:
             raise ShapeError(f"{what}: the shard has {local_len} local tokens but cu_seqlens (total {lay.seq_len}, "
                              f"{len(lay.doc_lens)} documents) lays out {lay.local_len} per rank on ulysses={u} x "
@@ -121,6 +211,8 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
                          f"{cp.layout!r} layout on ulysses={u} x ring={r}; shard inputs with hcp.shard, which pads "
                          f"the sequence (or pass cu_seqlens= for a packed row)")
     seen = sorted(recorded_lengths(cp).get(padded, ()))
+    if not seen:
+        _unrecorded(cp, local_len, padded, what)
     if len(seen) > 1 and not causal:
         raise ConfigError(f"{what}: the sequence length is ambiguous: hcp.shard has seen lengths {seen} that all pad to "
                          f"{padded} tokens on this mesh; pass seq_len= explicitly")
@@ -153,9 +245,15 @@ def shard_tokens(x: torch.Tensor, cp: "CPMesh", dim: int, lay: Layout,
     return torch.cat(parts, dim=dim)
 
 
-def _check_tensor(x: Any, what: str) -> None:
+def _check_tensor(x: Any, cp: Any, dim: Any, what: str) -> int:
+    """The tensor, the mesh and the sequence dim of a shard/unshard call; returns dim as a non-negative index."""
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
+    require_mesh(cp)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
+        raise ShapeError(f"{what}: dim={dim!r} is not a dimension of x (shape {tuple(x.shape)}, {x.dim()} dims); pass "
+                         f"the sequence dimension, e.g. dim=1 for [batch, seq, ...], dim=0 for a 1-D row")
+    return dim % x.dim()
 
 
 def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -> torch.Tensor:
@@ -178,14 +276,14 @@ def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -
         ShapeError: An empty sequence, or a packed row whose length is not `cu_seqlens[-1]`.
         ConfigError: Invalid `cu_seqlens`.
     """
-    _check_tensor(x, "shard")
-    dim = dim % x.dim()
+    dim = _check_tensor(x, cp, dim, "hcp.shard")
     n = x.shape[dim]
     if n == 0:
         raise ShapeError(f"x has an empty sequence dimension (dim={dim}, shape={tuple(x.shape)})")
     if cu_seqlens is not None:
         lay = row_layout(cp, cu_seqlens=cu_seqlens, what="hcp.shard")
         _check_packed_row(x, dim, lay, "x")
+        record_packed(cp, lay)
     else:
         lay = shard_layout(cp, n)
     _warn_padding(cp, lay)
@@ -226,7 +324,8 @@ class _Unshard(torch.autograd.Function):
         ctx.cp, ctx.dim, ctx.lay = cp, dim, lay
         xc = x.contiguous()
         gathered = [torch.empty_like(xc) for _ in range(cp.size)]
-        dist.all_gather(gathered, xc, group=cp.cp_group)
+        with comm_guard(cp, "hcp.unshard's all-gather"):
+            dist.all_gather(gathered, xc, group=cp.cp_group)
         out = x.new_empty(*x.shape[:dim], lay.seq_len, *x.shape[dim + 1:])
         for k, part in enumerate(gathered):
             offset = 0
@@ -261,15 +360,34 @@ def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | No
         The full row, the same on every cp rank.
 
     Raises:
-        ShapeError: A local length that does not match the mesh and layout.
+        ShapeError: A local length that does not match the mesh and layout, or no row `shard` cut on it.
         ConfigError: An ambiguous length (several that pad to the same size): pass `seq_len`.
+        InconsistentRanksError: Another cp rank's call differs or failed its checks (with `cp.validate`).
+        SetupError: A destroyed mesh.
     """
-    _check_tensor(x_local, "unshard")
+    lay = _unshard_layout(x_local, cp, dim, seq_len, cu_seqlens)
     dim = dim % x_local.dim()
-    lay = row_layout(cp, local_len=x_local.shape[dim], seq_len=seq_len, cu_seqlens=cu_seqlens, what="hcp.unshard")
     if cp.size == 1:  # one rank holds the row in order, padding at the end
         return x_local.narrow(dim, 0, lay.seq_len)
     return _Unshard.apply(x_local, cp, dim, lay)
+
+
+def _unshard_layout(x: Any, cp: "CPMesh", dim: Any, seq_len: Any, cu_seqlens: Any) -> Layout:
+    """`unshard`'s checks: this rank's own, then (with `cp.validate`) the cp ranks' agreement on the call, so
+    that one rank's bad argument makes every rank raise instead of leaving the others in the all-gather."""
+    error, lay, signature = None, None, [0] * 5
+    try:
+        d = _check_tensor(x, cp, dim, "hcp.unshard")
+        lay = row_layout(cp, local_len=x.shape[d], seq_len=seq_len, cu_seqlens=cu_seqlens, what="hcp.unshard")
+        signature = [d, x.dim(), digest((tuple(x.shape), str(x.dtype))), lay.seq_len, digest(lay.doc_lens)]
+    except (ValueError, TypeError) as exc:
+        if not validates(cp) or not isinstance(exc, CPError):
+            raise
+        error = exc
+    if validates(cp):
+        agree_across_ranks(cp, signature, ("dim", "dims", "shape and dtype (checksum)", "seq_len",
+                                           "cu_seqlens (checksum)"), error, "hcp.unshard arguments")
+    return lay
 
 
 def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | None = None, *,
@@ -287,8 +405,10 @@ def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | No
         int64 position ids of this rank's tokens [S_local].
 
     Raises:
+        SetupError: A destroyed mesh.
         ConfigError: A `seq_len` that is not a positive integer or disagrees with `cu_seqlens`.
     """
+    require_mesh(cp)
     if cu_seqlens is None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         raise ConfigError(f"seq_len={seq_len!r} must be a positive integer (or pass cu_seqlens= for a packed row)")
     if cu_seqlens is not None:
@@ -296,7 +416,7 @@ def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | No
         if seq_len is not None and seq_len != lay.seq_len:
             raise ConfigError(f"seq_len={seq_len} but cu_seqlens ends at {lay.seq_len}; pass seq_len=None with cu_seqlens")
     else:
-        lay = layout_of(cp.layout, cp.ulysses_size, cp.ring_size, seq_len=seq_len)
+        lay = _layout_of(cp, "hcp.positions", seq_len=seq_len)
     device = device if device is not None else cp.device
     return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in lay.token_runs(cp.rank)])
 
@@ -326,4 +446,5 @@ def ring_block_to_gathered(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.
 
 
 __all__ = ["LAYOUTS", "granularity", "padded_length", "local_indices", "shard", "unshard", "positions", "row_layout",
-           "boundaries", "shard_layout", "shard_tokens", "recorded_lengths"]
+           "boundaries", "shard_layout", "shard_tokens", "recorded_lengths", "record_packed",
+           "forget_shards"]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import SetupError
-from .validate import DestroyedGroup, mesh_arguments
+from .validate import DestroyedGroup, mesh_arguments, mesh_device
 
 log = logging.getLogger("hybrid_cp")
 _SERIAL = itertools.count()   # meshes built by this process, in order (the same on every rank)
@@ -138,7 +138,7 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-    device = torch.device(device)
+    device = mesh_device(device)
     if timeout is None:
         timeout = default_timeout()
     mesh = _device_mesh(device, (dp, ring, ulysses), timeout)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from topology.layouts import Layout, Step
 
+from ..errors import ShapeError
 from .comm import RingExchange, acc_dtype, count
 from .heads import HeadMap
 from .kernels.merge import merge_rows_, merge_sink_
@@ -206,8 +207,15 @@ def _task_forward(kernel: "AttentionKernel", heads: HeadMap, task: Task, q: torc
                   vb_full: torch.Tensor, scale: float, softcap: float | None):
     """One task's kernel forward: (out, lse) of my query rows `task.q_rows` against the visiting block's rows."""
     kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
-    return kernel.forward(_take(q, task.q_rows), kb, vb, causal=task.causal, scale=scale,
-                          **task.kernel_kwargs(softcap))
+    qt = _take(q, task.q_rows)
+    out, lse = kernel.forward(qt, kb, vb, causal=task.causal, scale=scale, **task.kernel_kwargs(softcap))
+    b, n, h = qt.shape[:3]
+    if tuple(out.shape) != (b, n, h, vb.shape[3]) or tuple(lse.shape) != (b, h, n):
+        raise ShapeError(f"kernel {getattr(kernel, 'name', kernel)!r} returned out {tuple(out.shape)} and lse "
+                         f"{tuple(lse.shape)} for q {tuple(qt.shape)}; its forward must return out [B, S, H, D_v] = "
+                         f"{[b, n, h, vb.shape[3]]} and lse [B, H, S] = {[b, h, n]} (hybrid_cp/engine/kernels/protocol.py); "
+                         f"ring exchanges are in flight: rebuild the mesh (hcp.destroy_cp_mesh, hcp.init_cp_mesh)")
+    return out, lse
 
 
 def _task_backward(kernel: "AttentionKernel", heads: HeadMap, task: Task, dout: torch.Tensor, q: torch.Tensor,

@@ -1,46 +1,37 @@
-"""Every check hybrid-cp runs on its arguments, and the agreement of the cp ranks on them.
+"""Every check hybrid-cp runs on its arguments.
 
-Checks come in two kinds. A rank's own checks (`positive_int`, `mesh_arguments`, `checked_call`'s
-local part, `batch_arguments`, `model_inputs`) raise a `CPError` subclass for inputs the rank can
-judge alone. The cross-rank agreement (`agree_across_ranks`) makes every rank of a cp group raise
-when one rank failed its own checks or the ranks were called differently, so that no rank goes on
-into a collective alone (docs/errors.md, "Validation"). A call is summarised as a signature, a
-`typing.NamedTuple` of integers (`AttentionSignature`, `ModelInputSignature`) whose field labels
-name what differs; `digest` turns it, or any text, into one integer the ranks compare.
+A rank's own checks (`positive_int`, `mesh_arguments`, `checked_call`'s local part, `batch_arguments`,
+`model_inputs`) raise a `CPError` subclass for inputs the rank can judge alone; the calls that lead to a
+collective then ask `agreement.agree_across_ranks` to make every rank of the cp group raise when one rank
+failed or the ranks were called differently (docs/errors.md, "Validation"). The signatures they agree on
+(`AttentionSignature`, `ModelInputSignature`, `BatchSignature`) are defined here.
 
-This module sits below `mesh` (whose degrees it checks) and above `layout` and `kernels` (which
-it asks what a call means), so it recognises a mesh by its fields (`MeshLike`), not by its class.
-What validate=True has learned about a mesh's calls (`history(cp)`) is kept here, beside the mesh.
+This module sits below `mesh` (whose degrees it checks) and above `layout` and `kernels` (which it asks
+what a call means).
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import math
-import weakref
-from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from topology.layouts import Layout, check_layout, granularity
 
-from ..errors import (
-    CommTimeoutError,
-    ConfigError,
-    CPError,
-    InconsistentRanksError,
-    InputTypeError,
-    NonFiniteError,
-    SetupError,
-    ShapeError,
+from ..errors import ConfigError, CPError, InputTypeError, ShapeError
+from .agreement import (  # noqa: F401 (DestroyedGroup, MeshLike, digest, history: re-exported for their users)
+    DestroyedGroup,
+    MeshLike,
+    agree_across_ranks,
+    digest,
+    history,
+    require_mesh,
+    validates,
 )
-from .comm import comm_guard
-from .eager import eager_only
 from .kernels import AttentionKernel, can_on, get_kernel, kernel_needs, kernels_that_can
 from .layout import positions, row_layout
 
@@ -63,39 +54,6 @@ def positive_int(name: str, value: Any, meaning: str = "a positive integer", *, 
     prefix = f"{where}: " if where else ""
     raise ConfigError(f"{prefix}{name}={value!r} must be {meaning}")
 
-
-@runtime_checkable
-class MeshLike(Protocol):
-    """What the checks read of a `CPMesh` (hcp.init_cp_mesh's result)."""
-
-    ulysses_size: int
-    ring_size: int
-    layout: str
-    device: torch.device
-    validate: bool | str
-
-
-class DestroyedGroup:
-    """Stands in for each process group of a mesh that `hcp.destroy_cp_mesh` destroyed: any use raises (None
-    would silently mean the world group to torch.distributed)."""
-
-    def __getattr__(self, name: str):
-        raise SetupError(DESTROYED)
-
-
-DESTROYED = "this CPMesh was destroyed by hcp.destroy_cp_mesh; build a new one with hcp.init_cp_mesh(...)"
-
-
-def require_mesh(cp: Any) -> None:
-    if not isinstance(cp, MeshLike):
-        raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
-    if type(cp.cp_group) is DestroyedGroup:
-        raise SetupError(DESTROYED)
-
-
-def _validates(cp: Any) -> bool:
-    """Whether calls on `cp` take part in the cross-rank agreement."""
-    return isinstance(cp, MeshLike) and bool(cp.validate) and cp.ulysses_size * cp.ring_size > 1
 
 
 # ---- the mesh's arguments -----------------------------------------------------------------------
@@ -143,157 +101,17 @@ def mesh_arguments(ulysses: Any, ring: Any, dp: Any, plan: Any, layout: Any, val
     return ulysses, ring, dp
 
 
-# ---- digests and the cross-rank agreement -------------------------------------------------------
-
-def digest(value: Any) -> int:
-    """A 56-bit hash of `value`'s repr (the same on every rank for equal values; fits an int64 with
-    its negation, which the agreement all-reduce needs)."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "big")
-
-
-def _metadata(tensors) -> list[int]:
-    """Checksum of dtype/stride/requires_grad/device type of each tensor, and NaN/inf flags (debug)."""
-    meta, flags = [], []
-    for t in tensors:
-        meta.append(f"{t.dtype}|{t.stride()}|{int(t.requires_grad)}|{t.device.type}")
-        flags.append(int(not bool(torch.isfinite(t.detach()).all())))
-    return [digest("/".join(meta))] + flags
-
-
-@dataclass
-class ValidationHistory:
-    """One mesh's agreed call signatures (the same on every rank), the period they repeat with, and
-    how many checks of each kind ran ("skipped", "hash", "full")."""
-
-    signatures: list[int] = field(default_factory=list)
-    signature_period: int | None = None
-    validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-
-# A record, not a result: validate=True predicts each call from the calls before it on the same
-# mesh, and those calls return nothing to the next. Weak keys: a dropped mesh drops its history.
-_HISTORIES: "weakref.WeakKeyDictionary[Any, ValidationHistory]" = weakref.WeakKeyDictionary()
-
-
-def history(cp) -> ValidationHistory:
-    """What validation has recorded for mesh `cp` (`validation_calls` counts skipped, cheap and full checks)."""
-    return _HISTORIES.setdefault(cp, ValidationHistory())
-
-
-@eager_only  # a host collective and a history of signatures: never traced
-def agree_across_ranks(cp, values, names, error: Exception | None, what: str,
-                       tensors: tuple[tuple[str, torch.Tensor], ...] = ()) -> None:
-    """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`
-    (a signature: a NamedTuple of ints, labelled by `names`), so that no rank goes on into a
-    collective alone or with different arguments.
-
-    The check is one all-reduce(MAX) of (hash, -hash, failed) on the host group; only if that
-    shows a failure or a disagreement (every rank sees the same reduced values, so every rank
-    takes this branch) the full all-gather that names the ranks and fields. validate="debug"
-    always takes the full all-gather, with the inputs' metadata checksum and NaN/inf flags of
-    `tensors` (name, tensor) added. validate=True skips the check when this rank's signature is
-    the predicted one (`_predicted`): the prediction depends only on calls that agreed, so it is
-    the same on every rank, and a rank whose call differs from it always checks.
-    """
-    values, names = [int(x) for x in values], list(names)
-    if cp.validate == "debug":
-        extra = _metadata([t for _, t in tensors]) if error is None and tensors else [0] * (len(tensors) + 1)
-        if tensors:
-            values += [extra[0]]
-            names += ["dtype/stride/requires_grad/device (checksum)"]
-        _full_check(cp, values, names, error, what, extra[1:], [n for n, _ in tensors])
-        return
-    h = digest(tuple(values)) if error is None else 0
-    hist = history(cp)
-    if cp.validate is True and error is None and h == _predicted(hist):
-        hist.validation_calls["skipped"] += 1
-        _advance(hist, h)
-        return
-    hist.validation_calls["hash"] += 1
-    if _reduced_agrees(cp, h, error, what):
-        _agreed(hist, h)
-        return
-    _full_check(cp, values, names, error, what, [], [])
-
-
-def _reduced_agrees(cp, h: int, error: Exception | None, what: str) -> bool:
-    """The cheap check: one all-reduce(MAX) of (hash, -hash, failed); True when every rank agreed."""
-    mine = torch.tensor([h, -h, 0 if error is None else 1], dtype=torch.int64)
+def mesh_device(device: Any) -> torch.device:
+    """`init_cp_mesh(device=...)` as a torch.device this process can use (ConfigError otherwise)."""
     try:
-        with comm_guard(cp, f"the {what} agreement check"):
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=cp.check_group)
-    except CommTimeoutError as exc:
-        if cp.validate is not True:
-            raise
-        # Under validate=True the other ranks skip calls they predicted; a rank that checks alone
-        # times out here: its call differed from theirs (or from what they expected).
-        if error is not None:
-            raise error from exc
-        raise CommTimeoutError(f"{what}: with validate=True only a call that differs from the one every rank "
-                               f"predicted from earlier calls is checked, and no other rank joined this check: "
-                               f"this call most likely differs across ranks (rerun with validate=\"always\" to have "
-                               f"the differing fields named). {exc}") from exc
-    top, neg_low, any_failed = mine.tolist()
-    return not any_failed and top == h and -neg_low == h
-
-
-_HISTORY = 512  # call signatures remembered: a period longer than half of this is not learned
-
-
-def _predicted(hist: ValidationHistory) -> int | None:
-    """The signature every rank expects next: the one a period ago when the recent calls repeat
-    with a period (a training step: one batch check, then layers, full and sliding-window layers
-    alternating, recomputation in backward), else the same as the last call."""
-    seen = hist.signatures
-    if not seen:
-        return None
-    return seen[-hist.signature_period] if hist.signature_period else seen[-1]
-
-
-def _advance(hist: ValidationHistory, h: int) -> None:
-    """A predicted call: the period still holds."""
-    hist.signatures.append(h)
-    if len(hist.signatures) > 2 * _HISTORY:
-        del hist.signatures[:-_HISTORY]
-
-
-def _agreed(hist: ValidationHistory, h: int) -> None:
-    """A checked call that agreed: remember it and find the shortest period the history is consistent
-    with (at least one call of overlap). Only agreed or predicted calls enter the history, so it is
-    the same on every rank."""
-    _advance(hist, h)
-    seen = hist.signatures[-_HISTORY:]
-    n = len(seen)
-    hist.signature_period = next((p for p in (n - 1 - i for i in range(n - 2, -1, -1) if seen[i] == h)
-                                  if seen[n - min(p, n - p):] == seen[n - p - min(p, n - p):n - p]), None)
-
-
-def _full_check(cp, values: list[int], names: list[str], error: Exception | None, what: str,
-                nonfinite: list[int], tensor_names: list[str]) -> None:
-    """All-gather every rank's (failed, NaN flags, signature) and raise naming the ranks and fields."""
-    history(cp).validation_calls["full"] += 1
-    mine = torch.tensor([0 if error is None else 1] + list(nonfinite) + list(values), dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(cp.size)]
-    with comm_guard(cp, f"the {what} agreement check"):
-        dist.all_gather(rows, mine, group=cp.check_group)
-    if error is not None:
-        raise error
-    rows = [r.tolist() for r in rows]
-    bad = [rank for rank, r in enumerate(rows) if r[0]]
-    if bad:
-        raise InconsistentRanksError(f"cp ranks {bad} rejected their {what} (their error says why); "
-                                     f"every rank stops here instead of hanging")
-    k = len(nonfinite)
-    found = [f"{tensor_names[i]} on cp rank {rank}" for rank, r in enumerate(rows) for i in range(k) if r[1 + i]]
-    if found:
-        raise NonFiniteError(f"NaN or inf in {', '.join(found)} ({what}, validate=\"debug\"); every rank stops "
-                             f"here; find where that rank's activations overflow")
-    for rank, r in enumerate(rows):
-        if r[1 + k:] != list(values):
-            diffs = [f"{name}: {theirs} on cp rank {rank} vs {ours} here"
-                     for name, theirs, ours in zip(names, r[1 + k:], values) if theirs != ours]
-            raise InconsistentRanksError(f"inconsistent {what} across the cp group (" + "; ".join(diffs) +
-                                         "); every rank must pass its shard of the same batch with the same settings")
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r} is not a device: {exc}") from None
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise ConfigError(f"device={str(device)!r}: this process has no {device.type} device; pass device='cpu' (gloo) "
+                          f"or run where {device.type} is available")
+    return device
 
 
 # ---- hcp.attention ------------------------------------------------------------------------------
@@ -322,10 +140,11 @@ class AttentionSignature(NamedTuple):
     sinks: int = 0          # digest of the sinks' shape and dtype (and values, validate="always"/"debug"); 0: none
     v_head_dim: int = 0
     chunk_size: int = 0     # 0: no chunking
+    softmax_scale: int = 0  # digest of the scale in effect
 
     labels = ("batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
               "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks",
-              "softcap (checksum)", "sinks (checksum)", "v head_dim", "chunk_size")
+              "softcap (checksum)", "sinks (checksum)", "v head_dim", "chunk_size", "softmax_scale (checksum)")
 
 
 def _check_qkv(q, k, v, cp) -> None:
@@ -485,8 +304,8 @@ def _sinks_digest(cp, sinks) -> int:
 
 
 def attention_signature(cp, q, k, v, lay: Layout, kernel, backend, causal, window, needs_grad: int,
-                        head_chunks: int, *, softcap=None, sinks=None, chunk_size: int | None = None
-                        ) -> AttentionSignature:
+                        head_chunks: int, *, softcap=None, sinks=None, chunk_size: int | None = None,
+                        softmax_scale: float | None = None) -> AttentionSignature:
     """The signature of a call that passed this rank's checks (variants as digests, so that ranks that
     differ name the field)."""
     b, s, h, d = q.shape
@@ -495,7 +314,8 @@ def attention_signature(cp, q, k, v, lay: Layout, kernel, backend, causal, windo
     return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(causal), lay.seq_len,
                               digest(lay.doc_lens), left, right, digest(name), int(needs_grad), head_chunks,
                               softcap=0 if softcap is None else digest(float(softcap)),
-                              sinks=_sinks_digest(cp, sinks), v_head_dim=v.shape[3], chunk_size=chunk_size or 0)
+                              sinks=_sinks_digest(cp, sinks), v_head_dim=v.shape[3], chunk_size=chunk_size or 0,
+                              softmax_scale=digest(float(softmax_scale or 1 / math.sqrt(d))))
 
 
 def is_int(value: Any) -> bool:
@@ -532,8 +352,8 @@ def op_expressible(q, k, v, cp, *, causal: Any, softmax_scale: Any, return_lse: 
 
 
 def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, head_chunks: int,
-                 needs_grad: int, *, softcap=None, sinks=None,
-                 chunk_size: Any = None) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
+                 needs_grad: int, *, softcap=None, sinks=None, chunk_size: Any = None,
+                 return_lse: Any = False) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
     """Every check of an attention call, before any collective: this rank's own (`_local_checks`), then,
     with `cp.validate`, the cross-rank agreement on the call's `AttentionSignature`, so that a rank that
     failed or differs makes every rank raise. Returns (layout, kernel, the window in effect). `needs_grad`
@@ -541,6 +361,8 @@ def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlen
     error, signature, result = None, AttentionSignature(causal=int(causal) if isinstance(causal, bool) else -1), None
     try:
         positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
+        if not isinstance(return_lse, bool):
+            raise InputTypeError(f"return_lse={return_lse!r} must be a bool")
         check_variants(backend, softcap, sinks)
         chunk_size_arg(chunk_size)
         result = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
@@ -551,14 +373,15 @@ def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlen
             raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
                               f"local-attention callable runs all heads at once: use head_chunks=1")
         signature = attention_signature(cp, q, k, v, lay, kernel, backend, causal, window, needs_grad, head_chunks,
-                                        softcap=softcap, sinks=sinks, chunk_size=chunk_size)
+                                        softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+                                        softmax_scale=softmax_scale)
     except (TypeError, ValueError) as exc:
         if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
             exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
-        if not _validates(cp):
+        if not validates(cp):
             raise exc from None
         error = exc
-    if _validates(cp):
+    if validates(cp):
         agree_across_ranks(cp, signature, AttentionSignature.labels, error, "hcp.attention inputs",
                            tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
     return result
@@ -598,6 +421,44 @@ def batch_arguments(batch: Any, ignore_index: Any) -> tuple[torch.Tensor, torch.
             raise ShapeError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
         pos = pos[None]
     return ids, mask, pos
+
+
+class BatchSignature(NamedTuple):
+    """What every cp rank's `shard_batch` call must agree on: the same full batch (a checksum of its ids)."""
+
+    batch: int = 0
+    length: int = 0
+    input_ids: int = 0      # checksum of the token ids
+    labels: int = 0         # checksum of the labels (0: none)
+    keys: int = 0           # digest of the batch's keys
+
+    labels_ = ("batch", "length", "input_ids (checksum)", "labels (checksum)", "keys")
+
+
+def content_checksum(t: Any) -> int:
+    """A position-weighted checksum of an integer tensor's values (0 for anything else): two ranks given
+    different batches disagree on it (one pass over the tokens; a host sync for a device tensor)."""
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.numel() == 0:
+        return 0
+    flat = t.reshape(-1).to(torch.int64)
+    weights = (torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 2654435761) % 2147483647
+    return int((flat * weights).sum()) & (2 ** 62 - 1)
+
+
+def batch_signature(batch: Mapping[str, Any]) -> BatchSignature:
+    """The signature of a batch that passed this rank's checks."""
+    ids = batch["input_ids"]
+    return BatchSignature(ids.shape[0], ids.shape[1], content_checksum(ids),
+                          content_checksum(batch.get("shift_labels", batch.get("labels"))), digest(sorted(batch)))
+
+
+def agree_on_batch(cp, batch: Any, error: Exception | None) -> None:
+    """Every cp rank raises if one rank's batch failed its checks or the ranks were given different batches
+    (checked on every call: the batch changes every step, so no call is predicted)."""
+    if validates(cp):
+        signature = batch_signature(batch) if error is None else BatchSignature()
+        agree_across_ranks(cp, signature, BatchSignature.labels_, error, "hcp.shard_batch batch (the same full "
+                           "batch on every rank of a cp group)", learn=False)
 
 
 def _check_per_token_shapes(batch: Mapping[str, Any], b: int, s: int) -> None:
@@ -761,10 +622,10 @@ def model_inputs(cp, kwargs: dict) -> dict:
     try:
         signature = _model_local_checks(cp, kwargs)
     except ValueError as exc:
-        if not _validates(cp):
+        if not validates(cp):
             raise
         error = exc
-    if _validates(cp):
+    if validates(cp):
         agree_across_ranks(cp, signature, ModelInputSignature.labels, error, "model inputs")
     if kwargs.get("attention_mask") is not None:
         global_right_padding(cp, kwargs["attention_mask"], kwargs["position_ids"])

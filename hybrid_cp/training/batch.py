@@ -22,9 +22,17 @@ import torch
 
 from topology.layouts import Layout
 
-from ..engine.layout import boundaries, positions, row_layout, shard_layout, shard_tokens
-from ..engine.validate import batch_arguments, dense_labels, dense_positions, right_padding
-from ..errors import ConfigError, ShapeError
+from ..engine.layout import boundaries, positions, record_packed, row_layout, shard_layout, shard_tokens
+from ..engine.validate import (
+    agree_on_batch,
+    batch_arguments,
+    dense_labels,
+    dense_positions,
+    require_mesh,
+    right_padding,
+    validates,
+)
+from ..errors import ConfigError, CPError, ShapeError
 
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
@@ -105,12 +113,29 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     Raises:
         ShapeError: Tensors whose batch or sequence dims disagree; media (`MEDIA_KEYS`: pixel_values, ...).
         ConfigError: Left padding or holes in ``attention_mask``, position ids that do not count up.
+        InconsistentRanksError: The ranks of a cp group were given different batches (checked on every call
+            with `cp.validate`: one host all-reduce of 3 integers).
     """
+    error, out = None, {}
+    try:
+        out = _shard_batch(batch, cp, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
+                           device=device)
+    except (ValueError, TypeError) as exc:
+        if not validates(cp) or not isinstance(exc, CPError):
+            raise
+        error = exc
+    agree_on_batch(cp, batch, error)
+    return out
+
+
+def _shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int, shift: bool, pad_token_id: int,
+                 device: torch.device | str | None) -> dict[str, Any]:
+    require_mesh(cp)
+    _refuse_media(batch)
+    ids, mask, pos = batch_arguments(batch, ignore_index)
     if batch.get("shift_labels") is not None:  # next-token targets already (a collator's, or shard_batch's own)
         batch = {**batch, "labels": batch["shift_labels"]}
         shift = False
-    _refuse_media(batch)
-    ids, mask, pos = batch_arguments(batch, ignore_index)
     device = torch.device(device) if device is not None else cp.device
     b, s = ids.shape
     cu = _packed_boundaries(batch, pos, b, s)
@@ -217,6 +242,7 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
 def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, ignore_index: int, shift: bool,
                   pad_token_id: int, device: torch.device) -> dict[str, Any]:
     lay = row_layout(cp, cu_seqlens=cu, what="hcp.shard_batch")
+    record_packed(cp, lay)
     ids = batch["input_ids"]
     labels = batch.get("labels")
     labels = ids if labels is None else labels

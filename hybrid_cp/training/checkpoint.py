@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import ConfigError, InconsistentRanksError, SetupError
 
@@ -205,7 +206,11 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
     _checked_keep(keep)
     if global_batch is not None:
         replica_samples(step, global_batch, cp)   # a bad global batch raises here, before any collective
-    json.dumps(extra or {})                       # and so does an extra that JSON cannot hold
+    try:                                          # and so does an extra that JSON cannot hold
+        json.dumps(extra or {})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"extra={extra!r} must be JSON-serialisable (a dict of numbers, strings, lists, dicts): "
+                          f"{exc}") from None
     world = _world()[1]
     step = _agreed_step(step, "before saving")
     final = Path(directory) / f"step-{step:08d}"
@@ -236,20 +241,17 @@ def _on_rank0(work: Any, what: str) -> None:
     for rank 0 in the next collective until the timeout)."""
     rank, world = _world()
     failure = [None]
+    cause = None
     if rank == 0:
         try:
             work()
-        except Exception as exc:
-            if world == 1:
-                raise
-            failure = [f"{type(exc).__name__}: {exc}"]
-            dist.broadcast_object_list(failure, src=0)
-            raise
+        except Exception as exc:   # every rank raises the same SetupError, rank 0 with the cause chained
+            failure, cause = [f"{type(exc).__name__}: {exc}"], exc
     if world > 1:
         dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
         raise SetupError(f"rank 0 could not {what}: {failure[0]}; check that the folder is writable and on a "
-                         "filesystem every rank sees")
+                         "filesystem every rank sees") from cause
 
 
 def _read_marker(folder: Path) -> CheckpointInfo | str:
@@ -337,22 +339,38 @@ def _broadcast_choice(directory: str | os.PathLike) -> CheckpointInfo | None:
     """Rank 0 looks the newest checkpoint up, every rank loads that one (a shared filesystem may lag)."""
     rank, world = _world()
     if world == 1:
+        missing = _missing(directory)
+        if missing is not None:
+            raise missing
         return latest_checkpoint(directory)
     choice: list[Any] = [None]
     if rank == 0:
         try:
-            choice = [latest_checkpoint(directory)]
+            choice = [_missing(directory) or latest_checkpoint(directory)]
         except Exception as exc:   # told to every rank, not left for them to wait on
             choice = [f"{type(exc).__name__}: {exc}"]
     dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], ConfigError):
+        raise choice[0]
     if isinstance(choice[0], str):
         raise SetupError(f"rank 0 could not look for checkpoints in {directory}: {choice[0]}")
     return choice[0]
 
 
+def _missing(directory: str | os.PathLike) -> ConfigError | None:
+    """The error for a checkpoint folder that does not exist: a mistyped path must not pass for a fresh start."""
+    if Path(directory).is_dir():
+        return None
+    return ConfigError(f"directory={str(directory)!r} does not exist (or is not a folder): no checkpoint can be in "
+                       f"it. A first run creates it (os.makedirs(directory, exist_ok=True)) before calling "
+                       f"load_checkpoint, so that a mistyped path is not taken for a fresh start")
+
+
 def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     cp: "CPMesh", *, scheduler: Any = None, global_batch: int | None = None) -> CheckpointInfo | None:
     """Resume from the newest complete checkpoint in `directory`; None (nothing changed) if there is none.
+    A `directory` that does not exist raises ConfigError (create it on a first run): a mistyped path is not
+    a fresh start.
 
     Call on every rank, after building the model, `shard_model` and the optimizer (and scheduler)
     exactly as for a fresh start: DCP loads into their current sharding, whatever the split the
@@ -388,8 +406,13 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     rank, world = _world()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    _dcp(dcp.load, state, info.path, world)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    try:
+        _dcp(dcp.load, state, info.path, world)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:   # (CheckpointException: a BaseException)
+        raise ConfigError(f"{info.path} does not fit this model and optimizer (a parameter's name or shape "
+                          f"differs): {_first_error(exc)}; build the model and optimizer as they were when it was "
+                          f"saved") from exc
     saved = torch.load(info.path / TRAIN_STATE, weights_only=True)
     if scheduler is not None and saved["scheduler"] is not None:
         scheduler.load_state_dict(saved["scheduler"])
@@ -397,6 +420,16 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     _set_rng_state(saved["rng"][rank if same else rank % len(saved["rng"])])
     _agreed_step(info.step, "after loading")
     return info
+
+
+def _first_error(exc: BaseException) -> str:
+    """The line of a (DCP) error that says what failed, not its traceback dump."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for key in ("size mismatch", "shape", "Error"):
+        found = [line for line in lines if key in line]
+        if found:
+            return found[0][:300]
+    return (lines or [type(exc).__name__])[0][:300]
 
 
 def restart_store(timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Any:

@@ -9,14 +9,15 @@ and `hybrid_cp.integrations.fsdp.shard_model` (which keeps FSDP2's default).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..engine.validate import require_mesh
-from ..errors import ConfigError, InputTypeError, ShapeError
+from ..engine.comm import comm_guard
+from ..engine.validate import agree_across_ranks, digest, require_mesh, validates
+from ..errors import ConfigError, CPError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
@@ -44,6 +45,42 @@ def reduction_group(cp: "CPMesh", include_dp: bool):
     if include_dp:
         return cp.dp_cp_group, cp.size * cp.dp_size
     return cp.cp_group, cp.size
+
+
+def _local_arguments(logits: Any, labels: Any, ignore_index: Any, reduction: Any) -> None:
+    """This rank's own checks of a `cross_entropy` call."""
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise InputTypeError(f"logits must be a floating-point tensor, got "
+                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
+                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ShapeError(f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
+                         f"logits must be labels.shape + (vocab,), e.g. [B, S_local, V] with labels [B, S_local] "
+                         f"from the same shard")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ConfigError(f"ignore_index={ignore_index!r} must be an int (the label of tokens that do not count)")
+
+
+def _agreed_arguments(logits: Any, labels: Any, cp: "CPMesh", ignore_index: Any, reduction: Any,
+                      include_dp: bool) -> None:
+    """This rank's checks, then (with `cp.validate`) the cp ranks' agreement on the call: one rank's bad
+    argument makes every rank raise instead of leaving the others in the loss's all-reduce."""
+    require_mesh(cp)
+    error, signature = None, [0] * 5
+    try:
+        _local_arguments(logits, labels, ignore_index, reduction)
+        signature = [digest(reduction), ignore_index, int(bool(include_dp)), logits.shape[-1], labels.dim()]
+    except (ValueError, TypeError) as exc:
+        if not validates(cp) or not isinstance(exc, CPError):
+            raise
+        error = exc
+    if validates(cp):
+        agree_across_ranks(cp, signature, ("reduction", "ignore_index", "include_dp", "vocab", "label dims"), error,
+                           "hcp.cross_entropy arguments")
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", ignore_index: int = -100,
@@ -84,18 +121,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
         InputTypeError: Logits that are not floating point, labels that are not integers.
         ShapeError: Logits and labels that do not match.
     """
-    if reduction not in REDUCTIONS:
-        raise ConfigError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise InputTypeError(f"logits must be a floating-point tensor, got "
-                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
-                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
-    if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
-        raise ShapeError(f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
-                         f"logits must be labels.shape + (vocab,), e.g. [B, S_local, V] with labels [B, S_local] "
-                         f"from the same shard")
+    _agreed_arguments(logits, labels, cp, ignore_index, reduction, include_dp)
     vocab = logits.shape[-1]
     flat_labels = labels.reshape(-1)
     valid = flat_labels != ignore_index
@@ -112,7 +138,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
     if check:
         stats = torch.cat([stats, out_of_range.any().to(stats.dtype)[None]])
     if world > 1:
-        dist.all_reduce(stats, group=group)
+        with comm_guard(cp, "hcp.cross_entropy's all-reduce"):
+            dist.all_reduce(stats, group=group)
     if check and stats[2].item() > 0:
         raise ConfigError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
                          f"ignore_index={ignore_index}; fix the labels or the ignore_index")

@@ -36,9 +36,11 @@ def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = Fal
         overwrite: Replace a kernel already registered under `name`.
 
     Raises:
-        InputTypeError: `kernel` lacks the interface.
+        InputTypeError: `name` is not a non-empty str, or `kernel` lacks the interface.
         ConfigError: `name` is taken (without `overwrite`).
     """
+    if not isinstance(name, str) or not name:
+        raise InputTypeError(f"name={name!r} must be a non-empty str: backend=name selects the kernel")
     if not isinstance(kernel, AttentionKernel):
         raise InputTypeError(f"kernel {kernel!r} must provide name, supports(), forward() and backward()")
     if name in _REGISTRY and not overwrite:
