@@ -391,7 +391,9 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         The loaded checkpoint's info, or None when there is none.
 
     Raises:
-        ConfigError: `global_batch` differs from the one saved.
+        ConfigError: `global_batch` differs from the one saved; `directory` does not exist (a mistyped path is
+            not a fresh start: create the folder on a first run); the checkpoint does not fit the model or
+            optimizer (a parameter's name or shape).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
