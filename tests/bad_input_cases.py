@@ -94,6 +94,38 @@ def folder(name: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"hybrid-cp-bad-inputs-{os.getppid()}", name)
 
 
+def fault_save(where: str) -> None:
+    """Save step 1, then step 2 with a full disk on one rank (rank 0 while publishing, or rank 2 while DCP writes
+    its shard): every rank must raise SetupError saying so, and step 1 must still load (asserted here)."""
+    import warnings
+
+    import hybrid_cp.training.checkpoint as ckpt
+
+    cp, d = _STATE["M"], folder(f"fault-{where}")
+    model = torch.nn.Linear(4, 4).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hcp.save_checkpoint(d, 1, model, opt, cp)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    target, name = (ckpt, "_write_durably") if where == "publish" else (os, "fsync")
+    original = getattr(target, name)
+    if dist.get_rank() == (0 if where == "publish" else 2):
+        setattr(target, name, full)
+    try:
+        hcp.save_checkpoint(d, 2, model, opt, cp)
+        raise AssertionError("save_checkpoint went on with a full disk")
+    except hcp.SetupError as exc:
+        assert "No space left" in str(exc), exc
+    finally:
+        setattr(target, name, original)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "skipping partial checkpoint ...step-00000002.tmp"
+        info = hcp.load_checkpoint(d, model, opt, cp)
+    assert info is not None and info.step == 1, info
+
+
 def namespace(fresh_meshes: list) -> dict:
     def fresh(u: int, r: int, timeout_s: float = 2.0, **kwargs):
         cp = hcp.init_cp_mesh(u, r, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
@@ -103,7 +135,7 @@ def namespace(fresh_meshes: list) -> dict:
     import numpy as np
 
     return dict(hcp=hcp, torch=torch, F=F, np=np, math=math, rank=dist.get_rank(), qkv=qkv, ref=ref, near=near,
-                attend=attend, tiny=tiny, folder=folder, fresh=fresh, os=os, **{k: v for k, v in _meshes().items()
+                attend=attend, tiny=tiny, folder=folder, fresh=fresh, fault_save=fault_save, os=os, **{k: v for k, v in _meshes().items()
                                                                                    if k != "sync"})
 
 

@@ -247,6 +247,10 @@ CASES = [
     ("load_checkpoint", "another global batch", "ConfigError global_batch",
      CK.format(d="batch") + "hcp.save_checkpoint(d, 1, model, opt, M, global_batch=4); "
      "hcp.load_checkpoint(d, model, opt, M, global_batch=8)"),
+    ("save_checkpoint", "a full disk on rank 0 while publishing (the older one still loads)", "ok",
+     "fault_save('publish')"),
+    ("save_checkpoint", "a full disk on rank 2 while writing its shard (the older one still loads)", "ok",
+     "fault_save('shard')"),
     ("replica_samples", "global_batch 0", "ConfigError global_batch", "hcp.replica_samples(1, 0, M)"),
     # ---- register_kernel
     ("register_kernel", "not a kernel", "InputTypeError kernel", "hcp.register_kernel('x', object())"),

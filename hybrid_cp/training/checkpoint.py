@@ -230,7 +230,11 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
 
     _on_rank0(prepare, f"create {tmp}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, world)
+    try:   # DCP gathers every rank's write failures and raises the same CheckpointException on each
+        _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, world)
+    except (OSError, CheckpointException) as exc:
+        raise SetupError(f"could not write {tmp} ({_first_error(exc)}); the older checkpoints are untouched: check "
+                         f"that the folder is writable, has space and is on a filesystem every rank sees") from exc
     rngs = _all_gather(_rng_state())
     _on_rank0(publish, f"publish {final}")   # nobody goes on (or exits) before the checkpoint is visible
     return final
