@@ -26,13 +26,13 @@ from __future__ import annotations
 import logging
 import numbers
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from topology.layouts import LAYOUTS, PAD, Layout, granularity, layout_of, padded_length
 
@@ -65,11 +65,43 @@ class _ShardRecord:
     lengths: dict[int, set[int]] = field(default_factory=dict)   # padded size -> dense lengths shard saw
     padding_warned: set[tuple[int, int]] = field(default_factory=set)
     # (local length, total, digest of the documents) of the packed rows sharded lately, newest last
-    packed: "OrderedDict[tuple[int, int, int], None]" = field(default_factory=OrderedDict)
+    packed: dict[tuple[int, int, int], None] = field(default_factory=dict)   # a plain dict: dynamo traces it
     guessed: bool = False   # warned that a length was inferred without any record
 
 
 _PACKED_RECORDS = 64   # packed rows bring a new layout every step: remember the recent ones only
+
+# The tensors `shard` returned: (their mesh, the dim it cut, the row's key). Certain provenance for shards passed on
+# as they are (a projection's output is a new tensor and untagged); weak keys: a freed shard drops its tag.
+_TAGS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _row_key(lay: Layout) -> tuple:
+    """What a shard and a call on it must agree on (a dense row by its padded length: causal calls infer the longest
+    of the lengths that pad alike, which gives every real token the same result)."""
+    return ("packed", lay.seq_len, digest(lay.doc_lens)) if lay.kind.startswith("packed") else ("dense", lay.padded_len)
+
+
+def check_shards(cp: "CPMesh", tensors: tuple[tuple[str, Any], ...], dim: int, lay: Layout, what: str) -> None:
+    """Raise when a tensor `shard` returned is used on another mesh, along another dim, or as another row
+    (cu_seqlens given to one call and not the other, or other boundaries): shapes alone cannot tell."""
+    for name, x in tensors:
+        tag = _TAGS.get(x) if isinstance(x, torch.Tensor) else None
+        if tag is None:
+            continue
+        mesh, cut_dim, key = tag[0](), tag[1], tag[2]
+        if mesh is not None and mesh is not cp and _mesh_name(mesh) != _mesh_name(cp):
+            raise ShapeError(f"{what}: {name} was sharded on another mesh ({_mesh_name(mesh)}) than this call's "
+                             f"({_mesh_name(cp)}): its tokens sit in another order; shard with the mesh you use")
+        if cut_dim != dim:
+            raise ShapeError(f"{what}: {name} was sharded along dim {cut_dim} but the sequence is read from dim {dim}: "
+                             f"pass [B, S, H, D] tensors (a [B, H, S, D] tensor: transpose(1, 2) before hcp.shard)")
+        if key != _row_key(lay):
+            given = "with" if key[0] == "packed" else "without"
+            raise ConfigError(f"{what}: {name} was sharded by hcp.shard {given} cu_seqlens (a row of {key[1]} tokens"
+                              f"{', other boundaries' if key[0] == 'packed' and lay.kind.startswith('packed') else ''}"
+                              f"), but this call passes {'cu_seqlens' if lay.kind.startswith('packed') else 'no cu_seqlens'}"
+                              f": pass the same cu_seqlens= to both, or to neither")
 
 
 # What `shard` has seen on each mesh. A record, not a result: the documented contract is that
@@ -103,11 +135,11 @@ def shard_layout(cp: "CPMesh", seq_len: int) -> Layout:
 def record_packed(cp: "CPMesh", lay: Layout) -> None:
     """Remember a packed row `shard`/`shard_batch` cut, so that a call on its shards that forgets
     ``cu_seqlens=`` (or passes it for a dense shard) can be told."""
-    packed = _record(cp).packed
-    packed[(lay.local_len, lay.seq_len, digest(lay.doc_lens))] = None
-    packed.move_to_end((lay.local_len, lay.seq_len, digest(lay.doc_lens)))
+    packed, key = _record(cp).packed, (lay.local_len, lay.seq_len, digest(lay.doc_lens))
+    packed.pop(key, None)
+    packed[key] = None   # newest last
     while len(packed) > _PACKED_RECORDS:
-        packed.popitem(last=False)
+        del packed[next(iter(packed))]
 
 
 def _layout_of(cp: "CPMesh", what: str, **kwargs: Any) -> Layout:
@@ -155,22 +187,6 @@ def _unrecorded(cp: "CPMesh", local_len: int, padded: int, what: str) -> None:
             local_len)
 
 
-def _dense_for_packed(cp: "CPMesh", lay: Layout, what: str) -> None:
-    """cu_seqlens passed for shards that `shard` did not cut with them: it cut a dense row of that length on
-    this mesh, or a packed row of that length with other boundaries, and no packed row like this one."""
-    rec = _record(cp)
-    if (lay.local_len, lay.seq_len, digest(lay.doc_lens)) in rec.packed:
-        return
-    if any(lay.seq_len in group for group in rec.lengths.values()):
-        raise ConfigError(f"{what}: cu_seqlens= describes a packed row of {lay.seq_len} tokens, but hcp.shard cut a "
-                          f"{lay.seq_len}-token row on this mesh without cu_seqlens (a dense layout: tokens in another "
-                          f"order); pass the same cu_seqlens= to hcp.shard, or none to both")
-    if any(key[:2] == (lay.local_len, lay.seq_len) for key in rec.packed):
-        raise ConfigError(f"{what}: these cu_seqlens ({len(lay.doc_lens)} documents, total {lay.seq_len}) are not the "
-                          f"ones hcp.shard cut a {lay.seq_len}-token packed row with on this mesh lately; pass "
-                          f"every call of a row the same cu_seqlens")
-
-
 def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | None = None,
                cu_seqlens: Any = None, causal: bool = False, what: str = "hcp.attention") -> Layout:
     """The layout of this call's row: packed (`cu_seqlens`), or dense with an explicit or inferable length.
@@ -186,8 +202,6 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
         if seq_len is not None:
             raise ConfigError(f"{what}: pass cu_seqlens= or seq_len=, not both (a packed row's length is cu_seqlens[-1])")
         lay = _layout_of(cp, what, cu_seqlens=boundaries(cu_seqlens))
-        if local_len is not None and local_len == lay.local_len:
-            _dense_for_packed(cp, lay, what)
         if local_len is not None and local_len != lay.local_len:
             raise ShapeError(f"{what}: the shard has {local_len} local tokens but cu_seqlens (total {lay.seq_len}, "
                              f"{len(lay.doc_lens)} documents) lays out {lay.local_len} per rank on ulysses={u} x "
@@ -287,7 +301,9 @@ def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -
     else:
         lay = shard_layout(cp, n)
     _warn_padding(cp, lay)
-    return shard_tokens(x, cp, dim, lay).contiguous()
+    out = shard_tokens(x, cp, dim, lay).contiguous()
+    _TAGS[out] = (weakref.ref(cp), dim, _row_key(lay))
+    return out
 
 
 def _warn_padding(cp: "CPMesh", lay: Layout) -> None:
@@ -379,6 +395,7 @@ def _unshard_layout(x: Any, cp: "CPMesh", dim: Any, seq_len: Any, cu_seqlens: An
     try:
         d = _check_tensor(x, cp, dim, "hcp.unshard")
         lay = row_layout(cp, local_len=x.shape[d], seq_len=seq_len, cu_seqlens=cu_seqlens, what="hcp.unshard")
+        check_shards(cp, (("x", x),), d, lay, "hcp.unshard")
         signature = [d, x.dim(), digest((tuple(x.shape), str(x.dtype))), lay.seq_len, digest(lay.doc_lens)]
     except (ValueError, TypeError) as exc:
         if not validates(cp) or not isinstance(exc, CPError):
@@ -446,5 +463,5 @@ def ring_block_to_gathered(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.
 
 
 __all__ = ["LAYOUTS", "granularity", "padded_length", "local_indices", "shard", "unshard", "positions", "row_layout",
-           "boundaries", "shard_layout", "shard_tokens", "recorded_lengths", "record_packed",
+           "boundaries", "shard_layout", "shard_tokens", "recorded_lengths", "record_packed", "check_shards",
            "forget_shards"]

@@ -33,7 +33,7 @@ from .agreement import (  # noqa: F401 (DestroyedGroup, MeshLike, digest, histor
     validates,
 )
 from .kernels import AttentionKernel, can_on, get_kernel, kernel_needs, kernels_that_can
-from .layout import positions, row_layout
+from .layout import check_shards, positions, row_layout
 
 VALIDATE_MODES = (True, "always", "debug", False)
 
@@ -250,6 +250,7 @@ def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqle
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal={causal!r} must be a bool")
     lay = row_layout(cp, local_len=q.shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
+    check_shards(cp, (("q", q), ("k", k), ("v", v)), 1, lay, "hcp.attention")
     window = lay.effective_window(causal, window)
     kernel = _check_kernel(q, cp, lay, causal, backend, cu_seqlens, window, softcap=softcap, v_head_dim=v.shape[3],
                            chunk_size=chunk_size)

@@ -69,6 +69,9 @@ def _agreed_arguments(logits: Any, labels: Any, cp: "CPMesh", ignore_index: Any,
                       include_dp: bool) -> None:
     """This rank's checks, then (with `cp.validate`) the cp ranks' agreement on the call: one rank's bad
     argument makes every rank raise instead of leaving the others in the loss's all-reduce."""
+    if torch.compiler.is_compiling():   # in a graph: its arguments are the graph's, the same on every rank
+        _local_arguments(logits, labels, ignore_index, reduction)
+        return
     require_mesh(cp)
     error, signature = None, [0] * 5
     try:
