@@ -11,6 +11,7 @@ the case; `qkv(n, ...)` full fp64 q, k, v; `ref(...)` single-device attention; `
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import tempfile
@@ -139,12 +140,25 @@ def namespace(fresh_meshes: list) -> dict:
                                                                                    if k != "sync"})
 
 
+class _Logged(logging.Handler):
+    """The warnings hybrid-cp logs during one case."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:600])
+
+
 def _outcome(code: str) -> dict:
     """Run one case's code; what it ended in."""
     made: list = []
     for cp in (_STATE["M"], _STATE["A"], _STATE["C"]):   # rows other cases sharded would make guesses right
         forget_shards(cp)
     torch.manual_seed(0)   # the same "random" tensors on every rank
+    logged = _Logged()
+    logging.getLogger("hybrid_cp").addHandler(logged)
     start = time.perf_counter()
     try:
         exec(compile(code, "<case>", "exec"), namespace(made))
@@ -153,6 +167,8 @@ def _outcome(code: str) -> dict:
         result = {"raised": type(exc).__name__, "message": str(exc)[:600],
                   "typed": isinstance(exc, hcp.CPError)}
     result["seconds"] = round(time.perf_counter() - start, 2)
+    logging.getLogger("hybrid_cp").removeHandler(logged)
+    result["warnings"] = logged.messages
     for cp in made:
         try:
             hcp.destroy_cp_mesh(cp)

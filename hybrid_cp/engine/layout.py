@@ -66,7 +66,7 @@ class _ShardRecord:
     padding_warned: set[tuple[int, int]] = field(default_factory=set)
     # (local length, total, digest of the documents) of the packed rows sharded lately, newest last
     packed: dict[tuple[int, int, int], None] = field(default_factory=dict)   # a plain dict: dynamo traces it
-    guessed: bool = False   # warned that a length was inferred without any record
+    warned: set[tuple[str, int]] = field(default_factory=set)   # (call, local length) warned about
 
 
 _PACKED_RECORDS = 64   # packed rows bring a new layout every step: remember the recent ones only
@@ -157,34 +157,31 @@ def _mesh_name(cp: "CPMesh") -> str:
 
 
 def _unrecorded(cp: "CPMesh", local_len: int, padded: int, what: str) -> None:
-    """A dense length to be inferred that no `shard` on this mesh produced: say what the tensor most
-    likely is (docs/errors.md, "Provenance"); warn once when nothing was recorded anywhere."""
+    """A dense length to be inferred that no `shard` on this mesh produced: warn (once per mesh, call and
+    length) with what the tensor most likely is (docs/errors.md, "Provenance"). Not an error: shards cut by
+    hand (`local_indices`) are legal and leave no record; the tensors `shard` returned are checked for certain
+    (`check_shards`)."""
     rec = _record(cp)
+    if (what, local_len) in rec.warned:
+        return
+    rec.warned.add((what, local_len))
     if any(key[0] == local_len for key in rec.packed):
-        raise ConfigError(f"{what}: the shard has the local length ({local_len}) of a packed row that hcp.shard cut "
-                          f"with cu_seqlens= on this mesh, but no cu_seqlens was passed here; pass the same "
-                          f"cu_seqlens= (without it the documents would attend to each other)")
-    if rec.lengths:
+        why = ("it has the local length of a packed row hcp.shard cut with cu_seqlens= on this mesh, but no "
+               "cu_seqlens was passed here: pass the same cu_seqlens= (or the documents attend to each other)")
+    elif rec.lengths:
         lens = sorted(n for group in rec.lengths.values() for n in group)
-        local = sorted(p // cp.size for p in rec.lengths)
-        raise ShapeError(f"{what}: local length {local_len} matches no row hcp.shard cut on this mesh (rows of "
-                         f"{lens[-8:]} tokens: local lengths {local[-8:]}). Tensors must be this rank's shard with the "
-                         f"sequence in dim 1, [B, S, H, D]: a [B, H, S, D] tensor (transpose(1, 2) first), the full "
-                         f"row (shard it with hcp.shard, a model's batch with hcp.shard_batch) or a shard of another "
-                         f"mesh does not fit. If the length is right, pass seq_len= explicitly")
-    for other, their in list(_RECORDS.items()):
-        if other is not cp and _mesh_name(other) != _mesh_name(cp) and any(
-                p // other.size == local_len for p in their.lengths):
-            raise ShapeError(f"{what}: nothing was sharded on this mesh ({_mesh_name(cp)}), but local length "
-                             f"{local_len} is that of a row hcp.shard cut on another mesh ({_mesh_name(other)}), "
-                             f"where tokens sit in another order; shard with the mesh you attend with (or pass "
-                             f"seq_len= if the tensors are this mesh's shards)")
-    if not rec.guessed:
-        rec.guessed = True
-        logging.getLogger("hybrid_cp").warning(
-            "%s: the global length is inferred as %d from local length %d: no hcp.shard/shard_batch call on this "
-            "mesh recorded a length to check it against; pass seq_len= (or cu_seqlens=) to be sure", what, padded,
-            local_len)
+        why = (f"it matches no row hcp.shard cut on this mesh (rows of {lens[-8:]} tokens). Tensors must be this "
+               f"rank's shard with the sequence in dim 1, [B, S, H, D]: a [B, H, S, D] tensor (transpose(1, 2) "
+               f"first), the full row (shard it with hcp.shard, a model's batch with hcp.shard_batch) or a shard of "
+               f"another mesh does not fit")
+    else:
+        other = next((m for m, r in list(_RECORDS.items()) if m is not cp and _mesh_name(m) != _mesh_name(cp)
+                      and any(p // m.size == local_len for p in r.lengths)), None)
+        why = (f"nothing was sharded on this mesh, but it is the local length of a row hcp.shard cut on another "
+               f"mesh ({_mesh_name(other)}), where tokens sit in another order" if other is not None else
+               "no hcp.shard/shard_batch call on this mesh recorded a length to check it against")
+    logging.getLogger("hybrid_cp").warning("%s: local length %d, global length inferred as %d: %s. Pass seq_len= "
+                                           "(or cu_seqlens=) to be sure", what, local_len, padded, why)
 
 
 def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | None = None,
