@@ -25,6 +25,7 @@ import hybrid_cp as hcp
 from hybrid_cp.engine.layout import forget_shards
 
 _STATE: dict = {}
+_ERRORS: list[float] = []   # the errors `near` measured in the current case (reported with its outcome)
 TIMEOUT_S = 6.0   # the campaign meshes' group timeout
 
 
@@ -71,6 +72,7 @@ def ref(q, k, v, causal: bool = True, cu=None, scale: float | None = None, windo
 def near(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     """Assert the largest error relative to the largest reference magnitude is within `tol`."""
     err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+    _ERRORS.append(err)
     assert err <= tol, f"error {err:.3g} > {tol:g}"
 
 
@@ -157,6 +159,7 @@ def _outcome(code: str) -> dict:
     for cp in (_STATE["M"], _STATE["A"], _STATE["C"]):   # rows other cases sharded would make guesses right
         forget_shards(cp)
     torch.manual_seed(0)   # the same "random" tensors on every rank
+    _ERRORS.clear()
     logged = _Logged()
     logging.getLogger("hybrid_cp").addHandler(logged)
     start = time.perf_counter()
@@ -169,6 +172,7 @@ def _outcome(code: str) -> dict:
     result["seconds"] = round(time.perf_counter() - start, 2)
     logging.getLogger("hybrid_cp").removeHandler(logged)
     result["warnings"] = logged.messages
+    result["errors"] = list(_ERRORS)
     for cp in made:
         try:
             hcp.destroy_cp_mesh(cp)
