@@ -123,6 +123,17 @@ def family_shape() -> dict:
     me = dist.get_rank()
     out = {k: {"split": (m.ulysses_size, m.ring_size), "cp_rank": m.rank, "block": me // k,
                "shared_world": m.dp_cp_group is meshes.mesh(1).dp_cp_group} for k, m in meshes.meshes.items()}
+    chunked = apply_context_parallel(tiny_model("llama"), meshes.mesh(1))
+    chunked.config.attention_chunk_size = 8   # as Llama 4's chunked layers
+    refused = {"head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2),
+               "attention_chunks": chunked}
+    for name, model in refused.items():   # unverified with per-micro-batch meshes: refused before any forward
+        try:
+            with use_mesh(model, meshes.mesh(2)):
+                pass
+            out[name] = "no error"
+        except hcp.ConfigError as exc:
+            out[name] = str(exc)
     hcp.destroy_cp_mesh(meshes)
     return out
 

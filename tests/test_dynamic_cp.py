@@ -17,8 +17,9 @@ def pool4():
     p.close()
 
 
-def test_family_of_meshes_on_aligned_blocks(pool4):
+def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
     for rank, res in enumerate(pool4.run("dynamic_cases:family_shape")):
+        assert "module chunks" in res.pop("head_chunks") and "attention_chunk_size" in res.pop("attention_chunks")
         assert sorted(res) == [1, 2, 4]
         assert res[2]["split"] == (1, 2) and res[4]["split"] == (2, 2)
         for k, m in res.items():

@@ -524,6 +524,9 @@ def use_mesh(model: torch.nn.Module, cp: CPMesh):
     if ref.fixed:
         raise ConfigError(f"this model's {ref.fixed} keep the mesh they were patched with; dynamic degrees are "
                           f"verified with head_chunks=1 on softmax-attention models only")
+    if getattr(getattr(model, "config", None), "attention_chunk_size", None):
+        raise ConfigError("chunked attention layers (attention_chunk_size, Llama 4) are not verified with dynamic "
+                          "degrees yet; train this model on one fixed mesh (hcp.init_cp_mesh)")
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh, got {type(cp).__name__}")
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
