@@ -24,3 +24,19 @@ def packed_row_without_boundaries(u: int, r: int) -> str:
     except Exception as exc:   # the test asserts the type and the message
         return f"{type(exc).__name__}: {exc}"
     return "nothing raised"
+
+
+def packed_row_refused(u: int, r: int, kinds: list[str]) -> dict:
+    """Families whose model drops the packed row's boundaries before the blocks (pure Mamba / Mamba2): what a
+    packed-row forward raised, per family."""
+    cp = mesh(u, r)
+    local = shard_batch(packed_row(4321), cp)
+    out = {}
+    for kind in kinds:
+        model = apply_context_parallel(tiny_model(kind, 2, generic=True, **MORE[kind]), cp)
+        try:
+            model(**{k: local[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")})
+            out[kind] = "nothing raised"
+        except Exception as exc:   # the test asserts the type and the message
+            out[kind] = f"{type(exc).__name__}: {exc}"
+    return out

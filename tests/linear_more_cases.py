@@ -174,7 +174,11 @@ MORE = {"lfm2": dict(layer_types=["conv", "full_attention"], conv_bias=True),
                           linear_value_head_dim=8, initializer_range=0.2),
         "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
                                  mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=4, initializer_range=0.2),
-        "lfm3": dict(layer_types=["conv", "full_attention"], conv_bias=True)}
+        "lfm3": dict(layer_types=["conv", "full_attention"], conv_bias=True),
+        "mamba2": dict(num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8, n_groups=2, chunk_size=4,
+                       initializer_range=0.2),
+        "mamba": dict(state_size=8, time_step_rank=4, initializer_range=0.2),
+        "falcon_mamba": dict(state_size=8, time_step_rank=4, initializer_range=0.2)}
 
 
 def more_parity(u: int, r: int, kinds: list[str], fsdp: bool = False, routed: bool = True,

@@ -49,11 +49,9 @@ def test_walk_accepts_exactly_the_verified_families():
 # name (module or config field)
 REFUSED = [
     ("deepseek_v32", {}, "DeepseekV32Indexer"),
-    ("falcon_mamba", {}, "FalconMambaMixer"),
     ("olmo_hybrid", {}, "OlmoHybridGatedDeltaNet"),
     ("bailing_hybrid", {}, "BailingHybridDeltaAttention"),
     ("kimi_linear", {}, "KimiLinearDeltaAttention"),
-    ("mamba", {}, "MambaMixer"),
     ("gpt_oss", {"output_router_logits": True}, "output_router_logits"),
     ("bloom", {}, "attention registry"),
     ("mixtral", {"output_router_logits": True}, "output_router_logits"),
@@ -150,7 +148,10 @@ HYBRID_FAMILIES = {"qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_
                    "lfm2", "lfm2_moe", "jamba", "minimax"}   # the last four: tests/test_hybrid_more.py
 # hybrids of #32 whose mixers are ones already routed (their configurations: linear_more_cases.MORE), tested below
 NEW_HYBRIDS = ("qwen3_5_moe_text", "lara_mini", "granitemoehybrid", "lfm3")
-HYBRID_FAMILIES |= set(NEW_HYBRIDS)
+# pure state-space models: dense rows (their models call the blocks without the packed row's boundaries, so packed
+# rows raise in the routed mixer)
+PURE_SSM = ("mamba2", "mamba", "falcon_mamba")
+HYBRID_FAMILIES |= set(NEW_HYBRIDS) | set(PURE_SSM)
 
 
 # gradients that are zero in exact arithmetic: a key bias without rotary adds one score to every key of a query,
@@ -194,7 +195,7 @@ def test_new_families_dense_and_packed(pool, mesh):
 
 
 def test_refused_families_raise_on_every_rank_before_any_collective(pool):
-    types = ["falcon_mamba", "deepseek_v32", "bloom", "mamba"]
+    types = ["kimi_linear", "deepseek_v32", "bloom", "olmo_hybrid"]
     for row in pool.run("train_cases:guard_on_every_rank", model_types=types):
         assert row["collectives"] == 0, row
         for model_type in types:
@@ -243,7 +244,7 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
     run transformers' fp32 chunked kernel, which rounds a sum over every token (the decay gate's gradients)
     differently on other chunk boundaries: up to 5.1e-5 seen here (tests/test_hybrid_models.py: 1.1e-4), so the
     gradients hold 2e-4 (a 3.9x margin)."""
-    kinds = [t for t in NEW_HYBRIDS if t in walk()]
+    kinds = [t for t in NEW_HYBRIDS + ((), PURE_SSM)[not packed] if t in walk()]
     task = "linear_more_cases:more_packed_parity" if packed else "linear_more_cases:more_parity"
     extra = {} if packed else {"fsdp": fsdp}
     for rank, row in enumerate(pool.run(task, u=mesh[0], r=mesh[1], kinds=kinds, **extra)):
@@ -251,3 +252,9 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
             assert not errors.get("missing"), (kind, errors)
             assert errors["loss"] <= TOL and errors.get("logits", 0.0) <= 10 * TOL, (kind, rank, errors)
             assert errors["grad"] <= 20 * TOL, (kind, rank, errors)
+
+
+def test_pure_ssm_families_refuse_packed_rows(pool):
+    for row in pool.run("guard_cases:packed_row_refused", u=2, r=2, kinds=[t for t in PURE_SSM if t in walk()]):
+        for kind, raised in row.items():
+            assert raised.startswith("ConfigError") and "received no cu_seq_lens_q" in raised, (kind, raised)

@@ -31,9 +31,12 @@ def flat_mesh(cp: CPMesh):
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: transformers' `_no_split_modules`, else ModuleList items."""
+    """The repeated blocks to shard one by one: transformers' `_no_split_modules` (the outermost ones: Mamba lists its
+    block and the mixer inside it, and a parameter can be sharded once), else ModuleList items."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     found = [m for m in model.modules() if type(m).__name__ in names] if names else []
+    inner = {id(d) for m in found for d in m.modules() if d is not m}
+    found = [m for m in found if id(m) not in inner]
     if not found:
         for m in model.modules():
             if isinstance(m, nn.ModuleList):

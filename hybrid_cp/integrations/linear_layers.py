@@ -50,10 +50,10 @@ from ..errors import ConfigError
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                           "LaraMiniGatedDeltaNet")
 # the Mamba2 mixers whose forward `_Mamba2Forward` reproduces (verified by a parity test)
-MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer")
+MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Mamba2Mixer")
 # LFM2's gated short convolutions, Jamba's Mamba-1 mixer, MiniMax's lightning attention (each parity-tested)
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
-MAMBA_CLASSES = ("JambaMambaMixer",)
+MAMBA_CLASSES = ("JambaMambaMixer", "FalconMambaMixer", "MambaMixer")
 LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 # decoder layers that call their mixer without the packed row's keywords (routed to pass cu_seq_lens_q on)
 _LAYERS_WITHOUT_KWARGS = ("JambaMambaDecoderLayer",)
@@ -239,7 +239,8 @@ class _ShortConvForward:
 
 
 class _MambaForward:
-    """Jamba's Mamba-1 mixer: in_proj -> x | gate; silu(causal_conv(x)); x_proj -> dt, B, C with their RMSNorms;
+    """Jamba's, Falcon-Mamba's and Mamba's Mamba-1 mixer: in_proj -> x | gate; silu(causal_conv(x)); x_proj -> dt, B, C
+    with their RMSNorms (none in Mamba);
     dt_proj's weight (its bias goes into the scan's softplus); the selective scan; * silu(gate); out_proj."""
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
@@ -257,12 +258,18 @@ class _MambaForward:
         x = ACT2FN[m.activation](causal_conv(self.cp, lay, x.to(weight.dtype), weight, m.conv1d.bias))
         x = _masked(x.to(dtype), attention_mask)
         dt, b, c = m.x_proj(x).split([m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
-        dt = m.dt_layernorm(dt)   # dt_proj without its bias, as the module computes it (quantized: the layer, - bias)
+        dt = _norm(m, "dt_layernorm", dt)   # dt_proj without its bias, as the module computes it (quantized: the layer, - bias)
         dt = m.dt_proj(dt) - m.dt_proj.bias if hasattr(m.config, "_is_quantized") else F.linear(dt, m.dt_proj.weight)
         bias = None if m.dt_proj.bias is None else m.dt_proj.bias.float()
         kind = Mamba(self.kernel, -torch.exp(m.A_log.float()), m.D.float(), bias)
-        y = linear_scan(self.cp, lay, kind, (x, dt, m.b_layernorm(b), m.c_layernorm(c)))
+        y = linear_scan(self.cp, lay, kind, (x, dt, _norm(m, "b_layernorm", b), _norm(m, "c_layernorm", c)))
         return m.out_proj((y * F.silu(gate)).to(dtype))
+
+
+def _norm(m: torch.nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The mixer's norm `name` on x (Jamba's and Falcon-Mamba's dt/B/C norms), or x where the mixer has none (Mamba)."""
+    norm = getattr(m, name, None)
+    return x if norm is None else norm(x)
 
 
 class _MambaLayerForward:

@@ -127,6 +127,11 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                               "TextMoe TextModel TextRMSNorm TextRotaryEmbedding"),
     "longcat_flash": ("LongcatFlash", "DecoderLayer Experts ForCausalLM MLA MLP MoE Model RMSNorm RotaryEmbedding "
                                       "TopkRouter"),
+    # pure Mamba2 (Codestral Mamba) and Mamba-1 (Falcon-Mamba, Mamba): mixers routed by `linear_layers`; dense rows
+    # only (their models drop the packed row's boundaries before the blocks: the routed mixers refuse packed rows)
+    "mamba2": ("Mamba2", "Block ForCausalLM Mixer Model RMSNorm"),
+    "mamba": ("Mamba", "Block ForCausalLM Mixer Model RMSNorm"),
+    "falcon_mamba": ("FalconMamba", "Block ForCausalLM Mixer Model RMSNorm"),
     "mellum": ("Mellum", MOE),
     "mimo_v2_flash": ("MiMoV2Flash", MLA_MOE),
     "minimax_m2": ("MiniMaxM2", MOE),
@@ -208,6 +213,8 @@ FAMILY_LAYER_TYPES = {"nemotron_h": ("moe", "mlp"), "falcon_h1": ("hybrid",), "l
 # leaves `_supports_attention_backend` False (read in their modeling code; the parity test proves it)
 REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1", "jamba", "qwen3_5_moe_text",
                      "lara_mini")
+# families without attention modules: nothing to dispatch through the registry
+ATTENTION_FREE = ("mamba2", "mamba", "falcon_mamba")
 # mixers whose token mixing `linear_layers` makes context parallel (their submodules, e.g. the short
 # convolution, are covered by it)
 ROUTED_MIXERS = GATED_DELTANET_CLASSES + MAMBA2_CLASSES + SHORT_CONV_CLASSES + MAMBA_CLASSES + LIGHTNING_CLASSES
@@ -382,7 +389,8 @@ def check_model(model: torch.nn.Module) -> None:
         reasons.append(f"module {mixers[0]}{more}: it mixes tokens along the sequence outside the attention "
                        f"function that hybrid-cp replaces, so under context parallelism each rank would run it over "
                        f"its own shard as if it were the whole sequence (silently wrong gradients); {_WHAT_TO_DO}")
-    if not getattr(type(model), "_supports_attention_backend", True) and model_type not in REGISTRY_DISPATCH:
+    if (not getattr(type(model), "_supports_attention_backend", True) and model_type not in REGISTRY_DISPATCH
+            and model_type not in ATTENTION_FREE):
         reasons.append(f"{type(model).__name__} does not dispatch attention through transformers' attention "
                        f"registry (_supports_attention_backend=False), so hybrid-cp cannot replace its attention; "
                        f"{_WHAT_TO_DO}")
