@@ -218,6 +218,16 @@ CASES = [
     ("tile_norm", "chunk_tokens -1", "ConfigError chunk_tokens", "hcp.tile_norm(tiny(), chunk_tokens=-1)"),
     ("lm_loss", "a batch without labels", "ConfigError labels",
      "hcp.lm_loss(tiny(), {'input_ids': torch.ones(1, 8, dtype=torch.long)}, M)"),
+    ("tiled_cross_entropy", "one rank alone passes a bad reduction", "InconsistentRanksError tiled_cross_entropy | 1: "
+     "ConfigError reduction",
+     "hcp.tiled_cross_entropy(torch.randn(1, 8, 4), torch.randn(5, 4), torch.zeros(1, 8, dtype=torch.long), A, "
+     "reduction='avg' if rank == 1 else 'mean')"),
+    ("tiled_cross_entropy", "ranks disagree on ignore_index", "InconsistentRanksError ignore_index",
+     "hcp.tiled_cross_entropy(torch.randn(1, 8, 4), torch.randn(5, 4), torch.zeros(1, 8, dtype=torch.long), A, "
+     "ignore_index=-1 if rank == 3 else -100)"),
+    ("lm_loss", "one rank alone passes a bad chunk_tokens", "InconsistentRanksError lm_loss | 2: ConfigError chunk_tokens",
+     LM + "apply_context_parallel(model, A); b = hcp.shard_batch({'input_ids': ids}, A); "
+     "hcp.lm_loss(model, b, A, chunk_tokens=0 if rank == 2 else None)"),
     # ---- apply_context_parallel, a patched model, shard_model
     ("apply_context_parallel", "not a mesh", "InputTypeError cp", LM + "apply_context_parallel(model, 'mesh')"),
     ("apply_context_parallel", "head_chunks 0", "ConfigError head_chunks",

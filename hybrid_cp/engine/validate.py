@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +36,27 @@ from .kernels import AttentionKernel, can_on, get_kernel, kernel_needs, kernels_
 from .layout import check_shards, positions, row_layout
 
 VALIDATE_MODES = (True, "always", "debug", False)
+
+
+def checked_on_every_rank(cp: Any, check: Callable[[], Sequence[int]], names: Sequence[str], what: str) -> None:
+    """Run this rank's own `check` (raises a CPError on a bad argument, returns the call's signature: ints
+    labelled by `names`), then with `cp.validate` agree on it across the cp ranks, so that one rank's bad or
+    different argument makes every rank raise before the call's first collective instead of leaving the others
+    waiting in it. Inside a compiled graph only the rank's own check runs (the graph's arguments are the same on
+    every rank)."""
+    if torch.compiler.is_compiling():
+        check()
+        return
+    require_mesh(cp)
+    error, signature = None, [0] * len(names)
+    try:
+        signature = [int(x) for x in check()]
+    except (ValueError, TypeError) as exc:
+        if not validates(cp) or not isinstance(exc, CPError):
+            raise
+        error = exc
+    if validates(cp):
+        agree_across_ranks(cp, signature, names, error, what)
 
 
 # ---- rules --------------------------------------------------------------------------------------

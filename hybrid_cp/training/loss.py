@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..engine.comm import comm_guard
-from ..engine.validate import agree_across_ranks, digest, require_mesh, validates
-from ..errors import ConfigError, CPError, InputTypeError, ShapeError
+from ..engine.validate import checked_on_every_rank, digest, require_mesh
+from ..errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
@@ -47,6 +47,12 @@ def reduction_group(cp: "CPMesh", include_dp: bool):
     return cp.cp_group, cp.size
 
 
+def check_ignore_index(ignore_index: Any) -> None:
+    """ConfigError unless `ignore_index` is an int (a bool or a float label value is a mistake)."""
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ConfigError(f"ignore_index={ignore_index!r} must be an int (the label of tokens that do not count)")
+
+
 def _local_arguments(logits: Any, labels: Any, ignore_index: Any, reduction: Any) -> None:
     """This rank's own checks of a `cross_entropy` call."""
     if reduction not in REDUCTIONS:
@@ -61,29 +67,19 @@ def _local_arguments(logits: Any, labels: Any, ignore_index: Any, reduction: Any
         raise ShapeError(f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
                          f"logits must be labels.shape + (vocab,), e.g. [B, S_local, V] with labels [B, S_local] "
                          f"from the same shard")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise ConfigError(f"ignore_index={ignore_index!r} must be an int (the label of tokens that do not count)")
+    check_ignore_index(ignore_index)
 
 
 def _agreed_arguments(logits: Any, labels: Any, cp: "CPMesh", ignore_index: Any, reduction: Any,
                       include_dp: bool) -> None:
     """This rank's checks, then (with `cp.validate`) the cp ranks' agreement on the call: one rank's bad
     argument makes every rank raise instead of leaving the others in the loss's all-reduce."""
-    if torch.compiler.is_compiling():   # in a graph: its arguments are the graph's, the same on every rank
+    def check() -> list[int]:
         _local_arguments(logits, labels, ignore_index, reduction)
-        return
-    require_mesh(cp)
-    error, signature = None, [0] * 5
-    try:
-        _local_arguments(logits, labels, ignore_index, reduction)
-        signature = [digest(reduction), ignore_index, int(bool(include_dp)), logits.shape[-1], labels.dim()]
-    except (ValueError, TypeError) as exc:
-        if not validates(cp) or not isinstance(exc, CPError):
-            raise
-        error = exc
-    if validates(cp):
-        agree_across_ranks(cp, signature, ("reduction", "ignore_index", "include_dp", "vocab", "label dims"), error,
-                           "hcp.cross_entropy arguments")
+        return [digest(reduction), ignore_index, int(bool(include_dp)), logits.shape[-1], labels.dim()]
+
+    checked_on_every_rank(cp, check, ("reduction", "ignore_index", "include_dp", "vocab", "label dims"),
+                          "hcp.cross_entropy arguments")
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", ignore_index: int = -100,

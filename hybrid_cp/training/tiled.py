@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.validate import positive_int
+from ..engine.validate import checked_on_every_rank, digest, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
-from .loss import GroupReduced, reduction_group
+from .loss import GroupReduced, check_ignore_index, reduction_group
 
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
@@ -99,6 +99,37 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 None, None, None)
 
 
+def _tiled_arguments(hidden: Any, weight: Any, labels: Any, ignore_index: Any, reduction: Any, include_dp: bool,
+                     bias: Any, chunk_tokens: Any) -> list[int]:
+    """This rank's own checks of a `tiled_cross_entropy` call; returns the call's signature (what the ranks
+    must agree on: chunk_tokens may differ, it only changes how a rank tiles its own tokens)."""
+    if reduction not in ("mean", "sum"):
+        raise ConfigError(f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
+                         f"(for per-token losses use hcp.cross_entropy on the logits)")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise InputTypeError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
+                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} do not match: "
+                         f"weight must be [vocab, hidden] (nn.Linear(hidden, vocab).weight) and hidden [..., hidden]")
+    if tuple(hidden.shape[:-1]) != tuple(labels.shape):
+        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} does not match labels.shape={tuple(labels.shape)}; "
+                         f"hidden must be labels.shape + (hidden_size,), from the same shard")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ShapeError(f"bias must be a [{weight.shape[0]}] tensor or None, got "
+                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise InputTypeError(f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}; "
+                        f"cast both to one dtype and device")
+    _check_chunk("chunk_tokens", chunk_tokens)
+    check_ignore_index(ignore_index)
+    return [digest(reduction), ignore_index, int(bool(include_dp)), weight.shape[0], weight.shape[1], labels.dim(),
+            int(bias is not None)]
+
+
 def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp: "CPMesh",
                         ignore_index: int = -100, reduction: str = "mean", *, include_dp: bool = False,
                         bias: torch.Tensor | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
@@ -132,29 +163,12 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
         ConfigError: An unknown reduction, or labels outside the vocabulary.
         InputTypeError: Tensors of the wrong dtype or device.
         ShapeError: Shapes that do not match each other.
+        InconsistentRanksError: (validate) another cp rank's arguments were bad or differ from this rank's.
     """
-    if reduction not in ("mean", "sum"):
-        raise ConfigError(f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
-                         f"(for per-token losses use hcp.cross_entropy on the logits)")
-    for name, x in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise InputTypeError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
-                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
-    if weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} do not match: "
-                         f"weight must be [vocab, hidden] (nn.Linear(hidden, vocab).weight) and hidden [..., hidden]")
-    if tuple(hidden.shape[:-1]) != tuple(labels.shape):
-        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} does not match labels.shape={tuple(labels.shape)}; "
-                         f"hidden must be labels.shape + (hidden_size,), from the same shard")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ShapeError(f"bias must be a [{weight.shape[0]}] tensor or None, got "
-                         f"{getattr(bias, 'shape', type(bias).__name__)}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise InputTypeError(f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}; "
-                        f"cast both to one dtype and device")
-    _check_chunk("chunk_tokens", chunk_tokens)
+    checked_on_every_rank(cp, lambda: _tiled_arguments(hidden, weight, labels, ignore_index, reduction, include_dp,
+                                                       bias, chunk_tokens),
+                          ("reduction", "ignore_index", "include_dp", "vocab", "hidden size", "label dims", "bias"),
+                          "hcp.tiled_cross_entropy arguments")
     vocab = weight.shape[0]
     chunk = chunk_tokens or default_loss_chunk(vocab)
     flat_labels = labels.reshape(-1)
@@ -181,6 +195,33 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     return GroupReduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
 
 
+# what lm_loss hands the model: a packed row's document boundaries (shard_batch's cu_seq_lens_q/...) must reach the
+# attention layers
+BATCH_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+              "max_length_k")
+
+
+def _lm_loss_arguments(model: Any, batch: Any, tiled: Any, chunk_tokens: Any, ignore_index: Any,
+                       include_dp: bool) -> list[int]:
+    """This rank's own checks of an `lm_loss` call; returns the call's signature (what the ranks must agree
+    on before the model's first collective)."""
+    if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
+        raise ConfigError("batch must be the dict from hcp.shard_batch, with 'input_ids' and 'labels'")
+    _check_chunk("chunk_tokens", chunk_tokens)
+    check_ignore_index(ignore_index)
+    if tiled:
+        softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        if softcap:
+            raise ConfigError(f"config.final_logit_softcapping={softcap}: the tiled loss computes plain logits; use "
+                              f"tiled=False for models that soft-cap their logits")
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(head, nn.Linear):
+            raise InputTypeError(f"lm_loss(tiled=True) needs a model whose get_output_embeddings() is an nn.Linear LM "
+                                 f"head, got {type(head).__name__}; use tiled=False")
+    return [int(bool(tiled)), ignore_index, int(bool(include_dp)),
+            digest(sorted(k for k in BATCH_KEYS if batch.get(k) is not None))]
+
+
 def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, chunk_tokens: int | None = None,
             ignore_index: int = -100, include_dp: bool = False, **model_kwargs: Any) -> torch.Tensor:
     """Run a transformers causal LM on this rank's shard (`batch` from `hcp.shard_batch`) and return the
@@ -203,30 +244,24 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
 
     Returns:
         The loss, a scalar, the same on every rank.
+
+    Raises:
+        ConfigError: A batch that is not shard_batch's, a bad chunk_tokens or ignore_index, a soft-capping model
+            with tiled=True.
+        InputTypeError: tiled=True on a model whose LM head is not an nn.Linear.
+        InconsistentRanksError: (validate) another cp rank's arguments were bad or differ from this rank's.
     """
     from .loss import cross_entropy
 
-    if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
-        raise ConfigError("batch must be the dict from hcp.shard_batch, with 'input_ids' and 'labels'")
-    _check_chunk("chunk_tokens", chunk_tokens)
+    checked_on_every_rank(cp, lambda: _lm_loss_arguments(model, batch, tiled, chunk_tokens, ignore_index, include_dp),
+                          ("tiled", "ignore_index", "include_dp", "batch keys"), "hcp.lm_loss arguments")
     labels = batch["labels"]
-    # a packed row's document boundaries (shard_batch's cu_seq_lens_q/...) must reach the attention layers
-    keys = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-            "max_length_k")
-    call = {k: batch[k] for k in keys if batch.get(k) is not None}
+    call = {k: batch[k] for k in BATCH_KEYS if batch.get(k) is not None}
     call.update(model_kwargs)
     if not tiled:
         logits = model(**call).logits
         return cross_entropy(logits, labels, cp, ignore_index=ignore_index, include_dp=include_dp)
-    config = getattr(model, "config", None)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap:
-        raise ConfigError(f"config.final_logit_softcapping={softcap}: the tiled loss computes plain logits; use "
-                         f"tiled=False for models that soft-cap their logits")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
-        raise InputTypeError(f"lm_loss(tiled=True) needs a model whose get_output_embeddings() is an nn.Linear LM head, "
-                        f"got {type(head).__name__}; use tiled=False")
+    head = model.get_output_embeddings()
     box: dict[str, torch.Tensor] = {}
 
     def head_forward(h: torch.Tensor) -> torch.Tensor:
