@@ -388,3 +388,42 @@ def fuzz_case(c: dict) -> dict:
     # relative to max(norm, 1): dq is exactly 0 for rows that see one key (a 1-token row), only round-off remains
     rel = lambda a, b: (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1.0)).item()  # noqa: E731
     return {"raised": None, "out": rel(full_out, ref[0]), "dq": rel(full_dq, ref[2])}
+
+
+# ----------------------------------------------------------------------------- faults in save_checkpoint
+
+def checkpoint_kill_worker(rank: int, world: int, init_method: str, folder: str, timeout_s: float, results) -> None:
+    """One rank of "rank 0 killed in save_checkpoint right after the rename": steps 1 and 2 of a replicated
+    model are saved; in step 2 rank 0 publishes (renames) the folder, then dies before telling the others.
+    Every rank reports (error type, message, seconds, the step-2 weights it saved)."""
+    import hybrid_cp.training.checkpoint as ckpt
+
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(init_method.removeprefix("file://"), world)
+        store.set_timeout(datetime.timedelta(seconds=90))
+        # the checkpoint's collectives run on the default group: its timeout is the one the survivors wait out
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        cp = hcp.init_cp_mesh(2, 2)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        hcp.save_checkpoint(folder, 1, model, opt, cp, global_batch=4)
+        model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        if rank == 0:
+            publish = ckpt._publish
+
+            def publish_then_die(tmp, final):
+                publish(tmp, final)
+                os._exit(9)   # killed after the rename, before the broadcast that tells the others
+            ckpt._publish = publish_then_die
+        t0 = time.monotonic()
+        try:
+            hcp.save_checkpoint(folder, 2, model, opt, cp, global_batch=4)
+            results.put((rank, "no error", "", time.monotonic() - t0, model.weight.tolist()))
+        except Exception as exc:  # noqa: BLE001 - the test asserts on the type
+            results.put((rank, type(exc).__name__, str(exc)[:400], time.monotonic() - t0, model.weight.tolist()))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, "harness", traceback.format_exc()[-600:], -1.0, None))

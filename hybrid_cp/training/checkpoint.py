@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import ConfigError, InconsistentRanksError, SetupError
+from ..errors import CommTimeoutError, ConfigError, InconsistentRanksError, SetupError
 
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
@@ -199,6 +199,9 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
 
     Raises:
         ConfigError: A `global_batch` that is not a positive multiple of the dp degree.
+        SetupError: The folder could not be written (every rank; the older checkpoints are untouched).
+        CommTimeoutError: Rank 0 died or hung while creating or publishing the folder (the other ranks, within
+            the default process group's timeout); the checkpoint is published if rank 0 got past the rename.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -252,7 +255,13 @@ def _on_rank0(work: Any, what: str) -> None:
         except Exception as exc:   # every rank raises the same SetupError, rank 0 with the cause chained
             failure, cause = [f"{type(exc).__name__}: {exc}"], exc
     if world > 1:
-        dist.broadcast_object_list(failure, src=0)
+        try:
+            dist.broadcast_object_list(failure, src=0)
+        except RuntimeError as exc:   # DistBackendError, gloo's errors: rank 0 died or hung while doing `work`
+            raise CommTimeoutError(f"rank 0 did not report whether it could {what} within the default process "
+                                   f"group's timeout (it died or hung; backend said: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                                   f"load_checkpoint takes the newest complete checkpoint") from exc
     if failure[0] is not None:
         raise SetupError(f"rank 0 could not {what}: {failure[0]}; check that the folder is writable and on a "
                          "filesystem every rank sees") from cause
