@@ -130,7 +130,7 @@ def fault_save(where: str) -> None:
 
 
 def namespace(fresh_meshes: list) -> dict:
-    def fresh(u: int, r: int, timeout_s: float = 2.0, **kwargs):
+    def fresh(u: int, r: int, timeout_s: float = TIMEOUT_S, **kwargs):   # 2 s timed out once at load ~105
         cp = hcp.init_cp_mesh(u, r, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         fresh_meshes.append(cp)
         return cp
