@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 from hybrid_cp.testing import WorkerPool
 
@@ -239,6 +240,10 @@ CASES = [
     ("apply_context_parallel", "labels without shift_labels", "ConfigError shift_labels",
      LM + "apply_context_parallel(model, M); b = hcp.shard_batch({'input_ids': ids}, M); "
      "model(input_ids=b['input_ids'], labels=b['labels'])"),
+    ("apply_context_parallel", "a model's attention code hands [B, S, H, D]", "ShapeError dim 2",
+     LM + "from hybrid_cp.integrations.transformers import hybrid_cp_attention_forward as attend_hf; "
+     "apply_context_parallel(model, M); x = torch.randn(1, 8, 4, 16, dtype=torch.float64); "
+     "attend_hf(model.model.layers[0].self_attn, x, x, x, None)"),
     ("shard_model", "mesh= given", "ConfigError mesh",
      "from hybrid_cp.integrations.fsdp import shard_model; shard_model(torch.nn.Linear(2, 2), M, mesh=None)"),
     ("shard_model", "not a mesh", "InputTypeError cp",
@@ -358,6 +363,22 @@ def test_bad_input(campaign, i):
     assert verdict == "as expected", f"{case[0]}: {case[1]}: {verdict}"
     # a case that leaves ranks waiting ends in CommTimeoutError (a verdict other than "as expected" above)
     assert seconds < 3 * TIMEOUT_S, (case, seconds)
+
+
+def test_head_layout_reads_the_heads_the_config_states(caplog):
+    """[B, S, H, D] given to the attention function raises; a head count the config does not state warns once."""
+    from hybrid_cp.errors import ShapeError
+    from hybrid_cp.integrations.model_support import check_head_layout
+
+    module = torch.nn.Module()
+    module.config = type("Config", (), {"num_attention_heads": 4})()
+    check_head_layout(module, torch.zeros(1, 4, 8, 16))   # [B, H, S, D]: silent
+    with pytest.raises(ShapeError, match="dim 2"):
+        check_head_layout(module, torch.zeros(1, 8, 4, 16))
+    with caplog.at_level("WARNING", logger="hybrid_cp"):
+        check_head_layout(module, torch.zeros(1, 3, 8, 16))
+        check_head_layout(module, torch.zeros(1, 3, 8, 16))
+    assert [r.getMessage().count("num_attention_heads=4") for r in caplog.records] == [1]
 
 
 @pytest.mark.parametrize("command, what, argv, flag", CLI, ids=[f"{c[0]}:{c[1]}" for c in CLI])

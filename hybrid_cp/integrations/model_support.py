@@ -18,12 +18,13 @@ function itself applies the same rule to its keyword arguments (`check_attention
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ShapeError
 from .linear_layers import GATED_DELTANET_CLASSES, LIGHTNING_CLASSES, MAMBA2_CLASSES, MAMBA_CLASSES, SHORT_CONV_CLASSES
 
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
@@ -426,4 +427,29 @@ def check_attention_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> N
                           f"something else. Remove the option, or {_WHAT_TO_DO}")
 
 
-__all__ = ["VERIFIED_FAMILIES", "REFUSED_FAMILIES", "check_model", "check_attention_kwargs"]
+_HEADS_WARNED: set[tuple[str, int, int]] = set()   # (module class, heads seen, heads stated) warned about
+
+
+def check_head_layout(module: torch.nn.Module, query: torch.Tensor) -> None:
+    """The attention function's query must be transformers' [B, H, S, D]; a model whose own attention code
+    hands [B, S, H, D] would be run with the sequence taken for heads, silently. The config states the heads:
+    ShapeError when they sit in dim 2 instead of dim 1; a warning (once per module class and count) when dim 1
+    matches no stated count either (per-layer head counts exist, so that alone is not certain)."""
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    if not isinstance(heads, int) or query.dim() != 4 or query.shape[1] == heads:
+        return
+    name = type(module).__name__
+    if query.shape[2] == heads:
+        raise ShapeError(f"{name} passed a query of shape {tuple(query.shape)} to the attention function: the "
+                         f"config's {heads} heads are in dim 2, so this is [B, S, H, D]; transformers' attention "
+                         f"functions take [B, H, S, D] (transpose(1, 2) before the call)")
+    key = (name, int(query.shape[1]), heads)
+    if key not in _HEADS_WARNED:
+        _HEADS_WARNED.add(key)
+        logging.getLogger("hybrid_cp").warning(
+            "%s passed a query of shape %s to the attention function: %d heads in dim 1 where the config states "
+            "num_attention_heads=%d; if this is not [B, H, S, D], the sequence is being taken for heads",
+            name, tuple(query.shape), query.shape[1], heads)
+
+
+__all__ = ["VERIFIED_FAMILIES", "REFUSED_FAMILIES", "check_model", "check_attention_kwargs", "check_head_layout"]

@@ -47,7 +47,7 @@ from ..engine.validate import is_int, is_positive_int, model_inputs, positive_in
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.loss import cross_entropy
 from .linear_layers import route_linear_layers
-from .model_support import check_attention_kwargs, check_model
+from .model_support import check_attention_kwargs, check_head_layout, check_model
 from .rope import route_rotaries, row_extent
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
@@ -160,6 +160,8 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                            f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
                            f"attention with right padding is supported (pass a 2-D padding mask or none)")
     check_attention_kwargs(module, kwargs)
+    if _CAPTURE not in module.__dict__:   # a module chunk's call holds its chunk of the heads
+        check_head_layout(module, query)
     cu = kwargs.get("cu_seq_lens_q")
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and (cu is None or boundaries(cu_k) != boundaries(cu)):
