@@ -2,11 +2,22 @@
 
 import pytest
 from dist_cases import assert_errors
+from tolerance import all_within, within
 
 from hybrid_cp.testing.cases import attention_cases as _cases
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 TENSORS = ("out", "lse", "dq", "dk", "dv")
+# fp32 round-off of sums over up to 1,000 keys against fp64 (relative to the tensor's largest entry): worst 2.2e-6
+# (dq, (1, 4)), 4.6x
+FP32 = 1e-5
+# fp64 round-off only (the same sums in fp64): worst 2.0e-15, 510x
+FP64 = 1e-12
+# bf16: CP's error (against fp64) at most 2x the single-device bf16 error. Both round the output once to bf16;
+# CP also rounds each ring block's dk/dv (the kernel's bf16 results) before its fp32 accumulation, so its
+# gradients err more (dk, dv up to 1.31x the single-device error on (4, 2), 1.07x on the pure ring (1, 8)): the
+# excess over the single-device error is what is checked (<= 1x it), worst 0.31x (dv, (4, 2)), 3.2x
+BF16_VS_SINGLE_DEVICE = 2.0
 
 
 def _check(rows_per_rank, limit: float) -> None:
@@ -15,34 +26,35 @@ def _check(rows_per_rank, limit: float) -> None:
 
 @pytest.mark.parametrize("u,r", MESHES)
 def test_fp32_matches_single_device(pool, u, r):
-    _check(pool.run("dist_cases:attention_errors", u=u, r=r, layout="zigzag", cases=_cases(u)), 1e-5)
+    _check(pool.run("dist_cases:attention_errors", u=u, r=r, layout="zigzag", cases=_cases(u)), FP32)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (1, 4), (4, 2), (2, 4)])
 def test_contiguous_layout(pool, u, r):
-    _check(pool.run("dist_cases:attention_errors", u=u, r=r, layout="contiguous", cases=_cases(u)), 1e-5)
+    _check(pool.run("dist_cases:attention_errors", u=u, r=r, layout="contiguous", cases=_cases(u)), FP32)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (1, 8)])
 def test_bf16_error_within_single_device_error(pool, u, r):
     cases = [dict(b=2, n=1000, h=8, hkv=2, d=64, causal=c, dtype="bf16") for c in (True, False)]
-    for rows in pool.run("dist_cases:attention_errors", u=u, r=r, layout="zigzag", cases=cases):
-        for row in rows:
+    for rank, rows in enumerate(pool.run("dist_cases:attention_errors", u=u, r=r, layout="zigzag", cases=cases)):
+        for i, row in enumerate(rows):
             for t in TENSORS:
-                assert row[t] <= 1.5 * row["base_" + t], (t, row)
+                base = row["base_" + t]
+                within(row[t] - base, (BF16_VS_SINGLE_DEVICE - 1) * base, f"rank {rank} case {i} {t} bf16 excess", row)
 
 
 def test_fp64_math_backend_is_exact(pool):
     cases = [dict(b=1, n=300, h=8, hkv=2, d=32, causal=c, dtype="fp64", backend=be)
              for c in (True, False) for be in ("math", "auto")]
-    _check(pool.run("dist_cases:attention_errors", u=2, r=4, layout="zigzag", cases=cases), 1e-12)
+    _check(pool.run("dist_cases:attention_errors", u=2, r=4, layout="zigzag", cases=cases), FP64)
 
 
 @pytest.mark.parametrize("u", [2, 4, 8])
 @pytest.mark.parametrize("causal", [True, False])
 def test_plain_callable_local_attention(pool, u, causal):
-    for errs in pool.run("dist_cases:callable_backend", u=u, n=512, causal=causal):
-        assert max(errs.values()) <= 1e-5, errs
+    for rank, errs in enumerate(pool.run("dist_cases:callable_backend", u=u, n=512, causal=causal)):
+        all_within(errs, FP32, f"rank {rank}")
 
 
 @pytest.mark.parametrize("u,r,layout,n", [(2, 2, "zigzag", 1000), (4, 2, "zigzag", 37), (1, 8, "contiguous", 1001),

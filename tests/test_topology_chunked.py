@@ -7,9 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from tolerance import relative_difference, within
 
 import topology
 from topology.layouts import PAD, band, make_layout
+
+# Model predictions compared with `within(relative_difference(...))`: the same closed form evaluated two ways,
+# so fp64 round-off only (rel 1e-12, 1e-9, or pytest.approx's 1e-6): worst 5.1e-16 (at 1e-12), 2.2e-16 (at 1e-9)
+
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 
@@ -109,7 +114,7 @@ def test_cost_model_prices_the_chunked_plan():
     chunked = topology.estimate(cluster, model, 1 << 18, 8, 4, chunk_size=8192)
     lay = make_layout("zigzag", 8, 4, seq_len=1 << 18)
     share = max(map(sum, lay.work(True, None, 8192))) / max(map(sum, lay.work(True)))
-    assert chunked.attention_s == pytest.approx(full.attention_s * share, rel=1e-9)
+    within(relative_difference(chunked.attention_s, full.attention_s * share), 1e-9, "chunked.attention_s")
     assert chunked.bytes_per_rank == topology.comm_bytes(32, 8, 128, 1 << 18, 1, 8, 4, 2, causal=True,
                                                          chunk_size=8192)
     assert chunked.bytes_per_rank["ring_fwd"] < 0.01 * full.bytes_per_rank["ring_fwd"]
@@ -126,16 +131,18 @@ def test_a_model_with_chunked_layers_is_priced_as_its_average_layer():
     full = topology.estimate(cluster, _shape(), n, 8, 2)
     chunked = topology.estimate(cluster, _shape(), n, 8, 2, chunk_size=8192)
     model = topology.estimate(cluster, _shape(attention_chunk_size=8192, chunked_layers=24), n, 8, 2)
-    assert model.time_s == pytest.approx(0.75 * chunked.time_s + 0.25 * full.time_s, rel=1e-9)
+    within(relative_difference(model.time_s, 0.75 * chunked.time_s + 0.25 * full.time_s), 1e-9, "model.time_s")
     assert chunked.time_s < full.time_s
     assert any("24 of 32 layers attend in 8192-token chunks" in note for note in model.notes)
     # three kinds: window, chunked and full layers, each priced from its own plan
     mix = topology.estimate(cluster, _shape(sliding_window=1024, window_layers=8, attention_chunk_size=8192,
                                             chunked_layers=16), n, 8, 2)
     win = topology.estimate(cluster, _shape(), n, 8, 2, window=1024)
-    assert mix.time_s == pytest.approx(0.25 * win.time_s + 0.5 * chunked.time_s + 0.25 * full.time_s, rel=1e-9)
+    within(relative_difference(mix.time_s, 0.25 * win.time_s + 0.5 * chunked.time_s + 0.25 * full.time_s), 1e-9,
+           "mix.time_s")
     # a chunk reaching the whole sequence is full attention
-    assert topology.estimate(cluster, _shape(attention_chunk_size=n), n, 8, 2).time_s == pytest.approx(full.time_s)
+    whole = topology.estimate(cluster, _shape(attention_chunk_size=n), n, 8, 2)
+    within(relative_difference(whole.time_s, full.time_s, floor=1e-6), 1e-6, "whole-sequence chunk time_s")
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -5,12 +5,17 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerance import relative_difference, within
 
 from topology import Cluster, ModelShape, comm_bytes, estimate, head_split
 from topology.cost import dtype_bytes
 from topology.layouts import make_layout
 
 MiB = 1 << 20
+
+
+# Model predictions compared with `within(relative_difference(...))`: the same closed form evaluated two ways,
+# so fp64 round-off only (rel 1e-12, 1e-9, or pytest.approx's 1e-6): worst 5.1e-16 (at 1e-12), 2.2e-16 (at 1e-9)
 
 
 def reference_bytes(H, Hkv, D, N, B, u, r, e, layout="zigzag"):
@@ -134,7 +139,8 @@ def test_estimate_uses_comm_bytes_and_sums_components():
     e = estimate(c, MODEL, 1 << 20, 8, 4)
     assert e.bytes_per_rank == comm_bytes(32, 8, 128, 1 << 20, 1, 8, 4, 2)
     assert e.total_bytes == sum(e.bytes_per_rank.values())
-    assert e.time_s == pytest.approx(e.attention_s + e.ring_overhead_s + e.rest_s + e.a2a_s + e.ring_exposed_s)
+    within(relative_difference(e.time_s, e.attention_s + e.ring_overhead_s + e.rest_s + e.a2a_s + e.ring_exposed_s,
+                               floor=1e-6), 1e-6, "e.time_s")
     assert e.a2a_link == "intra-node" and e.ring_link == "inter-node"
 
 
@@ -144,19 +150,20 @@ def test_attention_flops_causal_half_and_backward_factor():
     e = estimate(c, MODEL, N, 8, 1)
     rate = c.accelerator.peak_tflops * 1e12 * c.accelerator.attention_efficiency
     fwd = 0.5 * 4 * N * N * 128 * 32 / P / rate
-    assert e.attention_s == pytest.approx(3.5 * fwd)
+    within(relative_difference(e.attention_s, 3.5 * fwd, floor=1e-6), 1e-6, "e.attention_s")
     full = estimate(c, MODEL, N, 8, 1, causal=False)
-    assert full.attention_s == pytest.approx(2 * e.attention_s)
+    within(relative_difference(full.attention_s, 2 * e.attention_s, floor=1e-6), 1e-6, "full.attention_s")
     fwd_only = estimate(c, MODEL, N, 8, 1, backward=False)
-    assert fwd_only.attention_s == pytest.approx(fwd)
-    assert fwd_only.bytes_per_rank["ulysses_bwd"] == 0 and fwd_only.rest_s == pytest.approx(e.rest_s / 3)
+    within(relative_difference(fwd_only.attention_s, fwd, floor=1e-6), 1e-6, "fwd_only.attention_s")
+    assert fwd_only.bytes_per_rank["ulysses_bwd"] == 0
+    within(relative_difference(fwd_only.rest_s, e.rest_s / 3, floor=1e-6), 1e-6, "fwd_only.rest_s")
 
 
 def test_contiguous_causal_ring_is_imbalanced():
     c = fast_cluster()
     z = estimate(c, MODEL, 65536, 2, 4)
     k = estimate(c, MODEL, 65536, 2, 4, layout="contiguous")
-    assert k.attention_s == pytest.approx(z.attention_s * (2 - 1 / 4))
+    within(relative_difference(k.attention_s, z.attention_s * (2 - 1 / 4), floor=1e-6), 1e-6, "k.attention_s")
     assert any("contiguous" in n for n in k.notes)
 
 
@@ -166,11 +173,11 @@ def test_ring_overlap_hides_transfers_on_fast_links_only():
     slow = estimate(slow_c, MODEL, 1 << 18, 8, 4)
     kv = 1 * 8 * (1 << 18) // 32 * 2 * 1 * 128  # elements of one K/V block (u*S tokens, 1 KV head)
     # fast: only the final fp32 dK/dV hop home is exposed
-    assert fast.ring_exposed_s == pytest.approx(kv * 4 / 1000e9)
+    within(relative_difference(fast.ring_exposed_s, kv * 4 / 1000e9, floor=1e-6), 1e-6, "fast.ring_exposed_s")
     # slow: each of the r-1 steps exposes comm - compute, forward and backward
     step_f, step_b = slow.attention_s / 3.5 / 4, slow.attention_s * 2.5 / 3.5 / 4
     want = 3 * (max(0, kv * 2 / 0.5e9 - step_f) + max(0, kv * 6 / 0.5e9 - step_b)) + kv * 4 / 0.5e9
-    assert slow.ring_exposed_s == pytest.approx(want)
+    within(relative_difference(slow.ring_exposed_s, want, floor=1e-6), 1e-6, "slow.ring_exposed_s")
     assert slow.ring_comm_s > slow.ring_exposed_s > fast.ring_exposed_s
 
 
@@ -245,10 +252,10 @@ def test_linear_layer_bytes_and_the_hybrid_average(layout, u, r):
     assert lin.attention_s == lin.a2a_s == lin.ring_exposed_s == 0 and lin.linear_s > 0 and lin.linear_comm_s > 0
     hyb = estimate(c, ModelShape(layers=4, linear_layers=3, **base), 4096, u, r, layout=layout)
     assert hyb.linear_share == 0.75
-    assert hyb.time_s == pytest.approx(0.25 * attn.time_s + 0.75 * lin.time_s, rel=1e-12)
+    within(relative_difference(hyb.time_s, 0.25 * attn.time_s + 0.75 * lin.time_s), 1e-12, "hyb.time_s")
     assert hyb.bytes_per_rank["linear_state_fwd"] == round(0.75 * lin.bytes_per_rank["linear_state_fwd"])
     assert hyb.bytes_per_rank["ring_fwd"] == round(0.25 * attn.bytes_per_rank["ring_fwd"])
-    assert hyb.attention_time_s == pytest.approx(0.25 * attn.attention_time_s, rel=1e-12)
+    within(relative_difference(hyb.attention_time_s, 0.25 * attn.attention_time_s), 1e-12, "hyb.attention_time_s")
 
 
 def test_linear_compute_counts_the_probe_on_continuing_runs():
@@ -264,8 +271,8 @@ def test_linear_compute_counts_the_probe_on_continuing_runs():
     acc = Cluster.preset("dgx-h100").accelerator
     one = estimate(Cluster.preset("dgx-h100"), m, 8192, 1, 1)
     four = estimate(Cluster.preset("dgx-h100"), m, 8192, 1, 4, layout="contiguous")
-    assert one.linear_s == pytest.approx(8192 * f0 * 3 / acc.dense_flops, rel=1e-12)
-    assert four.linear_s == pytest.approx(2048 * f1 * 3 / acc.dense_flops, rel=1e-12)
+    within(relative_difference(one.linear_s, 8192 * f0 * 3 / acc.dense_flops), 1e-12, "one.linear_s")
+    within(relative_difference(four.linear_s, 2048 * f1 * 3 / acc.dense_flops), 1e-12, "four.linear_s")
     assert one.linear_comm_s == 0 and one.bytes_per_rank == {}
     mamba = ModelShape(heads=8, head_dim=64, layers=2, linear_layers=2, linear_kind="mamba2", linear_heads=8,
                        linear_key_heads=2, linear_key_dim=16, linear_value_dim=32, linear_chunk=C)

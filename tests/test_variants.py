@@ -4,13 +4,17 @@ combinations (gpt-oss, Gemma 2, DeepSeek), torch.compile, and the checks that re
 
 import pytest
 import torch
+from tolerance import relative_error, within
 
 import hybrid_cp as hcp
 from hybrid_cp.engine.kernels import get_kernel, kernel_needs
 from hybrid_cp.testing import mesh_description
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
-FP64, FP32 = 1e-12, 1e-5
+# fp64 round-off against the independent fp64 autograd reference: worst 1.6e-15 (d(sinks)), 610x
+FP64 = 1e-12
+# fp32 cases against the fp64 reference, and compiled fp32 against eager fp32: worst 7.3e-7 (dq, (8, 1)), 14x
+FP32 = 1e-5
 DOCS = [20, 1, 27]
 
 
@@ -41,18 +45,19 @@ def _cases(u: int, r: int) -> list[dict]:
 @pytest.mark.parametrize("u,r", MESHES)
 def test_variants_match_fp64_reference(pool, u, r):
     for rank, rows in enumerate(pool.run("variant_cases:variant_errors", u=u, r=r, cases=_cases(u, r))):
-        for row in rows:
+        for i, row in enumerate(rows):
             limit = FP32 if row.get("dtype") == "fp32" else FP64
-            bad = {t: row[t] for t in ("out", "lse", "dq", "dk", "dv", "dsinks") if not row[t] <= limit}
-            assert not bad, (rank, row, bad)
+            for t in ("out", "lse", "dq", "dk", "dv", "dsinks"):
+                within(row[t], limit, f"rank {rank} case {i} {t}", row)
             assert row["out_dim_ok"] is True, row
             assert row.get("bytes_match", True) is True, (rank, row.get("bytes_match"))   # engine == topology.comm_bytes
 
 
 def test_compiled_variants_equal_eager(pool):
-    for row in pool.run("variant_cases:compiled_variant", u=2, r=2):
+    for rank, row in enumerate(pool.run("variant_cases:compiled_variant", u=2, r=2)):
         if row is not None:
-            assert max(row.values()) <= FP32, row
+            for key, err in row.items():
+                within(err, FP32, f"rank {rank} {key}", row)
 
 
 @pytest.mark.parametrize("which,expect", [
@@ -114,8 +119,9 @@ def test_single_device_variants_and_callable_with_dv():
     dout = torch.randn_like(out)
     out.backward(dout)
     ref = reference(q, k, v, dout, sinks, 8 ** -0.5, visibility([16], True), 2.0)
-    for got, want in zip((out, lse, q.grad, k.grad, v.grad, sinks.grad), ref):
-        assert (got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, q.grad, k.grad, v.grad, sinks.grad),
+                               ref):
+        within(relative_error(got.detach(), want.detach(), floor=1.0), FP64, name)
     plain = hcp.attention(q, k, v, mesh_description(1, 1), backend=lambda q, k, v: q[..., :4])
     assert plain.shape == (1, 16, 4, 4)
 
@@ -155,9 +161,9 @@ def test_module_chunks_with_a_value_head_dim_and_softcap():
     q, k, v = (F.linear(x, w).view(1, n, -1, e) for w, e in ((wq, d), (wk, d), (wv, dv)))
     ref_y = F.linear(hcp.attention(q, k, v, cp, causal=True, softcap=2.0).flatten(2), wo)
     want = torch.autograd.grad(ref_y, (x, wq, wk, wv, wo), dy)
-    assert (y - ref_y).abs().max() <= 1e-12 * ref_y.abs().max()
-    for a, b in zip(got, want):
-        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+    within(relative_error(y.detach(), ref_y.detach()), FP64, "output")
+    for name, a, b in zip(("x", "wq", "wk", "wv", "wo"), got, want):
+        within(relative_error(a, b), FP64, f"d{name}")
 
 
 def test_module_chunks_refuse_sinks():
