@@ -25,7 +25,7 @@ import hybrid_cp as hcp
 from hybrid_cp.engine.layout import forget_shards
 
 _STATE: dict = {}
-_ERRORS: list[float] = []   # the errors `near` measured in the current case (reported with its outcome)
+_ERRORS: list[tuple[float, float]] = []   # (error, tol) of each `near` in the current case (reported with its outcome)
 TIMEOUT_S = 6.0   # the campaign meshes' group timeout
 
 
@@ -72,7 +72,7 @@ def ref(q, k, v, causal: bool = True, cu=None, scale: float | None = None, windo
 def near(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     """Assert the largest error relative to the largest reference magnitude is within `tol`."""
     err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
-    _ERRORS.append(err)
+    _ERRORS.append((err, tol))
     assert err <= tol, f"error {err:.3g} > {tol:g}"
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import within
 
 from hybrid_cp.errors import ConfigError, InconsistentRanksError
 from hybrid_cp.testing import mesh_description
@@ -30,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 8, 3
 MODEL = ["--device", "cpu", "--seq-len", "64", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
          "--steps", str(STEPS), "--warmup", "2", "--schedule", "cosine", "--lr", "3e-3", "--resume"]
-SAME_MESH, OTHER_MESH = 1e-6, 1e-5   # relative loss differences: the bound, and fp32 round-off
+# relative loss differences after a resume: on the same mesh the bound (the same fp32 arithmetic: worst
+# MEASURE); on another mesh fp32 round-off of other reduction orders (worst MEASURE)
+SAME_MESH, OTHER_MESH = 1e-6, 1e-5
 
 
 def _launch(folder: Path, name: str, nproc: int, ulysses: int, ring: int, batch: int, *extra: str) -> subprocess.Popen:
@@ -148,7 +151,7 @@ def test_resume_on_another_mesh_and_world_size(runs):
         assert f"resumed from {runs['folder'] / name / 'step-00000003'} (step 3, written on {note})" in runs["out"][name]
         assert sorted(runs["losses"][name]) == list(range(4, STEPS + 1))
         err = _max_rel(runs["losses"][name], ref, 3)
-        assert err <= OTHER_MESH, (name, err)
+        within(err, OTHER_MESH, f"{name} loss after resume")
         print(f"\n{name}: max relative loss difference after resume {err:.2e}")
 
 
@@ -162,7 +165,7 @@ def test_restart_after_sigkill_resumes_with_the_same_losses(runs):
     losses = runs["losses"]["restart"]
     assert sorted(losses) == list(range(1, STEPS + 1))   # the re-done steps replaced, not appended
     err = _max_rel(losses, runs["losses"]["ref"], step)
-    assert err <= SAME_MESH, err
+    within(err, SAME_MESH, "loss after restart")
     to_resume = _times(runs["folder"] / "restart.jsonl")[step + 1] - record["killed_at"]
     assert 0 < to_resume < 200
     kept = sorted(p.name for p in (runs["folder"] / "restart").iterdir())

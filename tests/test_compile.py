@@ -10,11 +10,20 @@ whose fused kernels agree with eager to fp32 round-off.
 """
 
 import pytest
+from tolerance import within
 
 pytest.importorskip("torch._dynamo")
 
-EXACT = 1e-6   # aot_eager runs eager's ops: the errors are 0.0; this only absorbs a reordered sum
-INDUCTOR = 1e-5
+# aot_eager runs eager's ops: the errors are 0.0; this only absorbs a reordered fp32 sum (module head chunks, eager
+# at a graph break: worst 1.2e-7, 8.6x)
+EXACT = 1e-6
+INDUCTOR = 1e-5   # Inductor's fused fp32 kernels reorder sums against eager: worst 5.3e-7 (grads), 19x
+
+
+def _steps_within(rank: int, steps: list[dict], tol: float) -> None:
+    for s, step in enumerate(steps):
+        within(step["loss"], tol, f"rank {rank} step {s} loss", step)
+        within(step["grads"], tol, f"rank {rank} step {s} grads", step)
 
 
 def _mine(rows):
@@ -29,8 +38,8 @@ def _check_parity(rows, tol, halo=None):
         assert row["frames"] == 1, (rank, row["frames"])          # one compile for 3 steps of new data
         assert row["graph_breaks"] == {}, (rank, row["graph_breaks"])
         assert row["op_in_graph"], rank
+        _steps_within(rank, row["steps"], tol)
         for step in row["steps"]:
-            assert step["loss"] <= tol and step["grads"] <= tol, (rank, step)
             if halo is not None:
                 assert step["halo"] is halo, (rank, step)
 
@@ -57,8 +66,9 @@ def test_inductor_matches_eager(pool):
 
 
 def test_kernel_objects_and_listed_boundaries_compile(pool):
-    for row in _mine(pool.run("compile_cases:argument_kinds", u=2, r=2)):
-        assert all(err <= EXACT for err in row.values()), row
+    for rank, row in enumerate(_mine(pool.run("compile_cases:argument_kinds", u=2, r=2))):
+        for key, err in row.items():
+            within(err, EXACT, f"rank {rank} {key}", row)
 
 
 def test_validation_runs_inside_the_compiled_op(pool):
@@ -69,8 +79,8 @@ def test_validation_runs_inside_the_compiled_op(pool):
 
 def test_unsupported_options_run_outside_the_graph(pool):
     """head_chunks > 1 (not expressible as the op) falls back to eager at a graph break: same result."""
-    for row in _mine(pool.run("compile_cases:outside_graph", u=2, r=2)):
-        assert row["loss"] <= EXACT and row["grads"] <= EXACT, row
+    for rank, row in enumerate(_mine(pool.run("compile_cases:outside_graph", u=2, r=2))):
+        _steps_within(rank, [row], EXACT)
 
 
 def test_transformers_llama_compiles(pool):
@@ -80,8 +90,7 @@ def test_transformers_llama_compiles(pool):
     nothing recompiles after the first step."""
     pytest.importorskip("transformers")
     for rank, row in enumerate(_mine(pool.run("compile_cases:hf_llama", u=2, r=2))):
-        for step in row["steps"]:
-            assert step["loss"] <= EXACT and step["grads"] <= EXACT, (rank, step)
+        _steps_within(rank, row["steps"], EXACT)
         with_op = [i for i, n in enumerate(row["attention_ops"]) if n]
         assert len(with_op) == 1 and row["attention_ops"][with_op[0]] == 1, (rank, row)   # compiled once
         assert row["graph_sizes"][with_op[0]] == max(row["graph_sizes"]), (rank, row)      # the body, whole
@@ -93,8 +102,7 @@ def test_transformers_llama_with_module_head_chunks_compiles(pool):
     attention module), results exact, and nothing recompiles after the first step."""
     pytest.importorskip("transformers")
     for rank, row in enumerate(_mine(pool.run("compile_cases:hf_llama", u=2, r=2, head_chunks=2))):
-        for step in row["steps"]:
-            assert step["loss"] <= EXACT and step["grads"] <= EXACT, (rank, step)
+        _steps_within(rank, row["steps"], EXACT)
         assert not any(row["attention_ops"]), (rank, row)   # no compiled attention op: the pipeline is eager
         assert row["steps"][-1]["frames"] == row["steps"][0]["frames"], (rank, row)
 

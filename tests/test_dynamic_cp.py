@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from tolerance import within
 
 from hybrid_cp.testing import WorkerPool
 
@@ -32,10 +33,11 @@ def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
                          ids=["plain", "checkpointed", "fsdp2-with-idle-ranks", "gemma3-sliding-windows"])
 def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost, kind):
     rows = pool4.run("dynamic_cases:dynamic_training", checkpoint=checkpoint, fsdp=fsdp, flat_cost=flat_cost, kind=kind)
-    for res in rows:
+    for rank, res in enumerate(rows):
         assert all(len(d) >= 2 and 4 in d for d in res["degrees"]), res   # really mixed degrees
         # fp32: reduction order only (worst seen 8.6e-8 loss, 2.7e-6 gradient (gemma3) over 3 runs)
-        assert max(res["loss"]) <= 1e-5 and max(res["grad"]) <= 1e-4, res
+        within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)
+        within(max(res["grad"]), 1e-4, f"rank {rank} grad", res)
     assert (sum(res["idle"] for res in rows) > 0) == flat_cost   # placeholders ran where ranks were idle
 
 
@@ -48,6 +50,7 @@ def test_a_rank_with_another_batch_raises_on_every_rank(pool4):
 def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool):
     """The session's 8-rank pool: degrees 1/2/4/8 (splits 1x1, 1x2, 2x2, 2x4) in one step."""
     rows = pool.run("dynamic_cases:dynamic_training", eight=True)
-    for res in rows:
+    for rank, res in enumerate(rows):
         assert all(8 in d and 1 in d for d in res["degrees"]), res
-        assert max(res["loss"]) <= 1e-5 and max(res["grad"]) <= 1e-4, res   # fp32 reduction order only
+        within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)   # fp32 reduction order only
+        within(max(res["grad"]), 1e-4, f"rank {rank} grad", res)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reliability_cases import FUZZ_LIMITS
+from tolerance import within
 
 import hybrid_cp.errors as errors
 
@@ -49,8 +50,9 @@ def test_every_call_is_exact_or_raises_a_documented_error_on_every_rank(pool, ca
         raised = [res["raised"] for res in mine]
         if case["fault"] is None:
             assert raised == [None] * size, (case, mine)
-            for res in mine:
-                assert res["out"] <= FUZZ_LIMITS[case["dtype"]] and res["dq"] <= FUZZ_LIMITS[case["dtype"]], (case, res)
+            for res in mine:   # the worst over the drawn cases of each dtype is recorded
+                within(res["out"], FUZZ_LIMITS[case["dtype"]], f"{case['dtype']} out", (case, res))
+                within(res["dq"], FUZZ_LIMITS[case["dtype"]], f"{case['dtype']} dq", (case, res))
             SEEN["exact"] += 1
         else:
             assert all(x is not None for x in raised), (case, mine)  # every rank raised

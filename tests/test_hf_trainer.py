@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from tolerance import within
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -90,14 +91,14 @@ def test_cp_trainer_matches_stock_trainer(results, case):
     # case (`python benchmarks/hf_trainer_figures.py OUT`, bitwise the same over 5 runs): loss 1.7e-7, grad norm
     # 1.05e-6 (gemma3), eval loss 1.7e-7: each bound keeps >= 50x over it.
     assert len(got["loss"]) == len(want["loss"]) >= 4
-    assert _rel(got["loss"], want["loss"]) < 1e-5, (got["loss"], want["loss"])
-    assert _rel(got["grad_norm"], want["grad_norm"]) < 1e-4, (got["grad_norm"], want["grad_norm"])
+    within(_rel(got["loss"], want["loss"]), 1e-5, "loss", (got["loss"], want["loss"]))
+    within(_rel(got["grad_norm"], want["grad_norm"]), 1e-4, "grad norm", (got["grad_norm"], want["grad_norm"]))
     assert got["lr"] == want["lr"]
     # cp_comm_bytes: every training log entry has the bytes all ranks sent since the previous one; they add up
     # to what the ranks counted (u * r > 1 sends on every step)
     assert all(isinstance(b, int) and b > 0 for b in got["cp_comm_bytes"]) or int(u) * int(r) == 1, got["cp_comm_bytes"]
     assert sum(got["cp_comm_bytes"]) == got["counted_bytes"], (got["cp_comm_bytes"], got["counted_bytes"])
-    assert _rel(got["eval_loss"], want["eval_loss"]) < 1e-5, (got["eval_loss"], want["eval_loss"])
+    within(_rel(got["eval_loss"], want["eval_loss"]), 1e-5, "eval loss", (got["eval_loss"], want["eval_loss"]))
     assert got["weights"].keys() == want["weights"].keys()
     # Weights after 4 AdamW steps. Adam divides each gradient entry by its own RMS, so an entry that is near zero
     # (embedding rows of tokens seen once) turns its fp32 round-off into a step difference of up to lr * noise /
@@ -105,10 +106,8 @@ def test_cp_trainer_matches_stock_trainer(results, case):
     # zero (gemma3 packed 2x2: 1.02e-4 with eps 1e-6, 8.9e-6 with 1e-5, 2.2e-5 with 1e-7; bitwise the same over 5
     # runs, so any reordered sum elsewhere moves it). The tensor's norm is not a lottery (worst 1.25e-5, qwen2):
     # it is the tight check; the elementwise bound keeps 10x over the worst element seen (1.02e-4).
-    norm = max(_rel_norm(got["weights"][k], want["weights"][k]) for k in want["weights"])
-    assert norm < 1e-4, norm
-    worst = max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"])
-    assert worst < 1e-3, worst
+    within(max(_rel_norm(got["weights"][k], want["weights"][k]) for k in want["weights"]), 1e-4, "weights norm")
+    within(max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"]), 1e-3, "weights element")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -116,10 +115,14 @@ def test_model_loss_is_the_global_token_mean(results, kind):
     """model(**hcp.shard_batch(batch, cp)).loss (labels + shift_labels) on (2, 2), default use_cache=True, in
     fp64 against the stock model on one process with per-document attention (use_cache=False). The loss itself
     is computed in fp32 by both (transformers upcasts the logits; hcp.cross_entropy too)."""
-    for rank in _load(results, "checks"):
+    for i, rank in enumerate(_load(results, "checks")):
         got = rank["direct"][kind]
-        assert got["forward"] < 1e-6 and got["backward"] < 1e-10, got
-        assert got["autocast_bf16"] < 2e-2, got   # fp32 weights under bf16 autocast (Trainer bf16=True): bf16 round-off
+        # the loss in fp32 on both sides (fp32 round-off of the mean: worst MEASURE), the fp64 gradients (fp64
+        # round-off: worst MEASURE)
+        within(got["forward"], 1e-6, f"rank {i} forward", got)
+        within(got["backward"], 1e-10, f"rank {i} backward", got)
+        # fp32 weights under bf16 autocast (Trainer bf16=True): bf16 round-off (worst MEASURE)
+        within(got["autocast_bf16"], 2e-2, f"rank {i} autocast_bf16", got)
     if kind == "packed":   # the pitfall our classes do not inherit: stock with use_cache=True mixes documents
         assert got["stock_use_cache"] > 1e-3, got
 

@@ -6,6 +6,7 @@ unrouted (each rank runs them over its shard only) fail these checks."""
 
 import pytest
 import torch
+from tolerance import within
 
 from hybrid_cp.errors import ConfigError
 from hybrid_cp.integrations.linear_layers import route_linear_layers
@@ -16,14 +17,18 @@ from hybrid_cp.testing.families import build, tiny_config
 pytest.importorskip("transformers")
 
 KINDS = ["lfm2", "lfm2_moe", "jamba", "minimax"]
+# fp32 round-off of one tiny-model step against one process: loss (worst MEASURE), logits (worst MEASURE), the
+# worst parameter gradient through fp32 scans cut where the shards end (worst MEASURE)
+LOSS, LOGITS, GRAD = 1e-5, 1e-4, 1e-4
 
 
 def _check(rows, what):
     for rank, row in enumerate(rows):
         for kind, errs in row.items():
             assert not errs.get("missing"), (what, kind, errs)
-            assert errs["loss"] <= 1e-5 and errs["grad"] <= 1e-4, (what, kind, rank, errs)
-            assert errs.get("logits", 0.0) <= 1e-4, (what, kind, rank, errs)
+            within(errs["loss"], LOSS, f"rank {rank} {kind} loss", (what, errs))
+            within(errs["grad"], GRAD, f"rank {rank} {kind} grad", (what, errs))
+            within(errs.get("logits", 0.0), LOGITS, f"rank {rank} {kind} logits", (what, errs))
 
 
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True)])

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from tolerance import relative_error, within
 
 from hybrid_cp.errors import ConfigError
 from hybrid_cp.training.memory import StorageTracker, host_buffer, is_host
@@ -141,11 +142,12 @@ def test_tiled_norm_matches_the_stock_norms_in_fp64(kind):
         warnings.simplefilter("ignore")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     logits, loss, grads = reference(model, batch)
-    rel = {n: ((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-300)).item()
-           for n in ref_grads}
+    rel = {n: relative_error(grads[n], ref_grads[n]) for n in ref_grads}
     assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)   # forward: the same arithmetic
-    # Gemma's norm computes in fp32 whatever the input: its weight gradient's sum over chunks rounds in fp32
-    assert max(rel.values()) <= (1e-6 if kind == "gemma3" else 1e-12), max(rel.items(), key=lambda kv: kv[1])
+    # fp64 round-off of the weight gradient's sum over chunks (worst 5.8e-16, 1700x); Gemma's norm computes in fp32
+    # whatever the input, so its sum rounds in fp32 (worst 1.6e-7, 6.3x)
+    within(max(rel.values()), 1e-6 if kind == "gemma3" else 1e-12, "worst parameter grad",
+           max(rel.items(), key=lambda kv: kv[1]))
     untile_norm(model)
     assert tiled_norm_chunk(model) is None and "forward" not in model.model.norm.__dict__
     with pytest.raises(ConfigError, match="RMSNorm"):
@@ -205,4 +207,6 @@ def test_every_runtime_option_on_a_mesh_trains_like_single_process(pool):
     for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=2, heads=8, head_chunks=2,
                                         fsdp=True, checkpoint=True, offload=True, norm_chunk=7, overlap=False)):
         assert not row["missing"], row
-        assert row["loss"] <= 1e-5 and row["grad"] <= 1e-5, (rank, row)
+        # fp32 round-off of the tiled/chunked sums against one process: worst 6.0e-7 (grad; loss 0), 17x
+        within(row["loss"], 1e-5, f"rank {rank} loss", row)
+        within(row["grad"], 1e-5, f"rank {rank} grad", row)

@@ -10,6 +10,7 @@ import pytest
 from dist_cases import assert_errors
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerance import within
 
 import topology
 from hybrid_cp.testing.cases import packed_cases as _cases
@@ -19,6 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from packing_balance import MIXES, measure  # noqa: E402
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
+# fp32 round-off of each document's attention against fp64 (relative to max(|ref|, 1)): worst MEASURE
+FP32 = 1e-5
+# fp64 round-off only: worst MEASURE
+FP64 = 1e-12
 
 
 def covered_pairs(lay, ring_rank: int, causal: bool) -> list[tuple]:
@@ -99,12 +104,14 @@ def _cu(lens):
     return out
 
 
-def _check(rows_per_rank, limit: float = 1e-5) -> None:
+def _check(rows_per_rank, limit: float = FP32) -> None:
     assert_errors(rows_per_rank, limit)
-    for rows in rows_per_rank:
-        for row in rows:
+    for rank, rows in enumerate(rows_per_rank):
+        for i, row in enumerate(rows):
             assert row["pad_max"] == 0.0 and row.get("lse_pad_is_neg_inf", True), row
             assert row["unshard_ok"], row
+            # the unsharded output against the fp64 reference: the output's own error (unshard moves rows)
+            within(row["unshard"], FP32, f"rank {rank} case {i} unshard", row)
 
 
 @pytest.mark.parametrize("u,r", MESHES)
@@ -119,15 +126,16 @@ def test_packed_contiguous_policy(pool, u, r):
 
 def test_packed_fp64_math_is_exact(pool):
     cases = [dict(docs=[5, 1, 40, 17], h=4, hkv=2, d=8, causal=c, dtype="fp64", backend="math") for c in (True, False)]
-    _check(pool.run("dist_cases:packed_errors", u=2, r=4, layout="zigzag", cases=cases), 1e-12)
+    _check(pool.run("dist_cases:packed_errors", u=2, r=4, layout="zigzag", cases=cases), FP64)
 
 
 def test_hidden_lengths_raise_or_are_explicit(pool):
-    for res in pool.run("dist_cases:hidden_length_case"):
+    for rank, res in enumerate(pool.run("dist_cases:hidden_length_case")):
         assert "ambiguous" in res["attention"] and "seq_len=" in res["attention"], res
         assert "ambiguous" in res["unshard"], res
-        assert res["explicit_shape"] == (1, 997, 4, 16) and res["explicit_err"] <= 1e-5, res
-        assert res["causal_err"] <= 1e-5, res
+        assert res["explicit_shape"] == (1, 997, 4, 16), res
+        within(res["explicit_err"], FP32, f"rank {rank} explicit seq_len", res)
+        within(res["causal_err"], FP32, f"rank {rank} causal", res)
 
 
 @pytest.mark.parametrize("u,r,lens", [(2, 2, [1, 30, 7, 200, 3]), (4, 2, [513, 2, 2, 90]), (1, 8, [64] * 5 + [1])])

@@ -3,6 +3,7 @@ computation over the full sequence (each document on its own for packed rows): f
 gradient of every input, on meshes up to 8 ranks, zigzag and contiguous, dense and packed rows."""
 
 import pytest
+from tolerance import within
 
 from hybrid_cp.engine.recurrence import scan_plan
 from topology.cost import exporting_runs
@@ -11,33 +12,37 @@ from topology.layouts import layout_of
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
 # a length-1 document, documents shorter than the cp degree, a long one among short ones
 DOCS = (1, 3, 19, 2, 1, 7)
+# fp64 round-off of chained decays and state carries against the full-sequence fp64 run: worst MEASURE
+FP64 = 1e-10
+# transformers' chunked torch kernels compute in fp32: worst MEASURE
+FP32 = 1e-5
 
 
-def _check(row, tol, what):
+def _check(row, tol, what, label):
     sent, predicted = row.pop("bytes")
     assert sent == predicted, (what, sent, predicted)   # the counter equals the cost model, stage by stage
     for part, errs in row.items():
         for name, err in errs.items():
-            assert err <= tol, (what, part, name, err)
+            within(err, tol, f"{label} {part} {name}", what)
 
 
 def _check_cases(pool, task: str, u: int, r: int, cases: list, tol: float) -> None:
-    for rank_rows in pool.run(f"linear_cases:{task}", u=u, r=r, cases=cases):
-        for case, row in zip(cases, rank_rows):
-            _check(row, tol, (u, r, case))
+    for rank, rank_rows in enumerate(pool.run(f"linear_cases:{task}", u=u, r=r, cases=cases)):
+        for i, (case, row) in enumerate(zip(cases, rank_rows)):
+            _check(row, tol, (u, r, case), f"rank {rank} case {i}")
 
 
 @pytest.mark.parametrize("u,r", MESHES)
 def test_gated_delta_and_conv_fp64_exact(pool, u, r):
     cases = [(layout, docs, "naive") for layout in ("zigzag", "contiguous") for docs in (None, DOCS)]
-    _check_cases(pool, "scan_parity", u, r, cases, 1e-10)
+    _check_cases(pool, "scan_parity", u, r, cases, FP64)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (1, 4)])
 def test_gated_delta_transformers_kernel_fp32(pool, u, r):
     # transformers' chunked torch function computes in fp32 whatever the input dtype
     cases = [("zigzag", None, "hf"), ("zigzag", DOCS, "hf"), ("contiguous", DOCS, "hf")]
-    _check_cases(pool, "scan_parity", u, r, cases, 1e-5)
+    _check_cases(pool, "scan_parity", u, r, cases, FP32)
 
 
 def test_plan_resets_at_documents_and_chains_zigzag():
@@ -80,11 +85,11 @@ def test_plan_agrees_with_the_cost_model(layout, u, r):
 def test_mamba2_ssd_fp64_exact(pool, u, r):
     # Mamba2's core (conv -> silu -> SSD) with every input's and parameter's gradient, bytes = cost model
     cases = [(layout, docs, "naive") for layout in ("zigzag", "contiguous") for docs in (None, DOCS)]
-    _check_cases(pool, "mamba_parity", u, r, cases, 1e-10)
+    _check_cases(pool, "mamba_parity", u, r, cases, FP64)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (1, 4)])
 def test_mamba2_transformers_kernel_fp32(pool, u, r):
     # transformers' torch chunked SSD (mamba2_chunk_scan, chunks of 8 tokens) computes in fp32
     cases = [("zigzag", None, "hf"), ("zigzag", DOCS, "hf"), ("contiguous", DOCS, "hf")]
-    _check_cases(pool, "mamba_parity", u, r, cases, 1e-5)
+    _check_cases(pool, "mamba_parity", u, r, cases, FP32)

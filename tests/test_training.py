@@ -3,6 +3,7 @@ the transformers integration and FSDP2, against single-process references."""
 
 import pytest
 import torch
+from tolerance import within
 
 from hybrid_cp.engine.layout import local_indices, padded_length
 from hybrid_cp.engine.mesh import CPMesh
@@ -16,6 +17,7 @@ MESHES = [(2, 1), (1, 2), (2, 2), (4, 2)]
 # process: worst 2.3e-6 in one run of this file (gemma3 sliding-window grads; loss 1.7e-7): a 4.4x margin
 # (the same figures in a second run: fixed seeds, deterministic on CPU)
 TOL = 1e-5
+DRIFT = 1e-4
 
 
 def _fake_mesh(u, r, rank, layout="zigzag") -> CPMesh:
@@ -99,8 +101,8 @@ def test_cross_entropy_matches_full_sequence(pool, u, r, reduction, include_dp):
         rows = pool.run("train_cases:loss_parity", u=u, r=r, s=s, reduction=reduction, include_dp=include_dp)
         for rank, row in enumerate(rows):
             assert row["finite"]
-            assert abs(row["loss"] - row["ref"]) <= TOL * abs(row["ref"]), (rank, s, row)
-            assert row["grad"] <= TOL, (rank, s, row)
+            within(abs(row["loss"] - row["ref"]) / max(abs(row["ref"]), 1e-30), TOL, f"s={s} rank {rank} loss", row)
+            within(row["grad"], TOL, f"s={s} rank {rank} grad", row)
             if row["grad_zero"] is not None:
                 assert row["grad_zero"] == 0.0, (rank, s, row)
         if s == 5 and u * r == 8:
@@ -119,20 +121,20 @@ def test_llama_gqa_matches_single_process(pool, u, r, fsdp):
     for rank, row in enumerate(pool.run("train_cases:model_parity", u=u, r=r, hkv=hkv, fsdp=fsdp)):
         assert not row["missing"], row
         for key in ("logits", "loss", "grad"):
-            assert row[key] <= TOL, (rank, key, row)
+            within(row[key], TOL, f"rank {rank} {key}", row)
 
 
 def test_activation_checkpointing_with_fsdp(pool):
     for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, fsdp=True, checkpoint=True)):
         for key in ("logits", "loss", "grad"):
-            assert row[key] <= TOL, (rank, key, row)
+            within(row[key], TOL, f"rank {rank} {key}", row)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_other_architectures(pool, kind):
     for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, kind=kind, hkv=2, s=64, pad=False)):
         for key in ("logits", "loss", "grad"):
-            assert row[key] <= TOL, (kind, rank, key, row)
+            within(row[key], TOL, f"rank {rank} {key}", row)
 
 
 @pytest.mark.parametrize("kind,config", [("mistral", {"sliding_window": 16}),
@@ -144,15 +146,16 @@ def test_sliding_window_models_match_single_process(pool, kind, config):
     for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, kind=kind, hkv=2, s=100, pad=True,
                                         config=config)):
         for key in ("logits", "loss", "grad"):
-            assert row[key] <= TOL, (kind, rank, key, row)
+            within(row[key], TOL, f"rank {rank} {key}", row)
 
 
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (4, 2, True)])
 def test_twenty_steps_track_single_process(pool, u, r, fsdp):
-    for row in pool.run("train_cases:training_losses", u=u, r=r, steps=20, fsdp=fsdp):
+    for rank, row in enumerate(pool.run("train_cases:training_losses", u=u, r=r, steps=20, fsdp=fsdp)):
         assert len(row["cp"]) == 20
         diffs = [abs(a - b) for a, b in zip(row["cp"], row["ref"])]
-        assert max(diffs) <= 1e-4, diffs
+        # AdamW amplifies the step's fp32 round-off over 20 steps (losses near 5.5): worst MEASURE
+        within(max(diffs), DRIFT, f"rank {rank} worst step loss difference", diffs)
         assert row["ref"][-1] < row["ref"][0]  # it does train
 
 

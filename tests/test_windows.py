@@ -11,16 +11,20 @@ from hybrid_cp.testing.cases import window_cases as _cases
 from topology.layouts import make_layout
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
+# fp32 round-off of windowed attention against fp64 masked attention: worst MEASURE
+FP32 = 1e-5
+# fp64 round-off only: worst MEASURE
+FP64 = 1e-12
 
 
 @pytest.mark.parametrize("u,r", MESHES)
 def test_window_matches_single_device(pool, u, r):
-    _check(pool.run("dist_cases:window_errors", u=u, r=r, layout="zigzag", cases=_cases(u)))
+    _check(pool.run("dist_cases:window_errors", u=u, r=r, layout="zigzag", cases=_cases(u)), FP32)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (1, 4)])
 def test_window_contiguous_layout(pool, u, r):
-    _check(pool.run("dist_cases:window_errors", u=u, r=r, layout="contiguous", cases=_cases(u)))
+    _check(pool.run("dist_cases:window_errors", u=u, r=r, layout="contiguous", cases=_cases(u)), FP32)
 
 
 def test_window_fp64_math_is_exact(pool):
@@ -28,7 +32,7 @@ def test_window_fp64_math_is_exact(pool):
              dict(docs=[40, 3, 57], h=4, hkv=2, d=8, causal=False, window=(6, 2), backend="math")]
     rows = pool.run("dist_cases:window_errors", u=2, r=4, layout="zigzag",
                     cases=[dict(c, dtype="fp64") for c in cases])
-    _check(rows, 1e-12)
+    _check(rows, FP64)
 
 
 @pytest.mark.parametrize("u,r,n,w", [(1, 4, 8192, 64), (2, 2, 2048, 16), (1, 8, 4096, 100)])
