@@ -21,6 +21,7 @@ import tempfile
 
 import pytest
 import torch
+from tolerance import within
 
 from hybrid_cp.testing import WorkerPool
 
@@ -324,19 +325,22 @@ def grade(expected: str, per_rank: list[dict]) -> str:
     return "as expected"
 
 
-def run_campaign(pool: WorkerPool, cases: list[tuple] = CASES) -> list[tuple[tuple, str, float]]:
-    """(case, verdict, slowest rank's seconds) per case, in table order. Cases that end in a timeout run last:
-    a group that timed out may leave gloo pairs behind that a later case on another group would trip over."""
+def run_campaign(pool: WorkerPool, cases: list[tuple] = CASES) -> list[tuple[tuple, str, float, list]]:
+    """(case, verdict, slowest rank's seconds, [(label, error, tol) of every `near`]) per case, in table order.
+    Cases that end in a timeout run last: a group that timed out may leave gloo pairs behind that a later case
+    on another group would trip over."""
     order = sorted(range(len(cases)), key=lambda i: "CommTimeoutError" in cases[i][2])
     per_rank = pool.run("bad_input_cases:run_cases", codes=[cases[i][3] for i in order], timeout=600)
     results = {}
     for j, i in enumerate(order):
         ends = [rank[j] for rank in per_rank]
-        worst = max((e for r in ends for e in r.get("errors", [])), default=None)
+        figures = [(f"rank {rank} near {j}", err, tol) for rank, r in enumerate(ends)
+                   for j, (err, tol) in enumerate(r.get("errors", []))]
+        worst = max((err for _, err, _ in figures), default=None)
         verdict = grade(cases[i][2], ends)
         results[i] = (cases[i], verdict + (f" (worst error {worst:.2g})" if worst is not None and verdict ==
                                            "as expected" and sys.argv[0].endswith("test_bad_inputs.py") else ""),
-                      max(r["seconds"] for r in ends))
+                      max(r["seconds"] for r in ends), figures)
     return [results[i] for i in range(len(cases))]
 
 
@@ -359,8 +363,10 @@ def test_the_campaign_covers_every_entry_point():
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_bad_input(campaign, i):
-    case, verdict, seconds = campaign[i]
+    case, verdict, seconds, figures = campaign[i]
     assert verdict == "as expected", f"{case[0]}: {case[1]}: {verdict}"
+    for label, err, tol in figures:   # the legal edge inputs' errors (asserted on the ranks too)
+        within(err, tol, label)
     # a case that leaves ranks waiting ends in CommTimeoutError (a verdict other than "as expected" above)
     assert seconds < 3 * TIMEOUT_S, (case, seconds)
 
@@ -395,5 +401,5 @@ if __name__ == "__main__":   # the table: how every case ends now
     sys.path.insert(0, HERE)
     with WorkerPool(WORLD, extra_paths=[HERE]) as pool:
         chosen = [c for c in CASES if not sys.argv[1:] or any(word in c[1] for word in sys.argv[1:])]
-        for (entry, what, expected, _), verdict, seconds in run_campaign(pool, chosen):
+        for (entry, what, expected, _), verdict, seconds, _ in run_campaign(pool, chosen):
             print(f"{entry:24s} {what:55s} {seconds:5.1f}s {verdict[:160]}")
