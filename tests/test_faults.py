@@ -22,6 +22,7 @@ TIMEOUT_S = 5.0
 MARGIN_S = 25.0  # the machine is shared and loaded; measured times are reported in the test output
 CHECKPOINT_TIMEOUT_S = 15.0  # the default group's timeout in the checkpoint fault: every collective of the run uses it,
                              # so shorter ones (5 s) timed out in the set-up on a loaded machine
+TRAINER_TIMEOUT_S = 15.0   # the Trainer's ddp_timeout in the evaluation stall: the default group's and the mesh's
 MESHES = {"ring": (1, 4), "ulysses": (4, 1), "hybrid": (2, 2), "chunked": (2, 2)}  # chunked: head_chunks=2
 
 
@@ -163,3 +164,43 @@ def _checkpoint_target(rank, init_method, folder, results):
     import reliability_cases
 
     reliability_cases.checkpoint_kill_worker(rank, WORLD, init_method, folder, CHECKPOINT_TIMEOUT_S, results)
+
+
+def _stall_during_evaluation(tmp_path, where: str) -> dict:
+    """tests/trainer_fault_case.py on 4 torchrun ranks; per rank (error class, message, seconds in evaluate())."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    for name in ("WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(WORLD), os.path.join(here, "trainer_fault_case.py"), str(tmp_path), where,
+                          str(TRAINER_TIMEOUT_S)], env=env, capture_output=True, text=True, timeout=300)
+    reports = {}
+    for rank in range(WORLD):
+        path = tmp_path / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} never reported (a hang?): {run.stdout[-3000:]}{run.stderr[-3000:]}"
+        reports[rank] = json.loads(path.read_text())
+    return reports
+
+
+@pytest.mark.parametrize("where", ["forward", pytest.param("gather", marks=pytest.mark.slow)])
+def test_a_rank_stalled_during_the_trainers_evaluation(tmp_path, where):
+    """Rank 2 stalls in CPTrainer.evaluate(), before its first evaluation step (the others wait in the stock
+    Trainer's count of label tokens) or, slow case, before its first loss gather: the others raise
+    CommTimeoutError within the group timeout (the Trainer's ddp_timeout, on CPU too) plus a margin; rank 2,
+    waking up to peers that are gone, raises it too. Nothing hangs."""
+    reports = _stall_during_evaluation(tmp_path, where)
+    for rank, rep in reports.items():
+        assert rep["kind"] == "CommTimeoutError", (rank, rep)
+        limit = TRAINER_TIMEOUT_S + MARGIN_S + (2 * TRAINER_TIMEOUT_S if rank == 2 else 0)   # rank 2 slept 2x
+        assert 0 <= rep["secs"] <= limit, (rank, rep)
+    where_waited = {"forward": "count of label tokens", "gather": "evaluation's loss gather"}[where]
+    assert all(where_waited in reports[r]["msg"] for r in (0, 1, 3)), reports
+    print(" ".join(f"r{r}:{rep['secs']:.1f}s" for r, rep in reports.items()))
+

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.comm import comm_bytes
+from ..engine.comm import comm_bytes, comm_guard
 from ..engine.mesh import CPMesh, init_cp_mesh
 from ..errors import ConfigError, SetupError
 from ..training.batch import shard_batch
@@ -284,8 +284,9 @@ def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, s
 
 
 def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, layout: str,
-                 validate: bool | str, seq_len: int | None = None) -> CPMesh:
-    """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"."""
+                 validate: bool | str, seq_len: int | None = None, timeout: Any = None) -> CPMesh:
+    """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"; its groups time out
+    after `timeout` (None: the default group's)."""
     if not dist.is_available() or not dist.is_initialized():
         hint = ""
         if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":   # set by accelerate launch --cpu / use_cpu
@@ -296,7 +297,7 @@ def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, la
                          "launch (on CPU with TrainingArguments(use_cpu=True): gloo)" + hint)
     if ulysses == "auto" or ring == "auto":
         ulysses, ring = auto_degrees(model.config, ulysses, ring, dist.get_world_size(), seq_len)
-    return init_cp_mesh(ulysses, ring, layout=layout, validate=validate)
+    return init_cp_mesh(ulysses, ring, layout=layout, validate=validate, timeout=timeout)
 
 
 def cp_mesh_from_device_mesh(mesh: Any, ulysses: int | str, *, config: Any = None, seq_len: int | None = None,
@@ -332,6 +333,20 @@ def cp_mesh_from_accelerator(accelerator: Any, ulysses: int | str, **kwargs: Any
         raise ConfigError("the accelerator has no device mesh: create it with "
                           "Accelerator(parallelism_config=ParallelismConfig(cp_size=...))")
     return cp_mesh_from_device_mesh(mesh, ulysses, **kwargs)
+
+
+def _ddp_timeout(args: Any) -> Any:
+    """The Trainer's `ddp_timeout` (a timedelta) where it was set, else None: every group then keeps the default
+    group's timeout. transformers gives it to the default group on GPUs only; on CPU it is set here, so that the
+    stock Trainer's own collectives (its count of label tokens) give up when the mesh's do (docs/errors.md)."""
+    field = getattr(type(args), "__dataclass_fields__", {}).get("ddp_timeout")
+    if args is None or field is None or args.ddp_timeout == field.default:
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(args, "use_cpu", False) and dist.is_initialized() and hasattr(c10d, "_set_pg_timeout"):
+        c10d._set_pg_timeout(args.ddp_timeout_delta)
+    return args.ddp_timeout_delta
 
 
 @contextlib.contextmanager
@@ -377,7 +392,7 @@ class CPTrainerMixin:
         if cp_seq_len is None:   # what "auto" plans for: TRL's max_length, else the model's context
             cp_seq_len = getattr(training_args, "max_length", None) or \
                 getattr(model.config, "max_position_embeddings", None)
-        self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate, cp_seq_len)
+        self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate, cp_seq_len, _ddp_timeout(training_args))
         apply_context_parallel(model, self.cp)
         if self.cp_fsdp2 is not None:
             shard_model(model.to(training_args.device if training_args is not None else "cpu"), self.cp,
@@ -509,6 +524,12 @@ class CPTrainerMixin:
             out.pop("shift_labels")
         return out
 
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+        """The stock count of label tokens across the processes (a default-group gather): a peer that stalled
+        or died there is a CommTimeoutError naming it, as in the mesh's own collectives."""
+        with comm_guard(self.cp, "the Trainer's count of label tokens (its gather across processes)"):
+            return super()._get_num_items_in_batch(batch_samples, device)
+
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
         """Losses only: logits and labels are this rank's shards."""
@@ -522,10 +543,15 @@ class CPTrainerMixin:
     def _gather_replicas(self, tensor: torch.Tensor, **_: Any) -> torch.Tensor:
         """Per-rank losses of every process -> one per dp replica (the sum of its cp ranks' shares, over cp: each
         rank's share carries the world-size factor), in dp order, without the samples the last batches repeated."""
-        full = self.accelerator.gather(tensor)
+        # on the mesh's all-ranks group, with its timeout: a stalled peer is a CommTimeoutError, not a wait on the
+        # default group (which transformers leaves at torch's 30 minutes on CPU)
+        group = self.cp.dp_cp_group
+        rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        with comm_guard(self.cp, "the evaluation's loss gather"):
+            dist.all_gather(rows, tensor.contiguous(), group=group)
+        by_rank = dict(zip(dist.get_process_group_ranks(group), rows))   # global rank -> its losses
         grid = self.cp.device_mesh.mesh.reshape(self.cp.dp_size, self.cp.size)   # [dp, cp] -> global rank
-        per_rank = full.reshape(grid.numel(), -1, *tensor.shape[1:])
-        out = per_rank[grid.flatten().tolist()].reshape(self.cp.dp_size, self.cp.size, *per_rank.shape[1:])
+        out = torch.stack([by_rank[g] for g in grid.flatten().tolist()]).reshape(*grid.shape, *tensor.shape)
         out = out.to(torch.float64).mean(1).to(tensor.dtype).reshape(-1, *tensor.shape[1:])
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
