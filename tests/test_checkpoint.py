@@ -27,6 +27,8 @@ from hybrid_cp.training import checkpoint as ckpt
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.e2e   # starts its own torchrun processes
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 8, 3
 MODEL = ["--device", "cpu", "--seq-len", "64", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",

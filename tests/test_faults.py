@@ -114,6 +114,7 @@ def test_lost_rank_every_mesh_forward_and_backward():
                          [(m, "forward", "deviate") for m in MESHES if m != "chunked"]))
 
 
+@pytest.mark.e2e
 def test_rank0_killed_after_the_rename_leaves_the_new_checkpoint_complete(tmp_path):
     """Rank 0 dies in save_checkpoint right after it renamed step 2 into place (before telling the others): the
     survivors raise CommTimeoutError within the default group's timeout, and step 2 is complete: it loads on one
@@ -189,6 +190,7 @@ def _stall_during_evaluation(tmp_path, where: str) -> dict:
     return reports
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["forward", pytest.param("gather", marks=pytest.mark.slow)])
 def test_a_rank_stalled_during_the_trainers_evaluation(tmp_path, where):
     """Rank 2 stalls in CPTrainer.evaluate(), before its first evaluation step (the others wait in the stock

@@ -17,6 +17,8 @@ from tolerance import within
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+pytestmark = pytest.mark.e2e   # starts its own torchrun processes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MESHES = [(2, 2), (1, 4), (2, 1)]   # (ulysses, ring) on 4 ranks: dp = 1, 1, 2

@@ -40,7 +40,7 @@ from .cost import (
     linear_summary_bytes,
 )
 from .layouts import head_split, make_layout, module_chunks
-from .units import FP32_BYTES, GiB, check_counts, dtype_bytes
+from .units import FP32_BYTES, LOSS_CHUNK_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
            "attention_forwards", "module_chunked", "keeps_output", "memory_ladder", "first_fitting", "option_variants"]
@@ -48,7 +48,6 @@ __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "Max
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
 GRAD = FP32_BYTES  # fp32 gradients (reduce dtype)
-LOSS_CHUNK_BYTES = 256 << 20  # hcp.tiled_cross_entropy's default chunk: 256 MiB of fp32 logits
 
 # Engine-level head chunks (hybrid_cp.engine.headchunk) counted in q-sized pieces of one chunk (G x c_chunk x D
 # elements): the current chunk's received copies, the ring's accumulators and, overlapped, the next chunk's

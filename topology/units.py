@@ -12,6 +12,7 @@ __all__ = ["DTYPE_BYTES", "DTYPE_ALIASES", "FP32_BYTES", "GiB", "dtype_bytes", "
 
 GiB = 1 << 30
 FP32_BYTES = 4  # gradients, softmax statistics and optimizer states are kept in fp32
+LOSS_CHUNK_BYTES = 256 << 20  # hcp.tiled_cross_entropy's default chunk: 256 MiB of fp32 logits (the memory model's too)
 
 DTYPE_BYTES = {
     "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8,

@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from topology.units import LOSS_CHUNK_BYTES
+
 from ..engine.validate import checked_on_every_rank, digest, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from .loss import GroupReduced, check_ignore_index, reduction_group
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "default_loss_chunk", "tiled_mlp_chunk",
            "tile_norm", "untile_norm", "tiled_norm_chunk"]
 
-LOSS_CHUNK_BYTES = 256 << 20  # fp32 logits of one loss chunk, by default
 TILED_MLP_ATTR = "_hybrid_cp_tiled_mlp"
 TILED_NORM_ATTR = "_hybrid_cp_tiled_norm"
 
