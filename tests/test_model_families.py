@@ -55,9 +55,9 @@ REFUSED = [
     ("olmo_hybrid", {}, "OlmoHybridGatedDeltaNet"),
     ("bailing_hybrid", {}, "BailingHybridDeltaAttention"),
     ("kimi_linear", {}, "KimiLinearDeltaAttention"),
-    ("gpt_oss", {"output_router_logits": True}, "output_router_logits"),
+    ("deepseek_v3", {"output_router_logits": True}, "output_router_logits"),   # no aux loss: tests/test_moe_aux.py
     ("bloom", {}, "attention registry"),
-    ("mixtral", {"output_router_logits": True}, "output_router_logits"),
+    ("glm4_moe", {"output_router_logits": True}, "output_router_logits"),
     ("llama", {"attention_dropout": 0.1}, "attention_dropout"),
     # every dropout field, not only attention_dropout: GPT-2's defaults, Seed-OSS's residual dropout, OPT's LayerDrop
     ("gpt2", {"attn_pdrop": 0.1}, "attn_pdrop=0.1"),

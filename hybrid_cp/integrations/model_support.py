@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ConfigError, ShapeError
 from .linear_layers import GATED_DELTANET_CLASSES, LIGHTNING_CLASSES, MAMBA2_CLASSES, MAMBA_CLASSES, SHORT_CONV_CLASSES
+from .router_aux import router_aux_refusal
 
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
 DENSE = "Attention DecoderLayer ForCausalLM MLP Model RMSNorm RotaryEmbedding"
@@ -238,9 +239,10 @@ IMPLEMENTED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_caus
 # ... or with no effect on the attention output (position_ids: the model applied them before the call;
 # the forward pre-hook checks them; shift_labels, num_items_in_batch: the loss's inputs, passed down with the
 # rest; seq_idx: the document of each token, for linear-attention convolutions: the attention call reads the
-# boundaries from cu_seq_lens_q). The falsy-only ones change what the model returns when true.
-NEUTRAL_KWARGS = frozenset({"position_ids", "shift_labels", "num_items_in_batch", "seq_idx"})
-NEUTRAL_WHEN_FALSE_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits"})
+# boundaries from cu_seq_lens_q; output_router_logits: the router's outputs, whose loss `router_aux` makes exact
+# or refuses at the model's call). The falsy-only ones change what the model returns when true.
+NEUTRAL_KWARGS = frozenset({"position_ids", "shift_labels", "num_items_in_batch", "seq_idx", "output_router_logits"})
+NEUTRAL_WHEN_FALSE_KWARGS = frozenset({"use_cache", "output_attentions"})
 
 _WHAT_TO_DO = ("train it without context parallelism, or use a family in "
                "hybrid_cp.integrations.model_support.VERIFIED_FAMILIES (docs/models.md)")
@@ -336,9 +338,6 @@ def _settings_refused(where: str, cfg: Any) -> list[str]:
         found.append(f"{where}.attention_chunk_size={chunk} without config.layer_types: which layers are chunked "
                      f"is not said where the attention function reads it (Llama 4 names them "
                      f"'chunked_attention' in layer_types); {_WHAT_TO_DO}")
-    if _field(cfg, "output_router_logits", False):
-        found.append(f"{where}.output_router_logits=True: the MoE router's auxiliary loss would be computed "
-                     f"per rank on its shard, not over the sequence; set it to False")
     if _field(cfg, "is_encoder_decoder", False):
         found.append(f"{where}.is_encoder_decoder=True: only decoder-only causal LMs are supported")
     allowed = ATTENTION_LAYER_TYPES + ROUTED_LAYER_TYPES + FAMILY_LAYER_TYPES.get(_field(cfg, "model_type"), ())
@@ -396,6 +395,11 @@ def check_model(model: torch.nn.Module) -> None:
                        f"registry (_supports_attention_backend=False), so hybrid-cp cannot replace its attention; "
                        f"{_WHAT_TO_DO}")
     reasons += _config_refusals(config)
+    router = [where for where, c in _configs(config) if getattr(c, "output_router_logits", False) is True]
+    why = router_aux_refusal(model) if router else None
+    if why:
+        reasons.append(f"{router[0]}.output_router_logits=True: {why}, so no auxiliary loss over the row can be made "
+                       f"exact under context parallelism; set it to False")
     if model_type in REFUSED_FAMILIES:
         reasons.append(f"model_type {model_type!r} cannot be made exact under context parallelism: "
                        f"{REFUSED_FAMILIES[model_type]}; {_WHAT_TO_DO}")

@@ -49,6 +49,7 @@ from ..training.loss import cross_entropy
 from .linear_layers import route_linear_layers
 from .model_support import check_attention_kwargs, check_head_layout, check_model
 from .rope import route_rotaries, row_extent
+from .router_aux import install_router_aux
 
 ATTN_IMPLEMENTATION = "hybrid_cp"
 _HOOK_ATTR = "_hybrid_cp_hook"
@@ -57,7 +58,7 @@ _HOOK_ATTR = "_hybrid_cp_hook"
 class _MeshRef:
     """Holds the mesh on each module; copying a model shares it instead of copying process groups."""
 
-    __slots__ = ("cp", "head_chunks", "rotaries", "row", "packed", "fixed")
+    __slots__ = ("cp", "head_chunks", "rotaries", "row", "packed", "fixed", "padding")
 
     def __init__(self, cp: CPMesh, head_chunks: int = 1):
         self.cp = cp
@@ -66,6 +67,7 @@ class _MeshRef:
         self.row = None     # ... and that extent, of the model's current call (`rope.row_extent`)
         self.packed = False  # whether the current call is a packed row (routed mixers check they got its boundaries)
         self.fixed = ""   # what bound `cp` at patch time (module chunks, linear layers): `use_mesh` refuses then
+        self.padding = None  # the current call's attention mask (`router_aux`: the tokens its statistics count)
 
     def __deepcopy__(self, memo):
         return self
@@ -246,6 +248,7 @@ def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: di
     ref.packed = kwargs.get("cu_seq_lens_q") is not None
     if ref.rotaries:
         ref.row = row_extent(cp, kwargs)
+    ref.padding = kwargs.get("attention_mask")   # the router's load-balancing loss counts the real tokens
     if kwargs.get("attention_mask") is not None:
         kwargs["attention_mask"] = None
     kwargs["use_cache"] = False
@@ -497,6 +500,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
         model.loss_function = _CPLoss(ref)
     _chunk_attention_modules(model, cp, head_chunks, chunk_projections, keep_attention_output)
     ref.fixed = _mesh_bound_by(routed, model, head_chunks)
+    install_router_aux(model, ref)   # MoE families: the load-balancing loss over the whole row (router_aux.py)
     old = model.__dict__.get(_HOOK_ATTR)
     if old is not None:
         old.remove()
