@@ -12,11 +12,12 @@ import topology
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 BOTH_LAYOUTS = {(2, 2), (1, 4)}
-# fp64 round-off only: worst MEASURE
+# fp64 round-off only: worst 1.7e-15, 600x
 FP64 = 1e-12
-# lse of fp64 calls with head chunks, carried home in fp32 (one rounding, 6e-8 relative): worst MEASURE
+# lse of fp64 calls with head chunks, carried home in fp32 (one rounding, 6e-8 relative): worst 3.5e-16 in the
+# recorded runs
 LSE_IN_FP32 = 1e-6
-# fp32 round-off against fp64: worst MEASURE
+# fp32 round-off against fp64: worst 5.5e-7 (dq, (1, 8)), 18x
 FP32 = 1e-5
 
 

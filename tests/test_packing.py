@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from packing_balance import MIXES, measure  # noqa: E402
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
-# fp32 round-off of each document's attention against fp64 (relative to max(|ref|, 1)): worst MEASURE
+# fp32 round-off of each document's attention against fp64 (relative to max(|ref|, 1)): worst 1.2e-6 (dq, (1, 4)),
+# 8.2x
 FP32 = 1e-5
-# fp64 round-off only: worst MEASURE
+# fp64 round-off only: worst 9.7e-16, 1000x
 FP64 = 1e-12
 
 

@@ -11,9 +11,9 @@ from hybrid_cp.testing.cases import window_cases as _cases
 from topology.layouts import make_layout
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
-# fp32 round-off of windowed attention against fp64 masked attention: worst MEASURE
+# fp32 round-off of windowed attention against fp64 masked attention: worst 1.9e-6 (dk, (2, 1)), 5.2x
 FP32 = 1e-5
-# fp64 round-off only: worst MEASURE
+# fp64 round-off only: worst 9.8e-16, 1000x
 FP64 = 1e-12
 
 
