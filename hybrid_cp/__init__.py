@@ -20,7 +20,7 @@ from .training.checkpoint import (
            restart_store,
            save_checkpoint,
 )
-from .training.dynamic import dynamic_loss, micro_batches, schedule_documents
+from .training.dynamic import DynamicCP, dynamic_loss, micro_batches, schedule_documents
 from .training.loss import cross_entropy
 from .training.offload import offload_checkpoints, unoffload_checkpoints
 from .training.tiled import lm_loss, tile_mlp, tile_norm, tiled_cross_entropy, untile_mlp, untile_norm
@@ -31,7 +31,8 @@ __all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "attentio
            "cross_entropy", "init_cp_mesh", "destroy_cp_mesh", "CPMesh", "shard", "unshard", "positions", "granularity", "padded_length", "comm_bytes", "reset_comm_bytes", "head_split", "AttentionKernel",
            "register_kernel", "get_kernel", "available_kernels"]
 __all__ += ["AttnMask"]
-__all__ += ["init_cp_meshes", "CPMeshes", "schedule_documents", "micro_batches", "dynamic_loss"]
+__all__ += ["init_cp_meshes", "CPMeshes", "schedule_documents", "micro_batches", "dynamic_loss",
+            "DynamicCP"]
 __all__ += ["offload_checkpoints", "unoffload_checkpoints", "tile_norm", "untile_norm"]
 __all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "replica_samples",
             "restart_store", "CheckpointInfo"]

@@ -6,7 +6,8 @@ one process, on the same tiny models and data, recording what the tests compare.
 
 A CASE is "model:kind:ulysses:ring" (model "llama", "mistral", "gemma3_text" and "qwen2": sliding and full layers
 from `layer_types`, "llama+gc": gradient checkpointing, "llama+fsdp2": CPTrainer(fsdp2=True), its reference the
-plain llama's; kind "dense" or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume[+fsdp2]:kind:u:r"; dp is
+plain llama's, "llama+dyn": CPTrainer(dynamic_cp=DynamicCP(tokens_per_rank=DYNAMIC_C)) with ulysses = ring = 1 in
+the name (dp = world: the reference reads the same global batch); kind "dense" or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume[+fsdp2]:kind:u:r"; dp is
 world // (ulysses * ring). The reference of a CASE is the stock Trainer with gradient accumulation
 2 * dp over the same sampler order (accelerate gives dp replica d the batches d, d + dp, ...).
 Results are written by rank 0 as OUT/<role>-<CASE>.pt.
@@ -27,6 +28,8 @@ PACKED_BATCH = 3   # documents flattened into one packed row
 # row in the TRL packing case, 1e-4 apart after 4 steps) into a step of lr * g / (|g| + eps), large next to the
 # noise; eps 1e-6 instead of 1e-8 keeps such steps below the weights' tolerance (both runs use the same optimizer)
 ADAM_EPS = 1e-6
+# dynamic_cp's tokens per rank: documents of 9..40 tokens run on 1 (<= 16), 2 (17..32) or 4 ranks (33..40)
+DYNAMIC_C = 16
 MIXED = ["sliding_attention", "full_attention"]   # one layer of each kind
 WINDOWED = {"mistral": dict(sliding_window=8), "gemma3_text": dict(sliding_window=8, layer_types=MIXED),
             "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2, layer_types=MIXED)}
@@ -92,7 +95,8 @@ def counted_bytes(trainer) -> int:
 
     import hybrid_cp as hcp
 
-    sent = torch.tensor([sum(hcp.comm_bytes(trainer.cp).values())], dtype=torch.int64)
+    meshes = trainer.cp_meshes.meshes.values() if trainer.cp_meshes is not None else [trainer.cp]
+    sent = torch.tensor([sum(sum(hcp.comm_bytes(m).values()) for m in meshes)], dtype=torch.int64)
     dist.all_reduce(sent)
     return int(sent.item())
 
@@ -117,13 +121,20 @@ def run_case(case: str, role: str, out: str) -> dict:
     extra = dict(gradient_checkpointing=True) if name.endswith("+gc") else {}   # layers recomputed in backward
     common = dict(model=model, args=training_args(out, accumulation, batch, 1 if role == "cp" else dp, **extra), train_dataset=data,
                   eval_dataset=evaluation, data_collator=collator(kind))
-    if role == "cp":
+    degrees: list = []
+    if role == "cp" and "+dyn" in name:
+        import hybrid_cp as hcp
+
+        trainer = CPTrainer(**common, dynamic_cp=hcp.DynamicCP(tokens_per_rank=DYNAMIC_C), fsdp2=name.endswith("+fsdp2"))
+        _record_degrees(trainer, degrees)
+    elif role == "cp":
         trainer = CPTrainer(**common, ulysses=u, ring=r, fsdp2=name.endswith("+fsdp2"))
     else:
         trainer = Trainer(**common)
     deferred = _count_calls(trainer, "_defer_fsdp_gradient_reduction")
     trainer.train()
     result = history(trainer)
+    result["degrees"] = degrees
     if role == "cp":
         result["counted_bytes"] = counted_bytes(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -132,6 +143,21 @@ def run_case(case: str, role: str, out: str) -> dict:
         trainer.save_model(os.path.join(os.environ["HF_CASES_OUT"], f"saved-{case.replace(':', '_')}"))
         result["deferred"] = deferred[0]   # micro-batches whose reduce-scatter waited for the window's last one
     return result
+
+
+def _record_degrees(trainer, out: list) -> None:
+    """Per step of a dynamic trainer: the degrees of its schedule's groups that ran documents, the count of
+    micro-batches and of idle rank blocks (placeholders)."""
+    inner = trainer._dynamic_step
+
+    def recorded(batches):
+        result = inner(batches)
+        sched = trainer.cp_schedule
+        out.append((sorted({g.degree for mb in sched.microbatches for g in mb.groups if g.docs}),
+                    len(sched.microbatches), sum(not g.docs for mb in sched.microbatches for g in mb.groups)))
+        return result
+
+    trainer._dynamic_step = recorded
 
 
 def _count_calls(obj, name: str) -> list[int]:
@@ -241,6 +267,7 @@ def errors_case() -> dict:
         "compute_metrics": lambda: trainer(compute_metrics=lambda p: {}),
         "train_dataset": lambda: trainer(train_dataset=Stream()),
         "ulysses": lambda: trainer(u=3, r=1),
+        "dynamic_cp": lambda: trainer(dynamic_cp=hcp.DynamicCP(tokens_per_rank=16)),   # and ulysses=2, ring=2
         "labels": lambda: model(input_ids=dense["input_ids"], position_ids=dense["position_ids"],
                                 labels=dense["labels"]),
         "cu_seq_lens_q": lambda: model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]),

@@ -29,6 +29,10 @@ CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mi
                                                                             "gemma3_text:packed:2:2", "qwen2:packed:2:2"]
 FSDP2 = ["llama+fsdp2:packed:2:2", "llama+fsdp2:dense:2:1"]   # CPTrainer(fsdp2=True); reference: the plain llama's
 CP_CASES += FSDP2
+# CPTrainer(dynamic_cp=DynamicCP(tokens_per_rank=16)): documents of 9..40 tokens on degrees 1, 2 and 4 (u x r in the
+# name is 1 x 1: dp = world, so the reference is the stock Trainer reading the same global batch on one process)
+DYNAMIC = ["llama+dyn:packed:1:1", "llama+dyn+fsdp2:dense:1:1"]
+CP_CASES += DYNAMIC
 CHECKS = ["direct", "errors", "auto", "mesh"]
 RESUME = ["resume:packed:2:2", "resume+fsdp2:packed:2:2"]   # the second: CPTrainer(fsdp2=True), DCP checkpoints
 
@@ -39,12 +43,12 @@ def _dp(u: int, r: int) -> int:
 
 def _ref(case: str) -> str:
     """The stock reference's name of a cp CASE (FSDP2 changes nothing in the arithmetic)."""
-    return f"{case.rsplit(':', 2)[0].replace('+fsdp2', '')}:1:1:{_dp(*map(int, case.split(':')[2:]))}"
+    return f"{case.rsplit(':', 2)[0].replace('+fsdp2', '').replace('+dyn', '')}:1:1:{_dp(*map(int, case.split(':')[2:]))}"
 
 
 REF_CASES = sorted({_ref(c) for c in CP_CASES})
 REFUSED = {"label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "compute_metrics",
-           "train_dataset", "ulysses", "labels", "cu_seq_lens_q", "load_best_model_at_end",
+           "train_dataset", "ulysses", "dynamic_cp", "labels", "cu_seq_lens_q", "load_best_model_at_end",
            "resume_from_checkpoint"}
 
 
@@ -91,7 +95,8 @@ def test_cp_trainer_matches_stock_trainer(results, case):
     want = _load(results, "ref-" + _ref(case).rsplit(":", 1)[0].replace(":", "_") + f"_dp{_dp(int(u), int(r))}")
     # Bounds: fp32 round-off of another summation order (per-rank partial sums, all-reduces); worst seen over every
     # case (`python benchmarks/hf_trainer_figures.py OUT`, bitwise the same over 5 runs): loss 1.7e-7, grad norm
-    # 1.05e-6 (gemma3), eval loss 1.7e-7: each bound keeps >= 50x over it.
+    # 1.05e-6 (gemma3), eval loss 1.7e-7: each bound keeps >= 50x over it. The dynamic cases (documents re-packed
+    # into other rows and groups every step): loss 8.6e-8, grad norm 9.4e-8, eval loss 1.7e-7, weights 8.7e-6.
     assert len(got["loss"]) == len(want["loss"]) >= 4
     within(_rel(got["loss"], want["loss"]), 1e-5, "loss", (got["loss"], want["loss"]))
     within(_rel(got["grad_norm"], want["grad_norm"]), 1e-4, "grad norm", (got["grad_norm"], want["grad_norm"]))
@@ -111,6 +116,20 @@ def test_cp_trainer_matches_stock_trainer(results, case):
     # recorded run (tests/tolerance.py): norm 1.17e-5, element 4.5e-5, loss 1.7e-7, grad norm 1.7e-7.
     within(max(_rel_norm(got["weights"][k], want["weights"][k]) for k in want["weights"]), 1e-4, "weights norm")
     within(max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"]), 1e-3, "weights element")
+
+
+@pytest.mark.parametrize("case", DYNAMIC)
+def test_dynamic_cp_runs_mixed_degrees_and_counts_their_bytes(results, case):
+    """The comparison above is of a run that really mixed degrees: every step's schedule (global batch of
+    per_device_train_batch_size x accumulation x world items) put documents on groups of 1, 2 and 4 ranks
+    (all three over the run, at least two per step), in micro-batches that are not the accumulation count; each
+    log entry's cp_comm_bytes is > 0 and they add up to what the ranks counted on all the family's meshes."""
+    got = _load(results, "cp-" + case.replace(":", "_"))
+    steps = got["degrees"]
+    assert len(steps) == 4 and all(len(degrees) >= 2 for degrees, _, _ in steps), steps
+    assert set().union(*(d for d, _, _ in steps)) == {1, 2, 4}, steps
+    assert any(count != 2 for _, count, _ in steps), steps   # micro-batches come from the schedule
+    assert all(b > 0 for b in got["cp_comm_bytes"]) and sum(got["cp_comm_bytes"]) == got["counted_bytes"], got
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -18,6 +18,13 @@ holds distinct samples are overridden, each for one reason (docs/training.md):
   through `torch.distributed.checkpoint` (`_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`);
 - `prediction_step` / `evaluation_loop`: losses only (logits are shards), gathered per dp replica.
 
+With `dynamic_cp=hcp.DynamicCP(tokens_per_rank=C)` instead of ulysses=/ring=, every process reads its batches
+as a plain DDP process would; `get_batch_samples` gathers the step's batches of all processes (the global
+batch), cuts them into documents and schedules those over groups of degrees 1, 2, 4, ... (`hcp.schedule_documents`);
+`training_step` runs this rank's micro-batches of that schedule, each on its group's mesh (`use_mesh`), with
+the loss normalised over the step's target tokens across the world. Evaluation runs each process's own
+batches on one rank (the degree-1 mesh), as DDP does.
+
 Arguments whose handling under context parallelism is not verified raise `ConfigError` on every rank in
 the constructor, before any collective. `CPSFTTrainer` (TRL) is built on first use: `trl` is imported
 only then.
@@ -33,13 +40,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..engine.comm import comm_bytes, comm_guard
 from ..engine.mesh import CPMesh, init_cp_mesh
+from ..engine.meshes import init_cp_meshes
 from ..errors import ConfigError, SetupError
 from ..training.batch import shard_batch
+from ..training.dynamic import DynamicCP, batch_documents, micro_batches, schedule_documents
 from .fsdp import shard_model
-from .transformers import apply_context_parallel
+from .transformers import apply_context_parallel, use_mesh
 
 log = logging.getLogger("hybrid_cp")
 
@@ -367,33 +377,54 @@ def _checkpoints_allowed(args: Any, fsdp2: bool):
 class CPTrainerMixin:
     """Context parallelism for a `transformers.Trainer` subclass: `class MyTrainer(CPTrainerMixin, Trainer)`.
 
-    Takes every argument of the Trainer it is mixed into plus `ulysses`, `ring` (ints, or "auto": the
-    planner's split for this world size, the model's shape and `cp_seq_len`, by default TRL's `max_length`
-    or the model's `max_position_embeddings`; logged with the reason), `layout` (the mesh's token layout)
-    and `cp_validate` (`init_cp_mesh(validate=...)`). `fsdp2=True` (or a dict of `fully_shard` keyword
+    Takes every argument of the Trainer it is mixed into plus `ulysses`, `ring` (ints, or "auto", the
+    default: the planner's split for this world size, the model's shape and `cp_seq_len`, by default TRL's
+    `max_length` or the model's `max_position_embeddings`; logged with the reason), `layout` (the mesh's token
+    layout) and `cp_validate` (`init_cp_mesh(validate=...)`). `fsdp2=True` (or a dict of `fully_shard` keyword
     arguments) shards the model with FSDP2 over all dp x cp ranks (`shard_model`) instead of DDP. `self.cp`
     is the mesh.
+
+    `dynamic_cp=hcp.DynamicCP(tokens_per_rank=C)` instead of ulysses=/ring= (both: ConfigError): a degree per
+    group of documents, chosen every step (docs/training.md "Variable-length batches"). The step's global batch
+    is what a plain DDP run of WORLD_SIZE processes reads (per_device_train_batch_size x
+    gradient_accumulation_steps x world items); its documents run in the schedule's micro-batches, so
+    gradient_accumulation_steps only sizes the global batch. `self.cp_meshes` is the family of meshes,
+    `self.cp` its degree-1 mesh and `self.cp_schedule` the last step's schedule (`explain()` prints it).
     """
 
-    def __init__(self, *args: Any, ulysses: int | str = "auto", ring: int | str = "auto", layout: str = "zigzag",
-                 cp_validate: bool | str = True, cp_seq_len: int | None = None, fsdp2: bool | dict = False,
-                 **kwargs: Any):
+    def __init__(self, *args: Any, ulysses: int | str | None = None, ring: int | str | None = None,
+                 layout: str = "zigzag", cp_validate: bool | str = True, cp_seq_len: int | None = None,
+                 fsdp2: bool | dict = False, dynamic_cp: DynamicCP | None = None, **kwargs: Any):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         _check_constructor(bound)
         training_args = bound.arguments.get("args")
         if training_args is not None:
             check_training_arguments(training_args)
+        if dynamic_cp is not None:
+            _check_dynamic(self, dynamic_cp, ulysses, ring)
         self.cp_fsdp2 = check_fsdp2(fsdp2, training_args) if fsdp2 is not False else None
         if training_args is not None:
             training_args.device  # noqa: B018  (sets up torch.distributed under torchrun / accelerate launch)
         model = bound.arguments["model"]
         if isinstance(model, str):
             raise _refuse("model", model, "pass an instantiated model (from_pretrained), not a name")
-        if cp_seq_len is None:   # what "auto" plans for: TRL's max_length, else the model's context
-            cp_seq_len = getattr(training_args, "max_length", None) or \
-                getattr(model.config, "max_position_embeddings", None)
-        self.cp = resolve_mesh(model, ulysses, ring, layout, cp_validate, cp_seq_len, _ddp_timeout(training_args))
+        self.cp_dynamic, self.cp_meshes, self.cp_schedule = dynamic_cp, None, None
+        timeout = _ddp_timeout(training_args)
+        if dynamic_cp is not None:   # a mesh per degree; the degree-1 mesh is the home one (evaluation, FSDP2)
+            self.cp_meshes = init_cp_meshes(None if dynamic_cp.degrees is None else list(dynamic_cp.degrees),
+                                            splits=dynamic_cp.split_map, layout=layout, validate=cp_validate,
+                                            heads=getattr(model.config, "num_attention_heads", None), timeout=timeout)
+            self.cp = self.cp_meshes.mesh(1)
+        else:
+            if cp_seq_len is None:   # what "auto" plans for: TRL's max_length, else the model's context
+                cp_seq_len = getattr(training_args, "max_length", None) or \
+                    getattr(model.config, "max_position_embeddings", None)
+            self.cp = resolve_mesh(model, "auto" if ulysses is None else ulysses, "auto" if ring is None else ring,
+                                   layout, cp_validate, cp_seq_len, timeout)
         apply_context_parallel(model, self.cp)
+        if dynamic_cp is not None:
+            with use_mesh(model, self.cp):   # the models use_mesh refuses (the same answer on every rank)
+                pass
         if self.cp_fsdp2 is not None:
             shard_model(model.to(training_args.device if training_args is not None else "cpu"), self.cp,
                         **self.cp_fsdp2)
@@ -412,7 +443,9 @@ class CPTrainerMixin:
         in the context-parallel exchanges (all-to-all and ring, forward and backward) since the previous entry
         (one all-reduce: every rank logs at the same steps)."""
         if "loss" in logs and dist.is_initialized():
-            sent = torch.tensor([sum(comm_bytes(self.cp).values())], dtype=torch.int64, device=self.cp.device)
+            meshes = self.cp_meshes.meshes.values() if self.cp_meshes is not None else [self.cp]
+            sent = torch.tensor([sum(sum(comm_bytes(m).values()) for m in meshes)], dtype=torch.int64,
+                                device=self.cp.device)
             dist.all_reduce(sent, group=self.cp.dp_cp_group)
             total = int(sent.item())
             logs = {**logs, "cp_comm_bytes": total - getattr(self, "_cp_bytes_logged", 0)}
@@ -428,6 +461,93 @@ class CPTrainerMixin:
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """With dynamic_cp: this process's batches of the step, as the stock loop fetches them (they keep its
+        step counting, FLOP and token counts those of a DDP process), the last one also carrying this rank's
+        micro-batches of the step's schedule; the count is N, the step's valid targets over the world."""
+        if self.cp_meshes is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        work, targets = self._dynamic_step(batches)
+        if batches:
+            batches[-1] = {**batches[-1], _STEP_KEY: work}
+        return batches, targets
+
+    def _dynamic_step(self, batches: list[dict]) -> tuple[list, int]:
+        """The global batch (every process's batches of the step, gathered over the world in rank order) cut into
+        documents and scheduled; this rank's (micro-batch, packed row or None when idle) pairs, and N. A batch
+        one process cannot cut raises ConfigError on every rank (its error is gathered with the documents)."""
+        try:
+            mine, error = [d for b in batches for d in batch_documents(b)], None
+        except ConfigError as exc:
+            mine, error = [], str(exc)
+        every: list = [None] * self.cp_meshes.world
+        dist.all_gather_object(every, (error, mine), group=self.cp_meshes.check_group)
+        bad = [(rank, e) for rank, (e, _) in enumerate(every) if e]
+        if bad:
+            raise ConfigError(f"dynamic_cp: rank {bad[0][0]}'s batch: {bad[0][1]}")
+        docs = [d for _, ds in every for d in ds]
+        sched = schedule_documents([len(ids) for ids, _ in docs], self.cp_meshes, self.cp_dynamic.tokens_per_rank,
+                                   targets=[int((t != -100).sum()) for _, t in docs])
+        self.cp_schedule = sched
+        work = []
+        for mb in micro_batches(sched, self.cp_meshes):
+            row = None if mb.idle else {
+                "input_ids": torch.cat([docs[d][0] for d in mb.docs])[None],
+                "shift_labels": torch.cat([docs[d][1] for d in mb.docs])[None],
+                "cu_seq_lens_q": torch.tensor(mb.cu_seqlens, dtype=torch.int32)}
+            work.append((mb, row))
+        return work, sched.targets
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
+        """With dynamic_cp: this rank's micro-batches of the step (carried by the step's last batch; the others
+        carry none), each forward and backward on its group's mesh, gradient reduction deferred to the last;
+        returns the sum of their losses (`_micro_batch_loss`)."""
+        if self.cp_meshes is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        total = torch.zeros((), device=self.args.device)
+        work = inputs.get(_STEP_KEY, ())
+        for i, (mb, row) in enumerate(work):
+            defer = self._no_sync(model) if i < len(work) - 1 else contextlib.nullcontext()
+            with defer, use_mesh(self.model, mb.cp):   # backward inside: checkpointed layers recompute on mb.cp
+                with self.compute_loss_context_manager():
+                    loss = self._micro_batch_loss(model, mb, row, num_items_in_batch)
+                self.accelerator.backward(loss)
+            total += loss.detach()
+        return total
+
+    def _no_sync(self, model: torch.nn.Module):
+        """No gradient reduction for this backward (DDP's no_sync; FSDP2's deferred reduce-scatter)."""
+        if self.cp_fsdp2 is not None:
+            return self._defer_fsdp_gradient_reduction()
+        return self.accelerator.no_sync(model)
+
+    def _micro_batch_loss(self, model: torch.nn.Module, mb: Any, row: dict | None, targets: int) -> torch.Tensor:
+        """W / N times this rank's sum of token losses (N: the step's targets, W: the world), which is the
+        stock Trainer's loss on a DDP rank (its share of the global mean times the world size): DDP's gradient
+        average makes the step the one-process one, and the logged mean over ranks of the summed values is
+        the step's token mean. An idle rank runs one placeholder token, times 0 (DDP's and FSDP2's collectives
+        need every rank in every backward)."""
+        if row is None:
+            inputs = {k: v for k, v in mb.placeholder_batch().items() if k not in ("labels", "shift_labels")}
+            return model(**inputs).logits.float().sum() * 0.0
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        local = shard_batch(row, mb.cp, pad_token_id=pad if isinstance(pad, int) else 0)
+        labels = local.pop("labels")
+        local.pop("shift_labels")
+        logits = model(**local).logits
+        own = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                              ignore_index=-100, reduction="sum")
+        return own * (self.cp_meshes.world / max(int(targets), 1))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """With fsdp2: the full state dict gathered from the shards (a collective, on every rank), written by the
@@ -559,11 +679,37 @@ class CPTrainerMixin:
         return out
 
 
+# the key of the step's last batch that carries this rank's scheduled micro-batches (dynamic_cp)
+_STEP_KEY = "hybrid_cp_dynamic_step"
+# what a dynamic step replaces of the stock Trainer: a subclass between the mixin and Trainer that overrides one of
+# them (TRL's SFTTrainer computes its own loss and metrics) is not verified with it
+_DYNAMIC_OVERRIDES = ("compute_loss", "training_step", "get_batch_samples")
+
+
+def _check_dynamic(trainer: Any, dynamic_cp: Any, ulysses: Any, ring: Any) -> None:
+    """`dynamic_cp=` instead of ulysses=/ring=, a `DynamicCP`, on a Trainer whose loss path is the stock one."""
+    if not isinstance(dynamic_cp, DynamicCP):
+        raise _refuse("dynamic_cp", dynamic_cp, "pass hybrid_cp.DynamicCP(tokens_per_rank=C)")
+    if ulysses is not None or ring is not None:
+        raise _refuse("ulysses/ring", (ulysses, ring), "give either dynamic_cp= (a degree per group of documents, "
+                                                       "chosen every step) or ulysses=/ring= (one fixed mesh)")
+    from transformers import Trainer
+
+    for cls in type(trainer).__mro__:
+        if cls is Trainer:
+            break
+        hit = [n for n in _DYNAMIC_OVERRIDES if n in vars(cls)] if cls is not CPTrainerMixin else []
+        if hit:
+            raise _refuse("dynamic_cp", dynamic_cp, f"{cls.__name__} overrides {hit}: dynamic degrees are verified "
+                                                    f"with transformers.Trainer's own loss path only (CPTrainer)")
+
+
 def _trainer_class():
     from transformers import Trainer
 
     class CPTrainer(CPTrainerMixin, Trainer):
-        """`transformers.Trainer` with context parallelism (`CPTrainerMixin`): add ulysses=, ring=."""
+        """`transformers.Trainer` with context parallelism (`CPTrainerMixin`): add ulysses=, ring= (or
+        dynamic_cp=hcp.DynamicCP(tokens_per_rank=C))."""
 
     CPTrainer.__module__ = __name__
     return CPTrainer
