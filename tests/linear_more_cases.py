@@ -175,6 +175,18 @@ MORE = {"lfm2": dict(layer_types=["conv", "full_attention"], conv_bias=True),
         "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
                                  mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=4, initializer_range=0.2),
         "lfm3": dict(layer_types=["conv", "full_attention"], conv_bias=True),
+        # KDA (per-channel decay) next to MLA, a dense then an MoE MLP; Ling's safe gate (lower bound) is its default
+        "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                            linear_num_heads=4, linear_head_dim=8, num_key_value_heads=4, initializer_range=0.2),
+        "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                               num_key_value_heads=4, initializer_range=0.2),
+        "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2),
+        # two hybrid layers share one attention block (tied weights), each with its own LoRA adapters; rotary on;
+        # heads x head dim = the attention width 2 x hidden, as the adapters' outputs (Zamba2's own sizes)
+        "zamba2": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=4, layers_block_type=["linear_attention", "hybrid"] * 2, num_mem_blocks=1,
+                       use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True, n_mamba_heads=8,
+                       mamba_d_state=8, mamba_ngroups=2, chunk_size=4, initializer_range=0.2),
         "mamba2": dict(num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8, n_groups=2, chunk_size=4,
                        initializer_range=0.2),
         "mamba": dict(state_size=8, time_step_rank=4, initializer_range=0.2),

@@ -27,7 +27,9 @@ More kinds on the same mechanism: LFM2's short convolution (`Lfm2ShortConv`: B *
 then C *), Jamba's Mamba-1 mixer (conv through `causal_conv`, the selective scan through `linear_scan` over
 `Mamba`, on transformers' torch `mamba_selective_scan`; its decoder layer is routed too, only to hand the
 mixer the packed row's boundaries, which the layer does not pass on) and MiniMax's lightning attention
-(`linear_scan` over `Lightning`, whose block-wise torch kernel is the module's own arithmetic).
+(`linear_scan` over `Lightning`, whose block-wise torch kernel is the module's own arithmetic), and Kimi Linear's
+and Ling 2.5's Kimi Delta Attention (`GatedDelta` with a per-channel decay, on transformers' torch
+`chunk_kimi_delta_attention`; fla's `chunk_kda` is not wired in yet, so CUDA tensors run the torch kernel too).
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ from ..errors import ConfigError
 
 # the Gated DeltaNet classes whose forward `_GatedDeltaNetForward` reproduces (verified by a parity test)
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                          "LaraMiniGatedDeltaNet")
+                          "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet")
 # the Mamba2 mixers whose forward `_Mamba2Forward` reproduces (verified by a parity test)
-MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Mamba2Mixer")
+MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Mamba2Mixer",
+                  "Zamba2MambaMixer")
 # LFM2's gated short convolutions, Jamba's Mamba-1 mixer, MiniMax's lightning attention (each parity-tested)
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 MAMBA_CLASSES = ("JambaMambaMixer", "FalconMambaMixer", "MambaMixer")
 LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
+# Kimi Delta Attention (KDA, a gated delta rule with a per-channel decay) of Kimi Linear and Ling 2.5 (parity-tested)
+KDA_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
 # decoder layers that call their mixer without the packed row's keywords (routed to pass cu_seq_lens_q on)
 _LAYERS_WITHOUT_KWARGS = ("JambaMambaDecoderLayer",)
 
@@ -170,17 +175,24 @@ class _GatedDeltaNetForward:
         q, k = q.reshape(*shape, m.head_k_dim), k.reshape(*shape, m.head_k_dim)
         v = v.reshape(*shape, m.head_v_dim)
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
-        core = linear_scan(self.cp, lay, self.kind(q.device), (q, k, v, g, b.sigmoid()))
-        out = m.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
-        return m.out_proj(out.reshape(z.shape).reshape(z.shape[0], z.shape[1], -1))
+        beta = b.sigmoid() * 2.0 if getattr(m, "allow_neg_eigval", False) else b.sigmoid()   # OLMo: beta in [0, 2]
+        core = linear_scan(self.cp, lay, self.kind(q.device), (q, k, v, g, beta))
+        norm, out_proj = (m.o_norm, m.o_proj) if hasattr(m, "o_norm") else (m.norm, m.out_proj)
+        out = norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
+        return out_proj(out.reshape(z.shape).reshape(z.shape[0], z.shape[1], -1))
 
 
 def _projections(m: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The block's own input projections: (q|k|v before the convolution [B, S, 2 key_dim + value_dim],
-    the gate z [B, S, Hv, dv], b and a [B, S, Hv]), for Qwen3-Next's fused and Qwen3.5's separate ones."""
+    the gate z [B, S, Hv, dv], b and a [B, S, Hv]), for Qwen3-Next's fused, Qwen3.5's and OLMo hybrid's separate
+    ones."""
     if hasattr(m, "in_proj_qkvz"):   # Qwen3-Next: fused projections, interleaved per key head
         q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
         return torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1), z, b, a
+    if hasattr(m, "g_proj"):   # OLMo hybrid: q, k, v, a, b each its own projection, the gate from g_proj
+        z = m.g_proj(h)
+        qkv = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
+        return qkv, z.reshape(z.shape[0], z.shape[1], -1, m.head_v_dim), m.b_proj(h), m.a_proj(h)
     z = m.in_proj_z(h)
     return m.in_proj_qkv(h), z.reshape(z.shape[0], z.shape[1], -1, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
 
@@ -307,6 +319,34 @@ class _LightningForward:
         return m.out_proj(torch.sigmoid(m.output_gate(hidden_states)) * out), None
 
 
+class _KimiDeltaForward:
+    """Kimi Delta Attention (Kimi Linear's, Ling 2.5's): q|k|v -> act(causal_conv); the forget gate's per-channel
+    log-decay g [B, S, H, dk] and beta = sigmoid(b_proj); the gated delta rule (`GatedDelta` on transformers' torch
+    `chunk_kimi_delta_attention`: the state's columns still evolve independently, so the probe holds); o_norm gated by
+    Kimi's low-rank g_a/g_b projection or Ling's g_proj; o_proj."""
+
+    def __init__(self, module: torch.nn.Module, cp: CPMesh):
+        self.module, self.cp = module, cp
+        self.kind = GatedDelta(_reference_kernel(module, "chunk_kimi_delta_attention", KDA_CLASSES),
+                               use_qk_l2norm_in_kernel=True)
+
+    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
+                 **kwargs: Any) -> torch.Tensor:
+        from transformers.activations import ACT2FN
+
+        m = self.module
+        lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
+        h = _masked(hidden_states, attention_mask)
+        mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
+        weight = m.conv1d.weight.squeeze(1)
+        mixed = ACT2FN[m.activation](causal_conv(self.cp, lay, mixed.to(weight.dtype), weight, m.conv1d.bias))
+        shape = (h.shape[0], h.shape[1], -1, m.head_dim)
+        q, k, v = (x.reshape(shape) for x in mixed.to(h.dtype).split([m.qkv_dim] * 3, dim=-1))
+        core = linear_scan(self.cp, lay, self.kind, (q, k, v, m.forget_gate(h), torch.sigmoid(m.b_proj(h))))
+        gate = m.g_proj(h) if hasattr(m, "g_proj") else m.g_b_proj(m.g_a_proj(h))
+        return m.o_proj(m.o_norm(core, gate.reshape(shape)).reshape(h.shape[0], h.shape[1], -1))
+
+
 def _masked(h: torch.Tensor, attention_mask: Any) -> torch.Tensor:
     """What the mixers do with a padding mask (the pre-hook drops right-padding masks)."""
     return h if attention_mask is None else (h * attention_mask[:, :, None]).to(h.dtype)
@@ -315,7 +355,14 @@ def _masked(h: torch.Tensor, attention_mask: Any) -> torch.Tensor:
 # routed class names -> the forward that replaces theirs
 _ROUTES = ((GATED_DELTANET_CLASSES, _GatedDeltaNetForward), (MAMBA2_CLASSES, _Mamba2Forward),
            (SHORT_CONV_CLASSES, _ShortConvForward), (MAMBA_CLASSES, _MambaForward),
-           (LIGHTNING_CLASSES, _LightningForward))
+           (LIGHTNING_CLASSES, _LightningForward), (KDA_CLASSES, _KimiDeltaForward))
+# every routed mixer class (the guard, `model_support`, accepts these in the families verified with them)
+ROUTED_CLASSES = tuple(name for names, _ in _ROUTES for name in names)
+
+
+def is_routed(module: torch.nn.Module) -> bool:
+    """Whether `route_linear_layers` gives this module its own forward (a mixer in `ROUTED_CLASSES`)."""
+    return _model_class(module, ROUTED_CLASSES) is not None
 
 
 def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
@@ -336,4 +383,5 @@ def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
 
 
 __all__ = ["CUDA_KERNELS", "KERNEL_ENV", "KERNEL_CHOICES", "cuda_kernel", "kernel_choice", "GATED_DELTANET_CLASSES",
-           "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "MAMBA_CLASSES", "LIGHTNING_CLASSES", "route_linear_layers"]
+           "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "MAMBA_CLASSES", "LIGHTNING_CLASSES", "KDA_CLASSES", "ROUTED_CLASSES",
+           "is_routed", "route_linear_layers"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ShapeError
-from .linear_layers import GATED_DELTANET_CLASSES, LIGHTNING_CLASSES, MAMBA2_CLASSES, MAMBA_CLASSES, SHORT_CONV_CLASSES
+from .linear_layers import ROUTED_CLASSES
 from .router_aux import router_aux_refusal
 
 # The classes of a Llama-like dense family and of a Mixtral-like MoE family, after the family's stem.
@@ -48,6 +48,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "aria_text": ("Aria", "Experts SharedExpertsMLP TextAttention TextDecoderLayer TextForCausalLM "
                           "TextMoELayer TextModel TextRMSNorm TextRotaryEmbedding TextTopKRouter"),
     "axk1": ("AXK1", MLA_MOE),
+    # hybrid: Ling 2.5's KDA (Kimi Delta Attention, routed by `linear_layers`), MLA with a head gate, MoE
+    "bailing_hybrid": ("BailingHybrid", "Attention DecoderLayer DeltaAttention Experts ForCausalLM MLP MoE Model "
+                                        "RMSNorm RotaryEmbedding TopkRouter"),
     "beam": ("Beam", DENSE),
     "bitnet": ("BitNet", DENSE),
     "cohere": ("Cohere", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
@@ -75,6 +78,14 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "gemma3_text": ("Gemma3", "Attention DecoderLayer ForCausalLM MLP "
                               "RMSNorm RotaryEmbedding TextModel TextScaledWordEmbedding"),
     "gemma2": ("Gemma2", GEMMA2),
+    # Gemma 4 text: per-layer head dims and kv heads, KV sharing across layers (the reusing layers run the ring on
+    # the stored layer's K/V shard again), per-layer embeddings (token lookups), MoE beside the MLP
+    # Gemma 3n text: KV sharing and per-layer embeddings as Gemma 4; AltUp, Laurel and the MLPs' Gaussian top-k act on
+    # each token's hidden vector
+    "gemma3n_text": ("Gemma3n", "ForCausalLM RMSNorm RotaryEmbedding TextAltUp TextAttention TextDecoderLayer "
+                                "TextLaurelBlock TextMLP TextModel TextScaledWordEmbedding"),
+    "gemma4_text": ("Gemma4", "ForCausalLM RMSNorm TextAttention TextDecoderLayer TextExperts TextMLP TextModel "
+                              "TextRotaryEmbedding TextRouter TextScaledWordEmbedding"),
     "glm": ("Glm", DENSE),
     "glm4": ("Glm4", DENSE),
     "glm4_moe": ("Glm4Moe", "Attention DecoderLayer Experts ForCausalLM MLP "
@@ -114,6 +125,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                        "RMSNorm SparseMoeBlock TopKRouter"),
     "jetmoe": ("JetMoe", "Attention DecoderLayer ForCausalLM MoA MoE "
                          "Model ParallelExperts RMSNorm RotaryEmbedding TopKGating"),
+    # hybrid: KDA (routed by `linear_layers`), MLA without rotary, MoE
+    "kimi_linear": ("KimiLinear", "Attention DecoderLayer DeltaAttention Experts ForCausalLM MLP MoE Model RMSNorm "
+                                  "TopkRouter"),
     "kolibri1": ("Kolibri1", "Attention DecoderLayer Experts ForCausalLM MLP "
                              "Model RMSNorm RotaryEmbedding SparseMoeBlock TopKRouter"),
     # hybrid: gated short convolutions (`Lfm2ShortConv`, the halo) routed by `linear_layers`, and attention
@@ -158,6 +172,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "opt": ("OPT", "Attention Decoder DecoderLayer ForCausalLM LearnedPositionalEmbedding Model"),
     "olmo": ("Olmo", "Attention DecoderLayer ForCausalLM LayerNorm MLP Model RotaryEmbedding"),
     "olmo2": ("Olmo2", DENSE),
+    # hybrid: Gated DeltaNet with separate projections and beta in [0, 2] (routed by `linear_layers`), attention
+    "olmo_hybrid": ("OlmoHybrid", "Attention AttentionDecoderLayer ForCausalLM GatedDeltaNet LinearAttentionDecoderLayer "
+                                  "MLP Model RMSNorm RMSNormGated RotaryEmbedding"),
     "olmo3": ("Olmo3", DENSE),
     "olmoe": ("Olmoe", MOE),
     "persimmon": ("Persimmon", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
@@ -185,6 +202,10 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     "starcoder2": ("Starcoder2", "Attention DecoderLayer ForCausalLM MLP Model RotaryEmbedding"),
     "vaultgemma": ("VaultGemma", GEMMA2),
     "youtu": ("Youtu", DENSE),
+    # hybrid: Mamba2 layers (routed by `linear_layers`) and shared (tied) attention blocks on [hidden | embeddings]
+    # with per-use LoRA adapters (module head chunks skip them)
+    "zamba2": ("Zamba2", "Attention AttentionDecoderLayer ForCausalLM HybridLayer MLP MambaDecoderLayer MambaMixer "
+                         "Model RMSNorm RMSNormGated RotaryEmbedding"),
 }
 
 # families whose modules are token-wise but whose training step cannot equal the single-process one, with why
@@ -210,16 +231,13 @@ ROUTED_LAYER_TYPES = ("linear_attention",)
 # per family, the further layer kinds that act token by token or pair attention with a routed mixer
 # (Nemotron-H's MoE and MLP blocks; Falcon-H1's 'hybrid' layers: attention and a Mamba2 mixer in parallel)
 FAMILY_LAYER_TYPES = {"nemotron_h": ("moe", "mlp"), "falcon_h1": ("hybrid",), "lfm2": ("conv",), "lfm2_moe": ("conv",),
-                      "lfm3": ("conv",)}
+                      "lfm3": ("conv",), "zamba2": ("hybrid",)}
 # families whose attention modules call ALL_ATTENTION_FUNCTIONS.get_interface although their model class
 # leaves `_supports_attention_backend` False (read in their modeling code; the parity test proves it)
 REGISTRY_DISPATCH = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1", "jamba", "qwen3_5_moe_text",
-                     "lara_mini")
+                     "lara_mini", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "zamba2")
 # families without attention modules: nothing to dispatch through the registry
 ATTENTION_FREE = ("mamba2", "mamba", "falcon_mamba")
-# mixers whose token mixing `linear_layers` makes context parallel (their submodules, e.g. the short
-# convolution, are covered by it)
-ROUTED_MIXERS = GATED_DELTANET_CLASSES + MAMBA2_CLASSES + SHORT_CONV_CLASSES + MAMBA_CLASSES + LIGHTNING_CLASSES
 
 # what a module that mixes tokens outside the attention function is, by its class name (for the message:
 # the allow-list refuses them whether or not a pattern matches)
@@ -359,7 +377,7 @@ def _module_refusals(model: torch.nn.Module, verified: set[str]) -> tuple[list[s
         where = f"{name or '<model>'} ({cls.__name__})"
         if any(name.startswith(f"{r}.") for r in routed):
             continue
-        if cls.__name__ in ROUTED_MIXERS and cls.__name__ in verified:
+        if cls.__name__ in ROUTED_CLASSES and cls.__name__ in verified:
             routed.append(name)
             continue
         if _tokenwise(cls) or cls.__name__ in verified:

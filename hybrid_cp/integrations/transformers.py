@@ -46,7 +46,7 @@ from ..engine.modulechunk import Projected, pipelined_module_chunks
 from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.loss import cross_entropy
-from .linear_layers import route_linear_layers
+from .linear_layers import is_routed, route_linear_layers
 from .model_support import check_attention_kwargs, check_head_layout, check_model
 from .rope import route_rotaries, row_extent
 from .router_aux import install_router_aux
@@ -422,7 +422,8 @@ def _chunk_attention_modules(model: torch.nn.Module, cp: CPMesh, head_chunks: in
                              keep_attention_output: bool | None) -> None:
     """`apply_context_parallel`'s head chunks: module-level where `_chunk_module` can, else inside `hcp.attention`
     (logged when head chunks were asked for)."""
-    named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
+    # linear-attention mixers named self_attn (Kimi's, Ling's KDA) keep their routed forward
+    named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn") and not is_routed(m)]
     attention_modules = [m for _, m in named]
     layers = [weakref.ref(model.get_submodule(name.rpartition(".")[0])) if "." in name else None for name, _ in named]
     chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1, layer, keep_attention_output)

@@ -44,6 +44,16 @@ VARIANTS = {
     # build without layer_types), the second layer's MLP an MoE block
     "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),   # rotary on half of the tiny head dim (16)
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    # Gemma 4: sliding and full layers with their own head dim, kv heads (one, keys = values) and partial rotary; the
+    # last two layers reuse the K/V of the first two (KV sharing); per-layer embeddings; MoE beside the MLP
+    "gemma4_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
+                        num_kv_shared_layers=2, global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, final_logit_softcapping=5.0,
+                        enable_moe_block=True, top_k_experts=2),
+    # Gemma 3n: the same KV sharing and per-layer embeddings, AltUp, Laurel, Gaussian top-k sparsity in two MLPs
+    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
+                         num_kv_shared_layers=2, intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95] * 2 + [0.0] * 2,
+                         laurel_rank=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
 }
 
@@ -55,13 +65,22 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _has_field(config, name: str) -> bool:
+    """hasattr, except that a per-layer field of a heterogeneous config (Gemma 4's head_dim), which raises when read
+    globally, counts as present."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return True
+
+
 def tiny_config(model_type: str, **overrides):
     """The family's default configuration with every size field it has made tiny (and `VARIANTS`), token ids
     inside the tiny vocabulary. Raises whatever transformers raises when the family rejects the tiny sizes."""
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
-    kwargs = {k: v for k, v in TINY.items() if hasattr(base, k)}
+    kwargs = {k: v for k, v in TINY.items() if _has_field(base, k)}
     if getattr(base, "kv_lora_rank", None) is not None:
         kwargs.update({k: v for k, v in MLA.items() if hasattr(base, k)})
     kwargs.update(VARIANTS.get(model_type, {}))
