@@ -332,7 +332,7 @@ def mesh_logs(local_world_size: int) -> list[tuple[str, str]]:
 
 FUZZ_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 # relative error in the norm against fp64 on drawn shapes (down to one token, where dq is 0): fp64 round-off
-# (worst MEASURE), fp32 round-off (worst MEASURE), bf16 one rounding of inputs and output (worst MEASURE)
+# (worst 4.5e-15), fp32 round-off (worst 6.6e-7, 300x), bf16 one rounding of inputs and output (worst 4.0e-3, 7.6x)
 FUZZ_LIMITS = {"fp64": 1e-9, "fp32": 2e-4, "bf16": 3e-2}
 
 

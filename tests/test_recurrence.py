@@ -12,9 +12,9 @@ from topology.layouts import layout_of
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
 # a length-1 document, documents shorter than the cp degree, a long one among short ones
 DOCS = (1, 3, 19, 2, 1, 7)
-# fp64 round-off of chained decays and state carries against the full-sequence fp64 run: worst MEASURE
+# fp64 round-off of chained decays and state carries against the full-sequence fp64 run: worst 1.3e-15 (Mamba2 dA)
 FP64 = 1e-10
-# transformers' chunked torch kernels compute in fp32: worst MEASURE
+# transformers' chunked torch kernels compute in fp32: worst 7.2e-7 (Mamba2 d(dt_bias), (4, 2)), 14x
 FP32 = 1e-5
 
 

