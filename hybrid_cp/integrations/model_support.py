@@ -62,6 +62,9 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                                   "TopkRouter"),
     "deepseek_v3": ("DeepseekV3", MLA_MOE),
     "diffllama": ("DiffLlama", DENSE),
+    # looped middle layers (the same weights run n_recurrent_loops times), L2-normalised residual stream, gated
+    # attention with a sub-norm, per-vocabulary logit scale
+    "dory": ("Dory", "Attention DecoderLayer ForCausalLM L2Norm LMHead MLP Model RotaryEmbedding"),
     "ernie4_5": ("Ernie4_5", DENSE),
     "exaone": ("Llama", DENSE),
     "ernie4_5_moe": ("Ernie4_5_Moe", "Attention DecoderLayer Experts ForCausalLM MLP Model RMSNorm RotaryEmbedding "
