@@ -11,9 +11,9 @@ from hybrid_cp.testing.families import build, tiny_config
 
 pytest.importorskip("transformers")
 
-# fp32 round-off of one tiny-model step against one process (relative to each tensor's largest entry): the loss
-# (worst MEASURE), the logits (worst MEASURE) and the worst parameter gradient, through fp32 chunked linear
-# kernels that cut their sums where the shards end (worst MEASURE)
+# fp32 round-off of one tiny-model step against one process (relative to each tensor's largest entry): the loss,
+# the logits and the worst parameter gradient, through fp32 chunked linear kernels that cut their sums where the
+# shards end (not recorded with tests/tolerance.py yet: the Qwen3.5 packed note below is the known worst)
 LOSS, LOGITS, GRAD = 1e-5, 1e-4, 1e-4
 
 
