@@ -7,6 +7,9 @@ document on its own (packed), in fp64."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 from dist_cases import mesh
@@ -104,10 +107,11 @@ def scan_parity(u: int, r: int, cases: list[tuple[str, tuple[int, ...] | None, s
     return [scan_case(cp, *case) for case in cases]
 
 
-def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int = 37, b: int = 2) -> dict:
+def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, exchange: str | None = None, n: int = 37,
+              b: int = 2) -> dict:
     """Errors (forward, then the gradient of each input) of the gated delta rule and the causal conv
     against the fp64 references; kernel "naive" runs in fp64, "hf" (transformers' chunked torch
-    function) in fp32."""
+    function) in fp32; `exchange` forces the summaries' "gather" or "scan" (None: the cost model's choice)."""
     cu = None
     if docs is not None:
         b, n = 1, sum(docs)
@@ -128,7 +132,9 @@ def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int
         return _per_document(lambda *t: naive_gated_delta(*t, use_qk_l2norm_in_kernel=True)[0], xs, docs)
 
     ref = _grads(ref_gdn, inputs, dout)
-    got = _grads(lambda *xs: linear_scan(cp, lay, kind, xs), [local(x) for x in inputs], local(dout))
+    forced = mock.patch("hybrid_cp.engine.recurrence.exchange_kind", lambda *a: exchange)
+    with forced if exchange else contextlib.nullcontext():
+        got = _grads(lambda *xs: linear_scan(cp, lay, kind, xs), [local(x) for x in inputs], local(dout))
     x, w, bias, dconv = _conv_inputs(n, b, n)
     conv_ref = _grads(lambda xx, ww, bb: _per_document(lambda t: _conv_ref(t, ww, bb), (xx,), docs), (x, w, bias),
                       dconv)
@@ -137,10 +143,11 @@ def scan_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: int
     # weight and bias gradients are partial sums over this rank's rows: sum them over the cp group
     for t in conv_got[2:]:
         torch.distributed.all_reduce(t, group=cp.cp_group)
-    sent = hcp.comm_bytes(cp)
+    sent = {k: v for k, v in hcp.comm_bytes(cp).items() if v}
     hv, dk, dv = inputs[2].shape[2], inputs[1].shape[-1], inputs[2].shape[-1]
     size = torch.finfo(dtype).bits // 8
-    predicted = linear_layer_bytes(lay, cp.size, b, hv * dk * (dk + dv), w.shape[-1] - 1, x.shape[-1], size, size)
+    predicted = linear_layer_bytes(lay, cp.size, b, hv * dk * (dk + dv), w.shape[-1] - 1, x.shape[-1], size, size,
+                                   transition_numel=hv * dk * dk, rank=cp.rank, exchange=exchange)
     conv_err = _errors(cp, lay, conv_got[:2], conv_ref[:2])
     conv_err += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(conv_got[2:], conv_ref[2:])]
     return {"gdn": dict(zip(("out", "dq", "dk", "dv", "dg", "dbeta"), _errors(cp, lay, got, ref))),
@@ -240,7 +247,7 @@ def mamba_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: in
     want = _grads(ref, seq + params, dout)
     local = [shard_tokens(x.to(dtype), cp, 1, lay) for x in seq]
     got = _grads(got_fn, local + [p.to(dtype) for p in params], shard_tokens(dout.to(dtype), cp, 1, lay))
-    sent = hcp.comm_bytes(cp)
+    sent = {k: v for k, v in hcp.comm_bytes(cp).items() if v}
     for t in got[3:]:   # parameter gradients are partial sums over this rank's rows
         torch.distributed.all_reduce(t, group=cp.cp_group)
     errs = _errors(cp, lay, got[:3], want[:3])
@@ -248,7 +255,7 @@ def mamba_case(cp, layout: str, docs: tuple[int, ...] | None, kernel: str, n: in
     d, size = SSD_DIMS, torch.finfo(dtype).bits // 8
     conv_dim = seq[0].shape[-1]
     predicted = linear_layer_bytes(lay, cp.size, b, d["h"] * (1 + d["p"] * d["n"]), d["width"] - 1, conv_dim, size,
-                                   size)
+                                   size, transition_numel=d["h"], rank=cp.rank)
     names = ("out", "dxbc", "ddt", "dconv_w", "dconv_b", "dA", "dD", "ddt_bias")
     return {"mamba2": dict(zip(names, errs)), "bytes": (sent, predicted)}
 

@@ -152,7 +152,9 @@ def kinds_case(cp, layout: str, docs: tuple[int, ...] | None, precision: str, n:
         errs += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(got[1 + len(seq):],
                                                                                       want[1 + len(seq):])]
         halo = (d["width"] - 1, d["c"]) if name != "lightning" else (0, 0)
-        predicted = {k: v for k, v in linear_layer_bytes(lay, cp.size, b, state[name], *halo, size, size).items() if v}
+        predicted = linear_layer_bytes(lay, cp.size, b, state[name], *halo, size, size, rank=cp.rank,
+                                       transition_numel={"conv": 0, "mamba": state["mamba"] // 2,
+                                                         "lightning": d["heads"]}[name])
         out[name] = {"errors": errs, "bytes": (sent, predicted)}
     return out
 

@@ -93,3 +93,67 @@ def test_mamba2_transformers_kernel_fp32(pool, u, r):
     # transformers' torch chunked SSD (mamba2_chunk_scan, chunks of 8 tokens) computes in fp32
     cases = [("zigzag", None, "hf"), ("zigzag", DOCS, "hf"), ("contiguous", DOCS, "hf")]
     _check_cases(pool, "mamba_parity", u, r, cases, FP32)
+
+
+@pytest.mark.parametrize("u,r", [(2, 2), (1, 8)])
+def test_gated_delta_gather_path_fp64_exact(pool, u, r):
+    # the all-gather, where the cost model picks it (forced here: the scan wins on these rows), stays exact
+    cases = [(layout, docs, "naive", "gather") for layout in ("zigzag", "contiguous") for docs in (None, DOCS)]
+    _check_cases(pool, "scan_parity", u, r, cases, FP64)
+
+
+def _simulated_scan(lay, size):
+    """The scan's rounds run on scalar affine maps s -> m s + e, with an M that did not travel unusable (None):
+    {element: incoming state} of every continuing element, and the sequential composition to compare with."""
+    import random
+
+    from topology.summary_scan import summary_scan
+
+    plan = summary_scan(lay, size)
+    rng = random.Random(len(plan.elements))
+    own = [(None if not c else rng.uniform(0.5, 1.5), rng.uniform(-1, 1)) for _, _, c in plan.elements]
+
+    def then(late, early):   # late o early; a None M is zero (document start) or must not be used
+        m = None if late[0] is None or early[0] is None else late[0] * early[0]
+        return m, late[1] if late[0] is None else late[0] * early[1] + late[1]
+
+    prefix = {}
+    for transfers in plan.rounds:
+        sent = [(i, then(own[j], prefix[j]) if j in prefix else own[j], m) for j, i, m in transfers]
+        for i, (m, e), with_m in sent:
+            window = (m if with_m else None, e)
+            prefix[i] = then(prefix[i], window) if i in prefix else window
+    want, state = {}, None
+    for k, (_, _, cont) in enumerate(plan.elements):
+        if cont:
+            want[k] = state
+        state = own[k][1] if own[k][0] is None else own[k][0] * state + own[k][1]
+    return {k: prefix[k][1] for k in want}, want
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8, 16, 32])
+def test_scan_plan_gives_every_continuing_run_its_state(layout, size):
+    """Torch-free: the log-step scan's rounds (with the transfers and transitions it leaves out) give each
+    continuing run the composition of everything before it in its document, dense and packed rows."""
+    for docs in (None, [0, 1, 3, 20, 21, 40, 47, 53, 64], [0, 64], [0, 30, 31, 64]):
+        lay = layout_of(layout, 1, size, seq_len=None if docs else 64, cu_seqlens=docs)
+        got, want = _simulated_scan(lay, size)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert abs(got[k] - want[k]) <= 1e-9 * max(1.0, abs(want[k])), (layout, size, docs, k)
+
+
+def test_the_scan_moves_fewer_bytes_from_four_ranks_on():
+    """Dense rows: the busiest rank's scan bytes (forward + backward) against the all-gather's, Qwen3-Next-80B's
+    layer (32 value heads, dk = dv = 128): the rule picks the scan, and at P = 32 it moves under a fifth."""
+    from topology.summary_scan import exchange_kind, gather_bytes, scan_bytes
+
+    m = e = 32 * 128 * 128
+    for layout in ("zigzag", "contiguous"):
+        for size in (4, 8, 16, 32):
+            lay = layout_of(layout, 1, size, seq_len=1024 * size)
+            slots = exporting_runs(lay, size)
+            scan = max(sum(scan_bytes(lay, size, r, m, e)) for r in range(size))
+            assert exchange_kind(lay, size, slots, m, e) == "scan"
+            assert scan < 2 * gather_bytes(size, slots, m, e) / (5 if size == 32 else 1), (layout, size)

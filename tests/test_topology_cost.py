@@ -247,8 +247,12 @@ def test_linear_layer_bytes_and_the_hybrid_average(layout, u, r):
     attn = estimate(c, ModelShape(layers=4, **{k: v for k, v in base.items() if not k.startswith("linear")}),
                     4096, u, r, layout=layout)
     lay = make_layout(layout, u, r, seq_len=4096)
-    assert lin.bytes_per_rank == linear_layer_bytes(lay, u * r, 1, 4 * 16 * 48, 3, 2 * 2 * 16 + 4 * 32, 2, 4)
-    assert lin.bytes_per_rank["linear_state_fwd"] == (u * r - 1) * (2 if layout == "zigzag" else 1) * 4 * 16 * 48 * 4
+    assert lin.bytes_per_rank == linear_layer_bytes(lay, u * r, 1, 4 * 16 * 48, 3, 2 * 2 * 16 + 4 * 32, 2, 4,
+                                                    transition_numel=4 * 16 * 16)
+    # the summaries travel by the log-step scan here, under the all-gather's (P - 1) x slots x (M + E)
+    gather = linear_layer_bytes(lay, u * r, 1, 4 * 16 * 48, 3, 2 * 2 * 16 + 4 * 32, 2, 4, exchange="gather")
+    assert gather["linear_state_fwd"] == (u * r - 1) * (2 if layout == "zigzag" else 1) * 4 * 16 * 48 * 4
+    assert lin.bytes_per_rank["linear_state_fwd"] < gather["linear_state_fwd"]
     assert lin.attention_s == lin.a2a_s == lin.ring_exposed_s == 0 and lin.linear_s > 0 and lin.linear_comm_s > 0
     hyb = estimate(c, ModelShape(layers=4, linear_layers=3, **base), 4096, u, r, layout=layout)
     assert hyb.linear_share == 0.75

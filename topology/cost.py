@@ -27,6 +27,7 @@ from .cluster import Cluster
 from .layouts import head_split, layout_of, make_layout
 from .placement import PlacementError, ring_groups, ulysses_groups
 from .rates import ATTN_BWD_FACTOR, merge_bwd_bytes, merge_fwd_bytes
+from .summary_scan import exchange_kind, scan_bytes, summary_scan
 from .units import FP32_BYTES, check_counts, dtype_bytes, dtype_name
 
 __all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS",
@@ -127,6 +128,15 @@ class ModelShape(BaseModel):
             return 0
         h, dk, dv = self.linear_heads, self.linear_key_dim, self.linear_value_dim
         return h * dk * (dk + dv) if self.linear_kind == "gated_delta" else h * (1 + dv * dk)
+
+    @property
+    def linear_transition_numel(self) -> int:
+        """The transition M's share of `linear_state_numel` (the scan leaves it out where it is not used):
+        Gated DeltaNet Hv*dk*dk, Mamba2 H."""
+        if not self.linear_layers:
+            return 0
+        h, dk = self.linear_heads, self.linear_key_dim
+        return h * dk * dk if self.linear_kind == "gated_delta" else h
 
     @property
     def linear_conv_channels(self) -> int:
@@ -932,22 +942,31 @@ def exporting_runs(lay: Any, size: int) -> int:
 
 
 def linear_layer_bytes(lay: Any, size: int, batch: int, state_numel: int, halo_rows: int = 0, channels: int = 0,
-                       act_bytes: int = 2, state_bytes: int = FP32_BYTES) -> dict[str, int]:
-    """Bytes one rank sends per linear layer, forward and backward: the all-gather of every exporting
-    run's summary (`state_numel` numbers per batch row: Gated DeltaNet Hv*dk*(dk+dv) for M and E,
-    Mamba2 H*(1+P*N)) in fp32, and of its last `halo_rows` pre-convolution rows of `channels`; each
-    direction (P - 1) x this rank's slots. Keys as `hcp.comm_bytes` reports them."""
+                       act_bytes: int = 2, state_bytes: int = FP32_BYTES, *, transition_numel: int = 0,
+                       rank: int | None = None, exchange: str | None = None) -> dict[str, int]:
+    """Bytes one rank sends per linear layer, forward and backward: the exchange of every exporting run's summary
+    (`state_numel` numbers per batch row, of which `transition_numel` are M: Gated DeltaNet Hv*dk*(dk+dv) with
+    Hv*dk*dk, Mamba2 H*(1+P*N) with H) in fp32, and the all-gather of its last `halo_rows` pre-convolution rows
+    of `channels`. The summaries travel as `topology.summary_scan.exchange_kind` picks (`exchange` forces one):
+    all-gathered, each direction (P - 1) x slots x the summary on every rank, or by the log-step scan, what
+    `rank` sends (None: the busiest rank, per stage). Keys as `hcp.comm_bytes` reports them; stages that send
+    nothing are left out."""
     if size == 1:
         return {}
     slots = exporting_runs(lay, size)
     if not slots:
         return {}
-    state = (size - 1) * slots * batch * state_numel * state_bytes
-    out = {"linear_state_fwd": state, "linear_state_bwd": state}
+    m, e = transition_numel, state_numel - transition_numel
+    if (exchange or exchange_kind(lay, size, slots, m, e)) == "scan":
+        sent = [scan_bytes(lay, size, r, m, e) for r in (range(size) if rank is None else [rank])]
+        fwd, bwd = (max(x[d] for x in sent) * batch * state_bytes for d in (0, 1))
+    else:
+        fwd = bwd = (size - 1) * slots * batch * state_numel * state_bytes
+    out = {"linear_state_fwd": fwd, "linear_state_bwd": bwd}
     if halo_rows and channels:
         halo = (size - 1) * slots * batch * halo_rows * channels * act_bytes
         out.update(linear_halo_fwd=halo, linear_halo_bwd=halo)
-    return out
+    return {k: v for k, v in out.items() if v}
 
 
 # FLOPs per token of the chunked recurrences (forward; backward is LINEAR_BWD_FACTOR x forward: each forward
@@ -995,20 +1014,28 @@ def _linear_compute_s(call: _Call, model: ModelShape, acc: Any) -> float:
     return worst * call.batch * (1 + (LINEAR_BWD_FACTOR if call.backward else 0)) / acc.dense_flops
 
 
-def _linear_comm_s(cluster: Cluster, call: _Call, nbytes: dict[str, int]) -> tuple[float, str]:
-    """The summary all-gather (forward) and its reduce-scatter (backward) over the cp group, as the
-    ring algorithm runs them: P - 1 hops of one slot each at the slowest hop's link, nothing to hide
-    behind (the correction waits for it). Bytes are :func:`linear_layer_bytes`'."""
-    size = call.ulysses * call.ring
+def _linear_comm_s(cluster: Cluster, call: _Call, model: ModelShape, nbytes: dict[str, int]) -> tuple[float, str]:
+    """The summary exchange (forward) and its gradients (backward) over the cp group, nothing to hide behind
+    (the correction waits for it): the all-gather as the ring algorithm runs it, P - 1 hops at the slowest
+    hop's link, or the log-step scan, one latency per round at the slowest link a transfer takes. Bytes are
+    :func:`linear_layer_bytes`' (the busiest rank's)."""
+    size, lay = call.ulysses * call.ring, call.lay
     if size == 1 or not nbytes:
         return 0.0, "none"
-    group = list(range(size))
-    tier = max(cluster.tier(group[k], group[(k + 1) % size]) for k in range(size))
+    m = model.linear_transition_numel
+    scan = exchange_kind(lay, size, exporting_runs(lay, size), m, model.linear_state_numel - m) == "scan"
+    if scan:
+        plan = summary_scan(lay, size)
+        pairs = {(plan.elements[j][0], plan.elements[i][0]) for t in plan.rounds for j, i, _ in t}
+        pairs = [(a, b) for a, b in pairs if a != b] or [(0, 1)]
+    else:
+        pairs = [(k, (k + 1) % size) for k in range(size)]
+    tier = max(cluster.tier(a, b) for a, b in pairs)
     link = cluster.tier_link(tier)
     bw = _bandwidth(link, call.dp > 1)
     fwd = nbytes.get("linear_state_fwd", 0) + nbytes.get("linear_halo_fwd", 0)
     bwd = nbytes.get("linear_state_bwd", 0) + nbytes.get("linear_halo_bwd", 0) if call.backward else 0
-    hops = (size - 1) * (2 if call.backward else 1)
+    hops = (len(summary_scan(lay, size).rounds) if scan else size - 1) * (2 if call.backward else 1)
     return hops * link.latency_us * 1e-6 + (fwd + bwd) / bw, cluster.tier_name(tier)
 
 
@@ -1079,10 +1106,11 @@ def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: in
                              f"{cluster.world_size} GPUs")
     lay, acc, size = call.lay, cluster.accelerator, ulysses * ring
     nbytes = linear_layer_bytes(lay, size, batch, model.linear_state_numel, model.linear_conv - 1,
-                                model.linear_conv_channels, call.e, max(FP32_BYTES, call.e))
+                                model.linear_conv_channels, call.e, max(FP32_BYTES, call.e),
+                                transition_numel=model.linear_transition_numel)
     if not backward:
         nbytes = {k: v for k, v in nbytes.items() if not k.endswith("_bwd")}
-    comm_s, link = _linear_comm_s(cluster, call, nbytes)
+    comm_s, link = _linear_comm_s(cluster, call, model, nbytes)
     gemm = (6.0 if backward else 2.0) * model.linear_layer_params
     useful = linear_flops_per_token(model, False) * (1 + (LINEAR_BWD_FACTOR if backward else 0)) + gemm
     return Estimate(

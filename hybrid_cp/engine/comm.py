@@ -296,3 +296,49 @@ def gather_summaries(cp: "CPMesh", x: torch.Tensor, stage: str) -> torch.Tensor:
     if torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_()
     return _GatherSummaries.apply(x, cp, stage)
+
+
+class _SummaryExchange(torch.autograd.Function):
+    """One round of point-to-point summary transfers over the cp group: `sent[k]` to cp rank `to[k]`, a flat
+    tensor of `sizes[k]` numbers from cp rank `frm[k]`; the backward returns each received tensor's gradient to
+    its sender. `tie` chains the rounds, so that every rank runs their backwards in the same order."""
+
+    @staticmethod
+    def forward(ctx, tie: torch.Tensor, cp: "CPMesh", stage: str, to: tuple, frm: tuple, sizes: tuple,
+                *sent: torch.Tensor):
+        ctx.cp, ctx.stage, ctx.to, ctx.frm = cp, stage, to, frm
+        ctx.sent = [(t.numel(), t.dtype, t.device) for t in sent]
+        dtype = sent[0].dtype if sent else tie.dtype
+        got = [torch.empty(n, dtype=dtype, device=tie.device) for n in sizes]
+        _p2p(cp, stage + "_fwd", [t.contiguous() for t in sent], to, got, frm)
+        return (tie.clone(), *got)
+
+    @staticmethod
+    def backward(ctx, tie_grad: torch.Tensor, *grads: torch.Tensor):
+        back = [torch.zeros(n, dtype=d, device=dev) for n, d, dev in ctx.sent]
+        out = [torch.zeros_like(g) if g is None else g.contiguous() for g in grads]
+        _p2p(ctx.cp, ctx.stage + "_bwd", out, ctx.frm, back, ctx.to)
+        return (tie_grad, None, None, None, None, None, *back)
+
+
+def _p2p(cp: "CPMesh", stage: str, send: list, to: tuple, recv: list, frm: tuple) -> None:
+    """Post every send and receive of one round at once and wait for them (counted: the bytes sent)."""
+    if not send and not recv:
+        return
+    count(cp, stage, sum(t.numel() * t.element_size() for t in send))
+    peer = [dist.get_global_rank(cp.cp_group, r) for r in range(cp.size)]
+    ops = [dist.P2POp(dist.isend, t, peer[r], cp.cp_group) for t, r in zip(send, to)]
+    ops += [dist.P2POp(dist.irecv, t, peer[r], cp.cp_group) for t, r in zip(recv, frm)]
+    with comm_guard(cp, f"the summary scan ({stage})"):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def exchange_summaries(cp: "CPMesh", tie: torch.Tensor, send: dict[int, torch.Tensor], recv: dict[int, int],
+                       stage: str) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One round of a summary scan: send `send[r]` (flat) to cp rank r, receive `recv[r]` numbers from cp rank
+    r; differentiable (the gradients travel back). Returns (the next round's `tie`, {r: received}); stages
+    `<stage>_fwd` / `<stage>_bwd` in `comm_bytes`."""
+    to, frm = tuple(sorted(send)), tuple(sorted(recv))
+    tie, *got = _SummaryExchange.apply(tie, cp, stage, to, frm, tuple(recv[r] for r in frm), *(send[r] for r in to))
+    return tie, dict(zip(frm, got))

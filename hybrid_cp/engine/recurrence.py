@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from topology.layouts import PAD, Layout
+from topology.summary_scan import SummaryScan, exchange_kind, summary_scan
 
-from .comm import gather_summaries
+from .comm import exchange_summaries, gather_summaries
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -121,6 +122,9 @@ class RecurrenceKind(Protocol):
     def apply(self, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """M applied to a state."""
 
+    def chain(self, late: torch.Tensor, early: torch.Tensor) -> torch.Tensor:
+        """The transition of two runs in a row (`late` after `early`)."""
+
     def correct(self, out: torch.Tensor, aux: torch.Tensor, s_in: torch.Tensor) -> torch.Tensor:
         """The output of a run that receives `s_in`, from its zero-state output."""
 
@@ -159,7 +163,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 def linear_scan(cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequence[torch.Tensor],
                 stage: str = "linear_state") -> torch.Tensor:
     """The recurrence `kind` over the whole (global) sequence, for this rank's rows of `inputs`
-    ([B, local rows, ...] each): exact, documents reset the state; see the module docstring."""
+    ([B, local rows, ...] each): exact, documents reset the state; see the module docstring. The summaries
+    travel by all-gather or by a log-step scan, whichever `topology.summary_scan.exchange_kind` picks."""
     plan = scan_plan(lay, cp.size)
     outs, probes, exports = [], {}, {}
     for i, run in enumerate(plan.runs[cp.rank]):
@@ -173,14 +178,76 @@ def linear_scan(cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequenc
             (out, final), trans = kind.plain(xs, final=run.exports), None
         outs.append(out)
         if run.exports:
-            exports[plan.slot_of[(cp.rank, i)][1]] = (trans, final)
-    if plan.slots:
-        after, gathered = _gathered_states(cp, plan, kind, inputs, exports, stage)
+            exports[i] = (trans, final)
+    if not plan.slots:
+        return torch.cat(outs, dim=1)
+    m_shape, e_shape = kind.shapes(inputs)
+    if exchange_kind(lay, cp.size, plan.slots, _numel(m_shape), _numel(e_shape)) == "scan":
+        incoming, tie = _scanned_states(cp, summary_scan(lay, cp.size), kind, (m_shape, e_shape), exports,
+                                        inputs[0].new_zeros((), dtype=state_dtype(inputs[0])), stage)
         for i, aux in probes.items():
-            outs[i] = kind.correct(outs[i], aux, after[plan.pred[(cp.rank, i)]])
-        if not probes:   # the gather's backward (a collective) must run on every rank
-            outs[0] = outs[0] + (gathered.sum() * 0).to(outs[0].dtype)
+            outs[i] = kind.correct(outs[i], aux, incoming[i])
+        outs[0] = outs[0] + tie.to(outs[0].dtype)   # every rank runs every round's backward, in order
+        return torch.cat(outs, dim=1)
+    slots = {plan.slot_of[(cp.rank, i)][1]: summary for i, summary in exports.items()}
+    after, gathered = _gathered_states(cp, plan, kind, inputs, slots, stage)
+    for i, aux in probes.items():
+        outs[i] = kind.correct(outs[i], aux, after[plan.pred[(cp.rank, i)]])
+    if not probes:   # the gather's backward (a collective) must run on every rank
+        outs[0] = outs[0] + (gathered.sum() * 0).to(outs[0].dtype)
     return torch.cat(outs, dim=1)
+
+
+Summary = tuple["torch.Tensor | None", torch.Tensor]   # (M, or None where it is zero or not needed; E)
+
+
+def _then(kind: RecurrenceKind, late: Summary, early: Summary | None) -> Summary:
+    """`late o early` (`early` None: nothing before); a None M is zero (a document start) or unused."""
+    if early is None:
+        return late
+    m = None if late[0] is None or early[0] is None else kind.chain(late[0], early[0])
+    return m, late[1] if late[0] is None else kind.apply(late[0], early[1]) + late[1]
+
+
+def _scanned_states(cp: "CPMesh", scan: SummaryScan, kind: RecurrenceKind, shapes: tuple, exports: dict,
+                    tie: torch.Tensor, stage: str) -> tuple[dict, torch.Tensor]:
+    """The state entering each of this rank's continuing runs ({run index: E}) by the log-step scan
+    (`topology.summary_scan`), and the rounds' tie (0, to add to the output; `tie` a zero of the summaries'
+    dtype): a summary sent in one round is this rank's window, its own (M, E) after what it has received."""
+    (m_shape, e_shape), me = shapes, cp.rank
+    owner = [rank for rank, _, _ in scan.elements]
+    own = {e: exports.get(index, (None, None)) for e, (rank, index, _) in enumerate(scan.elements) if rank == me}
+    own = {e: (None if m is None else m.to(tie.dtype), None if s is None else s.to(tie.dtype))
+           for e, (m, s) in own.items()}
+    prefix: dict = {}
+    if torch.is_grad_enabled():
+        tie.requires_grad_()
+    for transfers in scan.rounds:
+        send: dict[int, list] = {}
+        local, sizes = [], {}
+        for j, i, with_m in transfers:
+            if owner[j] == me:
+                m, e = _then(kind, own[j], prefix.get(j))
+                parts = [e.reshape(-1)] + ([m.reshape(-1)] if with_m else [])
+                if owner[i] == me:
+                    local.append((i, (m if with_m else None, e)))
+                else:
+                    send.setdefault(owner[i], []).append(torch.cat(parts))
+            elif owner[i] == me:
+                sizes[owner[j]] = sizes.get(owner[j], 0) + _numel(e_shape) + (_numel(m_shape) if with_m else 0)
+        tie, got = exchange_summaries(cp, tie, {r: torch.cat(p) for r, p in send.items()}, sizes, stage)
+        at = dict.fromkeys(got, 0)
+        for j, i, with_m in transfers:
+            if owner[i] == me and owner[j] != me:
+                flat, start = got[owner[j]], at[owner[j]]
+                e = flat[start:start + _numel(e_shape)].view(e_shape)
+                m = flat[start + e.numel():start + e.numel() + _numel(m_shape)].view(m_shape) if with_m else None
+                at[owner[j]] = start + e.numel() + (m.numel() if with_m else 0)
+                local.append((i, (m, e)))
+        for i, window in local:
+            prefix[i] = _then(kind, prefix[i], window) if i in prefix else window
+    incoming = {scan.elements[e][1]: prefix[e][1] for e in own if scan.elements[e][2]}
+    return incoming, tie * 0
 
 
 def _halo(plan: ScanPlan, gathered: torch.Tensor, key: tuple, width: int) -> list[torch.Tensor]:
@@ -271,6 +338,9 @@ class GatedDelta:
     def apply(self, m, s):
         return m @ s
 
+    def chain(self, late, early):
+        return late @ early
+
     def correct(self, out, aux, s_in):
         return out + torch.einsum("bthk,bhkv->bthv", aux.to(s_in.dtype), s_in).to(out.dtype)
 
@@ -314,6 +384,9 @@ class Mamba2:
     def apply(self, m, s):
         return m[..., None, None] * s
 
+    def chain(self, late, early):
+        return late * early
+
     def correct(self, out, aux, s_in):
         return out + torch.einsum("bthn,bhpn->bthp", aux, s_in.to(aux.dtype)).to(out.dtype)
 
@@ -356,6 +429,9 @@ class Mamba:
 
     def apply(self, m, s):
         return m * s
+
+    def chain(self, late, early):
+        return late * early
 
     def correct(self, out, aux, s_in):
         return out + torch.einsum("btdn,bdn->btd", aux, s_in.to(aux.dtype)).to(out.dtype)
@@ -412,6 +488,9 @@ class Lightning:
 
     def apply(self, m, s):
         return m[..., None, None] * s
+
+    def chain(self, late, early):
+        return late * early
 
     def correct(self, out, aux, s_in):
         return out + torch.einsum("bthk,bhkv->bthv", aux, s_in.to(aux.dtype)).to(out.dtype)
