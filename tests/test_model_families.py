@@ -184,7 +184,7 @@ def test_verified_family_matches_single_process(pool, model_type):
 
 # families verified in this wave (#32): also packed rows on (2, 2) and both on a ring of four, one pool task per mesh
 NEW_FAMILIES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen", "seed_oss", "ernie4_5_moe", "afmoe", "laguna",
-                "gemma4_text", "gemma3n_text", "dory")
+                "gemma4_text", "gemma4_unified_text", "gemma3n_text", "dory")
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda m: f"u{m[0]}r{m[1]}")

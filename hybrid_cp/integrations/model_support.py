@@ -87,6 +87,8 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
     # each token's hidden vector
     "gemma3n_text": ("Gemma3n", "ForCausalLM RMSNorm RotaryEmbedding TextAltUp TextAttention TextDecoderLayer "
                                 "TextLaurelBlock TextMLP TextModel TextScaledWordEmbedding"),
+    "gemma4_unified_text": ("Gemma4Unified", "ForCausalLM RMSNorm TextAttention TextDecoderLayer TextMLP TextModel "
+                                             "TextRotaryEmbedding TextScaledWordEmbedding"),
     "gemma4_text": ("Gemma4", "ForCausalLM RMSNorm TextAttention TextDecoderLayer TextExperts TextMLP TextModel "
                               "TextRotaryEmbedding TextRouter TextScaledWordEmbedding"),
     "glm": ("Glm", DENSE),

@@ -50,6 +50,10 @@ VARIANTS = {
                         num_kv_shared_layers=2, global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, final_logit_softcapping=5.0,
                         enable_moe_block=True, top_k_experts=2),
+    # Gemma 4 unified (text): Gemma 4's attention and KV sharing without per-layer embeddings or MoE
+    "gemma4_unified_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                                sliding_window=16, num_kv_shared_layers=2, global_head_dim=32, attention_k_eq_v=True,
+                                num_global_key_value_heads=1, final_logit_softcapping=5.0),
     # Dory: one input layer, two looped twice with the same weights, one output layer (its defaults of 8 input and 8
     # output layers leave a tiny model a negative loop section)
     "dory": dict(num_hidden_layers=4, n_input_layers=1, n_output_layers=1, sliding_window=16),
