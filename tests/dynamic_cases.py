@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_cases import VOCAB, _full_grad, _rel, tiny_model
+from linear_cases import HYBRIDS
+from train_cases import _full_grad, _rel, tiny_model
 
 import hybrid_cp as hcp
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
@@ -20,9 +21,17 @@ SPLITS = {1: (1, 1), 2: (1, 2), 4: (2, 2)}   # ring-only, and ulysses x ring
 C = 24
 
 
-def _docs(step: int, lengths: list[int]) -> list[torch.Tensor]:
+def _docs(step: int, lengths: list[int], vocab: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def _model(kind: str):
+    """The tiny model of `kind`: a hand-made one (llama, gemma3), a hybrid family's (linear_cases.HYBRIDS), or
+    Llama 4's (chunked attention layers of 8 tokens, counted from each document's start, and NoPE layers)."""
+    if kind == "llama4_text":
+        return tiny_model(kind, None, generic=True, attention_chunk_size=8)
+    return tiny_model(kind, 2, generic=True, **HYBRIDS[kind]) if kind in HYBRIDS else tiny_model(kind)
 
 
 def _reference(model, docs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -66,24 +75,25 @@ STEPS8 = [[150, 70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5, 60, 18, 7], [180, 50,
 
 
 def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bool = False,
-                     eight: bool = False, kind: str = "llama") -> dict:
+                     eight: bool = False, kind: str = "llama", head_chunks: int = 1) -> dict:
     """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step (`fsdp`: the
     model sharded by FSDP2 over the family's shared all-ranks mesh; `flat_cost`: degrees priced alike, so
-    idle blocks are not doubled and idle ranks run placeholders)."""
+    idle blocks are not doubled and idle ranks run placeholders; `kind`: `_model`'s; `head_chunks`: chunks of
+    heads inside hcp.attention, which reads the call's mesh)."""
     splits = SPLITS8 if eight else SPLITS   # eight: the 8-rank pool, degrees 1/2/4/8
     cost = [Degree(k, u, r) for k, (u, r) in splits.items()] if flat_cost else None
     meshes = hcp.init_cp_meshes(sorted(splits), splits=splits, cost=cost)
-    model = apply_context_parallel(tiny_model(kind), meshes.mesh(1))   # gemma3: sliding-window layers too
+    model = apply_context_parallel(_model(kind), meshes.mesh(1), head_chunks=head_chunks, chunk_projections=False)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
         shard_model(model, meshes.mesh(1))
-    ref = tiny_model(kind)
+    ref = _model(kind)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     out = {"loss": [], "grad": [], "degrees": [], "microbatches": [], "idle": 0}
     steps = STEPS8 if eight else STEPS + ([[50, 40, 3]] if flat_cost else [])   # 3rd: rank 3 idle once
     for step, lengths in enumerate(steps):
-        docs = _docs(step, lengths)
+        docs = _docs(step, lengths, ref.config.vocab_size)
         sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
         loss, idle = _step(model, meshes, sched, docs)
         out["idle"] += idle
@@ -91,7 +101,9 @@ def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bo
             average_gradients(model)
         ref_loss, ref_grads = _reference(ref, docs)
         out["loss"].append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-        out["grad"].append(max(_rel(_full_grad(p), ref_grads[k]) for k, p in model.named_parameters()))
+        errs = {k: _rel(_full_grad(p), ref_grads[k]) for k, p in model.named_parameters()}
+        out["grad"].append(max(errs.values()))
+        out.setdefault("worst", []).append(max(errs, key=errs.get))
         out["degrees"].append(sorted({g.degree for mb in sched.microbatches for g in mb.groups if g.docs}))
         out["microbatches"].append(len(sched.microbatches))
         for opt in opts:
@@ -125,9 +137,11 @@ def family_shape() -> dict:
                "shared_world": m.dp_cp_group is meshes.mesh(1).dp_cp_group} for k, m in meshes.meshes.items()}
     chunked = apply_context_parallel(tiny_model("llama"), meshes.mesh(1))
     chunked.config.attention_chunk_size = 8   # as Llama 4's chunked layers
-    refused = {"head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2),
-               "attention_chunks": chunked}
-    for name, model in refused.items():   # unverified with per-micro-batch meshes: refused before any forward
+    models = {"head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2),
+              "engine_head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2,
+                                                           chunk_projections=False),
+              "attention_chunks": chunked, "gated_delta": apply_context_parallel(_model("qwen3_next"), meshes.mesh(1))}
+    for name, model in models.items():   # module chunks cut heads for the patch-time mesh: refused before a forward
         try:
             with use_mesh(model, meshes.mesh(2)):
                 pass

@@ -20,7 +20,11 @@ def pool4():
 
 def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
     for rank, res in enumerate(pool4.run("dynamic_cases:family_shape")):
-        assert "module chunks" in res.pop("head_chunks") and "attention_chunk_size" in res.pop("attention_chunks")
+        refused = res.pop("head_chunks")   # module-level head chunks cut heads for the patch-time mesh's ulysses
+        assert "module chunks" in refused and "chunk_projections=False" in refused, refused
+        assert res.pop("engine_head_chunks") == "no error" and res.pop("attention_chunks") == "no error"
+        refused = res.pop("gated_delta")   # 2.1e-4 from one process on mixed degrees: over the 1e-4 bound
+        assert "GatedDeltaNet" in refused and "not verified with dynamic degrees" in refused, refused
         assert sorted(res) == [1, 2, 4]
         assert res[2]["split"] == (1, 2) and res[4]["split"] == (2, 2)
         for k, m in res.items():
@@ -28,14 +32,19 @@ def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
             assert m["shared_world"]
 
 
-@pytest.mark.parametrize("checkpoint,fsdp,flat_cost,kind", [(False, False, False, "llama"), (True, False, False, "llama"),
-                                                       (False, True, True, "llama"), (False, False, False, "gemma3")],
-                         ids=["plain", "checkpointed", "fsdp2-with-idle-ranks", "gemma3-sliding-windows"])
-def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost, kind):
-    rows = pool4.run("dynamic_cases:dynamic_training", checkpoint=checkpoint, fsdp=fsdp, flat_cost=flat_cost, kind=kind)
+@pytest.mark.parametrize("checkpoint,fsdp,flat_cost,kind,head_chunks", [
+    (False, False, False, "llama", 1), (True, False, False, "llama", 2), (False, True, True, "llama", 1),
+    (False, False, False, "gemma3", 1), (False, False, False, "llama4_text", 1), (False, False, False, "bamba", 1)],
+    ids=["plain", "checkpointed-head-chunks", "fsdp2-with-idle-ranks", "gemma3-sliding-windows",
+         "llama4-chunked-layers", "bamba-mamba2-hybrid"])
+def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost, kind, head_chunks):
+    rows = pool4.run("dynamic_cases:dynamic_training", checkpoint=checkpoint, fsdp=fsdp, flat_cost=flat_cost, kind=kind,
+                     head_chunks=head_chunks)
     for rank, res in enumerate(rows):
         assert all(len(d) >= 2 and 4 in d for d in res["degrees"]), res   # really mixed degrees
-        # fp32: reduction order only (worst seen 8.6e-8 loss, 2.7e-6 gradient (gemma3) over 3 runs)
+        # fp32: reduction order only. Worst seen: loss 1.4e-7 (bamba), gradient 2.9e-5 (bamba's Mamba2 in_proj: its
+        # chunked scan sums a document's chunks in another order when the document sits on 1, 2 or 4 ranks; the
+        # attention-only models 2.7e-6, gemma3), one run each of llama4 (5.7e-7), head chunks (4.7e-7), bamba
         within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)
         within(max(res["grad"]), 1e-4, f"rank {rank} grad", res)
     assert (sum(res["idle"] for res in rows) > 0) == flat_cost   # placeholders ran where ranks were idle

@@ -148,11 +148,28 @@ def _call_layout(cp: CPMesh, m: torch.nn.Module, hidden_states: torch.Tensor, ca
                       what=type(m).__name__)
 
 
-class _GatedDeltaNetForward:
+class _Routed:
+    """A routed mixer's forward. Its mesh is the model's mesh of the current call (`use_mesh` switches it per
+    micro-batch of a dynamic schedule), read from the module's mesh reference that `apply_context_parallel`
+    sets; the mesh it was routed with until then. `dynamic_verified`: whether training on mixed degrees was
+    verified against one process (`use_mesh` refuses the others)."""
+
+    dynamic_verified = False
+
+    def __init__(self, module: torch.nn.Module, cp: CPMesh):
+        self.module, self._cp = module, cp
+
+    @property
+    def cp(self) -> CPMesh:
+        ref = self.module.__dict__.get("_hybrid_cp_mesh")
+        return self._cp if ref is None else ref.cp
+
+
+class _GatedDeltaNetForward(_Routed):
     """The block's forward with the convolution and the recurrence made context parallel."""
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
-        self.module, self.cp = module, cp
+        super().__init__(module, cp)
 
     def kind(self, device: torch.device) -> GatedDelta:
         """The recurrence on the kernel chosen for tensors on `device` (`_kernel_for`)."""
@@ -197,12 +214,14 @@ def _projections(m: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...
     return m.in_proj_qkv(h), z.reshape(z.shape[0], z.shape[1], -1, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
 
 
-class _Mamba2Forward:
+class _Mamba2Forward(_Routed):
     """The Mamba2 mixer's forward (Bamba's, Nemotron-H's; Falcon-H1's with its multipliers and optional
     norm) with the convolution and the SSD scan made context parallel."""
 
+    dynamic_verified = True   # tests/test_dynamic_cp.py (Bamba)
+
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
-        self.module, self.cp = module, cp
+        super().__init__(module, cp)
 
     def kind(self, device: torch.device) -> Mamba2:
         """The SSD recurrence on the kernel chosen for tensors on `device` (`_kernel_for`)."""
@@ -234,11 +253,11 @@ class _Mamba2Forward:
         return m.out_proj(y.to(dtype))
 
 
-class _ShortConvForward:
+class _ShortConvForward(_Routed):
     """LFM2's gated short convolution: in_proj -> B, C, x; C * causal_conv(B * x) -> out_proj."""
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
-        self.module, self.cp = module, cp
+        super().__init__(module, cp)
 
     def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
                  **kwargs: Any) -> torch.Tensor:
@@ -250,13 +269,13 @@ class _ShortConvForward:
         return m.out_proj(c * conv)
 
 
-class _MambaForward:
+class _MambaForward(_Routed):
     """Jamba's, Falcon-Mamba's and Mamba's Mamba-1 mixer: in_proj -> x | gate; silu(causal_conv(x)); x_proj -> dt, B, C
     with their RMSNorms (none in Mamba);
     dt_proj's weight (its bias goes into the scan's softplus); the selective scan; * silu(gate); out_proj."""
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
-        self.module, self.cp = module, cp
+        super().__init__(module, cp)
         self.kernel = _reference_kernel(module, "mamba_selective_scan", MAMBA_CLASSES)
 
     def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
@@ -300,12 +319,12 @@ class _MambaLayerForward:
         return h + m.feed_forward(m.pre_ff_layernorm(h))
 
 
-class _LightningForward:
+class _LightningForward(_Routed):
     """MiniMax's lightning attention: act(qkv_proj) -> q, k, v per head; the decayed linear attention; RMSNorm;
     * sigmoid(output_gate(input)); out_proj. Returns (output, None) as the module does (no cache)."""
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
-        self.module, self.cp = module, cp
+        super().__init__(module, cp)
 
     def __call__(self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
                  cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -319,14 +338,14 @@ class _LightningForward:
         return m.out_proj(torch.sigmoid(m.output_gate(hidden_states)) * out), None
 
 
-class _KimiDeltaForward:
+class _KimiDeltaForward(_Routed):
     """Kimi Delta Attention (Kimi Linear's, Ling 2.5's): q|k|v -> act(causal_conv); the forget gate's per-channel
     log-decay g [B, S, H, dk] and beta = sigmoid(b_proj); the gated delta rule (`GatedDelta` on transformers' torch
     `chunk_kimi_delta_attention`: the state's columns still evolve independently, so the probe holds); o_norm gated by
     Kimi's low-rank g_a/g_b projection or Ling's g_proj; o_proj."""
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
-        self.module, self.cp = module, cp
+        super().__init__(module, cp)
         self.kind = GatedDelta(_reference_kernel(module, "chunk_kimi_delta_attention", KDA_CLASSES),
                                use_qk_l2norm_in_kernel=True)
 

@@ -492,7 +492,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    routed = route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
+    route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks)
     ref.rotaries = route_rotaries(model, ref)
     for m in model.modules():
@@ -500,7 +500,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     if hasattr(type(model), "loss_function"):
         model.loss_function = _CPLoss(ref)
     _chunk_attention_modules(model, cp, head_chunks, chunk_projections, keep_attention_output)
-    ref.fixed = _mesh_bound_by(routed, model, head_chunks)
+    ref.fixed = _mesh_bound_by(model, head_chunks)
     install_router_aux(model, ref)   # MoE families: the load-balancing loss over the whole row (router_aux.py)
     old = model.__dict__.get(_HOOK_ATTR)
     if old is not None:
@@ -510,30 +510,39 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     return model
 
 
-def _mesh_bound_by(routed: int, model: torch.nn.Module, head_chunks: int) -> str:
-    """What keeps the mesh it was patched with (`use_mesh` refuses those models), or ""."""
-    if routed:
-        return f"{routed} linear-attention/Mamba mixers"
-    chunked = any("forward" in m.__dict__ for name, m in model.named_modules() if name.endswith("self_attn"))
-    return f"head_chunks={head_chunks} module chunks" if chunked else ""
+def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:
+    """Why `use_mesh` refuses this model, with the fix, or "": module-level head chunks (their head ranges are
+    cut for the patch-time mesh's ulysses degree) and routed mixers not verified with mixed degrees (Mamba2 is:
+    `linear_layers._Routed.dynamic_verified`)."""
+    chunked = any("forward" in m.__dict__ for name, m in model.named_modules()
+                  if name.endswith("self_attn") and not is_routed(m))
+    if chunked:
+        return (f"head_chunks={head_chunks} module chunks keep the ulysses degree they were patched for; patch it "
+                f"with apply_context_parallel(..., chunk_projections=False) (head chunks inside hcp.attention, which "
+                f"read the call's mesh) or head_chunks=1")
+    mixers = sorted({type(x).__name__ for x in model.modules()   # a routed forward not marked verified: refused
+                     if is_routed(x) and not getattr(x.__dict__.get("forward"), "dynamic_verified", False)})
+    if mixers:
+        return (f"sequence mixers {mixers} are not verified with dynamic degrees (Gated DeltaNet: 2.1e-4 from one "
+                f"process on mixed degrees, over the 1e-4 bound; Mamba2 mixers are verified); train this model on "
+                f"one fixed mesh (hcp.init_cp_mesh)")
+    return ""
 
 
 @contextlib.contextmanager
 def use_mesh(model: torch.nn.Module, cp: CPMesh):
     """Run a model patched by `apply_context_parallel` on mesh `cp` inside the block (a dynamic schedule's
     micro-batch, `hcp.DynamicStep`): its attention, input checks and loss read the mesh per call. Run the
-    backward inside the block too: activation checkpointing recomputes the forward there. Models whose
-    patching bound the mesh into modules (module chunks with head_chunks > 1, linear-attention and Mamba
-    mixers) raise ConfigError: they are not verified with per-micro-batch meshes."""
+    backward inside the block too: activation checkpointing recomputes the forward there. Mamba2 mixers, chunked
+    layers and head chunks inside `hcp.attention` read the call's mesh too. ConfigError for module-level head
+    chunks (head_chunks > 1 with chunk_projections=True: their head ranges are cut for the patch-time mesh's
+    ulysses degree) and for routed mixers not verified with mixed degrees (Gated DeltaNet, Mamba, short
+    convolutions, lightning attention)."""
     ref = model.__dict__.get("_hybrid_cp_mesh")
     if ref is None:
         raise SetupError("use_mesh needs a model patched by apply_context_parallel(model, cp) first")
     if ref.fixed:
-        raise ConfigError(f"this model's {ref.fixed} keep the mesh they were patched with; dynamic degrees are "
-                          f"verified with head_chunks=1 on softmax-attention models only")
-    if getattr(getattr(model, "config", None), "attention_chunk_size", None):
-        raise ConfigError("chunked attention layers (attention_chunk_size, Llama 4) are not verified with dynamic "
-                          "degrees yet; train this model on one fixed mesh (hcp.init_cp_mesh)")
+        raise ConfigError(f"use_mesh (dynamic degrees): this model's {ref.fixed}")
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh, got {type(cp).__name__}")
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
