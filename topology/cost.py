@@ -55,13 +55,13 @@ class ModelShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    heads: int = Field(ge=1)
-    kv_heads: int | None = Field(default=None, ge=1, description="defaults to heads (MHA)")
-    head_dim: int = Field(ge=1)
-    hidden: int | None = Field(default=None, ge=1)
-    layers: int = Field(default=32, ge=1)
-    intermediate: int | None = Field(default=None, ge=1)
-    gated_mlp: bool = True
+    heads: int = Field(ge=1, description="attention (query) heads")
+    kv_heads: int | None = Field(default=None, ge=1, description="key/value heads (default: heads, MHA)")
+    head_dim: int = Field(ge=1, description="attention head dimension")
+    hidden: int | None = Field(default=None, ge=1, description="model width (default: heads x head_dim)")
+    layers: int = Field(default=32, ge=1, description="decoder layers")
+    intermediate: int | None = Field(default=None, ge=1, description="MLP width (default: 4 x hidden, plain MLP)")
+    gated_mlp: bool = Field(default=True, description="a gated (SwiGLU, 3-matrix) MLP when intermediate is given")
     vocab: int = Field(default=0, ge=0, description="embedding + LM head size, for model-state memory")
     sliding_window: int | None = Field(default=None, ge=1, description="keys each query sees in window layers")
     window_layers: int | None = Field(default=None, ge=0, description="layers with the window (default: all)")
@@ -69,7 +69,7 @@ class ModelShape(BaseModel):
         default=None, ge=1, description="positions of one attention chunk in chunked layers (Llama 4)")
     chunked_layers: int | None = Field(default=None, ge=0, description="layers with chunked attention (default: all)")
     linear_layers: int = Field(default=0, ge=0, description="of `layers`, how many are linear (hybrid models)")
-    linear_kind: Literal["gated_delta", "mamba2"] | None = None
+    linear_kind: Literal["gated_delta", "mamba2"] | None = Field(default=None, description="the linear layers' recurrence")
     linear_heads: int | None = Field(default=None, ge=1, description="Gated DeltaNet value heads / Mamba2 heads")
     linear_key_heads: int | None = Field(default=None, ge=1, description="Gated DeltaNet key heads / Mamba2 groups")
     linear_key_dim: int | None = Field(default=None, ge=1, description="Gated DeltaNet dk / Mamba2 state size N")

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from .cost import (
     ModelShape,
     linear_kernel_bytes,
@@ -69,9 +71,11 @@ OVERLAP_IN_FLIGHT = 1.65
 TILED_MLP_BWD_CHUNKS = 6.5
 
 
-@dataclass(frozen=True)
-class MemoryOptions:
-    """Training options that change memory: what `hcp` offers and what the step does."""
+class MemoryOptions(BaseModel):
+    """Training options that change memory: what `hcp` offers and what the step does (a pydantic model like the
+    cluster's: strict types, ranges as field constraints, the rules between fields in one validator)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     checkpoint: bool = True           # activation checkpointing of every decoder layer
     offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (hcp.offload_checkpoints)
@@ -79,14 +83,14 @@ class MemoryOptions:
                                       # backward (the CUDA default): one more layer input on the device
     pin_memory: bool = True           # with offload: pinned host buffers (the CUDA default), which PyTorch's
                                       # host allocator rounds up to a power of two; False: pageable, exact
-    head_chunks: int = 1              # attention heads processed in this many chunks (UPipe)
+    head_chunks: int = Field(1, ge=1)  # attention heads processed in this many chunks (UPipe)
     chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
                                       # default); False: inside hcp.attention only
     overlap: bool = False             # head-chunk schedule (hybrid_cp.engine.headchunk.OVERLAP): True keeps the next
                                       # chunk's exchange in flight while one computes; False: one after another
     tiled_loss: bool = False          # hcp.tiled_cross_entropy / hcp.lm_loss
-    loss_chunk: int | None = None     # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
-    tiled_mlp: int = 0                # tokens per MLP chunk (hcp.tile_mlp); 0: off
+    loss_chunk: int | None = Field(None, ge=1)  # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
+    tiled_mlp: int = Field(0, ge=0)   # tokens per MLP chunk (hcp.tile_mlp); 0: off
     fsdp: bool = True                 # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
     master_weights: bool = True       # replicated weights (fsdp=False) kept in fp32 with fp32 gradients and AdamW
                                       # state; False: a model cast to the compute dtype (`.to(bf16)`), whose
@@ -100,25 +104,15 @@ class MemoryOptions:
     foreach_optimizer: bool = True    # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
                                       # parameter at once; False (CPU default): per tensor, the largest twice
 
-    def __post_init__(self) -> None:
-        for name in ("head_chunks", "loss_chunk"):
-            v = getattr(self, name)
-            if v is None and name == "loss_chunk":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an integer >= 1")
-        if not isinstance(self.tiled_mlp, int) or self.tiled_mlp < 0:
-            raise ValueError(f"tiled_mlp={self.tiled_mlp!r} must be a token count >= 1, or 0 for off")
-        if self.keep_attention_output not in (None, True, False):
-            raise ValueError(f"keep_attention_output={self.keep_attention_output!r} must be None, True or False")
-        if not isinstance(self.tiled_norm, bool):
-            raise ValueError(f"tiled_norm={self.tiled_norm!r} must be True or False")
+    @model_validator(mode="after")
+    def _consistent(self) -> "MemoryOptions":
         if self.tiled_norm and self.fused_norm:
             raise ValueError("tiled_norm=True and fused_norm=True both replace the RMSNorm: pick one")
         if self.fsdp and not self.master_weights:
             raise ValueError("master_weights=False needs fsdp=False: FSDP2 mixed precision keeps fp32 master weights")
         if self.offload_checkpoints and not self.checkpoint:
             raise ValueError("offload_checkpoints=True needs checkpoint=True (only checkpointed inputs are offloaded)")
+        return self
 
     def describe(self) -> str:
         parts = ["ckpt" + ("+offload" if self.offload_checkpoints else "") if self.checkpoint else "no ckpt"]

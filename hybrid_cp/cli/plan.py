@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import typing
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 
 from topology.cluster import Cluster, ClusterError
 from topology.cost import MODEL_PRESETS, ModelShape
@@ -30,12 +32,17 @@ __all__ = ["COMMAND", "main", "parse_count", "parse_bytes", "plot_plans"]
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def parse_count(text: str) -> int:
-    """``"1M"`` -> 1048576, ``"64K"`` -> 65536, ``"4096"`` -> 4096 (binary suffixes, as for tokens)."""
+def parse_int(text: str) -> int:
+    """``"1M"`` -> 1048576, ``"64K"`` -> 65536, ``"4096"`` -> 4096, ``"0"`` -> 0 (binary suffixes, as for tokens)."""
     m = re.fullmatch(r"\s*(\d+)\s*([KkMmGg]?)\s*", str(text))
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count: use an integer with optional K/M/G (e.g. 128K)")
-    value = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+
+
+def parse_count(text: str) -> int:
+    """A count >= 1 (`parse_int`)."""
+    value = parse_int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return value
@@ -56,19 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--cluster", metavar="FILE", help="cluster YAML/JSON written by Cluster.save")
     src.add_argument("--discover", action="store_true", help="describe the cluster this job runs on")
     p.add_argument("--nodes", type=int, default=1, help="nodes for --preset (default 1)")
-    m = p.add_argument_group("model")
+    m = p.add_argument_group("model (each flag is the ModelShape field of the same name)")
     m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="known shape; the flags below override it")
-    m.add_argument("--heads", type=int)
-    m.add_argument("--kv-heads", type=int, help="default: --heads (MHA)")
-    m.add_argument("--head-dim", type=int)
-    m.add_argument("--hidden", type=int, help="default: heads * head_dim")
-    m.add_argument("--layers", type=int, help="default 32")
-    m.add_argument("--intermediate", type=int, help="MLP width (default 4 x hidden, plain MLP)")
-    m.add_argument("--sliding-window", type=parse_count, help="keys each query sees in window layers (e.g. 4K)")
-    m.add_argument("--window-layers", type=int, help="how many layers use the window (default: all)")
-    m.add_argument("--attention-chunk-size", type=parse_count,
-                   help="positions of one attention chunk in chunked layers (Llama 4, e.g. 8K)")
-    m.add_argument("--chunked-layers", type=int, help="how many layers attend in chunks (default: all)")
+    add_shape_arguments(m, [n for n in MODEL_FLAGS if n not in LINEAR_FLAGS])
     add_linear_arguments(p)
     w = p.add_argument_group("workload")
     w.add_argument("--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)")
@@ -103,22 +100,30 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return discover()
 
 
-# the linear layers' flags of a hybrid model: each is the ModelShape field of the same name
-LINEAR_FLAGS = ("linear_layers", "linear_kind", "linear_heads", "linear_key_heads", "linear_key_dim",
-                "linear_value_dim", "linear_conv", "linear_chunk")
+# the model flags: one per ModelShape field (the name is --model's), the linear layers' apart
+MODEL_FLAGS = tuple(n for n in ModelShape.model_fields if n != "name")
+LINEAR_FLAGS = tuple(n for n in MODEL_FLAGS if n.startswith("linear_"))
+
+
+def add_shape_arguments(group: Any, names: list[str]) -> None:
+    """One flag per ModelShape field: its description as help, its type from the annotation (integers take
+    K/M/G suffixes; the model shape checks each field's bound), choices from a Literal."""
+    for name in names:
+        info = ModelShape.model_fields[name]
+        kinds = [a for a in typing.get_args(info.annotation) or (info.annotation,) if a is not type(None)]
+        default = "" if info.default in (None, PydanticUndefined) else f" (default {info.default})"
+        help_ = (info.description or name.replace("_", " ")) + default
+        if kinds == [bool]:
+            group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(kinds[0]) is typing.Literal:
+            group.add_argument(_flag(name), choices=list(typing.get_args(kinds[0])), help=help_)
+        else:
+            group.add_argument(_flag(name), type=parse_int if kinds == [int] else kinds[0], help=help_)
 
 
 def add_linear_arguments(p: argparse.ArgumentParser) -> None:
     """The hybrid model's linear layers (docs/planner.md section 4.2): they override --model's."""
-    g = p.add_argument_group("linear layers of a hybrid model (override --model's)")
-    g.add_argument("--linear-layers", type=int, help="of --layers, how many are linear (Gated DeltaNet / Mamba2)")
-    g.add_argument("--linear-kind", choices=["gated_delta", "mamba2"], help="the linear layers' recurrence")
-    g.add_argument("--linear-heads", type=int, help="Gated DeltaNet value heads / Mamba2 heads")
-    g.add_argument("--linear-key-heads", type=int, help="Gated DeltaNet key heads / Mamba2 groups")
-    g.add_argument("--linear-key-dim", type=int, help="Gated DeltaNet dk / Mamba2 state size N")
-    g.add_argument("--linear-value-dim", type=int, help="Gated DeltaNet dv / Mamba2 head dim P")
-    g.add_argument("--linear-conv", type=int, help="causal convolution kernel (default 4)")
-    g.add_argument("--linear-chunk", type=int, help="chunk of the chunked recurrence kernel in tokens (default 64)")
+    add_shape_arguments(p.add_argument_group("linear layers of a hybrid model (override --model's)"), list(LINEAR_FLAGS))
 
 
 def _flag(name: str) -> str:
@@ -129,8 +134,7 @@ def _model(args: argparse.Namespace) -> ModelShape:
     base = dict(MODEL_PRESETS[args.model], name=args.model) if args.model else {}
     if getattr(args, "linear_layers", None) == 0:   # --linear-layers 0: the preset without its linear layers
         base = {k: v for k, v in base.items() if k not in LINEAR_FLAGS}
-    for key in ("heads", "kv_heads", "head_dim", "hidden", "layers", "intermediate", "sliding_window", "window_layers",
-                "attention_chunk_size", "chunked_layers", *LINEAR_FLAGS):
+    for key in MODEL_FLAGS:
         if getattr(args, key, None) is not None:
             base[key] = getattr(args, key)
     missing = [_flag(k) for k in ("heads", "head_dim") if k not in base]
