@@ -46,10 +46,11 @@ def test_qwen3_5_step_matches_one_process(pool, packed):
     # packed: the fp32 chunked kernel rounds Qwen3.5's dt_bias gradient (a sum over every token) differently
     # when a document's pieces are cut elsewhere; over four document sets it differs from the per-document
     # reference by 1.1e-5 to 1.1e-4, with scan_plan's merged runs as without them (7.0e-5 here before);
-    # the fp64 op tests (test_recurrence.py) hold 1e-10 on the same plans
+    # the fp64 op tests (test_recurrence.py) hold 1e-10 on the same plans, so the bound is round-off's: 3.5e-4,
+    # 3.2x over that worst (2e-4 before: a 1.8x margin)
     for rank, row in enumerate(rows):
         assert packed or ("logits" in row and not row["missing"]), row
-        _step_within(row, f"rank {rank}", 2e-4 if packed else GRAD)
+        _step_within(row, f"rank {rank}", 3.5e-4 if packed else GRAD)
 
 
 def test_guard_accepts_qwen3_next_and_refuses_unverified_hybrids():
