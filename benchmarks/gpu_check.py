@@ -457,7 +457,7 @@ def sync_check(res: dict, ctx: Ctx) -> None:
     import hybrid_cp as hcp
     from hybrid_cp.engine.heads import head_split
     from hybrid_cp.engine.layout import row_layout
-    from hybrid_cp.engine.ring import block_plan, ring_backward, ring_forward
+    from hybrid_cp.engine.ring import RingCall, block_plan, ring_backward, ring_forward
 
     cp = res["_mesh"]
     rows = res.setdefault("sync", [])
@@ -471,8 +471,9 @@ def sync_check(res: dict, ctx: Ctx) -> None:
     kv_index = head_split(h, hkv, 1).kv_index(0)
 
     def ring():
-        out, lse, halo = ring_forward(cp, kern, q, k, v, kv_index, plan, scale=d ** -0.5)
-        ring_backward(cp, kern, dout, q, k, v, out, lse, kv_index, plan, halo, scale=d ** -0.5)
+        rc = RingCall(cp, kern, plan, scale=d ** -0.5)
+        out, lse, halo = ring_forward(rc, q, k, v, kv_index)
+        ring_backward(rc, dout, q, k, v, (out, lse), kv_index, halo)
 
     def call(**kw):
         def run():

@@ -237,34 +237,34 @@ def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16,
     if level == "engine":
         cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
 
-        def run(kc):
+        def run(kc, overlap):
             xs = [x.clone().requires_grad_() for x in (q, k, v)]
-            hcp.attention(*xs, cp, causal=True, head_chunks=kc).backward(dout)
+            hcp.attention(*xs, cp, causal=True, head_chunks=kc, overlap=overlap).backward(dout)
     else:
         from hybrid_cp.integrations.transformers import apply_context_parallel
 
         shape = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, hidden_size=hidden)
         modules = {}
-        for kc in (1,) + tuple(chunks):
+        for kc, overlap, _ in _schedules((1,) + tuple(chunks)):
             model = build_model("cpu", torch.float32, num_hidden_layers=1, **shape)
-            modules[kc] = apply_context_parallel(model, cp, head_chunks=kc).model.layers[0].self_attn
+            modules[kc, overlap] = apply_context_parallel(model, cp, head_chunks=kc,
+                                                          overlap=overlap).model.layers[0].self_attn
         hidden_x = torch.randn(1, seq_len // cp.size, hidden, generator=g)
         dout = torch.randn(hidden_x.shape, generator=g)
         pe = model.model.rotary_emb(hidden_x, hcp.positions(seq_len, cp)[None])
 
-        def run(kc):
+        def run(kc, overlap):
             x = hidden_x.clone().requires_grad_()
-            modules[kc](hidden_states=x, position_embeddings=pe, attention_mask=None)[0].backward(dout)
+            modules[kc, overlap](hidden_states=x, position_embeddings=pe, attention_mask=None)[0].backward(dout)
     out: dict[str, list] = {}
     for rep in range(repeats + 1):   # the first round warms up (kernels, buffers) and is dropped
         for kc, overlap, name in _schedules((1,) + tuple(chunks)):
-            with _overlap(overlap):
-                dist.barrier()
-                counters(cp).chunk_wait_s = 0.0
-                t0 = time.perf_counter()
-                run(kc)
-                wall = time.perf_counter() - t0
-                dist.barrier()
+            dist.barrier()
+            counters(cp).chunk_wait_s = 0.0
+            t0 = time.perf_counter()
+            run(kc, overlap)
+            wall = time.perf_counter() - t0
+            dist.barrier()
             if rep:
                 out.setdefault(name, []).append((wall, counters(cp).chunk_wait_s))
     return out
@@ -286,18 +286,6 @@ def _schedules(chunks: tuple):
             yield kc, overlap, f"{kc}{'' if overlap else '-serial'}"
 
 
-@contextlib.contextmanager
-def _overlap(overlap: bool):
-    """Run head-chunked attention with (or without) the next chunk's all-to-all in flight."""
-    from hybrid_cp.engine import headchunk
-
-    old, headchunk.OVERLAP = headchunk.OVERLAP, overlap
-    try:
-        yield
-    finally:
-        headchunk.OVERLAP = old
-
-
 def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, head_dim: int = 16,
                   seq_len: int = 8192, chunks: tuple = (1, 2, 4, 8), dtype: str = "fp32") -> dict:
     """Exact working set of one hcp.attention call (forward, then backward) per head_chunks, with and without
@@ -309,25 +297,26 @@ def engine_memory(u: int = 4, r: int = 2, heads: int = 32, kv_heads: int = 8, he
     for kc, overlap, name in _schedules(chunks):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         t = StorageTracker()
-        with _overlap(overlap), t:
+        with t:
             t.track(xs, dout)
             ins = [mark(x, t, "bwd", "exit") for x in xs]
             with t.stage("fwd"):
-                out = hcp.attention(*ins, cp, causal=True, head_chunks=kc)
+                out = hcp.attention(*ins, cp, causal=True, head_chunks=kc, overlap=overlap)
             mark(out, t, "bwd", "enter").backward(dout)
         rep = t.report()
         res[name] = (rep["fwd"]["transient"], rep["bwd"]["transient"])
     return res
 
 
-def _module_case(u: int, r: int, seq_len: int, head_chunks: int, keep: bool | None, dtype: torch.dtype):
+def _module_case(u: int, r: int, seq_len: int, head_chunks: int, keep: bool | None, dtype: torch.dtype,
+                 overlap: bool = False):
     """One attention module of the HEADS_SHAPE model under apply_context_parallel on a (u, r) mesh, and this
     rank's hidden states (requiring a gradient), d(output), rotary tables and the module's weights."""
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
     cp = _mesh(u, r)
     model = build_model("cpu", dtype, num_hidden_layers=1, **HEADS_SHAPE)
-    apply_context_parallel(model, cp, head_chunks=head_chunks, keep_attention_output=keep)
+    apply_context_parallel(model, cp, head_chunks=head_chunks, keep_attention_output=keep, overlap=overlap)
     attn = model.model.layers[0].self_attn
     g = torch.Generator().manual_seed(cp.rank)
     hidden = torch.randn(1, seq_len // cp.size, model.config.hidden_size, generator=g).to(dtype).requires_grad_()
@@ -347,9 +336,9 @@ def module_memory(u: int = 4, r: int = 2, seq_len: int = 8192, chunks: tuple = (
 
     res = {}
     for kc, overlap, name in _schedules(chunks):
-        attn, hidden, dout, pe, weights = _module_case(u, r, seq_len, kc, keep, torch.float32)
+        attn, hidden, dout, pe, weights = _module_case(u, r, seq_len, kc, keep, torch.float32, overlap)
         t = StorageTracker()
-        with _overlap(overlap), t:
+        with t:
             t.track(hidden, dout, list(pe), weights)
             start = t.live
             out = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0]
@@ -373,17 +362,16 @@ def module_backward(u: int = 8, r: int = 1, seq_len: int = 16384, head_chunks: i
         attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0].backward(dout)
 
     t = StorageTracker()
-    with _overlap(False):
-        step()   # warm-up
-        for x in (hidden, *weights):
-            x.grad = None
-        with t:
-            t.track(hidden, dout, list(pe), weights)
-            start = t.live
-            out = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0]
-            kept = t.live - start
-            t.reset_peak()
-            out.backward(dout)
+    step()   # warm-up (the serial schedule: apply_context_parallel's default)
+    for x in (hidden, *weights):
+        x.grad = None
+    with t:
+        t.track(hidden, dout, list(pe), weights)
+        start = t.live
+        out = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None)[0]
+        kept = t.live - start
+        t.reset_peak()
+        out.backward(dout)
     return {"kept": kept, "bwd_peak": t.peak - start, "output": out.numel() * dt.itemsize,
             "weight_grads": sum(w.numel() * dt.itemsize for w in weights), "tokens": hidden.shape[1]}
 

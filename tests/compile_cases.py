@@ -197,13 +197,14 @@ def opcheck(u: int, r: int, packed: bool = False) -> dict | None:
     k, v = (torch.randn(1, 16, KV_HEADS, HEAD_DIM, generator=g, requires_grad=True) for _ in range(2))
     cu = torch.tensor([0, 11, 40, seq_len], dtype=torch.int32) if packed else None
     from hybrid_cp.engine.compiled import _mesh_key
+    from hybrid_cp.engine.spec import AttentionSpec
 
-    args = (q, k, v, cu, _mesh_key(cp), "auto", True, None, None if packed else seq_len, None, True, True)
+    spec = AttentionSpec(causal=True, return_lse=True, seq_len=None if packed else seq_len, cu_seqlens=cu).op_args()
+    args = (q, k, v, None, _mesh_key(cp), True, *spec)
     fwd = torch.library.opcheck(torch.ops.hybrid_cp.attention_fwd.default, args)
     outs = torch.ops.hybrid_cp.attention_fwd(*args)
     dout = torch.randn(q.shape, generator=g)
-    bwd_args = (dout, *(x.detach() for x in outs[2:]), cu, _mesh_key(cp), "auto", True, None,
-                None if packed else seq_len, None, KV_HEADS)
+    bwd_args = (dout, [x.detach() for x in outs[2:]], None, _mesh_key(cp), KV_HEADS, *spec)
     bwd = torch.library.opcheck(torch.ops.hybrid_cp.attention_bwd.default, bwd_args)
     return {"fwd": fwd, "bwd": bwd}
 

@@ -62,12 +62,10 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
                        overlap: bool = True, offload: bool = False, norm_chunk: int | None = None) -> dict:
     """A tiny model under CP with lm_loss(tiled), tile_mlp and head_chunks (`overlap`: the head-chunk
     pipeline's schedule) vs the plain single-process run."""
-    from hybrid_cp.engine import headchunk
-
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad=True)
     _, ref_loss, ref_grads = reference(tiny_model(kind, hkv, num_attention_heads=heads), batch)
-    model = apply_context_parallel(tiny_model(kind, hkv, num_attention_heads=heads), cp,
+    model = apply_context_parallel(tiny_model(kind, hkv, num_attention_heads=heads), cp, overlap=overlap,
                                    **({"head_chunks": head_chunks, "chunk_projections": chunk_projections}
                                       if head_chunks != 1 else {}))
     if mlp_chunk:
@@ -84,12 +82,8 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
     hooks = [m.register_forward_hook(lambda mod, a, out: widths.add(out.shape[-1]))
              for name, m in model.named_modules() if name.endswith("q_proj")]
     local = shard_batch(batch, cp)
-    old, headchunk.OVERLAP = headchunk.OVERLAP, overlap
-    try:
-        loss = lm_loss(model, local, cp, tiled=tiled_loss, chunk_tokens=9)
-        loss.backward()
-    finally:
-        headchunk.OVERLAP = old
+    loss = lm_loss(model, local, cp, tiled=tiled_loss, chunk_tokens=9)
+    loss.backward()
     for h in hooks:
         h.remove()
     if not fsdp:
@@ -156,18 +150,16 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
                      cu_seqlens: list | None = None, window: int | None = None) -> dict:
     """hcp.attention with head_chunks=k vs head_chunks=1 on the same shards: out (lse) and dq/dk/dv, and the
     bytes each sent."""
-    from hybrid_cp.engine import headchunk
-
     cp = mesh(u, r)
     g = torch.Generator().manual_seed(11 + h + hkv + s)
     full = [torch.randn(b, s, n, d, generator=g) for n in (h, hkv, hkv, h)]
     extra = {k_: v_ for k_, v_ in (("cu_seqlens", cu_seqlens), ("window", window)) if v_ is not None}
     q, k, v, dout = (hcp.shard(x, cp, dim=1, **({"cu_seqlens": cu_seqlens} if cu_seqlens else {})) for x in full)
 
-    def run(kc: int):
+    def run(kc: int, schedule: bool = False):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         hcp.reset_comm_bytes(cp)
-        res = hcp.attention(*xs, cp, causal=causal, head_chunks=kc, return_lse=return_lse, **extra)
+        res = hcp.attention(*xs, cp, causal=causal, head_chunks=kc, return_lse=return_lse, overlap=schedule, **extra)
         out, lse = res if return_lse else (res, None)
         out.backward(dout)
         return out.detach(), lse, [x.grad for x in xs], hcp.comm_bytes(cp)
@@ -175,11 +167,7 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
     ref = run(1)
     rows = {}
     for kc in chunks:
-        old, headchunk.OVERLAP = headchunk.OVERLAP, overlap
-        try:
-            got = run(kc)
-        finally:
-            headchunk.OVERLAP = old
+        got = run(kc, overlap)
         errs = {"out": _rel(got[0], ref[0])}
         if return_lse:
             errs["lse"] = _rel(got[1], ref[1])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybrid_cp.engine.kernels import get_kernel
-from hybrid_cp.engine.ring import Plan, block_plan, ring_backward, ring_forward, whole_block
+from hybrid_cp.engine.ring import Plan, RingCall, block_plan, ring_backward, ring_forward, whole_block
 from hybrid_cp.training.memory import StorageTracker
 from topology.layouts import make_layout
 
@@ -38,8 +38,9 @@ def _plans(layout: str, n: int, causal: bool) -> tuple[Plan, Plan]:
 
 
 def _run(cp, kernel, plan: Plan, q, k, v, dout, kv_index, causal_sinks, softcap):
-    out, lse, halo = ring_forward(cp, kernel, q, k, v, kv_index, plan, scale=0.25, softcap=softcap, sinks=causal_sinks)
-    grads = ring_backward(cp, kernel, dout, q, k, v, out, lse, kv_index, plan, halo, scale=0.25, softcap=softcap)
+    call = RingCall(cp, kernel, plan, scale=0.25, softcap=softcap)
+    out, lse, halo = ring_forward(call, q, k, v, kv_index, sinks=causal_sinks)
+    grads = ring_backward(call, dout, q, k, v, (out, lse), kv_index, halo)
     return (out, lse, *grads)
 
 
@@ -85,12 +86,12 @@ def memory_case(n: int = 256, dtype: str = "bf16") -> dict:
     q, k, v, dout, _ = _inputs(0, n, kv_index, kv_heads, dt, dv=8)
     kernel = get_kernel("math", q.device, dt, q.shape[3])
     fast, loop = _plans("zigzag", n, True)
-    out, lse, _ = ring_forward(cp, kernel, q, k, v, kv_index, fast, scale=0.25)
+    out, lse, _ = ring_forward(RingCall(cp, kernel, fast, scale=0.25), q, k, v, kv_index)
     peaks = {}
     for name, plan in (("fast", fast), ("loop", loop)):
-        peaks[name + "_fwd"] = _peak(lambda: ring_forward(cp, kernel, q, k, v, kv_index, plan, scale=0.25))
-        peaks[name + "_bwd"] = _peak(lambda: ring_backward(cp, kernel, dout, q, k, v, out, lse, kv_index, plan, None,
-                                                           scale=0.25))
+        call = RingCall(cp, kernel, plan, scale=0.25)
+        peaks[name + "_fwd"] = _peak(lambda: ring_forward(call, q, k, v, kv_index))
+        peaks[name + "_bwd"] = _peak(lambda: ring_backward(call, dout, q, k, v, (out, lse), kv_index, None))
     e, kv = dt.itemsize, k.numel() + v.numel()
     peaks["fwd_buffers"] = 4 * out.numel() + 4 * lse.numel() + 2 * kv * e
     peaks["bwd_buffers"] = 4 * q.numel() + 2 * kv * e + 2 * kv * 4

@@ -18,11 +18,14 @@ from .eager import eager_only
 from .heads import HeadMap, head_split
 from .kernels import AttentionKernel
 from .mesh import CPMesh
+from .patterns import prepared
 from .pipeline import HeadToSeq, SeqToHead, plan_call
 from .pipeline import forward as pipeline_forward
-from .validate import checked_call
+from .spec import AttentionSpec
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+__all__ = ["LocalAttention", "attention", "run_attention"]
 
 
 def _needs_grad(*tensors) -> int:
@@ -35,7 +38,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
               cu_seqlens: torch.Tensor | list[int] | None = None, window: int | tuple[int, int] | None = None,
               head_chunks: int = 1, sinks: torch.Tensor | None = None, softcap: float | None = None,
-              chunk_size: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              chunk_size: int | None = None, overlap: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the whole row from this rank's shards.
 
     Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
@@ -61,9 +64,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
             (flash-attn's window_size). Positions count inside each document. Blocks no window reaches
             are skipped, and short windows exchange only the halo rows between ring ranks.
         head_chunks: > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
-            one after another (or, with `hybrid_cp.engine.headchunk.OVERLAP = True`, each chunk's
-            all-to-all overlapping the previous chunk's compute): less attention memory, same result
-            (`hybrid_cp/engine/headchunk.py`; clamped to the fewest query heads a ulysses rank has).
+            one after another (or, with `overlap=True`, each chunk's all-to-all overlapping the previous
+            chunk's compute): less attention memory, same result (`hybrid_cp/engine/headchunk.py`;
+            clamped to the fewest query heads a ulysses rank has).
         sinks: [H] (all H query heads, the same on every cp rank): one learnable logit per query head
             that joins every row's softmax denominator (gpt-oss; transformers' `s_aux`), merged once
             after the ring. Its gradient on each rank is that rank's share (zero outside the query heads
@@ -72,6 +75,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
             before the mask; needs a kernel that takes it ("auto" picks one; on CPU the math kernel).
         chunk_size: C (Llama 4's attention_chunk_size): query i sees key j only if j // C == i // C
             (positions inside each document), on the same layout; blocks in other chunks are skipped.
+        overlap: With head_chunks > 1, post each chunk's all-to-all before the previous chunk computes
+            (communication hidden behind compute, at the price of another chunk's buffers); the same on
+            every rank. False: the chunks one after another, the least memory.
 
     Returns:
         out [B, S_local, H, D_v] in q's dtype, or (out, lse) with `return_lse`.
@@ -83,30 +89,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         InconsistentRanksError: The cp ranks were called with different arguments (`cp.validate`).
         CommTimeoutError: A peer rank died or stopped calling (with `init_cp_mesh(timeout=...)`).
     """
+    spec = AttentionSpec(causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, backend=backend,
+                         seq_len=seq_len, cu_seqlens=cu_seqlens, window=window, head_chunks=head_chunks,
+                         softcap=softcap, chunk_size=chunk_size, overlap=overlap)
+    return run_attention(q, k, v, cp, spec, sinks)
+
+
+def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, spec: AttentionSpec,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`hcp.attention` with its settings as one `AttentionSpec` (the transformers attention function calls this)."""
     if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
         from .compiled import compiled_attention  # on the first trace: `import hybrid_cp` leaves torch._dynamo out
 
-        result = compiled_attention(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                                    backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                                    head_chunks=head_chunks, sinks=sinks, softcap=softcap, chunk_size=chunk_size)
+        result = compiled_attention(q, k, v, cp, spec, sinks)
         if result is not None:
             return result
-        return _outside_graph(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                              backend=backend, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                              head_chunks=head_chunks, sinks=sinks, softcap=softcap, chunk_size=chunk_size)
-    lay, kernel, window = checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
-                                       head_chunks, _needs_grad(q, k, v, sinks), softcap=softcap, sinks=sinks,
-                                       chunk_size=chunk_size, return_lse=return_lse)
-    if kernel is None:  # plain local-attention callable (ring = 1)
-        return _local_callable(q, k, v, cp, lay, backend)
-    call = plan_call(cp, lay, kernel, window, causal, softmax_scale, tuple(q.shape), k.shape[2], q.device,
-                     head_chunks, softcap=softcap, chunk_size=chunk_size)
-    if head_chunks > 1:
+        return _outside_graph(q, k, v, cp, spec, sinks)
+    needs_grad = _needs_grad(q, k, v, sinks)
+    ready = prepared(q, k, v, cp, spec, sinks, needs_grad)
+    if ready.checked.kernel is None:  # plain local-attention callable (ring = 1)
+        return _local_callable(q, k, v, cp, ready.checked.lay, spec.backend)
+    call = ready.plan(lambda: plan_call(cp, spec, ready.checked, tuple(q.shape), k.shape[2], q.device))
+    if spec.head_chunks > 1:
         from .headchunk import chunked_attention
 
-        return chunked_attention(q, k, v, call, return_lse=return_lse, sinks=sinks)
-    out, lse, _ = pipeline_forward(call, q, k, v, want_lse=return_lse, autograd=True, sinks=sinks)
-    return (out, lse) if return_lse else out
+        return chunked_attention(q, k, v, call, sinks=sinks)
+    # without a backward to record, the same steps run without their autograd nodes
+    out, lse, _ = pipeline_forward(call, q, k, v, want_lse=spec.return_lse, autograd=bool(needs_grad), sinks=sinks)
+    return (out, lse) if spec.return_lse else out
 
 
 def _local_callable(q, k, v, cp: CPMesh, lay: Layout, backend: LocalAttention) -> torch.Tensor:
@@ -125,7 +135,7 @@ def _local_callable(q, k, v, cp: CPMesh, lay: Layout, backend: LocalAttention) -
 
 
 def _eager_attention(*args, **kwargs):
-    return attention(*args, **kwargs)
+    return run_attention(*args, **kwargs)
 
 
 _outside_graph = eager_only(_eager_attention)   # a graph break, run eagerly

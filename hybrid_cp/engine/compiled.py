@@ -29,6 +29,7 @@ arguments then raise eager's documented error.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -38,8 +39,10 @@ from .heads import head_split
 from .kernels import AttentionKernel, get_kernel
 from .layout import row_layout
 from .mesh import CPMesh
+from .patterns import prepared
 from .pipeline import AttentionCall, Saved, backward, forward, plan_call
-from .validate import checked_call, is_int, kernel_keywords, op_expressible, op_window
+from .spec import AttentionSpec
+from .validate import Checked, is_int, kernel_keywords, op_expressible
 
 log = logging.getLogger("hybrid_cp")
 
@@ -92,34 +95,15 @@ def _backend(arg: str) -> Any:
     return _KERNELS.items[int(arg[len(_KERNEL_PREFIX):])] if arg.startswith(_KERNEL_PREFIX) else arg
 
 
-def _window(arg: Optional[list[int]]) -> int | tuple[int, int] | None:
-    if arg is None:
-        return None
-    return arg[0] if len(arg) == 1 else (arg[0], arg[1])
-
-
-def _validate(q, k, v, cp: CPMesh, causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window,
-              needs_grad: bool, softcap, sinks, chunk_size: int | None = None) -> tuple[Any, AttentionKernel, Any]:
-    """attention()'s checks and cross-rank agreement, as eager runs them (the compiled path always runs
-    head_chunks=1, and `needs_grad` comes from trace time: inside the op no input requires grad)."""
-    return checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, 1, int(needs_grad),
-                        softcap=softcap, sinks=sinks, chunk_size=chunk_size)
-
-
-def _call(cp: CPMesh, shape: tuple[int, int, int, int], kv_heads: int, device: torch.device, dtype: torch.dtype,
-          causal: bool, softmax_scale, backend, seq_len, cu_seqlens, window, softcap, v_dim: int,
-          checked=None, chunk_size: int | None = None) -> AttentionCall:
-    """The call's plan handle (from `checked` = _validate's result, or recomputed without checks in
-    backward: forward already validated the same arguments). `shape` is q's, `v_dim` v's head dim."""
-    if checked is None:
-        lay = row_layout(cp, local_len=shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
-        window = lay.effective_window(causal, window)
-        needs = kernel_keywords(lay, cu_seqlens, window, chunk_size, softcap, v_dim != shape[3])
-        kernel = get_kernel(backend, device, dtype, shape[3], needs=needs)  # as forward
-    else:
-        lay, kernel, window = checked
-    return plan_call(cp, lay, kernel, window, causal, softmax_scale, shape, kv_heads, device, softcap=softcap,
-                     chunk_size=chunk_size)
+def _call(cp: CPMesh, spec: AttentionSpec, shape: tuple[int, int, int, int], kv_heads: int, like: torch.Tensor,
+          v_dim: int) -> AttentionCall:
+    """The call's plan handle in backward, recomputed without checks (forward checked the same arguments).
+    `shape` is q's, `like` a tensor of q's dtype and device, `v_dim` v's head dim."""
+    lay = row_layout(cp, local_len=shape[1], seq_len=spec.seq_len, cu_seqlens=spec.cu_seqlens, causal=spec.causal)
+    window = lay.effective_window(spec.causal, spec.window)
+    needs = kernel_keywords(lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v_dim != shape[3])
+    kernel = get_kernel(spec.backend, like.device, like.dtype, shape[3], needs=needs)  # as forward
+    return plan_call(cp, spec, Checked(lay, kernel, window), shape, kv_heads, like.device)
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
@@ -140,25 +124,33 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
     return result
 
 
-@torch.library.custom_op("hybrid_cp::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int,
-                  backend: str, causal: bool, softmax_scale: Optional[float], seq_len: Optional[int],
-                  window: Optional[list[int]], needs_grad: bool, return_lse: bool, softcap: Optional[float] = None,
-                  sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                             torch.Tensor]:
+_FWD_OUT = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+
+
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mesh: int,
+                   needs_grad: bool, *spec_args) -> tuple[torch.Tensor, ...]:
     """Validated hybrid attention forward. Returns (out, lse or an empty tensor, and for backward: q, k, v,
     out [B, u*S, own heads, D] and lse [B, own heads, u*S] in ring-block order, the sinks merged in)."""
     cp = registered_mesh(mesh)
-    kernel_arg = _backend(backend)
-    checked = _validate(q, k, v, cp, causal, softmax_scale, kernel_arg, seq_len, cu_seqlens, _window(window),
-                        needs_grad, softcap, sinks, chunk_size)
-    call = _call(cp, tuple(q.shape), k.shape[2], q.device, q.dtype, causal, softmax_scale, kernel_arg, seq_len,
-                 cu_seqlens, None, softcap, v.shape[3], checked, chunk_size)
-    out, lse, saved = forward(call, q, k, v, want_lse=return_lse, sinks=sinks)   # backward receives the halo rows again
+    spec = _with_backend(AttentionSpec.from_op_args(*spec_args))
+    ready = prepared(q, k, v, cp, spec, sinks, int(needs_grad))
+    call = ready.plan(lambda: plan_call(cp, spec, ready.checked, tuple(q.shape), k.shape[2], q.device))
+    out, lse, saved = forward(call, q, k, v, want_lse=spec.return_lse, sinks=sinks)   # backward receives the halo again
     if lse is None:
         lse = saved.lse_h.new_empty(0)
-    return tuple(_unaliased([out, lse, saved.qh, saved.kh, saved.vh, saved.out_h, saved.lse_h], (q, k, v, cu_seqlens)))
+    return tuple(_unaliased([out, lse, saved.qh, saved.kh, saved.vh, saved.out_h, saved.lse_h],
+                            (q, k, v, spec.cu_seqlens)))
+
+
+attention_fwd = torch.library.custom_op(
+    "hybrid_cp::attention_fwd", _attention_fwd, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, int mesh, bool needs_grad, {AttentionSpec.OP_SCHEMA}) "
+           f"-> {_FWD_OUT}")
+
+
+def _with_backend(spec: AttentionSpec) -> AttentionSpec:
+    """The spec with its backend argument resolved from the op's string (a kernel name or registry key)."""
+    return replace(spec, backend=_backend(spec.backend))
 
 
 def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
@@ -173,60 +165,61 @@ def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad,
-                        return_lse, softcap=None, sinks=None, chunk_size=None):
+def _attention_fwd_fake(q, k, v, sinks, mesh, needs_grad, *spec_args):
     cp = registered_mesh(mesh)
+    spec = AttentionSpec.from_op_args(*spec_args)
     b, s, h, d = q.shape
     nq, nkv = _own_heads(cp, h, k.shape[2])
     n = cp.ulysses_size * s
     acc = acc_dtype(q.dtype)
     dv = v.shape[3]
-    lse = q.new_empty(b, h, s, dtype=acc) if return_lse else q.new_empty(0, dtype=acc)
+    lse = q.new_empty(b, h, s, dtype=acc) if spec.return_lse else q.new_empty(0, dtype=acc)
     return (q.new_empty(b, s, h, dv), lse, q.new_empty(b, n, nq, d),
             k.new_empty(b, n, nkv, d), v.new_empty(b, n, nkv, dv), q.new_empty(b, n, nq, dv),
             q.new_empty(b, nq, n, dtype=acc))
 
 
-@torch.library.custom_op("hybrid_cp::attention_bwd", mutates_args=())
-def attention_bwd(dout: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
-                  lse_h: torch.Tensor, cu_seqlens: Optional[torch.Tensor], mesh: int, backend: str, causal: bool,
-                  softmax_scale: Optional[float], seq_len: Optional[int], window: Optional[list[int]],
-                  kv_heads: int, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                  chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_bwd(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh: int,
+                   kv_heads: int, *spec_args) -> tuple[torch.Tensor, ...]:
     """Gradients of `attention_fwd` w.r.t. q, k, v and sinks (this rank's share; an empty tensor without
-    sinks), eager backward's code, in its order."""
+    sinks), eager backward's code, in its order. `saved`: the forward's q, k, v, out and lse in ring-block
+    order."""
     cp = registered_mesh(mesh)
-    call = _call(cp, (*dout.shape[:3], qh.shape[3]), kv_heads, qh.device, qh.dtype, causal, softmax_scale,
-                 _backend(backend), seq_len, cu_seqlens, _window(window), softcap, vh.shape[3], chunk_size=chunk_size)
+    qh, kh, vh, out_h, lse_h = saved
+    spec = _with_backend(AttentionSpec.from_op_args(*spec_args))
+    call = _call(cp, spec, (*dout.shape[:3], qh.shape[3]), kv_heads, qh, vh.shape[3])
     *grads, dsinks = backward(call, dout, Saved(qh, kh, vh, out_h, lse_h, sinks=sinks))
     grads.append(dsinks if dsinks is not None else dout.new_empty(0))
-    return tuple(_unaliased(grads, (dout, qh, kh, vh, out_h, lse_h, cu_seqlens, sinks)))
+    return tuple(_unaliased(grads, (dout, *saved, spec.cu_seqlens, sinks)))
+
+
+attention_bwd = torch.library.custom_op(
+    "hybrid_cp::attention_bwd", _attention_bwd, mutates_args=(),
+    schema=f"(Tensor dout, Tensor[] saved, Tensor? sinks, int mesh, int kv_heads, {AttentionSpec.OP_SCHEMA}) "
+           f"-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len,
-                        window, kv_heads, softcap=None, sinks=None, chunk_size=None):
+def _attention_bwd_fake(dout, saved, sinks, mesh, kv_heads, *spec_args):
+    qh, kh, vh = saved[:3]
     b, s, h = dout.shape[:3]
     return (qh.new_empty(b, s, h, qh.shape[3]), kh.new_empty(b, s, kv_heads, kh.shape[3]),
             vh.new_empty(b, s, kv_heads, vh.shape[3]), dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, cu_seqlens, mesh, backend, causal, softmax_scale, seq_len, window, needs_grad, return_lse, softcap,
-     sinks, chunk) = inputs
+    q, k, v, sinks, mesh, needs_grad, *spec_args = inputs
     out, lse, qh, kh, vh, out_h, lse_h = output
-    ctx.save_for_backward(qh, kh, vh, out_h, lse_h, cu_seqlens, sinks)
-    ctx.args = (mesh, backend, causal, softmax_scale, seq_len, window, k.shape[2], softcap, chunk)
+    ctx.save_for_backward(qh, kh, vh, out_h, lse_h, sinks)
+    ctx.args = (mesh, k.shape[2], spec_args)
     ctx.mark_non_differentiable(lse, qh, kh, vh, out_h, lse_h)
 
 
 def _backward(ctx, dout, *_unused):
-    qh, kh, vh, out_h, lse_h, cu_seqlens, sinks = ctx.saved_tensors
-    mesh, backend, causal, softmax_scale, seq_len, window, kv_heads, softcap, chunk = ctx.args
-    dq, dk, dv, dsinks = torch.ops.hybrid_cp.attention_bwd(dout, qh, kh, vh, out_h, lse_h, cu_seqlens, mesh, backend,
-                                                           causal, softmax_scale, seq_len, window, kv_heads, softcap,
-                                                           sinks, chunk)
-    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks, None)
+    *saved, sinks = ctx.saved_tensors
+    mesh, kv_heads, spec_args = ctx.args
+    dq, dk, dv, dsinks = torch.ops.hybrid_cp.attention_bwd(dout, saved, sinks, mesh, kv_heads, *spec_args)
+    return (dq, dk, dv, None if sinks is None else dsinks) + (None,) * (2 + len(spec_args))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -234,35 +227,31 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 _WARNED: set[str] = set()
 
 
-def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
-                       softmax_scale: float | None = None, return_lse: bool = False, backend: Any = "auto",
-                       seq_len: int | None = None, cu_seqlens: Any = None, window: Any = None,
-                       head_chunks: int = 1, sinks: Any = None, softcap: Any = None, chunk_size: int | None = None):
-    """`hcp.attention` while dynamo traces (attention() calls this): one `hybrid_cp::attention_fwd` node in
-    the graph. Same arguments and results as `hcp.attention`, or None for a call the op cannot express
-    (attention() then runs it eagerly outside the graph, which raises eager's error for invalid arguments).
+def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, spec: AttentionSpec,
+                       sinks: Any = None):
+    """`hcp.attention` while dynamo traces (`run_attention` calls this): one `hybrid_cp::attention_fwd` node in
+    the graph. Same results as `hcp.attention`, or None for a call the op cannot express (it then runs eagerly
+    outside the graph, which raises eager's error for invalid arguments).
 
     `cu_seqlens` should be a tensor (as `shard_batch` gives): a Python list is a constant to dynamo,
     so every new packing would recompile.
     """
-    window_arg = op_window(window)[1]
+    backend = spec.backend
     backend_arg = backend if isinstance(backend, str) else _kernel_key(backend)
     plain_callable = backend_arg == "" and callable(backend)
+    head_chunks = spec.head_chunks
     if (plain_callable or head_chunks != 1) and is_int(head_chunks) and head_chunks >= 1:
         reason = "a plain local-attention callable" if plain_callable else f"head_chunks={head_chunks}"
         if reason not in _WARNED:
             _WARNED.add(reason)
             log.warning("hcp.attention with %s runs outside the compiled graph (a graph break per call); "
                         "under torch.compile use a kernel backend and head_chunks=1", reason)
-    if not isinstance(cp, CPMesh) or not op_expressible(q, k, v, cp, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                          backend_key=backend_arg, seq_len=seq_len, cu_seqlens=cu_seqlens, window=window,
-                          head_chunks=head_chunks, softcap=softcap, sinks=sinks, chunk_size=chunk_size):
+    if not isinstance(cp, CPMesh) or not op_expressible(q, k, v, cp, spec, sinks, backend_arg):
         return None
+    cu_seqlens = spec.cu_seqlens
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
-    out, lse = torch.ops.hybrid_cp.attention_fwd(
-        q, k, v, cu_seqlens, _mesh_key(cp), backend_arg, causal,
-        None if softmax_scale is None else float(softmax_scale), seq_len, window_arg, needs_grad, return_lse,
-        None if softcap is None else float(softcap), sinks, chunk_size)[:2]
-    return (out, lse) if return_lse else out
+    op_spec = replace(spec, backend=backend_arg, cu_seqlens=cu_seqlens)
+    out, lse = torch.ops.hybrid_cp.attention_fwd(q, k, v, sinks, _mesh_key(cp), needs_grad, *op_spec.op_args())[:2]
+    return (out, lse) if spec.return_lse else out

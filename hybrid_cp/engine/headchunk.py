@@ -1,11 +1,11 @@
 """Head-chunked hybrid attention (UPipe-style): the heads go through all-to-all -> ring -> all-to-all a
-few at a time; with `OVERLAP` the all-to-all of chunk i + 1 runs while chunk i computes.
+few at a time; with `AttentionSpec.overlap` the all-to-all of chunk i + 1 runs while chunk i computes.
 
 Why: with all heads at once the attention stage holds, per rank, the gathered query, output,
 d(output) and fp32 d(query) of every local head for the ulysses group's whole sequence. Processing
 `head_chunks` chunks one after another divides that working set by the number of chunks (the
 "Untied Ulysses" paper, UPipe, arXiv 2602.21196: 87.5% less attention-stage memory at 8 chunks).
-The paper's stages run one after another, as the default here does; with `OVERLAP = True` each
+The paper's stages run one after another, as the default here does; with `overlap=True` each
 chunk's all-to-all is posted asynchronously before the previous chunk's ring attention runs (forward
 and backward), so communication hides behind compute at the price of a second chunk's buffers.
 
@@ -27,12 +27,16 @@ results equal `head_chunks=1` to fp32 round-off (heads are independent).
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 from .comm import acc_dtype
 from .pipeline import (
     AttentionCall,
     HeadChunks,
+    Saved,
     chunk_heads,
     drive,
     post_heads,
@@ -41,7 +45,7 @@ from .pipeline import (
     stage_forward,
 )
 
-__all__ = ["HeadChunks", "OVERLAP", "chunk_heads", "chunked_attention"]
+__all__ = ["HeadChunks", "chunk_heads", "chunked_attention"]
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -95,7 +99,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
         def compute(j, got):
             qh, oh, doh = got
-            dqh, dkh, dvh, ds = stage_backward(call, j, doh, qh, kh, vh, oh, lses[j], halos[j], sinks)
+            dqh, dkh, dvh, ds = stage_backward(call, j, doh, Saved(qh, kh, vh, oh, lses[j], halos[j], sinks))
             del qh, oh, doh, got
             if ds is not None:
                 dsinks.add_(ds)
@@ -112,19 +116,32 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq, dk.to(k_dtype), dv.to(k_dtype), dsinks, None, None, None
 
 
-OVERLAP = False
-"""Schedule of head chunks (engine-level here, module-level in hybrid_cp/engine/modulechunk.py): False (default)
-runs the chunks one after another, the least memory, which is what head chunks are for; True posts the
-next chunk's all-to-all before this chunk computes, so communication hides behind compute where it can
-(on GPUs), at the price of another chunk's buffers alive (docs/memory.md measures both). Set
-`hybrid_cp.engine.headchunk.OVERLAP = True` on every rank alike."""
-
-
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *,
-                      overlap: bool | None = None, return_lse: bool = False, sinks: torch.Tensor | None = None):
+                      sinks: torch.Tensor | None = None):
     """The attention pipeline of `hcp.attention` over the head stages of `call` (`head_chunks` of them,
-    see the module docstring). Inputs are already validated by `hcp.attention`; returns out (and lse
-    [B, H, S], with the sinks). `sinks` [H]: each stage merges its heads' sinks; their gradient is this
-    rank's share (zero outside its heads). `overlap=None` uses `OVERLAP`."""
-    overlap = OVERLAP if overlap is None else bool(overlap)
-    return _ChunkedAttention.apply(q, k, v, sinks, call, overlap, return_lse)
+    see the module docstring), on the schedule `call.spec.overlap` says: False runs the chunks one after
+    another, the least memory, which is what head chunks are for; True posts the next chunk's all-to-all
+    before this chunk computes, so communication hides behind compute where it can (on GPUs), at the price
+    of another chunk's buffers alive (docs/memory.md measures both). Inputs are already validated by
+    `hcp.attention`; returns out (and lse [B, H, S], with the sinks, when `call.spec.return_lse`). `sinks`
+    [H]: each stage merges its heads' sinks; their gradient is this rank's share (zero outside its heads)."""
+    return _ChunkedAttention.apply(q, k, v, sinks, call, call.spec.overlap, call.spec.return_lse)
+
+
+class _Removed(types.ModuleType):
+    """This module, refusing the global schedule switch it once had (a switch set here would do nothing now)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "OVERLAP":
+            raise AttributeError(_OVERLAP_MOVED)
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str):
+        if name == "OVERLAP":
+            raise AttributeError(_OVERLAP_MOVED)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_OVERLAP_MOVED = ("hybrid_cp.engine.headchunk.OVERLAP was replaced by a setting of each call: pass "
+                  "hcp.attention(..., overlap=True) or apply_context_parallel(..., overlap=True)")
+sys.modules[__name__].__class__ = _Removed

@@ -447,6 +447,11 @@ def _perm(lay: Layout, device: torch.device, inverse: bool) -> torch.Tensor | No
     return torch.argsort(t) if inverse else t
 
 
+def gathered_rows_identity(lay: Layout, device: torch.device) -> bool:
+    """Whether the gathered and the ring-block row orders are the same (no reordering)."""
+    return _perm(lay, device, True) is None
+
+
 def gathered_to_ring_block(x: torch.Tensor, lay: Layout, dim: int = 1) -> torch.Tensor:
     """Reorder tokens gathered from the ulysses ranks (rank-major) into the ring block's row order."""
     p = _perm(lay, x.device, True)

@@ -28,7 +28,7 @@ chunk j, and the pipeline runs over the stages in order (K/V travel once per mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from .comm import Posted, acc_dtype
 from .heads import head_split
+from .patterns import prepared
 from .pipeline import (
     AttentionCall,
     HeadChunks,
+    Saved,
     chunk_heads,
     drive,
     plan_call,
@@ -48,7 +50,7 @@ from .pipeline import (
     stage_backward,
     stage_forward,
 )
-from .validate import checked_call
+from .spec import AttentionSpec
 
 if TYPE_CHECKING:
     from .mesh import CPMesh
@@ -58,13 +60,21 @@ __all__ = ["Projected", "pipelined_module_chunks"]
 
 @dataclass
 class Projected:
-    """One module chunk's local Q [B, S, h, D], K/V [B, S, h_kv, D] and the hcp.attention keywords the
-    module's attention call would have used (causal, softmax_scale, seq_len, cu_seqlens, window, softcap)."""
+    """One module chunk's local Q [B, S, h, D], K/V [B, S, h_kv, D], the settings of the attention call the
+    module would have made and its sinks (refused here). `spec` may also be given as a dict of hcp.attention
+    keywords (`sinks` among them)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    call: dict[str, Any]
+    spec: AttentionSpec | dict[str, Any]
+    sinks: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if isinstance(self.spec, dict):
+            keywords = dict(self.spec)
+            self.sinks = keywords.pop("sinks", self.sinks)
+            self.spec = AttentionSpec(**keywords)
 
 
 @dataclass
@@ -103,17 +113,14 @@ class _Engine:
 
     def chunk(self, j: int, x: Projected) -> _Chunk:
         if j not in self.per_chunk:
-            c, cp = x.call, self.cp
-            if c.get("sinks") is not None:
+            if x.sinks is not None:
                 raise ConfigError("module-level head chunks do not take attention sinks (the sinks' gradient would "
                                   "have to flow back through the chunk's recomputed projections); use engine-level "
                                   "head chunks (chunk_projections=False) or head_chunks=1 for models with sinks")
-            lay, kernel, window = checked_call(x.q, x.k, x.v, cp, c["causal"], c.get("softmax_scale"), "auto",
-                                               c.get("seq_len"), c.get("cu_seqlens"), c.get("window"), 1,
-                                               self.needs_grad, softcap=c.get("softcap"))
-            self.per_chunk[j] = plan_call(cp, lay, kernel, window, c["causal"], c.get("softmax_scale"),
-                                          tuple(x.q.shape), x.k.shape[2], x.q.device, self.engine_chunks,
-                                          softcap=c.get("softcap"))
+            spec = replace(x.spec, backend="auto", head_chunks=1, return_lse=False)
+            checked = prepared(x.q, x.k, x.v, self.cp, spec, None, self.needs_grad).checked
+            self.per_chunk[j] = plan_call(self.cp, replace(spec, head_chunks=self.engine_chunks), checked,
+                                          tuple(x.q.shape), x.k.shape[2], x.q.device)
         return _Chunk(j, x, self.per_chunk[j])
 
     def stage_count(self, heads: int, kv_heads: int) -> int:
@@ -227,7 +234,7 @@ class _Backward:
             (oh, lse), halo = self.kept.pop(stage), None
         else:
             oh, lse, halo = stage_forward(c.call, e, qh, c.kh, c.vh)   # recomputed
-        dqh, dkh, dvh, _ = stage_backward(c.call, e, doh, qh, c.kh, c.vh, oh, lse, halo)
+        dqh, dkh, dvh, _ = stage_backward(c.call, e, doh, Saved(qh, c.kh, c.vh, oh, lse, halo))
         del halo
         del qh, doh, lse
         dkh, dvh = self._kv_grads(c, e, dkh, dvh)
@@ -323,7 +330,7 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
                             q_ranges: Sequence[tuple[int, int]], kv_counts: Sequence[int], cp: "CPMesh",
                             engine_chunks: int, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                             o_weight: torch.Tensor, o_bias: torch.Tensor | None, *,
-                            overlap: bool | None = None, keep_output: bool = True) -> torch.Tensor:
+                            overlap: bool = False, keep_output: bool = True) -> torch.Tensor:
     """The output of an attention module whose heads run in module chunks: its output projection
     (`o_weight`, `o_bias`) applied to the attention output [B, S_local, H, D] of all chunks.
 
@@ -333,13 +340,12 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
     parameters (saved through autograd, so that checkpointing manages them: `project` must hold no
     tensor of its own); `q_ranges[j]` are chunk j's query heads among the module's H and `kv_counts[j]`
     its KV heads. Gradients reach every tensor that requires them.
-    `overlap=None` uses `hybrid_cp.engine.headchunk.OVERLAP`. `keep_output`: keep each stage's attention
-    output and lse for backward instead of running the chunk's attention forward again there (one
-    output-sized tensor kept; free inside a checkpointed layer, whose first forward keeps nothing).
+    `overlap`: the stage schedule (`AttentionSpec.overlap`, the same on every rank). `keep_output`: keep
+    each stage's attention output and lse for backward instead of running the chunk's attention forward
+    again there (one output-sized tensor kept; free inside a checkpointed layer, whose first forward keeps
+    nothing).
     """
-    from .headchunk import OVERLAP  # read at call time: the schedule is set on the module
-
-    overlap = OVERLAP if overlap is None else bool(overlap)
+    overlap = bool(overlap)
     tensors = [*inputs, *params, o_weight, o_bias]
     needs_grad = int(torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     engine = _Engine(cp, engine_chunks, needs_grad)

@@ -17,7 +17,7 @@ steps here, so a new attention input is added in one place:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -27,7 +27,7 @@ from topology.layouts import pieces as _pieces
 from .comm import Posted, head_to_seq, post_head_to_seq, post_seq_to_head, seq_to_head
 from .heads import HeadSplit, head_split
 from .kernels.merge import sink_grad
-from .layout import gathered_to_ring_block, ring_block_to_gathered
+from .layout import gathered_rows_identity, gathered_to_ring_block, ring_block_to_gathered
 from .ring import Plan, block_plan, ring_backward, ring_forward
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
     from .kernels import AttentionKernel
     from .mesh import CPMesh
+    from .spec import AttentionSpec
+    from .validate import Checked
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -76,34 +78,38 @@ def chunk_heads(split: HeadSplit, head_chunks: int, rank: int) -> HeadChunks:
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """Everything one attention call needs besides tensors, decided once (after validation)."""
+    """Everything one attention call needs besides tensors, decided once (after validation): the call's
+    settings (`spec`), its layout, kernel, head split, block plan, scale and head stages."""
 
     cp: "CPMesh"
+    spec: "AttentionSpec"
     lay: "Layout"
     kernel: "AttentionKernel"
     split: HeadSplit
     plan: Plan
     scale: float
     stages: HeadChunks
-    softcap: float | None = None   # the kernels' logit soft-cap (None: off)
+    kv_index: tuple[int, ...] = ()     # per query head of this rank, its KV head among the local ones (one stage)
+    local: bool = False                # ulysses = 1 and ring-block order = local order: the exchange is the identity
 
     @property
-    def kv_index(self) -> list[int]:
-        """For each of this rank's query heads, its KV head among the local ones (all heads as one stage)."""
-        return self.split.kv_index(self.cp.ulysses_rank)
+    def softcap(self) -> float | None:
+        """The kernels' logit soft-cap (None: off)."""
+        return None if self.spec.softcap is None else float(self.spec.softcap)
 
 
-def plan_call(cp: "CPMesh", lay: "Layout", kernel: "AttentionKernel", window, causal: bool, softmax_scale,
-              q_shape: tuple[int, ...], kv_heads: int, device: torch.device, head_chunks: int = 1, *,
-              softcap: float | None = None, chunk_size: int | None = None) -> AttentionCall:
-    """The call's head split, block plan, scale and head stages (from the validated layout, kernel, window
-    and chunk size; the default scale is 1/sqrt(q's head dim))."""
+def plan_call(cp: "CPMesh", spec: "AttentionSpec", checked: "Checked", q_shape: tuple[int, ...], kv_heads: int,
+              device: torch.device) -> AttentionCall:
+    """The call's head split, block plan, scale and head stages (`spec.head_chunks` of them), from its checked
+    layout, kernel and window (`checked`; the default scale is 1/sqrt(q's head dim))."""
+    lay, kernel, window = checked
     heads, head_dim = q_shape[2], q_shape[3]
     split = head_split(heads, kv_heads, cp.ulysses_size)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    plan = block_plan(lay, cp.ring_rank, causal, device, window, chunk_size)
-    return AttentionCall(cp, lay, kernel, split, plan, scale, chunk_heads(split, head_chunks, cp.ulysses_rank),
-                         None if softcap is None else float(softcap))
+    scale = float(spec.softmax_scale) if spec.softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    plan = block_plan(lay, cp.ring_rank, spec.causal, device, window, spec.chunk_size)
+    return AttentionCall(cp, spec, lay, kernel, split, plan, scale, chunk_heads(split, spec.head_chunks, cp.ulysses_rank),
+                         tuple(split.kv_index(cp.ulysses_rank)),
+                         cp.ulysses_size == 1 and gathered_rows_identity(lay, device))
 
 
 # --- the exchange in ring-block row order ---------------------------------------------------------------
@@ -151,32 +157,29 @@ def stage_forward(call: AttentionCall, e: int, qh: torch.Tensor, kh: torch.Tenso
                          call.stages.q[e][call.cp.ulysses_rank], sinks)
 
 
-def stage_backward(call: AttentionCall, e: int, doh: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor,
-                   vh: torch.Tensor, oh: torch.Tensor, lse: torch.Tensor, halo, sinks: torch.Tensor | None = None):
+def stage_backward(call: AttentionCall, e: int, doh: torch.Tensor, saved: "Saved"):
     """Gradients of `stage_forward`: (dq for the stage's query heads, dk/dv for its KV range `kv_local[e]`,
-    d(sinks) [H] (this rank's share, zero outside the stage's heads) or None)."""
+    d(sinks) [H] (this rank's share, zero outside the stage's heads) or None). `saved`: the stage's q, all of
+    this rank's K/V heads, the stage's out and lse, its halo and the sinks of all H heads."""
     lo, hi = call.stages.kv_local[e]
-    return _ring_backward_heads(call, doh, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], oh, lse,
-                                list(call.stages.kv_index[e]), call.stages.q[e][call.cp.ulysses_rank], halo, sinks)
+    stage = replace(saved, kh=saved.kh[:, :, lo:hi], vh=saved.vh[:, :, lo:hi])
+    return _ring_backward_heads(call, doh, stage, list(call.stages.kv_index[e]), call.stages.q[e][call.cp.ulysses_rank])
 
 
 def _ring_forward(call: AttentionCall, qh, kh, vh, kv_index: list[int], heads: tuple[int, int], sinks):
     """The ring over query heads `heads` (a range of the H query heads), their sinks merged in."""
-    return ring_forward(call.cp, call.kernel, qh, kh, vh, kv_index, call.plan, scale=call.scale, softcap=call.softcap,
-                        sinks=None if sinks is None else sinks[heads[0]:heads[1]])
+    return ring_forward(call, qh, kh, vh, kv_index, None if sinks is None else sinks[heads[0]:heads[1]])
 
 
-def _ring_backward_heads(call: AttentionCall, doh, qh, kh, vh, oh, lse, kv_index: list[int], heads: tuple[int, int],
-                         halo, sinks):
+def _ring_backward_heads(call: AttentionCall, doh, s: "Saved", kv_index: list[int], heads: tuple[int, int]):
     """`_ring_forward`'s gradients: the ring backward with the final (sink-merged) out and lse is exact for
     q/k/v; the sinks' gradient is this rank's share, a full [H] tensor that is zero outside `heads` (summed
     over the cp ranks it is the full gradient, as for every replicated parameter)."""
-    dq, dk, dv = ring_backward(call.cp, call.kernel, doh, qh, kh, vh, oh, lse, kv_index, call.plan, halo,
-                               scale=call.scale, softcap=call.softcap)
+    dq, dk, dv = ring_backward(call, doh, s.qh, s.kh, s.vh, (s.out_h, s.lse_h), kv_index, s.halo)
     dsinks = None
-    if sinks is not None:
-        dsinks = torch.zeros_like(sinks)
-        dsinks[heads[0]:heads[1]] = sink_grad(doh, oh, lse, sinks[heads[0]:heads[1]])
+    if s.sinks is not None:
+        dsinks = torch.zeros_like(s.sinks)
+        dsinks[heads[0]:heads[1]] = sink_grad(doh, s.out_h, s.lse_h, s.sinks[heads[0]:heads[1]])
     return dq, dk, dv, dsinks
 
 
@@ -204,7 +207,11 @@ def forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     it saved as soon as its backward ran); without, the caller keeps `Saved` (the compiled op returns it)."""
     cp, lay, split = call.cp, call.lay, call.split
     halo = None
-    if autograd:
+    if autograd and call.local:   # ulysses = 1, no reordering: the exchange nodes would give back their inputs
+        qh, kh, vh = q, k, v
+        out_h, lse_h = RingStage.apply(call, q, k, v, sinks)
+        out = out_h
+    elif autograd:
         qh, kh, vh = SeqToHead.apply(cp, split, lay, q, k, v)
         out_h, lse_h = RingStage.apply(call, qh, kh, vh, sinks)
         out = HeadToSeq.apply(cp, split, lay, out_h)
@@ -231,8 +238,7 @@ def backward(call: AttentionCall, dout: torch.Tensor, saved: Saved) -> list[torc
 
 
 def _ring_backward(call: AttentionCall, doh: torch.Tensor, s: Saved) -> tuple[torch.Tensor | None, ...]:
-    return _ring_backward_heads(call, doh.contiguous(), s.qh, s.kh, s.vh, s.out_h, s.lse_h, call.kv_index,
-                                call.split.q[call.cp.ulysses_rank], s.halo, s.sinks)
+    return _ring_backward_heads(call, doh.contiguous(), s, call.kv_index, call.split.q[call.cp.ulysses_rank])
 
 
 def _grads_home(cp: "CPMesh", split: HeadSplit, lay: "Layout", grads) -> list[torch.Tensor]:

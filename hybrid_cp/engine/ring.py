@@ -78,6 +78,19 @@ class Plan:
     send_rows: tuple[Rows | None, ...] = ()                    # per step s: my rows that rank (me + s) reads
 
 
+@dataclass(frozen=True)
+class RingCall:
+    """What the ring reads of an attention call besides tensors: the mesh, the kernel, the block plan, the
+    scale and the kernels' logit soft-cap (None: off). `pipeline.AttentionCall` carries the same fields and is
+    passed as it is; this class is for running the ring alone (tests, benchmarks)."""
+
+    cp: "CPMesh"
+    kernel: "AttentionKernel"
+    plan: Plan
+    scale: float
+    softcap: float | None = None
+
+
 def _rows(ranges: list[tuple[int, int]], device: torch.device) -> Rows:
     """A slice when the ranges are back to back, else an index tensor."""
     if all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:])):
@@ -137,7 +150,9 @@ def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, windo
 
 
 def _take(x: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
-    return x[(slice(None),) * dim + (rows,)] if isinstance(rows, slice) else x.index_select(dim, rows)
+    if isinstance(rows, slice):   # all rows: x itself (a whole-block task), else a view
+        return x if rows.start == 0 and rows.stop == x.shape[dim] else x[(slice(None),) * dim + (rows,)]
+    return x.index_select(dim, rows)
 
 
 def _add_rows_(target: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
@@ -203,12 +218,13 @@ def _contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.contiguous() if x.dtype == dtype else x.to(dtype=dtype, memory_format=torch.contiguous_format)
 
 
-def _task_forward(kernel: "AttentionKernel", heads: HeadMap, task: Task, q: torch.Tensor, kb_full: torch.Tensor,
-                  vb_full: torch.Tensor, scale: float, softcap: float | None):
+def _task_forward(call: RingCall, heads: HeadMap, task: Task, q: torch.Tensor, kb_full: torch.Tensor,
+                  vb_full: torch.Tensor):
     """One task's kernel forward: (out, lse) of my query rows `task.q_rows` against the visiting block's rows."""
+    kernel = call.kernel
     kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
     qt = _take(q, task.q_rows)
-    out, lse = kernel.forward(qt, kb, vb, causal=task.causal, scale=scale, **task.kernel_kwargs(softcap))
+    out, lse = kernel.forward(qt, kb, vb, causal=task.causal, scale=call.scale, **task.kernel_kwargs(call.softcap))
     b, n, h = qt.shape[:3]
     if tuple(out.shape) != (b, n, h, vb.shape[3]) or tuple(lse.shape) != (b, h, n):
         raise ShapeError(f"kernel {getattr(kernel, 'name', kernel)!r} returned out {tuple(out.shape)} and lse "
@@ -218,37 +234,39 @@ def _task_forward(kernel: "AttentionKernel", heads: HeadMap, task: Task, q: torc
     return out, lse
 
 
-def _task_backward(kernel: "AttentionKernel", heads: HeadMap, task: Task, dout: torch.Tensor, q: torch.Tensor,
-                   kb_full: torch.Tensor, vb_full: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _task_backward(call: RingCall, heads: HeadMap, task: Task, dout: torch.Tensor, q: torch.Tensor,
+                   kv_block: tuple[torch.Tensor, torch.Tensor], result: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One task's kernel backward: (dq of my rows `task.q_rows`, dk and dv of the visiting block's rows
-    `task.k_rows`, reduced onto the KV heads)."""
+    `task.k_rows`, reduced onto the KV heads). `kv_block`: the visiting (K, V); `result`: forward's final
+    (out, lse)."""
     rows = task.q_rows
-    kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
-    dq_b, dk_b, dv_b = kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
-                                       _take(lse, rows, 2), causal=task.causal, scale=scale,
-                                       **task.kernel_kwargs(softcap))
+    (out, lse) = result
+    kb, vb = (heads.expand(_take(x, task.k_rows)) for x in kv_block)
+    dq_b, dk_b, dv_b = call.kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
+                                            _take(lse, rows, 2), causal=task.causal, scale=call.scale,
+                                            **task.kernel_kwargs(call.softcap))
     return dq_b, heads.reduce(dk_b), heads.reduce(dv_b)
 
 
-def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_index: list[int], plan: Plan, *, scale: float, softcap: float | None = None,
+def ring_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: list[int],
                  sinks: torch.Tensor | None = None):
     """q [B, L, Hq, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] (this ring rank's block) -> (out [B, L, Hq, Dv]
     in q.dtype, lse fp32,
-    the halo K/V received from each peer (halo mode; kept for backward) or None). `softcap`: the
-    kernel's logit soft-cap (None: off), the same in every block. `sinks` [Hq]: one sink logit per
+    the halo K/V received from each peer (halo mode; kept for backward) or None), over `call`'s block plan
+    with its kernel, scale and soft-cap (the same in every block). `sinks` [Hq]: one sink logit per
     query head, merged once after the last block (out and lse include it; `ring_backward` with them
     gives exact dq/dk/dv, and `kernels.merge.sink_grad` the sinks' gradient). A plan of one whole-block
     task (`whole_block`) returns the kernel's out and lse as they are (bitwise what the merge gives) with no
     fp32 accumulator and no K/V copy; with sinks, out goes through one fp32 copy for their merge."""
+    cp, plan = call.cp, call.plan
     r = cp.ring_size
     b, n, hq, _ = q.shape
     heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
     single = whole_block(plan, n, k.shape[1])
     if single is not None:
-        o_b, lse_b = _task_forward(kernel, heads, single, q, k, v, scale, softcap)
+        o_b, lse_b = _task_forward(call, heads, single, q, k, v)
         lse = _contiguous(lse_b, acc)
         if sinks is not None:
             o_b = _contiguous(o_b, acc)
@@ -259,7 +277,7 @@ def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: to
 
     def compute(tasks, kb_full, vb_full):
         for task in tasks:
-            o_b, lse_b = _task_forward(kernel, heads, task, q, kb_full, vb_full, scale, softcap)
+            o_b, lse_b = _task_forward(call, heads, task, q, kb_full, vb_full)
             merge_rows_(out, lse, task.q_rows, o_b, lse_b.to(acc))
 
     if plan.halo:
@@ -285,21 +303,22 @@ def ring_forward(cp: "CPMesh", kernel: "AttentionKernel", q: torch.Tensor, k: to
     return out.to(q.dtype), lse, None
 
 
-def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_index: list[int], plan: Plan,
-                  halo: list | None, *, scale: float,
-                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes). `halo`:
+def ring_backward(call: RingCall, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  result: tuple[torch.Tensor, torch.Tensor], kv_index: list[int],
+                  halo: list | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes), from its final
+    `result` = (out, lse). `halo`:
     what `ring_forward` received in halo mode, or None to receive those rows again (the compiled op
     cannot keep them: their count depends on the plan, which its fake does not know). A whole-block plan
     (`whole_block`) returns the kernel's gradients cast to the inputs' dtypes: no fp32 accumulators, no
     fused K/V or dK/dV buffers."""
+    cp, plan = call.cp, call.plan
     r = cp.ring_size
     heads = HeadMap.of(kv_index, k.shape[2], q.device)
     acc = acc_dtype(q.dtype)
     single = whole_block(plan, q.shape[1], k.shape[1])
     if single is not None:
-        grads = _task_backward(kernel, heads, single, dout, q, k, v, out, lse, scale, softcap)
+        grads = _task_backward(call, heads, single, dout, q, (k, v), result)
         return tuple(_contiguous(g, x.dtype) for g, x in zip(grads, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
 
@@ -307,8 +326,7 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
         """Run the tasks' backward; dq accumulates here, (key rows, dk, dv) are returned."""
         grads = []
         for task in tasks:
-            dq_b, dk_b, dv_b = _task_backward(kernel, heads, task, dout, q, kb_full, vb_full, out, lse, scale,
-                                              softcap)
+            dq_b, dk_b, dv_b = _task_backward(call, heads, task, dout, q, (kb_full, vb_full), result)
             _add_rows_(dq, task.q_rows, dq_b)
             grads.append((task.k_rows, dk_b, dv_b))
         return grads
@@ -320,7 +338,7 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
             _add_rows_(dkv[1], k_rows, dv_b)
 
     if plan.halo:
-        return _halo_backward(cp, plan, compute, add, dq, q.dtype, k, v, halo)
+        return _halo_backward(call, compute, add, dq, q.dtype, (k, v), halo)
     kv, kv_views = _fused(k, v, double=True)
     kv_views[0][0].copy_(k)
     kv_views[0][1].copy_(v)
@@ -341,10 +359,11 @@ def ring_backward(cp: "CPMesh", kernel: "AttentionKernel", dout: torch.Tensor, q
     return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
 
 
-def _halo_backward(cp: "CPMesh", plan: Plan, compute, add, dq: torch.Tensor, q_dtype: torch.dtype, k: torch.Tensor,
-                   v: torch.Tensor, halo: list | None):
+def _halo_backward(call: RingCall, compute, add, dq: torch.Tensor, q_dtype: torch.dtype,
+                   kv: tuple[torch.Tensor, torch.Tensor], halo: list | None):
     """`ring_backward` in halo mode: the gradients of the rows read from each peer go back to it (fused
     dK|dV), and those of my rows the peers read come home and are added."""
+    cp, plan, (k, v) = call.cp, call.plan, kv
     r, acc = cp.ring_size, dq.dtype
     if halo is None:
         works, halo = _halo_fetch(cp, plan, k, v)

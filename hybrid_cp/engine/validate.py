@@ -34,6 +34,7 @@ from .agreement import (  # noqa: F401 (DestroyedGroup, MeshLike, digest, histor
 )
 from .kernels import AttentionKernel, can_on, get_kernel, kernel_needs, kernels_that_can
 from .layout import check_shards, positions, row_layout
+from .spec import AttentionSpec
 
 VALIDATE_MODES = (True, "always", "debug", False)
 
@@ -215,23 +216,32 @@ _NEED_ARGUMENT = {"cu_seqlens_q": "cu_seqlens (or chunk_size)", "window": "windo
                   "value_head_dim": "a v head dim that differs from q/k's"}
 
 
-def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window, *, softcap=None,
-                  v_head_dim: int | None = None, chunk_size=None) -> AttentionKernel | None:
+class Checked(NamedTuple):
+    """What the checks of an attention call decided: the row's layout, the kernel (None: a plain
+    local-attention callable) and the window in effect."""
+
+    lay: Layout
+    kernel: AttentionKernel | None
+    window: tuple | int | None
+
+
+def _check_kernel(q, v, cp, lay: Layout, spec: AttentionSpec, window) -> AttentionKernel | None:
     """The kernel the call runs (None for a plain local-attention callable), after checking it can
     do what the call asks."""
-    if callable(backend) and not isinstance(backend, (str, AttentionKernel)):
+    if _plain_callable(spec.backend):
         if cp.ring_size != 1:
             raise ConfigError(f"a plain local-attention callable works with ring=1 only (got ring="
                               f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
                               f"register one with hcp.register_kernel")
-        if cu_seqlens is not None or window is not None or lay.effective_chunk(chunk_size) is not None or (
-                lay.padded_len != lay.seq_len and not causal):
+        if spec.cu_seqlens is not None or window is not None or lay.effective_chunk(spec.chunk_size) is not None or (
+                lay.padded_len != lay.seq_len and not spec.causal):
             raise ConfigError("a plain local-attention callable cannot mask document boundaries, windows, attention "
                               "chunks or (non-causal) "
                               "padding; use a kernel backend, or for dense rows a length divisible by "
                               f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
         return None
-    needs = kernel_keywords(lay, cu_seqlens, window, chunk_size, softcap, v_head_dim not in (None, q.shape[3]))
+    backend = spec.backend
+    needs = kernel_keywords(lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v.shape[3] != q.shape[3])
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], needs=needs)
     for keyword in needs:
         if not can_on(kernel, keyword, q.device):
@@ -239,6 +249,11 @@ def _check_kernel(q, cp, lay: Layout, causal, backend, cu_seqlens, window, *, so
                               f"capability) that {_NEED_ARGUMENT[keyword]} needs on {q.device.type}; kernels that "
                               f"can: {kernels_that_can(keyword, q.device)}; see hybrid_cp/engine/kernels/__init__.py")
     return kernel
+
+
+def _plain_callable(backend: Any) -> bool:
+    """A plain local-attention callable attn(q, k, v) -> out, not a kernel name or object."""
+    return callable(backend) and not isinstance(backend, (str, AttentionKernel))
 
 
 def chunk_size_arg(chunk_size: Any) -> int | None:
@@ -258,24 +273,23 @@ def kernel_keywords(lay: Layout, cu_seqlens: Any, window: Any, chunk_size: Any, 
     return needs
 
 
-def _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, *,
-                  softcap=None, chunk_size=None) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
-    """Raise for inputs this rank can judge alone; return (layout, kernel, the window in effect)."""
+def _local_checks(q, k, v, cp, spec: AttentionSpec) -> Checked:
+    """Raise for inputs this rank can judge alone; return what the call runs with."""
     require_mesh(cp)
     _check_qkv(q, k, v, cp)
-    _check_shapes(q, k, v, cp, cu_seqlens)
+    _check_shapes(q, k, v, cp, spec.cu_seqlens)
+    softmax_scale, causal = spec.softmax_scale, spec.causal
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and
                                           math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ConfigError(f"softmax_scale={softmax_scale!r} must be a positive finite number (or None "
                           f"for 1/sqrt(head_dim))")
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal={causal!r} must be a bool")
-    lay = row_layout(cp, local_len=q.shape[1], seq_len=seq_len, cu_seqlens=cu_seqlens, causal=causal)
+    lay = row_layout(cp, local_len=q.shape[1], seq_len=spec.seq_len, cu_seqlens=spec.cu_seqlens, causal=causal)
     check_shards(cp, (("q", q), ("k", k), ("v", v)), 1, lay, "hcp.attention")
-    window = lay.effective_window(causal, window)
-    kernel = _check_kernel(q, cp, lay, causal, backend, cu_seqlens, window, softcap=softcap, v_head_dim=v.shape[3],
-                           chunk_size=chunk_size)
-    return lay, kernel, (None if kernel is None else window)
+    window = lay.effective_window(causal, spec.window)
+    kernel = _check_kernel(q, v, cp, lay, spec, window)
+    return Checked(lay, kernel, None if kernel is None else window)
 
 
 # ---- attention variants: logit soft-cap -----------------------------------------------------------
@@ -292,7 +306,7 @@ def check_variants(backend, softcap, sinks) -> None:
     if not is_softcap(softcap):
         raise ConfigError(f"softcap={softcap!r} must be a positive finite number (scores = softcap * "
                           f"tanh(scores / softcap), Gemma 2's attn_logit_softcapping, e.g. 50.0) or None for none")
-    plain = callable(backend) and not isinstance(backend, (str, AttentionKernel))
+    plain = _plain_callable(backend)
     for name, value in (("softcap", softcap), ("sinks", sinks)):
         if plain and value is not None:
             raise ConfigError(f"{name}= needs a kernel backend: a plain local-attention callable computes plain "
@@ -315,7 +329,7 @@ def check_sinks(sinks, q: torch.Tensor) -> None:
         raise ConfigError(f"sinks is on {sinks.device} but q is on {q.device}; move sinks to {q.device}")
 
 
-def _sinks_digest(cp, sinks) -> int:
+def sinks_digest(cp, sinks) -> int:
     """The sinks' shape and dtype (0: none); their values only under validate="always"/"debug" (a host copy
     of H numbers per call; under True a learnable parameter's new values every step would defeat the
     prediction of repeated calls)."""
@@ -325,19 +339,19 @@ def _sinks_digest(cp, sinks) -> int:
     return digest((tuple(sinks.shape), str(sinks.dtype), values))
 
 
-def attention_signature(cp, q, k, v, lay: Layout, kernel, backend, causal, window, needs_grad: int,
-                        head_chunks: int, *, softcap=None, sinks=None, chunk_size: int | None = None,
-                        softmax_scale: float | None = None) -> AttentionSignature:
+def attention_signature(cp, q, k, v, spec: AttentionSpec, checked: Checked, needs_grad: int,
+                        sinks=None) -> AttentionSignature:
     """The signature of a call that passed this rank's checks (variants as digests, so that ranks that
     differ name the field)."""
     b, s, h, d = q.shape
+    lay, kernel, window = checked
     left, right = (-1, -1) if window is None else (window, 0) if isinstance(window, int) else window
-    name = getattr(kernel, "name", "callable" if kernel is None else str(backend))
-    return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(causal), lay.seq_len,
-                              digest(lay.doc_lens), left, right, digest(name), int(needs_grad), head_chunks,
-                              softcap=0 if softcap is None else digest(float(softcap)),
-                              sinks=_sinks_digest(cp, sinks), v_head_dim=v.shape[3], chunk_size=chunk_size or 0,
-                              softmax_scale=digest(float(softmax_scale or 1 / math.sqrt(d))))
+    name = getattr(kernel, "name", "callable" if kernel is None else str(spec.backend))
+    return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(spec.causal), lay.seq_len,
+                              digest(lay.doc_lens), left, right, digest(name), int(needs_grad), spec.head_chunks,
+                              softcap=0 if spec.softcap is None else digest(float(spec.softcap)),
+                              sinks=sinks_digest(cp, sinks), v_head_dim=v.shape[3], chunk_size=spec.chunk_size or 0,
+                              softmax_scale=digest(float(spec.softmax_scale or 1 / math.sqrt(d))))
 
 
 def is_int(value: Any) -> bool:
@@ -356,56 +370,66 @@ def op_window(window: Any) -> tuple[bool, list[int] | None]:
     return False, None
 
 
-def op_expressible(q, k, v, cp, *, causal: Any, softmax_scale: Any, return_lse: Any, backend_key: str,
-                   seq_len: Any, cu_seqlens: Any, window: Any, head_chunks: Any, softcap: Any = None,
-                   sinks: Any = None, chunk_size: Any = None) -> bool:
+def op_expressible(q, k, v, cp, spec: AttentionSpec, sinks: Any, backend_key: str) -> bool:
     """Whether an `hcp.attention` call's arguments have the types the compiled custom op takes
     (`backend_key`: a kernel name or registry key, "" for anything else). Values are not judged
     here: the op runs `checked_call`, and a call that is not expressible runs eagerly, which raises
     eager's error for invalid arguments."""
+    s, scale, cu = spec, spec.softmax_scale, spec.cu_seqlens
     return (isinstance(cp, MeshLike) and all(isinstance(x, torch.Tensor) for x in (q, k, v))
-            and op_window(window)[0] and isinstance(causal, bool) and isinstance(return_lse, bool)
-            and is_int(head_chunks) and head_chunks == 1 and backend_key != ""
-            and (softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)))
-            and (seq_len is None or is_int(seq_len)) and is_softcap(softcap)
-            and (sinks is None or isinstance(sinks, torch.Tensor)) and (chunk_size is None or is_int(chunk_size))
-            and (cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)
-                 or (isinstance(cu_seqlens, (list, tuple)) and all(is_int(x) for x in cu_seqlens))))
+            and op_window(s.window)[0] and isinstance(s.causal, bool) and isinstance(s.return_lse, bool)
+            and is_int(s.head_chunks) and s.head_chunks == 1 and backend_key != ""
+            and (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool)))
+            and (s.seq_len is None or is_int(s.seq_len)) and is_softcap(s.softcap)
+            and (sinks is None or isinstance(sinks, torch.Tensor)) and (s.chunk_size is None or is_int(s.chunk_size))
+            and (cu is None or isinstance(cu, torch.Tensor)
+                 or (isinstance(cu, (list, tuple)) and all(is_int(x) for x in cu))))
 
 
-def checked_call(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window, head_chunks: int,
-                 needs_grad: int, *, softcap=None, sinks=None, chunk_size: Any = None,
-                 return_lse: Any = False) -> tuple[Layout, AttentionKernel | None, tuple | int | None]:
-    """Every check of an attention call, before any collective: this rank's own (`_local_checks`), then,
-    with `cp.validate`, the cross-rank agreement on the call's `AttentionSignature`, so that a rank that
-    failed or differs makes every rank raise. Returns (layout, kernel, the window in effect). `needs_grad`
-    is passed in because the compiled path decides it at trace time (hybrid_cp/engine/compiled.py)."""
-    error, signature, result = None, AttentionSignature(causal=int(causal) if isinstance(causal, bool) else -1), None
+def own_attention_checks(q, k, v, cp, spec: AttentionSpec, sinks, needs_grad: int
+                         ) -> tuple[Checked | None, AttentionSignature, Exception | None]:
+    """This rank's checks of an attention call: (what it runs with, its signature, None) or, for a call it
+    rejects, (None, an empty signature, the error) when the ranks will agree on it (else the error is raised)."""
+    error, signature, result = None, AttentionSignature(causal=int(spec.causal) if isinstance(spec.causal, bool)
+                                                        else -1), None
     try:
-        positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
-        if not isinstance(return_lse, bool):
-            raise InputTypeError(f"return_lse={return_lse!r} must be a bool")
-        check_variants(backend, softcap, sinks)
-        chunk_size_arg(chunk_size)
-        result = _local_checks(q, k, v, cp, causal, softmax_scale, backend, seq_len, cu_seqlens, window,
-                               softcap=softcap, chunk_size=chunk_size)
+        positive_int("head_chunks", spec.head_chunks, "an integer >= 1 (1: all heads at once)")
+        if not isinstance(spec.return_lse, bool):
+            raise InputTypeError(f"return_lse={spec.return_lse!r} must be a bool")
+        if not isinstance(spec.overlap, bool):
+            raise InputTypeError(f"overlap={spec.overlap!r} must be a bool (the head-chunk schedule)")
+        check_variants(spec.backend, spec.softcap, sinks)
+        chunk_size_arg(spec.chunk_size)
+        result = _local_checks(q, k, v, cp, spec)
         check_sinks(sinks, q)
-        lay, kernel, window = result
-        if head_chunks > 1 and kernel is None:
-            raise ConfigError(f"head_chunks={head_chunks} needs a kernel backend (the ring path); a plain "
+        if spec.head_chunks > 1 and result.kernel is None:
+            raise ConfigError(f"head_chunks={spec.head_chunks} needs a kernel backend (the ring path); a plain "
                               f"local-attention callable runs all heads at once: use head_chunks=1")
-        signature = attention_signature(cp, q, k, v, lay, kernel, backend, causal, window, needs_grad, head_chunks,
-                                        softcap=softcap, sinks=sinks, chunk_size=chunk_size,
-                                        softmax_scale=softmax_scale)
+        signature = attention_signature(cp, q, k, v, spec, result, needs_grad, sinks)
     except (TypeError, ValueError) as exc:
         if not isinstance(exc, CPError):  # e.g. topology's window/boundary checks: give it a documented type
             exc = (ConfigError if isinstance(exc, ValueError) else InputTypeError)(str(exc))
         if not validates(cp):
             raise exc from None
-        error = exc
+        error, result = exc, None
+    return result, signature, error
+
+
+def agree_on_attention(cp, signature: AttentionSignature, error: Exception | None, tensors) -> None:
+    """With `cp.validate`, the cross-rank agreement on an attention call's signature (`tensors`: (name,
+    tensor) pairs whose metadata validate="debug" adds)."""
     if validates(cp):
         agree_across_ranks(cp, signature, AttentionSignature.labels, error, "hcp.attention inputs",
-                           tensors=(("q", q), ("k", k), ("v", v)) if error is None else ())
+                           tensors=tensors if error is None else ())
+
+
+def checked_call(q, k, v, cp, spec: AttentionSpec, sinks=None, needs_grad: int = 0) -> Checked:
+    """Every check of an attention call, before any collective: this rank's own (`own_attention_checks`), then,
+    with `cp.validate`, the cross-rank agreement on the call's `AttentionSignature`, so that a rank that
+    failed or differs makes every rank raise. `needs_grad` is passed in because the compiled path decides it
+    at trace time (hybrid_cp/engine/compiled.py)."""
+    result, signature, error = own_attention_checks(q, k, v, cp, spec, sinks, needs_grad)
+    agree_on_attention(cp, signature, error, (("q", q), ("k", k), ("v", v)))
     return result
 
 

@@ -39,10 +39,11 @@ import torch.nn.functional as F
 
 from topology.layouts import module_chunks
 
-from ..engine.attention import attention as _cp_attention
+from ..engine.attention import run_attention
 from ..engine.layout import boundaries, positions, row_layout
 from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
+from ..engine.spec import AttentionSpec
 from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.loss import cross_entropy
@@ -58,11 +59,12 @@ _HOOK_ATTR = "_hybrid_cp_hook"
 class _MeshRef:
     """Holds the mesh on each module; copying a model shares it instead of copying process groups."""
 
-    __slots__ = ("cp", "head_chunks", "rotaries", "row", "packed", "fixed", "padding")
+    __slots__ = ("cp", "head_chunks", "overlap", "rotaries", "row", "packed", "fixed", "padding")
 
-    def __init__(self, cp: CPMesh, head_chunks: int = 1):
+    def __init__(self, cp: CPMesh, head_chunks: int = 1, overlap: bool = False):
         self.cp = cp
         self.head_chunks = head_chunks
+        self.overlap = overlap   # the head-chunk schedule (AttentionSpec.overlap)
         self.rotaries = 0   # rotary modules that read the row's extent (`rope.route_rotaries`)
         self.row = None     # ... and that extent, of the model's current call (`rope.row_extent`)
         self.packed = False  # whether the current call is a packed row (routed mixers check they got its boundaries)
@@ -100,18 +102,16 @@ def _layer_chunk(module: torch.nn.Module) -> int | None:
     return size
 
 
-def _variants(module: torch.nn.Module, kwargs: dict) -> dict:
-    """hcp.attention's `sinks`, `softcap` and `chunk_size` for this call, those that are set: `s_aux`
-    (attention sinks, gpt-oss) and `softcap` (Gemma 2) only when they are the module's own (`module.sinks`,
-    `module.attn_logit_softcapping`): the eager attention of a family without them ignores such a keyword
-    from the caller, so computing it would differ; the chunk size of a chunked layer (`_layer_chunk`)."""
+def _variants(module: torch.nn.Module, kwargs: dict) -> tuple[torch.Tensor | None, dict]:
+    """hcp.attention's `sinks`, and its `softcap` and `chunk_size` settings for this call, those that are set:
+    `s_aux` (attention sinks, gpt-oss) and `softcap` (Gemma 2) only when they are the module's own
+    (`module.sinks`, `module.attn_logit_softcapping`): the eager attention of a family without them ignores such
+    a keyword from the caller, so computing it would differ; the chunk size of a chunked layer (`_layer_chunk`)."""
     out = {}
     sinks, cap = kwargs.get("s_aux"), kwargs.get("softcap")
-    if sinks is not None:
-        if sinks is not getattr(module, "sinks", None):
-            raise _unsupported(f"{type(module).__name__} received s_aux (attention sinks) that is not its own "
-                               f"`sinks` parameter; pass no s_aux to the model")
-        out["sinks"] = sinks
+    if sinks is not None and sinks is not getattr(module, "sinks", None):
+        raise _unsupported(f"{type(module).__name__} received s_aux (attention sinks) that is not its own "
+                           f"`sinks` parameter; pass no s_aux to the model")
     if cap is not None:
         if cap != getattr(module, "attn_logit_softcapping", None):
             raise _unsupported(f"{type(module).__name__} received softcap={cap!r} (attention logit soft-capping) but "
@@ -121,7 +121,7 @@ def _variants(module: torch.nn.Module, kwargs: dict) -> dict:
     chunk = _layer_chunk(module)
     if chunk is not None:
         out["chunk_size"] = chunk
-    return out
+    return sinks, out
 
 
 def _temperature(module: torch.nn.Module, q: torch.Tensor, cp: CPMesh, lay, cu: Any) -> torch.Tensor:
@@ -180,18 +180,17 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     q = _temperature(module, query.transpose(1, 2), cp, lay, cu).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
-    call = dict(causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len, cu_seqlens=cu,
-                window=window)
-    call.update(_variants(module, kwargs))
+    sinks, variants = _variants(module, kwargs)
+    spec = AttentionSpec(causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len,
+                         cu_seqlens=cu, window=window, overlap=ref.overlap,
+                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks), **variants)
     mode = module.__dict__.get(_CAPTURE)
     if mode == "project":   # a module chunk's projections are done: hand them to the chunk pipeline
-        raise _Captured(Projected(q, k, v, call))
+        raise _Captured(Projected(q, k, v, spec, sinks))
     if mode == "probe":     # the structure check of module chunks: return q itself as the attention output
         module.__dict__[_PROBE_OUT] = q
         return q, None
-    out = _cp_attention(q, k, v, cp, **call,
-                        head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks))
-    return out, None
+    return run_attention(q, k, v, cp, spec, sinks), None
 
 
 class _CPLoss:
@@ -373,9 +372,10 @@ class _ModuleChunks:
                              f"module-level head chunks need attn_implementation={ATTN_IMPLEMENTATION!r}")
 
         o = self.module.o_proj
+        ref = self.module.__dict__.get("_hybrid_cp_mesh")
         return pipelined_module_chunks(project, self.q_ranges, [b - a for a, b in self.kv_ranges], self.cp,
                                        self.engine_chunks, [leaves[i] for i in at], params, o.weight, o.bias,
-                                       keep_output=self._keep()), None
+                                       overlap=bool(ref is not None and ref.overlap), keep_output=self._keep()), None
 
 
 # attention modules that use their whole-head K/V or projections outside the attention call: a layer that stores
@@ -442,7 +442,8 @@ def _chunk_attention_modules(model: torch.nn.Module, cp: CPMesh, head_chunks: in
 
 
 def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1,
-                           chunk_projections: bool = True, keep_attention_output: bool | None = None) -> torch.nn.Module:
+                           chunk_projections: bool = True, keep_attention_output: bool | None = None,
+                           overlap: bool = False) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
@@ -467,6 +468,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
         keep_attention_output: Keep each module chunk's attention output and lse for backward instead of
             running attention forward again there. None: inside checkpointed layers only (two attention
             forwards per layer instead of three); True: in every layer (one output-sized tensor each).
+        overlap: With head_chunks > 1, post each chunk's all-to-all before the previous chunk computes
+            (`hcp.attention`'s `overlap`, for module-level chunks too); False: one chunk after another.
 
     Returns:
         The model.
@@ -479,6 +482,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     if keep_attention_output is not None and not isinstance(keep_attention_output, bool):
         raise ConfigError(f"keep_attention_output={keep_attention_output!r}: pass True, False or None (None: keep "
                           f"inside checkpointed layers only)")
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"overlap={overlap!r}: pass True (overlapped head chunks) or False (one after another)")
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)
@@ -493,7 +498,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     _register()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
-    ref = _MeshRef(cp, head_chunks)
+    ref = _MeshRef(cp, head_chunks, overlap)
     ref.rotaries = route_rotaries(model, ref)
     for m in model.modules():
         m.__dict__["_hybrid_cp_mesh"] = ref

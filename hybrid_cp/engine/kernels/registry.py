@@ -25,6 +25,7 @@ from .selftest import cached_self_test
 from .torch_flash import TorchFlashKernel
 
 _REGISTRY: dict[str, AttentionKernel] = {}
+_VERSION = [0]   # registrations so far: a checked call pattern holds for one registry state (`registry_version`)
 
 
 def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = False) -> None:
@@ -46,6 +47,12 @@ def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = Fal
     if name in _REGISTRY and not overwrite:
         raise ConfigError(f"a kernel named {name!r} is already registered; pass overwrite=True to replace it")
     _REGISTRY[name] = kernel
+    _VERSION[0] += 1
+
+
+def registry_version() -> int:
+    """How many registrations the registry has seen (a new one may change what a backend name resolves to)."""
+    return _VERSION[0]
 
 
 def available_kernels() -> list[str]:
