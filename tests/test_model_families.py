@@ -252,7 +252,7 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
     run transformers' fp32 chunked kernel, which rounds a sum over every token (the decay gate's gradients)
     differently on other chunk boundaries: up to 5.1e-5 seen here (tests/test_hybrid_models.py: 1.1e-4); Zamba2's
     shared attention block sums its gradient over both of its uses: up to 6.7e-5 (its q_proj, (2, 2)). The gradients
-    hold 2e-4 (a 3.0x margin)."""
+    hold 2.5e-4 (a 3.7x margin; 2e-4 left 2.99x)."""
     kinds = [t for t in NEW_HYBRIDS + ((), PURE_SSM)[not packed] if t in walk()]
     task = "linear_more_cases:more_packed_parity" if packed else "linear_more_cases:more_parity"
     extra = {} if packed else {"fsdp": fsdp}
@@ -261,7 +261,7 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
             assert not errors.get("missing"), (kind, errors)
             within(errors["loss"], TOL, f"rank {rank} {kind} loss", errors)
             within(errors.get("logits", 0.0), 10 * TOL, f"rank {rank} {kind} logits", errors)
-            within(errors["grad"], 20 * TOL, f"rank {rank} {kind} grad", errors)
+            within(errors["grad"], 25 * TOL, f"rank {rank} {kind} grad", errors)
 
 
 def test_pure_ssm_families_refuse_packed_rows(pool):
