@@ -115,13 +115,13 @@ class _engine_stage:
     def __enter__(self):
         import hybrid_cp.integrations.transformers as tf
 
-        self.module, self.original = tf, tf._cp_attention
+        self.module, self.original = tf, tf.run_attention
         tracker, original = self.tracker, self.original
 
-        def wrapped(q, k, v, cp, **kw):
+        def wrapped(q, k, v, cp, spec, sinks):
             q, k, v = (mark(x, tracker, "engine.bwd", "exit") for x in (q, k, v))
             with tracker.stage("engine"):
-                out = original(q, k, v, cp, **kw)
+                out = original(q, k, v, cp, spec, sinks)
             return mark(out, tracker, "engine.bwd", "enter")
 
         def wrapped_chunks(project, q_ranges, kv_counts, cp, engine_chunks, inputs, *rest, **kw):
@@ -132,11 +132,11 @@ class _engine_stage:
             return mark(out, tracker, "engine.bwd", "enter")
 
         original_chunks = self.original_chunks = tf.pipelined_module_chunks
-        tf._cp_attention, tf.pipelined_module_chunks = wrapped, wrapped_chunks
+        tf.run_attention, tf.pipelined_module_chunks = wrapped, wrapped_chunks
         return self
 
     def __exit__(self, *exc):
-        self.module._cp_attention, self.module.pipelined_module_chunks = self.original, self.original_chunks
+        self.module.run_attention, self.module.pipelined_module_chunks = self.original, self.original_chunks
 
 
 def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_loss: bool = False,
