@@ -97,14 +97,22 @@ def _wait_for(checkpoint: Path, proc: subprocess.Popen, timeout: float = 200) ->
 
 
 def _kill_after_checkpoint(proc: subprocess.Popen, checkpoint: Path, record: dict) -> None:
-    """SIGKILL worker rank 1 as soon as `checkpoint` is published (the steps after it are then lost)."""
+    """SIGKILL worker rank 1 as soon as `checkpoint` is published (the steps after it are then lost).
+
+    The worker is found before the checkpoint appears: scanning /proc on a loaded machine can take longer
+    than the rest of this short run, which would then end before the kill."""
+    pid = None
+    while pid is None and proc.poll() is None:
+        for parent in [proc.pid, *_proc_children(proc.pid)]:   # torchrun's agent starts the workers
+            pid = pid or _worker_pids(parent).get(1)
+        time.sleep(0.005)
     _wait_for(checkpoint, proc)
-    for parent in [proc.pid, *_proc_children(proc.pid)]:   # torchrun's agent starts the workers
-        pid = _worker_pids(parent).get(1)
-        if pid:
+    if pid is not None and proc.poll() is None:
+        try:
             os.kill(pid, signal.SIGKILL)
-            record["killed_at"] = time.time()
+        except ProcessLookupError:   # the worker had already ended: the test reports that no kill happened
             return
+        record["killed_at"] = time.time()
 
 
 def _proc_children(pid: int) -> list[int]:
