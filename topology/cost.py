@@ -27,6 +27,7 @@ from .cluster import Cluster
 from .layouts import head_split, layout_of, make_layout
 from .placement import PlacementError, ring_groups, ulysses_groups
 from .rates import ATTN_BWD_FACTOR, merge_bwd_bytes, merge_fwd_bytes
+from .split import Split
 from .summary_scan import exchange_kind, scan_bytes, summary_scan
 from .units import FP32_BYTES, check_counts, dtype_bytes, dtype_name
 
@@ -465,6 +466,12 @@ class _Call:
     backward: bool = True
     dp: int = 1
 
+    @classmethod
+    def of(cls, model: ModelShape, split: Split, causal: bool = True, backward: bool = True) -> "_Call":
+        """The call of one of ``model``'s attention layers on ``split``."""
+        return cls(model.heads, model.n_kv, model.head_dim, split.seq_len, split.batch, split.ulysses, split.ring,
+                   split.e, split.layout, causal, backward, split.dp)
+
     @property
     def world(self) -> int:
         return self.dp * self.ulysses * self.ring
@@ -581,15 +588,15 @@ def estimate(
                            attention_forwards - 1)
     if not isinstance(attention_forwards, int) or attention_forwards < 1 or (attention_forwards > 1 and not backward):
         raise ValueError(f"attention_forwards={attention_forwards!r} must be an integer >= 1 (1 without backward)")
-    kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, backward=backward)
+    split = Split(seq_len, ulysses, ring, dp, batch, dtype, layout)
+    kw: dict[str, Any] = dict(causal=causal, backward=backward)
     if window is not _MODEL_WINDOW or chunk_size is not None:
         window = None if window is _MODEL_WINDOW else window
-        return _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=window, chunk_size=chunk_size, **kw)
+        return _one_layer(cluster, model, split, window=window, chunk_size=chunk_size, **kw)
     kinds = _layer_kinds(model, seq_len, causal)
-    layers = [(n, _one_layer(cluster, model, seq_len, ulysses, ring, dp, batch, window=w, chunk_size=c, **kw), what)
-              for n, w, c, what in kinds]
+    layers = [(n, _one_layer(cluster, model, split, window=w, chunk_size=c, **kw), what) for n, w, c, what in kinds]
     if model.linear_layers:
-        layers.append((model.linear_layers, _linear_layer(cluster, model, seq_len, ulysses, ring, dp, batch, **kw),
+        layers.append((model.linear_layers, _linear_layer(cluster, model, split, **kw),
                        f"are linear ({model.linear_kind})"))
     if len(layers) == 1:
         return layers[0][1]
@@ -634,14 +641,13 @@ def _average_layer(layers: list[tuple[float, Estimate]], note: str) -> Estimate:
                    notes=first.notes + (note,))
 
 
-def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
-               dtype: Any, layout: str, causal: bool, backward: bool, window: Any,
+def _one_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool, window: Any,
                chunk_size: int | None = None) -> Estimate:
     """:func:`estimate` of one layer with ``window`` (or none): the analytic terms, then the measured
     ones where the cluster carries a calibration."""
-    check_counts(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
-    call = _Call(model.heads, model.n_kv, model.head_dim, seq_len, batch, ulysses, ring, dtype_bytes(dtype), layout,
-                 causal, backward, dp)
+    split.check()
+    call = _Call.of(model, split, causal, backward)
+    ulysses, ring, dp, batch, seq_len = split.ulysses, split.ring, split.dp, split.batch, split.seq_len
     if call.world > cluster.world_size:
         raise PlacementError(
             f"dp*ring*ulysses = {dp}*{ring}*{ulysses} = {call.world} ranks, but cluster {cluster.name!r} has "
@@ -658,7 +664,7 @@ def _one_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, 
         notes.append(f"{chunk}-token attention chunks: blocks in other chunks are skipped"
                      + ("; only the halo rows are exchanged" if halo else ""))
     if cluster.calibration is not None:
-        times, measured_notes = _calibrated_times(cluster, call, dtype, window, busiest_share, nbytes, times,
+        times, measured_notes = _calibrated_times(cluster, call, split.dtype, window, busiest_share, nbytes, times,
                                                   chunk)
         notes += measured_notes
     return Estimate(
@@ -1094,13 +1100,12 @@ def linear_summary_bytes(lay: Any, size: int, batch: int, model: ModelShape, sta
     return size * exporting_runs(lay, size) * batch * model.linear_state_numel * state_bytes if size > 1 else 0
 
 
-def _linear_layer(cluster: Cluster, model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, *,
-                  dtype: Any, layout: str, causal: bool, backward: bool) -> Estimate:
+def _linear_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool) -> Estimate:
     """One linear layer (docs/linear.md): no all-to-all and no ring; local chunked recurrence on the
     rank's shard (the probe's wider values on continuing runs), one summary exchange, the layer's GEMMs."""
-    check_counts(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=dp, batch=batch)
-    call = _Call(model.heads, model.n_kv, model.head_dim, seq_len, batch, ulysses, ring, dtype_bytes(dtype), layout,
-                 causal, backward, dp)
+    split.check()
+    call = _Call.of(model, split, causal, backward)
+    ulysses, ring, dp, batch, seq_len = split.ulysses, split.ring, split.dp, split.batch, split.seq_len
     if call.world > cluster.world_size:
         raise PlacementError(f"dp*ring*ulysses = {call.world} ranks, but cluster {cluster.name!r} has "
                              f"{cluster.world_size} GPUs")

@@ -42,6 +42,7 @@ from .cost import (
     linear_summary_bytes,
 )
 from .layouts import head_split, make_layout, module_chunks
+from .split import Split
 from .units import FP32_BYTES, LOSS_CHUNK_BYTES, GiB, check_counts, dtype_bytes
 
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
@@ -171,17 +172,20 @@ def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
     return (0 if input_kept and e == 4 else 4) + 2 * e
 
 
-def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ring: int, rank: int | None, T: int,
-                      hc: int, reorder: bool = True, module_chunk: bool = False) -> tuple[int, int, int, int, int]:
-    """One attention module call with H/Hkv heads on T local tokens, all heads projected at once and
+def _attention_module(module: ModelShape, split: Split, rank: int | None, hc: int, reorder: bool = True,
+                      module_chunk: bool = False) -> tuple[int, int, int, int, int]:
+    """One attention module call with `module`'s H/Hkv heads (the model's, or one module-level chunk's) on the
+    split's T local tokens, all heads projected at once and
     `hc` engine-level chunks: (bytes saved per local token, forward and backward working sets of the
     module, and of the engine inside it). `reorder`: the layout reorders the gathered tokens (see
     `_single_block_backward`). `module_chunk`: one chunk of `hybrid_cp.engine.modulechunk`, whose backward
     exchanges and returns its tensors with its own buffers: at ring size 1 it keeps the terms of ring > 1
     (not re-derived for the fast path; docs/memory.md "Not done")."""
-    split = head_split(H, Hkv, ulysses)
-    i = _busiest_rank(split) if rank is None else rank
-    c, k = split[i][0], split[i][3]
+    H, Hkv, D, E = module.heads, module.n_kv, module.head_dim, module.d_model
+    e, ulysses, ring, T = split.e, split.ulysses, split.ring, split.local_tokens
+    per_rank = head_split(H, Hkv, ulysses)
+    i = _busiest_rank(per_rank) if rank is None else rank
+    c, k = per_rank[i][0], per_rank[i][3]
     G = ulysses * T          # tokens of the ulysses group (the heads' sequence after the all-to-all)
     hc = min(hc, c)
     c_chunk = -(-c // hc)    # query heads of the largest engine chunk
@@ -203,7 +207,7 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
     if hc == 1:
         engine_fwd = 2 * chunk_g * e + T * H * D * e + ring_buf // 2
         if ring == 1 and not module_chunk:
-            engine_bwd = _single_block_backward(H, Hkv, D, e, ulysses, T, c, k, reorder)
+            engine_bwd = _single_block_backward(module, split, c, k, reorder)
         else:
             engine_bwd = T * H * D * e + 2 * G * c * D * e + chunk_g * GRAD + 2 * chunk_g * e + ring_buf
     else:
@@ -216,8 +220,7 @@ def _attention_module(H: int, Hkv: int, D: int, E: int, e: int, ulysses: int, ri
     return saved, module_fwd + engine_fwd, module_bwd + engine_bwd, engine_fwd, engine_bwd
 
 
-def _single_block_backward(H: int, Hkv: int, D: int, e: int, ulysses: int, T: int, c: int, k: int,
-                           reorder: bool) -> int:
+def _single_block_backward(module: ModelShape, split: Split, c: int, k: int, reorder: bool) -> int:
     """The engine's backward working set at ring size 1 (all heads at once), on top of its saved tensors (the
     gathered q/k/v, the head-layout output and the fp32 lse), as `hybrid_cp.engine.ring`'s whole-block fast
     path runs it: the largest of its three phases (docs/memory.md, "The engine at ring size 1"). `reorder`:
@@ -234,6 +237,8 @@ def _single_block_backward(H: int, Hkv: int, D: int, e: int, ulysses: int, T: in
       send buffer and the receive buffer [T, H + 2 Hkv, D] (compute dtype) are alive. The saved q/k/v,
       output and lse are freed by then, so they are taken off.
     """
+    H, Hkv, D = module.heads, module.n_kv, module.head_dim
+    e, ulysses, T = split.e, split.ulysses, split.local_tokens
     G = ulysses * T
     grads = G * (c + 2 * k) * D * e
     d_in = 2 * T * H * D * e + (1 + reorder) * G * c * D * e
@@ -321,21 +326,22 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
     return persistent, grads
 
 
-def _attention_stage(model: ModelShape, e: int, ulysses: int, ring: int, rank: int, T: int,
-                     o: MemoryOptions, reorder: bool = True) -> tuple[int, int, int, int, int]:
+def _attention_stage(model: ModelShape, split: Split, rank: int, o: MemoryOptions,
+                     reorder: bool = True) -> tuple[int, int, int, int, int]:
     """The attention module: (bytes saved per local token, module forward and backward working sets,
     engine forward and backward working sets), with module-level chunks when the options ask."""
     H, Hkv, D, E = model.heads, model.n_kv, model.head_dim, model.d_model
+    e, ulysses, ring, T = split.e, split.ulysses, split.ring, split.local_tokens
     ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
     if len(ranges) == 1:
-        return _attention_module(H, Hkv, D, E, e, ulysses, ring, rank, T, inner, reorder)
+        return _attention_module(model, split, rank, inner, reorder)
     # module-level chunks (hybrid_cp.engine.modulechunk): forward saves nothing but the module's input; the
     # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
     # chunk (its projections and attention) at a time, more of it alive when overlapped
     kv_m = max(b - a for a, b in ranges)
     h_m = kv_m * (H // Hkv)   # the largest chunk's query heads
-    saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(h_m, kv_m, D, E, e, ulysses,
-                                                                      ring, None, T, inner, reorder, True)
+    chunk = model.model_copy(update={"heads": h_m, "kv_heads": kv_m, "hidden": E})  # its heads, the model's width
+    saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(chunk, split, None, inner, reorder, True)
     in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
     attn_fwd = int(in_flight * fwd_m) + T * E * e
     attn_bwd = int(in_flight * (T * saved_m + bwd_m)) + T * E * e
@@ -448,10 +454,10 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     e, world = dtype_bytes(dtype), dp * ulysses * ring
     E, V, inter = model.d_model, model.vocab, model.intermediate or 4 * model.d_model
     n_mlp = 3 if (model.gated_mlp or model.intermediate is None) else 2
-    split = head_split(model.heads, model.n_kv, ulysses)
-    rank = _busiest_rank(split) if ulysses_rank is None else ulysses_rank
-    local = make_layout(layout, ulysses, ring, seq_len=seq_len).local_len
-    T = batch * local  # local tokens
+    split = Split(seq_len, ulysses, ring, dp, batch, dtype, layout)
+    rank = _busiest_rank(head_split(model.heads, model.n_kv, ulysses)) if ulysses_rank is None else ulysses_rank
+    local = split.lay.local_len
+    T = split.local_tokens
     persistent, grads = _model_states(model, world, e, o.fsdp, o.master_weights)
     # whether the layout's gathered token order differs from the ring block's (a property of the layout, not
     # of the length: checked on the smallest sequence it takes); if so the engine caches the two int64 row
@@ -459,8 +465,7 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
     reorder = make_layout(layout, ulysses, ring, seq_len=2 * ulysses * ring).gathered_rows() is not None
     if reorder:
         persistent["layout_perms"] = 2 * ulysses * local * 8
-    attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, e, ulysses, ring, rank, T, o,
-                                                                              reorder)
+    attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, split, rank, o, reorder)
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
     lin = _linear_saved(model, make_layout(layout, ulysses, ring, seq_len=seq_len), ulysses * ring, batch, e) \
         if model.linear_layers else (0, 0, 0)
@@ -474,7 +479,7 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
         stages.update(linear_fwd=lin[1], linear_bwd=lin[2])
     if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
         stages["recompute"] = int(max(attn_fwd, mlp_fwd, stages.get("linear_fwd", 0)))
-    phases = _phases(model, T, e, world, o, persistent, grads, acts, stages, mlp_saved)
+    phases = _phases(model, split, o, persistent, grads, acts, stages, mlp_saved)
     notes = []
     host = host_bytes(model, seq_len, ulysses, ring, batch, o, dtype=dtype, layout=layout)
     if host:
@@ -531,11 +536,12 @@ def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) ->
     return best
 
 
-def _phases(model: ModelShape, T: int, e: int, world: int, o: MemoryOptions, persistent: dict[str, int],
-            grads: dict[str, int], acts: dict[str, int], stages: dict[str, int], mlp_saved: int) -> dict[str, int]:
+def _phases(model: ModelShape, split: Split, o: MemoryOptions, persistent: dict[str, int], grads: dict[str, int],
+            acts: dict[str, int], stages: dict[str, int], mlp_saved: int) -> dict[str, int]:
     """The candidate peaks: the last layer's forward, the loss, the last layer's backward (the first in
     backward: the most activations alive), the first layer's (the most gradients alive), the root's
     gradients at the end of backward, the optimizer."""
+    T, e, world = split.local_tokens, split.e, split.world
     E, V, inter = model.d_model, model.vocab, model.intermediate or 4 * model.d_model
     base = sum(persistent.values())
     shards = world if o.fsdp else 1
@@ -612,8 +618,8 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
         for opt in option_variants(model, u, o, pins):
 
             def fits(n: int) -> bool:
-                return _fitting(model, n * granularity, u, r, dp, 1, opt, memory_budget, host_memory, dtype,
-                                layout) is not None
+                return _fitting(model, Split(n * granularity, u, r, dp, 1, dtype, layout), opt, memory_budget,
+                                host_memory) is not None
 
             if not fits(1):
                 continue
@@ -632,14 +638,15 @@ def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: Me
     return best
 
 
-def _fitting(model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int, o: MemoryOptions,
-             memory_budget: float, host_memory: float | None, dtype: Any, layout: str) -> MemoryEstimate | None:
+def _fitting(model: ModelShape, split: Split, o: MemoryOptions, memory_budget: float,
+             host_memory: float | None) -> MemoryEstimate | None:
     """The step's estimate if its device peak fits ``memory_budget`` and its offloaded checkpoints fit
     ``host_memory`` (None: unbounded), else None."""
-    if host_memory is not None and host_bytes(model, seq_len, ulysses, ring, batch, o, dtype=dtype,
-                                              layout=layout) > host_memory:
+    s = split
+    if host_memory is not None and host_bytes(model, s.seq_len, s.ulysses, s.ring, s.batch, o, dtype=s.dtype,
+                                              layout=s.layout) > host_memory:
         return None
-    est = step_memory(model, seq_len, ulysses, ring, dp, batch, o, dtype=dtype, layout=layout)
+    est = step_memory(model, s.seq_len, s.ulysses, s.ring, s.dp, s.batch, o, dtype=s.dtype, layout=s.layout)
     return est if est.peak <= memory_budget else None
 
 
@@ -668,7 +675,8 @@ def first_fitting(model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: 
     estimate), or None when none does. What `hybrid-cp plan --seq-len` reports per split."""
     for name, o in ladder:
         for opt in option_variants(model, ulysses, o):
-            est = _fitting(model, seq_len, ulysses, ring, dp, batch, opt, memory_budget, host_memory, dtype, layout)
+            est = _fitting(model, Split(seq_len, ulysses, ring, dp, batch, dtype, layout), opt, memory_budget,
+                           host_memory)
             if est is not None:
                 return name, opt, est
     return None
