@@ -2,7 +2,7 @@
 
 Feasibility: ``u * r * dp == world``; ``u <= heads`` (each ulysses rank needs a query head; GQA KV
 heads are replicated, never the bound); the sequence must not be mostly padding; the training step's
-memory (``topology.memory.step_memory``) must fit the budget, with the given memory options or with some
+memory (``topology.step_model.step_memory``) must fit the budget, with the given memory options or with some
 rung of a ladder of them. Ulysses groups that cross nodes are kept but priced over the NIC and flagged.
 Ranking is by the ladder's rung (fewer memory options first), then by throughput of the whole world
 (tokens/s), i.e. by ``time_s / dp``; ties go to the larger ulysses degree (fewer ring steps, less exposed
@@ -16,11 +16,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cluster import Cluster
-from .cost import Estimate, ModelShape, estimate
+from .cost import Estimate, estimate
 from .layouts import granularity
-from .memory import MemoryEstimate, MemoryOptions, attention_forwards, first_fitting, option_variants, step_memory
+from .memory import first_fitting, option_variants
+from .model_shape import ModelShape
 from .placement import PlacementWarning, check_placement, divisors
 from .split import Split
+from .step_model import MemoryEstimate, MemoryOptions, attention_forwards, step_memory
 from .units import GiB
 
 __all__ = ["Plan", "PlanList", "Rejected", "PlanError", "plan"]
@@ -195,9 +197,9 @@ def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, worl
          host_memory: float | None = None) -> PlanList:
     """Rank every feasible (ulysses, ring, dp) split of ``world_size`` GPUs (default: all of them).
 
-    A split fits when its training step's peak (``topology.memory.step_memory``, the model ``--max-seq``
+    A split fits when its training step's peak (``topology.step_model.step_memory``, the model ``--max-seq``
     searches with) fits the budget. The memory options also set how often attention runs forward per
-    layer (with activation checkpointing the recomputation repeats it, ``topology.memory.attention_forwards``;
+    layer (with activation checkpointing the recomputation repeats it, ``topology.step_model.attention_forwards``;
     with neither ``options`` nor ``ladder``: once).
 
     Args:
