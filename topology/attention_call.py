@@ -50,14 +50,15 @@ class AttentionCall:
         return make_layout(self.layout, self.ulysses, self.ring, seq_len=self.seq_len)
 
     @property
-    def split(self) -> list[tuple[int, int, int, int]]:
+    def heads_per_rank(self) -> list[tuple[int, int, int, int]]:
+        """`topology.heads.head_split` of this call's heads over its ulysses ranks."""
         return head_split(self.heads, self.kv_heads, self.ulysses)
 
     @property
     def busiest_heads(self) -> tuple[int, int]:
         """(query heads, KV heads) of the ulysses rank with the most of each."""
-        split = self.split
-        return max(x[0] for x in split), max(x[3] for x in split)
+        per_rank = self.heads_per_rank
+        return max(x[0] for x in per_rank), max(x[3] for x in per_rank)
 
     @property
     def kv_block(self) -> int:

@@ -87,7 +87,7 @@ def _calibrated_a2a_s(cal: Any, cluster: Cluster | None, call: AttentionCall, nb
         return 0.0
     notes.append(f"all-to-all of ulysses={call.ulysses} not calibrated; priced with the cluster's links")
     groups = ulysses_groups(call.world, call.ulysses, call.ring, call.dp)
-    return a2a_time(cluster, groups, call.split, call.a2a_unit, call.backward)[0]
+    return a2a_time(cluster, groups, call.heads_per_rank, call.a2a_unit, call.backward)[0]
 
 
 def _calibrated_ring_s(cal: Any, cluster: Cluster | None, call: AttentionCall, kernel_fwd_s: float, kernel_bwd_s: float,

@@ -376,7 +376,7 @@ def _analytic_times(cluster: Cluster, call: AttentionCall, busiest_share: float,
     acc = cluster.accelerator
     kernel_fwd, kernel_bwd = _kernel_s(call, acc, busiest_share)
     groups = ulysses_groups(call.world, call.ulysses, call.ring, call.dp)
-    a2a_s, a2a_link = a2a_time(cluster, groups, call.split, call.a2a_unit, call.backward)
+    a2a_s, a2a_link = a2a_time(cluster, groups, call.heads_per_rank, call.a2a_unit, call.backward)
     ring_comm, ring_exposed, ring_link = _ring_comm_s(cluster, call, nbytes, halo, kernel_fwd / call.ring,
                                                       kernel_bwd / call.ring)
     return LayerTimes(kernel_fwd, kernel_bwd, _ring_overhead_s(call, acc), a2a_s, a2a_link, ring_comm, ring_exposed,

@@ -23,6 +23,7 @@ from .step_model import (
 )
 from .units import GiB
 
+# with the step model's names, re-exported for `from topology.memory import ...`
 __all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "max_seq_len", "MaxSeq", "max_seq_table", "host_bytes",
            "attention_forwards", "module_chunked", "keeps_output", "memory_ladder", "first_fitting", "option_variants"]
 
