@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .attention_call import AttentionCall, LayerTimes, streamed_ring_s
+from .call_shape import CallShape, LayerTimes, streamed_ring_s
 from .cluster import Cluster
 from .placement import ulysses_groups
 from .traffic import a2a_time, comm_bytes
@@ -14,7 +14,7 @@ from .units import dtype_name
 __all__ = ["calibrated_times", "engine_known_s"]
 
 
-def calibrated_times(cluster: Cluster, call: AttentionCall, dtype: Any, window: Any, busiest_share: float,
+def calibrated_times(cluster: Cluster, call: CallShape, dtype: Any, window: Any, busiest_share: float,
                       nbytes: dict[str, int], analytic: LayerTimes, chunk: int | None = None) -> tuple[LayerTimes, list[str]]:
     """The analytic times replaced by the measured ones; a window (or attention chunks) scales the
     calibrated kernel and ring terms by the work and the ring bytes it keeps."""
@@ -35,7 +35,7 @@ def calibrated_times(cluster: Cluster, call: AttentionCall, dtype: Any, window: 
     return times, parts["notes"]
 
 
-def _calibrated_kernel_s(cal: Any, call: AttentionCall, dtype: Any, notes: list[str]) -> tuple[float, float]:
+def _calibrated_kernel_s(cal: Any, call: CallShape, dtype: Any, notes: list[str]) -> tuple[float, float]:
     """Every kernel call of the slowest ring rank at its real block shape (from the layout's step
     plan), through the fitted ``call overhead + F (1 + tile/Tq) / rate``: (forward, backward) s."""
     name = dtype_name(dtype)
@@ -63,7 +63,7 @@ def _calibrated_kernel_s(cal: Any, call: AttentionCall, dtype: Any, notes: list[
     return worst
 
 
-def _calibrated_merge_s(cal: Any, call: AttentionCall) -> float:
+def _calibrated_merge_s(cal: Any, call: CallShape) -> float:
     """The online-softmax merges (and the backward's fp32 accumulations) at the measured merge rate."""
     if cal.merge is None:
         return 0.0
@@ -71,7 +71,7 @@ def _calibrated_merge_s(cal: Any, call: AttentionCall) -> float:
     return call.ring * cal.merge.seconds(merge_fwd) + (call.ring * cal.merge.seconds(merge_bwd) if call.backward else 0.0)
 
 
-def _calibrated_a2a_s(cal: Any, cluster: Cluster | None, call: AttentionCall, nbytes: dict[str, int], notes: list[str]) -> float:
+def _calibrated_a2a_s(cal: Any, cluster: Cluster | None, call: CallShape, nbytes: dict[str, int], notes: list[str]) -> float:
     """The measured all-to-all of this ulysses degree (all groups at once); the cluster's links when
     that degree was not calibrated."""
     if call.ulysses == 1:
@@ -90,7 +90,7 @@ def _calibrated_a2a_s(cal: Any, cluster: Cluster | None, call: AttentionCall, nb
     return a2a_time(cluster, groups, call.heads_per_rank, call.a2a_unit, call.backward)[0]
 
 
-def _calibrated_ring_s(cal: Any, cluster: Cluster | None, call: AttentionCall, kernel_fwd_s: float, kernel_bwd_s: float,
+def _calibrated_ring_s(cal: Any, cluster: Cluster | None, call: CallShape, kernel_fwd_s: float, kernel_bwd_s: float,
                        notes: list[str]) -> tuple[float, float]:
     """The measured neighbour exchange with every rank sending, hidden behind the step's kernels by
     the measured overlap fraction; the last dK/dV hop is always exposed."""
@@ -106,7 +106,7 @@ def _calibrated_ring_s(cal: Any, cluster: Cluster | None, call: AttentionCall, k
     return streamed_ring_s(xfer, call, kernel_fwd_s / call.ring, kernel_bwd_s / call.ring, cal.overlap)
 
 
-def _calibrated_parts(cal: Any, cluster: Cluster | None, call: AttentionCall, dtype: Any,
+def _calibrated_parts(cal: Any, cluster: Cluster | None, call: CallShape, dtype: Any,
                       kernels: bool = True) -> dict[str, Any]:
     """One attention call priced with measured rates, term by term (seconds, slowest rank).
 
@@ -133,6 +133,6 @@ def engine_known_s(cal: Any, ulysses: int, ring: int, seq_len: int, heads: int, 
                    e: int) -> tuple[float, int]:
     """The measured parts of a no-arithmetic engine call (all-to-all, ring exchange, merges) as the
     model prices them, and the bytes it sends; calibration fits the fixed costs to the remainder."""
-    call = AttentionCall(heads, kv_heads, head_dim, seq_len, 1, ulysses, ring, e)
+    call = CallShape(heads, kv_heads, head_dim, seq_len, 1, ulysses, ring, e)
     p = _calibrated_parts(cal, None, call, None, kernels=False)
     return p["merge_s"] + p["a2a_s"] + p["ring_exposed_s"], p["sent_bytes"]

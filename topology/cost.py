@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from .attention_call import AttentionCall, LayerTimes, exposed_s, streamed_ring_s
 from .calibrated import calibrated_times, engine_known_s
+from .call_shape import CallShape, LayerTimes, exposed_s, streamed_ring_s
 from .cluster import Cluster
 from .heads import head_split
 from .linear_cost import (
@@ -257,7 +257,7 @@ def _one_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: boo
     """:func:`estimate` of one layer with ``window`` (or none): the analytic terms, then the measured
     ones where the cluster carries a calibration."""
     split.check()
-    call = AttentionCall.of(model, split, causal, backward)
+    call = CallShape.of(model, split, causal, backward)
     ulysses, ring, dp, batch, seq_len = split.ulysses, split.ring, split.dp, split.batch, split.seq_len
     if call.world > cluster.world_size:
         raise PlacementError(
@@ -309,7 +309,7 @@ def _bwd_factor(backward: bool) -> float:
     return ATTN_BWD_FACTOR if backward else 0.0
 
 
-def _kernel_s(call: AttentionCall, acc: Any, busiest_share: float) -> tuple[float, float]:
+def _kernel_s(call: CallShape, acc: Any, busiest_share: float) -> tuple[float, float]:
     """Attention kernels of the busiest rank, forward and backward: its FLOPs (padding, the layout's
     own imbalance and the window's share included) at the accelerator's attention rate, plus the
     fixed cost of each kernel call (r forward, r backward), which makes r smaller blocks cost more
@@ -326,7 +326,7 @@ def _kernel_s(call: AttentionCall, acc: Any, busiest_share: float) -> tuple[floa
     return fwd, bwd
 
 
-def _ring_overhead_s(call: AttentionCall, acc: Any) -> float:
+def _ring_overhead_s(call: CallShape, acc: Any) -> float:
     """Per ring step: its launches (forward 1, backward 2 step units) and the online-softmax merge,
     which a single flash-attention call does in registers, at the device's memory bandwidth."""
     if call.ring == 1:
@@ -341,19 +341,19 @@ def _gemm_flops_per_token(model: ModelShape, backward: bool) -> float:
     return (6.0 if backward else 2.0) * model.layer_params
 
 
-def _rest_s(call: AttentionCall, model: ModelShape, acc: Any) -> float:
+def _rest_s(call: CallShape, model: ModelShape, acc: Any) -> float:
     """The layer's GEMMs on the rank's local tokens at the accelerator's dense rate."""
     return _gemm_flops_per_token(model, call.backward) * call.batch * call.lay.local_len / acc.dense_flops
 
 
-def _model_flops(call: AttentionCall, model: ModelShape, window_share: float) -> float:
+def _model_flops(call: CallShape, model: ModelShape, window_share: float) -> float:
     """Useful FLOPs of one layer for the whole CP group: no padding, the window's share of attention."""
     useful = (_causal_factor(call.causal) * 4.0 * call.batch * call.seq_len * call.seq_len * call.head_dim
               * call.heads * (1 + _bwd_factor(call.backward)) * window_share)
     return useful + _gemm_flops_per_token(model, call.backward) * call.batch * call.seq_len
 
 
-def _ring_comm_s(cluster: Cluster, call: AttentionCall, nbytes: dict[str, int], halo: bool, step_fwd_s: float,
+def _ring_comm_s(cluster: Cluster, call: CallShape, nbytes: dict[str, int], halo: bool, step_fwd_s: float,
                  step_bwd_s: float) -> tuple[float, float, str]:
     """(transfer, exposed, link name) of the ring over its slowest neighbour hop. With a halo, one
     exchange of the rows peers read, hidden behind the local block; the gradients go back after."""
@@ -371,7 +371,7 @@ def _ring_comm_s(cluster: Cluster, call: AttentionCall, nbytes: dict[str, int], 
     return h_fwd + back, exposed_s(h_fwd, step_fwd_s, overlap) + back, cluster.tier_name(tier)
 
 
-def _analytic_times(cluster: Cluster, call: AttentionCall, busiest_share: float, nbytes: dict[str, int],
+def _analytic_times(cluster: Cluster, call: CallShape, busiest_share: float, nbytes: dict[str, int],
                     halo: bool) -> LayerTimes:
     acc = cluster.accelerator
     kernel_fwd, kernel_bwd = _kernel_s(call, acc, busiest_share)
@@ -383,7 +383,7 @@ def _analytic_times(cluster: Cluster, call: AttentionCall, busiest_share: float,
                   ring_link)
 
 
-def _analytic_notes(call: AttentionCall, acc: Any, window: Any, halo: bool) -> list[str]:
+def _analytic_notes(call: CallShape, acc: Any, window: Any, halo: bool) -> list[str]:
     """What the analytic terms assumed that a reader of the plan should know."""
     lay, notes = call.lay, []
     if window is not None:
@@ -402,7 +402,7 @@ def _analytic_notes(call: AttentionCall, acc: Any, window: Any, halo: bool) -> l
 # calibrated terms (docs/planner.md, section 4): priced from a Cluster's measured Calibration
 
 
-def _linear_compute_s(call: AttentionCall, model: ModelShape, acc: Any) -> float:
+def _linear_compute_s(call: CallShape, model: ModelShape, acc: Any) -> float:
     """The busiest rank's recurrence and convolution kernels at the dense rate (the chunked kernels are
     GEMMs of C x d tiles; real kernels reach less, uncalibrated), forward and backward."""
     f0, f1 = linear_flops_per_token(model, False), linear_flops_per_token(model, True)
@@ -410,7 +410,7 @@ def _linear_compute_s(call: AttentionCall, model: ModelShape, acc: Any) -> float
     return worst * call.batch * (1 + (LINEAR_BWD_FACTOR if call.backward else 0)) / acc.dense_flops
 
 
-def _linear_comm_s(cluster: Cluster, call: AttentionCall, model: ModelShape, nbytes: dict[str, int]) -> tuple[float, str]:
+def _linear_comm_s(cluster: Cluster, call: CallShape, model: ModelShape, nbytes: dict[str, int]) -> tuple[float, str]:
     """The summary exchange (forward) and its gradients (backward) over the cp group, nothing to hide behind
     (the correction waits for it): the all-gather as the ring algorithm runs it, P - 1 hops at the slowest
     hop's link, or the log-step scan, one latency per round at the slowest link a transfer takes. Bytes are
@@ -439,7 +439,7 @@ def _linear_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: 
     """One linear layer (docs/linear.md): no all-to-all and no ring; local chunked recurrence on the
     rank's shard (the probe's wider values on continuing runs), one summary exchange, the layer's GEMMs."""
     split.check()
-    call = AttentionCall.of(model, split, causal, backward)
+    call = CallShape.of(model, split, causal, backward)
     ulysses, ring, dp, batch, seq_len = split.ulysses, split.ring, split.dp, split.batch, split.seq_len
     if call.world > cluster.world_size:
         raise PlacementError(f"dp*ring*ulysses = {call.world} ranks, but cluster {cluster.name!r} has "

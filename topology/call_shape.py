@@ -14,11 +14,11 @@ from .rates import merge_bwd_bytes, merge_fwd_bytes
 from .split import Split
 from .traffic import comm_bytes, grad_bytes
 
-__all__ = ["AttentionCall", "LayerTimes", "exposed_s", "streamed_ring_s"]
+__all__ = ["CallShape", "LayerTimes", "exposed_s", "streamed_ring_s"]
 
 
 @dataclass(frozen=True)
-class AttentionCall:
+class CallShape:
     """One attention call (one layer, ``batch`` rows) on a (dp, ring, ulysses) mesh: the shape that
     every cost term prices. ``e`` is bytes per element of the compute dtype."""
 
@@ -36,7 +36,7 @@ class AttentionCall:
     dp: int = 1
 
     @classmethod
-    def of(cls, model: ModelShape, split: Split, causal: bool = True, backward: bool = True) -> "AttentionCall":
+    def of(cls, model: ModelShape, split: Split, causal: bool = True, backward: bool = True) -> "CallShape":
         """The call of one of ``model``'s attention layers on ``split``."""
         return cls(model.heads, model.n_kv, model.head_dim, split.seq_len, split.batch, split.ulysses, split.ring,
                    split.e, split.layout, causal, backward, split.dp)
@@ -105,7 +105,7 @@ def exposed_s(comm: float, compute: float, overlap: float) -> float:
     return comm - overlap * min(comm, compute)
 
 
-def streamed_ring_s(xfer: Callable[[float], float], call: AttentionCall, step_fwd_s: float, step_bwd_s: float,
+def streamed_ring_s(xfer: Callable[[float], float], call: CallShape, step_fwd_s: float, step_bwd_s: float,
                      overlap: float) -> tuple[float, float]:
     """(transfer, exposed) seconds of whole K/V blocks streamed around the ring: r - 1 forward hops,
     r - 1 backward hops carrying K/V and the travelling fp32 dK/dV, each hidden behind its step's
