@@ -3,7 +3,7 @@
     python benchmarks/linear_exchange.py                      # counted at P = 8, 16, 32; measured on 8 gloo ranks
     python benchmarks/linear_exchange.py --ranks 8 --heads 8 --repeat 9
 
-*Counted* (`topology.cost.linear_layer_bytes`, what `hcp.comm_bytes` is tested equal to): the summary bytes the
+*Counted* (`topology.linear_cost.linear_layer_bytes`, what `hcp.comm_bytes` is tested equal to): the summary bytes the
 busiest rank sends per Gated DeltaNet layer, forward and backward, one sequence, Qwen3-Next-80B-A3B's layer
 (`ModelShape.preset("qwen3-next-80b")`: 32 value heads, dk = dv = 128, fp32 summaries), zigzag and contiguous
 rows, the all-gather ((P - 1) x slots x (M + E)) beside the scan `topology.summary_scan.exchange_kind` picks.
@@ -35,8 +35,9 @@ DIM = 128
 
 def counted(sizes: tuple[int, ...] = (8, 16, 32)) -> str:
     """The markdown table of counted bytes, Qwen3-Next-80B's Gated DeltaNet layer."""
-    from topology.cost import ModelShape, linear_layer_bytes
     from topology.layouts import layout_of
+    from topology.linear_cost import linear_layer_bytes
+    from topology.model_shape import ModelShape
     from topology.summary_scan import summary_scan
 
     model = ModelShape.preset("qwen3-next-80b")
@@ -101,8 +102,8 @@ def rank_times(tokens: int, repeat: int, heads: int) -> dict:
 
 def measured(per_rank: list[dict], ranks: int, heads: int) -> str:
     """The markdown table: bytes (busiest rank, and the sum over ranks) and the slowest rank's time ratios."""
-    from topology.cost import linear_layer_bytes
     from topology.layouts import layout_of
+    from topology.linear_cost import linear_layer_bytes
 
     lines = ["| layout | all-gather bytes fwd + bwd, each rank (MiB) | scan, busiest rank (MiB) | scan, all ranks / "
              "all-gather, all ranks | cost model = counted | all-gather median (ms) | scan / all-gather, min | "

@@ -1,5 +1,5 @@
 """Peak memory of one training step of a tiny hybrid model (Gated DeltaNet or Mamba2 layers next to attention)
-under context parallelism, measured exactly, beside the planner's estimate (`topology.memory.step_memory` of
+under context parallelism, measured exactly, beside the planner's estimate (`topology.step_model.step_memory` of
 `hybrid_cp.integrations.hf.model_shape(config)`).
 
 CPU: `hybrid_cp.training.memory.StorageTracker` counts live tensor storage exactly (not RSS); 8 gloo processes
@@ -136,13 +136,13 @@ def mixer_memory(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int
 
 def mixers_table(kinds, dtypes, tokens: int = 1024) -> int:
     """`mixer_memory` on one process (a one-rank gloo group: zigzag still splits the row into two runs, the
-    second probed) beside `topology.memory`'s count of the same mixer's saved tensors."""
+    second probed) beside `topology.step_model`'s count of the same mixer's saved tensors."""
     import torch.distributed as dist
 
     from hybrid_cp.integrations.hf import model_shape
     from hybrid_cp.testing import local_rendezvous
-    from topology.cost import linear_mixer_saved
     from topology.layouts import make_layout
+    from topology.linear_cost import linear_mixer_saved
 
     init, _ = local_rendezvous()
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
@@ -163,7 +163,7 @@ def mixers_table(kinds, dtypes, tokens: int = 1024) -> int:
 def estimate(kind: str, u: int, r: int, seq_len: int, checkpoint: bool, dtype: str, **overrides: Any):
     """The planner's step memory of the same model, mesh and options."""
     from hybrid_cp.integrations.hf import model_shape
-    from topology.memory import MemoryOptions, step_memory
+    from topology.step_model import MemoryOptions, step_memory
 
     opts = MemoryOptions(checkpoint=checkpoint, fsdp=False, foreach_optimizer=False)
     return step_memory(model_shape(config(kind, **overrides)), seq_len, u, r, 8 // (u * r), 1, opts, dtype=dtype)

@@ -1,5 +1,5 @@
 """Peak memory of one training step by stage (attention, MLP, loss), measured exactly, beside the
-planner's analytic estimate (topology.memory).
+planner's analytic estimate (topology.step_model).
 
 CPU: `hybrid_cp.training.memory.StorageTracker` counts live tensor storage exactly (not RSS). CUDA: the caching
 allocator's statistics (`--device cuda`). One process (cp = 1) for the loss/MLP/checkpointing options;
@@ -394,8 +394,8 @@ HEADS_SHAPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, h
 
 
 def _estimate(u, r, seq_len, kw, shape=None, dtype: str = "fp32"):
-    from topology.cost import ModelShape
-    from topology.memory import MemoryOptions, step_memory
+    from topology.model_shape import ModelShape
+    from topology.step_model import MemoryOptions, step_memory
 
     cfg = dict(SHAPE, **(shape or {}))
     model = ModelShape(heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],

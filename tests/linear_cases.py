@@ -17,8 +17,8 @@ from dist_cases import mesh
 import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
 from hybrid_cp.engine.recurrence import GatedDelta, Mamba2, causal_conv, linear_scan
-from topology.cost import linear_layer_bytes
 from topology.layouts import layout_of
+from topology.linear_cost import linear_layer_bytes
 
 
 def naive_gated_delta(q, k, v, g, beta, initial_state=None, output_final_state=False,

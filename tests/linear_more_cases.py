@@ -18,8 +18,8 @@ from linear_cases import _conv_ref, _errors, _grads, _per_document, step_errors
 import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
 from hybrid_cp.engine.recurrence import Lightning, Mamba, causal_conv, linear_scan
-from topology.cost import linear_layer_bytes
 from topology.layouts import layout_of
+from topology.linear_cost import linear_layer_bytes
 
 # sizes of the operator cases: channels, conv kernel, Mamba state, lightning heads and head dims
 DIMS = dict(c=6, width=4, n_state=5, heads=3, dk=4, dv=5)

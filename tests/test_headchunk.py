@@ -51,7 +51,7 @@ def test_head_chunks_lse_padding_and_no_overlap(pool):
 
 
 def test_module_chunks_split_whole_gqa_groups():
-    from topology.layouts import module_chunks
+    from topology.heads import module_chunks
 
     assert module_chunks(32, 8, 8, 8) == ([(0, 2), (2, 4), (4, 6), (6, 8)], 2)  # Llama-3-8B on u=8: 4 x 2 groups
     assert module_chunks(32, 8, 1, 8) == ([(i, i + 1) for i in range(8)], 1)

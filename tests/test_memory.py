@@ -7,8 +7,9 @@ import torch
 
 from hybrid_cp.training.memory import StorageTracker, mark
 from topology import Cluster
-from topology.cost import ModelShape
-from topology.memory import MemoryOptions, max_seq_len, step_memory
+from topology.memory import max_seq_len
+from topology.model_shape import ModelShape
+from topology.step_model import MemoryOptions, step_memory
 
 LLAMA8B = ModelShape.preset("llama3-8b")
 
@@ -135,7 +136,7 @@ MEASURED_SHAPE = ModelShape(heads=8, kv_heads=2, head_dim=32, hidden=256, layers
 @pytest.mark.parametrize("u,r,kw", [(4, 2, dict(tiled_loss=True, tiled_mlp=512, checkpoint=True)),
                                     (4, 2, dict(tiled_loss=True, tiled_mlp=512, checkpoint=True, head_chunks=2))])
 def test_estimate_within_ten_percent_of_measured_peak(pool, u, r, kw):
-    """benchmarks/memory_step.py measures one step exactly; topology.memory predicts it."""
+    """benchmarks/memory_step.py measures one step exactly; topology.step_model predicts it."""
     rows = pool.run("memory_cases:measure_step", u=u, r=r, seq_len=4096, loss_chunk=512, **kw)
     est = step_memory(MEASURED_SHAPE, 4096, u, r, 8 // (u * r), 1,
                       MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), foreach_optimizer=False,

@@ -6,8 +6,8 @@ import pytest
 from tolerance import within
 
 from hybrid_cp.engine.recurrence import scan_plan
-from topology.cost import exporting_runs
 from topology.layouts import layout_of
+from topology.linear_cost import exporting_runs
 
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4), (4, 2), (1, 8), (8, 1)]
 # a length-1 document, documents shorter than the cp degree, a long one among short ones

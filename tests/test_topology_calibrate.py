@@ -9,6 +9,7 @@ import pytest
 from tolerance import relative_difference, within
 
 from topology import Cluster, ModelShape, estimate
+from topology.calibrated import engine_known_s
 from topology.calibration import (
     A2AFit,
     Calibration,
@@ -21,7 +22,6 @@ from topology.calibration import (
     heads_per_call,
     kernel_flops,
 )
-from topology.cost import engine_known_s
 
 # ------------------------------------------------------------------------------------------------ fake source
 

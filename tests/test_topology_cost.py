@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from tolerance import relative_difference, within
 
 from topology import Cluster, ModelShape, comm_bytes, estimate, head_split
-from topology.cost import dtype_bytes
 from topology.layouts import make_layout
+from topology.units import dtype_bytes
 
 MiB = 1 << 20
 
@@ -238,8 +238,8 @@ def test_qwen3_next_preset_matches_the_worked_count():
 def test_linear_layer_bytes_and_the_hybrid_average(layout, u, r):
     """An all-linear model's estimate sends exactly linear_layer_bytes (what hcp.comm_bytes is tested equal
     to); a 3:1 hybrid is the layer-weighted average of its softmax and linear layers, time and bytes."""
-    from topology.cost import linear_layer_bytes
     from topology.layouts import make_layout
+    from topology.linear_cost import linear_layer_bytes
 
     c = Cluster.preset("dgx-h100")
     base = dict(heads=8, kv_heads=2, head_dim=64, hidden=512, intermediate=1024, **GDN)
@@ -265,7 +265,7 @@ def test_linear_layer_bytes_and_the_hybrid_average(layout, u, r):
 def test_linear_compute_counts_the_probe_on_continuing_runs():
     """One rank: every run starts its document, no probe, no exchange; on 4 ranks (contiguous) ranks
     1-3 probe all their tokens: the busiest rank pays f(dv + dk) per token instead of f(dv)."""
-    from topology.cost import linear_flops_per_token
+    from topology.linear_cost import linear_flops_per_token
 
     m = ModelShape(heads=8, head_dim=64, layers=2, linear_layers=2, **GDN)
     c, C, K = 64, 64, m.linear_conv

@@ -7,7 +7,7 @@ from hybrid_cp.cli.plan import main
 from hybrid_cp.errors import ConfigError
 from hybrid_cp.integrations.hf import model_shape
 from hybrid_cp.testing.families import tiny_config
-from topology.cost import ModelShape
+from topology.model_shape import ModelShape
 
 PLAN = ["--preset", "dgx-h100", "--nodes", "4", "--seq-len", "128K", "--top", "1", "--dp", "1"]
 QWEN3_NEXT = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
@@ -172,7 +172,7 @@ def test_linear_memory_estimate_within_ten_percent_of_measured(pool, kind, check
 def test_linear_layers_save_their_own_tensors():
     """A hybrid's `layer` activation term is its linear layer's (larger than a softmax layer's at Qwen3-Next's
     sizes), and without checkpointing every linear layer's saved tensors are counted, not a softmax layer's."""
-    from topology.memory import MemoryOptions, step_memory
+    from topology.step_model import MemoryOptions, step_memory
 
     hybrid = ModelShape.preset("qwen3-next-80b")
     dense = hybrid.model_copy(update=dict(linear_layers=0, linear_kind=None))

@@ -7,15 +7,10 @@ from tolerance import relative_difference, within
 
 from hybrid_cp.training.memory import StorageTracker
 from topology import Cluster
-from topology.cost import ModelShape, estimate
-from topology.memory import (
-    MemoryOptions,
-    attention_forwards,
-    host_bytes,
-    max_seq_len,
-    max_seq_table,
-    step_memory,
-)
+from topology.cost import estimate
+from topology.memory import max_seq_len, max_seq_table
+from topology.model_shape import ModelShape
+from topology.step_model import MemoryOptions, attention_forwards, host_bytes, step_memory
 
 LLAMA8B = ModelShape.preset("llama3-8b")
 # Model predictions compared with `within(relative_difference(...))`: the same closed form evaluated two ways,

@@ -78,7 +78,8 @@ def test_plan_and_max_seq_share_one_memory_model():
     peak for the options the split was checked with, and the longest sequence `max_seq_len` finds at a split is
     one `plan` (with the same ladder) accepts at that split, where the old per-layer sum refused 5M tokens on 8
     H100s for every split."""
-    from topology.memory import MemoryOptions, first_fitting, max_seq_len, memory_ladder, step_memory
+    from topology.memory import first_fitting, max_seq_len, memory_ladder
+    from topology.step_model import MemoryOptions, step_memory
 
     c = Cluster.preset("dgx-h100")
     llama = ModelShape.preset("llama3-8b")

@@ -1,6 +1,6 @@
 """The cost model against published measurements (details and sources in benchmarks/results/planner.md)."""
 
-from topology import published
+import published_data as published
 
 
 def test_prime_rl_ulysses_beats_ring_at_every_cp():

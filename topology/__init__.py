@@ -14,13 +14,16 @@ from importlib import import_module
 
 _EXPORTS = {
     "cluster": ["Accelerator", "Cluster", "ClusterError", "LinkSpec"],
-    "cost": ["Estimate", "ModelShape", "comm_bytes", "estimate", "head_split"],
+    "cost": ["Estimate", "estimate"],
     "degrees": ["degree_table"],
     "discovery": ["discover"],
+    "heads": ["head_split"],
+    "model_shape": ["ModelShape"],
     "placement": ["PlacementError", "PlacementReport", "PlacementWarning", "check_placement",
                   "fitting_ulysses_degrees", "mesh_ranks", "ring_groups", "ulysses_groups"],
     "planner": ["Plan", "PlanError", "PlanList", "Rejected", "plan"],
     "schedule": ["Degree", "Group", "MicroBatch", "ScheduleError", "StepSchedule", "schedule_step", "uniform_degrees"],
+    "traffic": ["comm_bytes"],
     "units": ["dtype_bytes"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

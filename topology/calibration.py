@@ -9,7 +9,7 @@ engine's own packing copies). :func:`collect` asks a :class:`RateSource` for tho
 order and :func:`fit` turns them into a :class:`~topology.rates.Calibration`, which a
 :class:`~topology.Cluster` carries in its ``calibration`` field and :func:`topology.estimate` prices
 with (docs/planner.md, section 4, "calibrated terms"). The fit uses the cost model's own pricing of
-the parts it measured separately (:func:`topology.cost.engine_known_s`), so this module sits above
+the parts it measured separately (:func:`topology.calibrated.engine_known_s`), so this module sits above
 the cost model; the data classes sit below the cluster, which stores them.
 
 This module is torch-free: the real rate source lives in ``hybrid_cp.cli.measure``; tests feed a fake,
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Literal, Protocol
 import numpy as np
 from pydantic import Field
 
-from .cost import engine_known_s
+from .calibrated import engine_known_s
 from .placement import divisors
 from .rates import PROBE, A2AFit, Calibration, KernelFit, LinkFit, StrictModel, kernel_flops, merge_fwd_bytes
 from .units import dtype_bytes
@@ -428,7 +428,7 @@ def _fit_overlap(by_kind: Samples, skipped: list[str]) -> float:
 
 def _fit_engine_fixed(cal: Calibration, by_kind: Samples, skipped: list[str]) -> dict[str, Any]:
     """Per-ring-step and per-call overheads and the packing-copy rate: what a no-arithmetic engine call
-    costs beyond the parts the model already prices from ``cal`` (:func:`topology.cost.engine_known_s`)."""
+    costs beyond the parts the model already prices from ``cal`` (:func:`topology.calibrated.engine_known_s`)."""
     if not by_kind.get("engine"):
         skipped.append("engine fixed costs: not measured; per-step and per-call overheads taken as 0")
         return {"step_overhead_us": 0.0, "call_overhead_us": 0.0, "copy_gb_s": None}

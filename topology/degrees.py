@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from .cluster import Cluster
-from .cost import ModelShape, estimate
+from .cost import estimate
+from .model_shape import ModelShape
 from .planner import PlanError, plan
 from .schedule import Degree, ScheduleError
 

@@ -1,4 +1,4 @@
-"""Where tokens and heads live: the arithmetic the engine (`hybrid_cp`) and the cost model share.
+"""Where tokens live: the layouts of one row, the arithmetic the engine (`hybrid_cp`) and the cost model share.
 
 Pure Python (no torch, no pydantic), so that `import hybrid_cp` does not load the planner and the
 planner does not load torch. The engine builds its index tensors and ring schedule from these
@@ -9,7 +9,8 @@ ranks. After the Ulysses all-to-all, ring rank ``j`` holds a *ring block* of ``b
 layout describes it as spans (one per document, plus pad spans), each a list of chunks of document
 positions in row order. Everything else is derived here once: which rows each ulysses rank holds,
 which original token sits in each local slot, the (query rows, key rows) pairs each ring step
-computes, and the causal work per rank.
+computes, and the causal work per rank. Heads are `topology.heads`' (re-exported here), a step's kernel
+calls and their masks `topology.block_masks`', and where a packed row's documents go `topology.packing`'s.
 """
 
 from __future__ import annotations
@@ -18,50 +19,13 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .block_masks import Step, band_pair, group_calls
+from .heads import head_split, module_chunks, pieces
 from .masks import AttnMask, band
+from .packing import assign_documents, best_assignment, block_tokens
 
 LAYOUTS = ("zigzag", "contiguous")
 PAD = -1  # the document id of pad rows
-
-
-def head_split(heads: int, kv_heads: int, ulysses: int) -> list[tuple[int, int, int, int]]:
-    """Per ulysses rank ``i``: ``(c_i, start_i, lo_i, k_i)`` query-head count, first query head, first KV
-    head and number of KV heads it receives (uneven split: the first ``H % u`` ranks get one more)."""
-    if heads % kv_heads:
-        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
-    if ulysses > heads:
-        raise ValueError(f"ulysses={ulysses} exceeds heads={heads}: every ulysses rank needs at least one head")
-    grp = heads // kv_heads
-    out, start = [], 0
-    for i in range(ulysses):
-        c = heads // ulysses + (1 if i < heads % ulysses else 0)
-        lo, hi = start // grp, (start + c - 1) // grp + 1
-        out.append((c, start, lo, hi - lo))
-        start += c
-    return out
-
-
-def module_chunks(heads: int, kv_heads: int, ulysses: int, head_chunks: int) -> tuple[list[tuple[int, int]], int]:
-    """How an attention module runs `head_chunks` chunks from its projections on: the KV-head ranges
-    of its module-level chunks (whole GQA groups, so a KV head is projected and exchanged in one chunk
-    only; sizes differ by at most one group; every chunk keeps >= `ulysses` query heads), and the
-    engine-level chunks (hcp.attention(head_chunks=...)) each of them runs, to reach about
-    `head_chunks` in all."""
-    group = heads // kv_heads
-    most = max(1, kv_heads // -(-ulysses // group))  # chunks of >= ceil(u / group) KV heads
-    n = max(1, min(head_chunks, most))
-    return pieces(0, kv_heads, n), -(-head_chunks // n)
-
-
-def pieces(start: int, end: int, n: int) -> list[tuple[int, int]]:
-    """[start, end) in n consecutive pieces whose sizes differ by at most one (the first ones larger)."""
-    size, extra = divmod(end - start, n)
-    out, at = [], start
-    for i in range(n):
-        width = size + (1 if i < extra else 0)
-        out.append((at, at + width))
-        at += width
-    return out
 
 
 def check_layout(layout: str) -> str:
@@ -114,76 +78,6 @@ class Span:
     @property
     def length(self) -> int:
         return sum(n for _, n in self.chunks)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One kernel call of a ring step: (query row start, count, key row start, count) segment pairs
-    with one mask. ``causal``: square causal blocks on identical rows. ``window``: flash-attn's
-    ``window_size`` (left, right), bottom-right aligned, -1 for unbounded: key j is visible to
-    query i iff -left <= j - i - (nk - nq) <= right. Neither: every pair is fully visible."""
-
-    pairs: tuple[tuple[int, int, int, int], ...]
-    causal: bool
-    window: tuple[int, int] | None = None
-
-    def work(self) -> int:
-        """Score-matrix entries evaluated (per batch row and head)."""
-        return sum(_visible(nq, nk, self.causal, self.window) for _, nq, _, nk in self.pairs)
-
-
-def _visible(nq: int, nk: int, causal: bool, window: tuple[int, int] | None) -> int:
-    """Visible entries of one nq x nk block under the step's mask (closed form: windows of
-    million-token rows are priced without a loop over rows)."""
-    if causal:
-        return nq * (nq + 1) // 2
-    if window is None:
-        return nq * nk
-    left, right = window
-    lo = -(nq - 1) if left < 0 else max(-(nq - 1), (nk - nq) - left)   # band of d = j - i
-    hi = nk - 1 if right < 0 else min(nk - 1, (nk - nq) + right)
-    # entries on diagonal d: min(nq, nk - d) - max(0, -d), linear between the breakpoints 0 and nk - nq
-
-    def on_diagonals(a: int, b: int) -> int:
-        total = 0
-        for x, y in ((a, min(b, -1)), (max(a, 0), b)):  # d < 0 and d >= 0
-            for u, v in ((x, min(y, nk - nq - 1)), (max(x, nk - nq), y)):  # nk - d > nq and <= nq
-                if u > v:
-                    continue
-                # count(d) = A + B*d on [u, v]
-                if u < nk - nq:   # min(nq, nk - d) = nq
-                    A, B = nq, 0
-                else:             # = nk - d
-                    A, B = nk, -1
-                if u < 0:         # - max(0, -d) = d
-                    B += 1
-                total += A * (v - u + 1) + B * (u + v) * (v - u + 1) // 2
-        return total
-
-    return on_diagonals(lo, hi) if lo <= hi else 0
-
-
-def _chunk_pair(q_row: int, q_pos: int, nq: int, k_row: int, k_pos: int, nk: int,
-                lo: int, hi: int) -> tuple[tuple[int, int, int, int], bool, tuple[int, int] | None] | None:
-    """The part of a (query chunk, key chunk) block that the band [lo, hi] reaches, trimmed to its
-    bounding box, with the kernel mask that reproduces the band there (None if invisible)."""
-    d = k_pos - q_pos
-    dlo, dhi = lo - d, hi - d                          # visible iff dlo <= j - i <= dhi
-    i0, i1 = max(0, -dhi), min(nq - 1, nk - 1 - dlo)
-    if i0 > i1:
-        return None
-    j0, j1 = max(0, i0 + dlo), min(nk - 1, i1 + dhi)
-    nq2, nk2 = i1 - i0 + 1, j1 - j0 + 1
-    dlo2, dhi2 = dlo - (j0 - i0), dhi - (j0 - i0)    # the band in the trimmed block's frame
-    pair = (q_row + i0, nq2, k_row + j0, nk2)
-    full_lo, full_hi = dlo2 <= -(nq2 - 1), dhi2 >= nk2 - 1
-    if full_lo and full_hi:
-        return pair, False, None
-    left = -1 if full_lo else (nk2 - nq2) - dlo2
-    right = -1 if full_hi else dhi2 - (nk2 - nq2)
-    if nq2 == nk2 and left == -1 and right == 0:
-        return pair, True, None
-    return pair, False, (left, right)
 
 
 class Layout:
@@ -330,12 +224,12 @@ class Layout:
                 by_chunk.setdefault(0 if chunk is None else run[1] // chunk, []).append(run)
             for q_row, q_pos, nq in _runs(queries[sp.doc], chunk):
                 for k_row, k_pos, nk in by_chunk.get(0 if chunk is None else q_pos // chunk, ()):
-                    found.append(_chunk_pair(q_row, q_pos, nq, k_row, k_pos, nk, lo, hi))
-        return _calls(found)
+                    found.append(band_pair(q_row, q_pos, nq, k_row, k_pos, nk, lo, hi))
+        return group_calls(found)
 
     def mask_tasks(self, ring_rank: int, step: int, mask: AttnMask) -> tuple[Step, ...]:
         """`tasks` under any `AttnMask` over the row's global token positions: every slice cut by each
-        (query run of `ring_rank`, key run of the visiting block) pair is one `_chunk_pair`, so each
+        (query run of `ring_rank`, key run of the visiting block) pair is one `band_pair`, so each
         visible cell is computed once, by the rank holding its query. Any layout of `mask.seq_len`
         tokens serves (exactness does not depend on where the tokens sit; balance does). Cached."""
         if mask.seq_len != self.seq_len:
@@ -354,9 +248,9 @@ class Layout:
                             break
                         a, b = max(k_tok, s.k_start), min(k_tok + nk, s.k_end)
                         if a < b:
-                            found.append(_chunk_pair(q_row + s.q_start - q_tok, s.q_start, s.q_end - s.q_start,
+                            found.append(band_pair(q_row + s.q_start - q_tok, s.q_start, s.q_end - s.q_start,
                                                      k_row + a - k_tok, a, b - a, lo, hi))
-            cache[key] = _calls(found)
+            cache[key] = group_calls(found)
         return cache[key]
 
     def row_runs(self, ring_rank: int) -> list[tuple[int, int, int]]:
@@ -431,24 +325,6 @@ class Layout:
                 f"tokens={self.seq_len}, padded={self.padded_len})")
 
 
-def _calls(found) -> tuple[Step, ...]:
-    """`_chunk_pair` results (None: invisible) grouped into kernel calls: one per mask, and within a
-    mask as few calls as keep each call's query rows disjoint (its results merge by row)."""
-    groups: dict[tuple, list[list[tuple[int, int, int, int]]]] = {}
-    for item in found:
-        if item is None:
-            continue
-        pair, is_causal, win = item
-        calls = groups.setdefault((is_causal, win), [])
-        home = next((c for c in calls if all(pair[0] + pair[1] <= a or a + n <= pair[0] for a, n, _, _ in c)), None)
-        if home is None:
-            calls.append([pair])
-        else:
-            home.append(pair)
-    return tuple(Step(tuple(sorted(c)), mask[0], mask[1]) for mask, calls in sorted(groups.items(), key=str)
-                 for c in calls)
-
-
 def _runs(span: Span, chunk: int | None):
     """(row, first document position, count) of the span's position runs, each cut at the multiples
     of `chunk` (an attention chunk's bounds) when given."""
@@ -475,21 +351,6 @@ def _visible_rectangle(q: Span, k: Span) -> tuple[int, int, int, int] | None:
     q_row = q.row + sum(n for _, n in q.chunks[:sel_q[0]])
     k_len = sum(k.chunks[i][1] for i in sel_k)
     return q_row, q.row + q.length - q_row, k.row, k_len
-
-
-def _zigzag_chunks(length: int, ring: int, offset: int) -> list[tuple[int, int]]:
-    """Cut a document into 2r chunks whose sizes differ by at most one; the spare tokens go to ring
-    ranks offset, offset+1, ... so that they spread over ranks across documents."""
-    base, spare = divmod(length, 2 * ring)
-    sizes = [base] * (2 * ring)
-    for t in range(spare):
-        rank = (offset + t) % ring
-        sizes[rank if t < ring else 2 * ring - 1 - rank] += 1
-    out, pos = [], 0
-    for n in sizes:
-        out.append((pos, n))
-        pos += n
-    return out
 
 
 class DenseZigzag(Layout):
@@ -568,11 +429,11 @@ class Packed(Layout):
             self._blocks = None
             return
         if policy == "zigzag":
-            blocks = _assign(self.doc_lens, [d for d, n in enumerate(self.doc_lens) if n > 0], ring)
+            blocks = assign_documents(self.doc_lens, [d for d, n in enumerate(self.doc_lens) if n > 0], ring)
         else:
-            blocks = _best_assignment(self.doc_lens, ring)
+            blocks = best_assignment(self.doc_lens, ring)
         self._blocks = blocks  # per ring rank: (split docs with their chunks, whole docs)
-        tokens = max(_block_tokens(self.doc_lens, b) for b in blocks)
+        tokens = max(block_tokens(self.doc_lens, b) for b in blocks)
         self.block_len = -(-max(tokens, 1) // ulysses) * ulysses
 
     def _spans(self, ring_rank: int) -> list[Span]:
@@ -600,80 +461,6 @@ class Packed(Layout):
 
     def padding(self) -> int:
         return self.padded_len - self.seq_len
-
-
-Block = tuple[list[tuple[int, tuple[tuple[int, int], ...]]], list[int]]
-
-
-def _block_tokens(doc_lens: tuple[int, ...], block: Block) -> int:
-    split, whole = block
-    return sum(n for _, ch in split for _, n in ch) + sum(doc_lens[d] for d in whole)
-
-
-def _causal_work(chunks) -> int:
-    """Causal score entries of queries at these document positions (each sees every earlier key)."""
-    return sum(n * a + n * (n + 1) // 2 for a, n in chunks)
-
-
-def _assign(doc_lens: tuple[int, ...], split: list[int], ring: int) -> list[Block]:
-    """Cut the `split` documents per-document zigzag; place the others whole, largest work first,
-    on the ring rank with the least work among those with room (else the one with fewest tokens)."""
-    blocks: list[Block] = [([], []) for _ in range(ring)]
-    work, tokens = [0] * ring, [0] * ring
-    offset = 0
-    for d in split:
-        chunks = _zigzag_chunks(doc_lens[d], ring, offset)
-        offset = (offset + doc_lens[d] % (2 * ring)) % ring
-        for j in range(ring):
-            mine = (chunks[j], chunks[2 * ring - 1 - j])
-            blocks[j][0].append((d, mine))
-            work[j] += _causal_work(mine)
-            tokens[j] += mine[0][1] + mine[1][1]
-    rest = sorted((d for d in range(len(doc_lens)) if d not in set(split) and doc_lens[d] > 0),
-                  key=lambda d: -doc_lens[d])
-    capacity = -(-sum(doc_lens) // ring)
-    for d in rest:
-        n = doc_lens[d]
-        fits = [j for j in range(ring) if tokens[j] + n <= capacity]
-        j = min(fits, key=lambda j: (work[j], tokens[j])) if fits else min(range(ring), key=lambda j: tokens[j])
-        blocks[j][1].append(d)
-        work[j] += n * (n + 1) // 2
-        tokens[j] += n
-    return blocks
-
-
-def _score(doc_lens: tuple[int, ...], blocks: list[Block]) -> tuple[float, float]:
-    """(causal work of the busiest rank / mean, tokens of the fullest rank / mean)."""
-    work = [sum(_causal_work(ch) for _, ch in split) + sum(doc_lens[d] * (doc_lens[d] + 1) // 2 for d in whole)
-            for split, whole in blocks]
-    tokens = [_block_tokens(doc_lens, b) for b in blocks]
-    mean_w, mean_t = sum(work) / len(work), sum(tokens) / len(tokens)
-    return max(work) / max(mean_w, 1), max(tokens) / max(mean_t, 1)
-
-
-def _best_assignment(doc_lens: tuple[int, ...], ring: int) -> list[Block]:
-    """Split the k longest documents for the smallest k whose placement has causal work within 2%
-    and tokens within 1% of the mean; else the k with the best worst ratio. Every k is tried for
-    up to 64 documents, else k = 0, 1, 2, 4, ..., all (the search stays in milliseconds)."""
-    order = sorted((d for d in range(len(doc_lens)) if doc_lens[d] > 0), key=lambda d: -doc_lens[d])
-    if len(order) <= 64:
-        counts = list(range(len(order) + 1))
-    else:
-        counts, k = [0], 1
-        while k < len(order):
-            counts.append(k)
-            k *= 2
-        counts.append(len(order))
-    best, best_score = None, None
-    for k in counts:
-        blocks = _assign(doc_lens, order[:k], ring)
-        w, t = _score(doc_lens, blocks)
-        if w <= 1.02 and t <= 1.01:
-            return blocks
-        score = max(w, t)
-        if best_score is None or score < best_score:
-            best, best_score = blocks, score
-    return best
 
 
 @lru_cache(maxsize=256)

@@ -11,7 +11,8 @@ cell once on any layout); balance and the rows the ring moves do.
 
 from __future__ import annotations
 
-from .layouts import PAD, Layout, Span, pieces
+from .heads import pieces
+from .layouts import PAD, Layout, Span
 from .masks import AttnMask
 
 

@@ -2,7 +2,7 @@
 
 Feasibility: ``u * r * dp == world``; ``u <= heads`` (each ulysses rank needs a query head; GQA KV
 heads are replicated, never the bound); the sequence must not be mostly padding; the training step's
-memory (``topology.memory.step_memory``) must fit the budget, with the given memory options or with some
+memory (``topology.step_model.step_memory``) must fit the budget, with the given memory options or with some
 rung of a ladder of them. Ulysses groups that cross nodes are kept but priced over the NIC and flagged.
 Ranking is by the ladder's rung (fewer memory options first), then by throughput of the whole world
 (tokens/s), i.e. by ``time_s / dp``; ties go to the larger ulysses degree (fewer ring steps, less exposed
@@ -16,10 +16,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cluster import Cluster
-from .cost import Estimate, ModelShape, estimate
+from .cost import Estimate, estimate
 from .layouts import granularity
-from .memory import MemoryEstimate, MemoryOptions, attention_forwards, first_fitting, option_variants, step_memory
+from .memory import first_fitting, option_variants
+from .model_shape import ModelShape
 from .placement import PlacementWarning, check_placement, divisors
+from .split import Split
+from .step_model import MemoryEstimate, MemoryOptions, attention_forwards, step_memory
 from .units import GiB
 
 __all__ = ["Plan", "PlanList", "Rejected", "PlanError", "plan"]
@@ -145,27 +148,44 @@ class PlanList(list):
         }
 
 
-def _split(cluster: Cluster, model: ModelShape, seq_len: int, u: int, r: int, d: int, batch: int, world: int,
-           budget: float, dtype: Any, layout: str, causal: bool, options: MemoryOptions | None,
-           ladder: list[tuple[str, MemoryOptions]] | None, host_memory: float | None) -> tuple | Rejected:
+@dataclass(frozen=True)
+class _Request:
+    """What :func:`plan` was asked, the same for every split it prices."""
+
+    cluster: Cluster
+    model: ModelShape
+    world: int
+    budget: float
+    causal: bool
+    options: MemoryOptions | None
+    ladder: list[tuple[str, MemoryOptions]] | None
+    host_memory: float | None
+
+    @property
+    def rungs(self) -> list[tuple[str, MemoryOptions]]:
+        return self.ladder or [("", self.options or MemoryOptions())]
+
+
+def _split(req: _Request, split: Split) -> tuple | Rejected:
     """One split: (its ranking key..., the Plan) when some option set fits it, else why not."""
-    rungs = ladder or [("", options or MemoryOptions())]
-    chosen = first_fitting(model, seq_len, u, r, d, batch, rungs, budget, host_memory=host_memory, dtype=dtype,
-                           layout=layout)
+    model, rungs, (u, r, d) = req.model, req.rungs, (split.ulysses, split.ring, split.dp)
+    seq_len, batch, dtype, layout = split.seq_len, split.batch, split.dtype, split.layout
+    chosen = first_fitting(model, seq_len, u, r, d, batch, rungs, req.budget, host_memory=req.host_memory,
+                           dtype=dtype, layout=layout)
     if chosen is None:
         least = step_memory(model, seq_len, u, r, d, batch, option_variants(model, u, rungs[-1][1])[-1],
                             dtype=dtype, layout=layout).peak   # the most head chunks the last rung allows
-        return Rejected(u, r, d, f"memory {least / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB"
-                        if least > budget else "offloaded checkpoints exceed the host memory")
+        return Rejected(u, r, d, f"memory {least / GiB:.1f} GiB > budget {req.budget / GiB:.1f} GiB"
+                        if least > req.budget else "offloaded checkpoints exceed the host memory")
     name, opt, mem = chosen
-    forwards = attention_forwards(model, u, opt) if options is not None or ladder is not None else 1
-    est = estimate(cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=causal,
+    forwards = attention_forwards(model, u, opt) if req.options is not None or req.ladder is not None else 1
+    est = estimate(req.cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=req.causal,
                    attention_forwards=forwards)
     with warnings.catch_warnings():  # the warnings become plan notes instead
         warnings.simplefilter("ignore", PlacementWarning)
-        report = check_placement(cluster, u, r, d, warn=True, world_size=world)
+        report = check_placement(req.cluster, u, r, d, warn=True, world_size=req.world)
     notes = (*report.problems, *report.notes)
-    if ladder is not None:
+    if req.ladder is not None:
         notes = (f"memory options: {name} ({opt.describe()})", *notes)
     rung = [n for n, _ in rungs].index(name)
     return rung, est.time_s / d, -u, Plan(u, r, d, est, mem, opt, notes=notes)
@@ -177,9 +197,9 @@ def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, worl
          host_memory: float | None = None) -> PlanList:
     """Rank every feasible (ulysses, ring, dp) split of ``world_size`` GPUs (default: all of them).
 
-    A split fits when its training step's peak (``topology.memory.step_memory``, the model ``--max-seq``
+    A split fits when its training step's peak (``topology.step_model.step_memory``, the model ``--max-seq``
     searches with) fits the budget. The memory options also set how often attention runs forward per
-    layer (with activation checkpointing the recomputation repeats it, ``topology.memory.attention_forwards``;
+    layer (with activation checkpointing the recomputation repeats it, ``topology.step_model.attention_forwards``;
     with neither ``options`` nor ``ladder``: once).
 
     Args:
@@ -216,6 +236,7 @@ def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, worl
         raise PlanError(f"dp={dp!r} must be a positive integer dividing world_size={world}")
     if budget <= 0:
         raise PlanError(f"memory_budget={memory_budget!r} must be > 0 bytes")
+    req = _Request(cluster, model, world, budget, causal, options, ladder, host_memory)
     feasible: list[tuple[int, float, int, Plan]] = []
     rejected: list[Rejected] = []
     for cp in divisors(world):
@@ -230,8 +251,7 @@ def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, worl
             if seq_len < g:
                 rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
                 continue
-            one = _split(cluster, model, seq_len, u, r, d, batch, world, budget, dtype, layout, causal, options, ladder,
-                         host_memory)
+            one = _split(req, Split(seq_len, u, r, d, batch, dtype, layout))
             (feasible if isinstance(one, tuple) else rejected).append(one)
     feasible.sort(key=lambda t: t[:3])
     plans = [replace(p, rank=k + 1) for k, (*_, p) in enumerate(feasible)]

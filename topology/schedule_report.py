@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .cost import comm_bytes
 from .layouts import make_layout
+from .traffic import comm_bytes
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ later is left out:
   zero (a window that reaches a document start): in the last round only E travels.
 
 `summary_scan` is read by the engine (`hybrid_cp.engine.recurrence.linear_scan`) and by the cost model
-(`topology.cost.linear_layer_bytes`), and `exchange_kind` is the one rule that picks between the two: the scan
+(`topology.linear_cost.linear_layer_bytes`), and `exchange_kind` is the one rule that picks between the two: the scan
 where its busiest rank moves fewer bytes than the gather's.
 """
 

@@ -105,7 +105,10 @@ def summarize(res: list[dict], u: int, r: int, n: int, h: int, kv: int, d: int, 
 
 def _prediction(cluster: Any, probe_s: float | None, measured: dict[str, Any]) -> dict[str, Any]:
     """The planner's figures for the measured case, and (with a calibration) the load-adjusted ones."""
-    from topology.cost import ModelShape, comm_bytes, dtype_bytes, estimate
+    from topology.cost import estimate
+    from topology.model_shape import ModelShape
+    from topology.traffic import comm_bytes
+    from topology.units import dtype_bytes
 
     m = measured
     h, kv, d, n, u, r, dtype = (m[k] for k in ("heads", "kv_heads", "head_dim", "seq_len", "ulysses", "ring", "dtype"))

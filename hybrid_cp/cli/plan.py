@@ -18,10 +18,11 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from topology.cluster import Cluster, ClusterError
-from topology.cost import MODEL_PRESETS, ModelShape
 from topology.discovery import discover
-from topology.memory import attention_forwards, max_seq_table, memory_ladder
+from topology.memory import max_seq_table, memory_ladder
+from topology.model_shape import MODEL_PRESETS, ModelShape
 from topology.planner import PlanError, PlanList, plan
+from topology.step_model import attention_forwards
 from topology.units import GiB
 
 from .command import Command, UsageError, fail

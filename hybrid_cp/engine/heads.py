@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from topology.layouts import head_split as _split
+from topology.heads import head_split as _split
 
 from ..errors import ConfigError
 

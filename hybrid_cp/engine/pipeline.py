@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from topology.layouts import pieces as _pieces
+from topology.heads import pieces as _pieces
 
 from .comm import Posted, head_to_seq, post_head_to_seq, post_seq_to_head, seq_to_head
 from .heads import HeadSplit, head_split

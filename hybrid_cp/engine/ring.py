@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from topology.layouts import Layout, Step
+from topology.block_masks import Step
+from topology.layouts import Layout
 
 from ..errors import ShapeError
 from .comm import RingExchange, acc_dtype, count

@@ -157,7 +157,7 @@ def model_shape(config: Any) -> Any:
 
 
 def _read_shape(config: Any) -> Any:
-    from topology.cost import ModelShape
+    from topology.model_shape import ModelShape
 
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     mtype = getattr(config, "model_type", None) or "custom"

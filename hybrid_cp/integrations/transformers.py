@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from topology.layouts import module_chunks
+from topology.heads import module_chunks
 
 from ..engine.attention import run_attention
 from ..engine.layout import boundaries, positions, row_layout

@@ -1,7 +1,8 @@
-"""Published measurements the cost model is checked against (tests and docs/planner.md use these).
+"""Published measurements the cost model is checked against (tests/test_topology_published.py asserts them;
+benchmarks/results/planner.md shows the tables). Test data, not product: nothing in `topology` reads it.
 
 Each case records the source, the published figure and what the model predicts for the same setup.
-``python -m topology.published`` prints the comparison table that docs/planner.md reproduces.
+``python tests/published_data.py`` prints the comparison table that benchmarks/results/planner.md reproduces.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .cluster import Cluster
-from .cost import ModelShape, estimate
+from topology.cluster import Cluster
+from topology.cost import estimate
+from topology.model_shape import ModelShape
 
 __all__ = ["Case", "Explanation", "cases", "table", "explanations", "explanation_table", "modelscope_relative",
            "modelscope_with"]
