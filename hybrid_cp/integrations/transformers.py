@@ -43,11 +43,12 @@ from ..engine.attention import run_attention
 from ..engine.layout import boundaries, positions, row_layout
 from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
+from ..engine.rules import is_int, is_positive_int, positive_int
 from ..engine.spec import AttentionSpec
-from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.loss import cross_entropy
 from .linear_layers import is_routed, route_linear_layers
+from .model_inputs import model_inputs
 from .model_support import check_attention_kwargs, check_head_layout, check_model
 from .rope import route_rotaries, row_extent
 from .router_aux import install_router_aux
@@ -234,7 +235,7 @@ def _register() -> None:
 @torch.compiler.disable  # host-side checks and a collective: runs eagerly under torch.compile (no recompiles)
 def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's positional inputs as keywords, checked and agreed on across the cp group
-    (`validate.model_inputs`, which fills in missing position ids); the padding mask, once checked,
+    (`model_inputs.model_inputs`, which fills in missing position ids); the padding mask, once checked,
     is dropped (causal attention is exact for the real tokens of right-padded rows); the row's extent for
     rotaries that depend on it (`rope`)."""
     cp = ref.cp
