@@ -228,7 +228,7 @@ def test_one_process_accelerate_cpu_launch_is_named(monkeypatch):
     import torch.distributed as dist
 
     from hybrid_cp.errors import SetupError
-    from hybrid_cp.integrations.hf import resolve_mesh
+    from hybrid_cp.integrations.trainer_mesh import resolve_mesh
 
     if dist.is_initialized():
         pytest.skip("this process is a distributed rank")
