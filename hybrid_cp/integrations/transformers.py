@@ -294,9 +294,10 @@ class _ModuleChunks:
     forward with its q/k/v projections cut to the chunk's heads (views of the parameters), stopped at
     the attention call; the output projection's columns of the chunk's heads are applied inside."""
 
-    def __init__(self, module: torch.nn.Module, original, cp: CPMesh, kv_ranges: list[tuple[int, int]],
-                 engine_chunks: int, group: int, head_dim: int, layer=None, keep_output: bool | None = None):
-        self.module, self.original, self.cp, self.engine_chunks = module, original, cp, engine_chunks
+    def __init__(self, module: torch.nn.Module, cp: CPMesh, kv_ranges: list[tuple[int, int]], engine_chunks: int,
+                 group: int, head_dim: int, layer=None, keep_output: bool | None = None):
+        # the class's forward, taken now: the instance's `forward` becomes this object
+        self.module, self.original, self.cp, self.engine_chunks = module, type(module).forward, cp, engine_chunks
         self.kv_ranges, self.group, self.d = kv_ranges, group, head_dim
         self.q_ranges = [(a * group, b * group) for a, b in kv_ranges]
         self.checked = False
@@ -414,8 +415,8 @@ def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=N
     module.__dict__["_hybrid_cp_engine_chunks"] = engine
     module.__dict__.pop("forward", None)
     if len(ranges) > 1:
-        module.__dict__["forward"] = _ModuleChunks(module, type(module).forward, cp, ranges, engine,
-                                                   heads // kv_heads, d, layer, keep_output)
+        module.__dict__["forward"] = _ModuleChunks(module, cp, ranges, engine, heads // kv_heads, d, layer,
+                                                   keep_output)
     return True
 
 
