@@ -1,6 +1,6 @@
 """Peak memory of one training step of a tiny hybrid model (Gated DeltaNet or Mamba2 layers next to attention)
 under context parallelism, measured exactly, beside the planner's estimate (`topology.step_model.step_memory` of
-`hybrid_cp.integrations.hf.model_shape(config)`).
+`hybrid_cp.integrations.config_shape.model_shape(config)`).
 
 CPU: `hybrid_cp.training.memory.StorageTracker` counts live tensor storage exactly (not RSS); 8 gloo processes
 (dp = 8 / (u r)), replicated weights, AdamW (per-tensor), the second step (Adam's state exists).
@@ -139,7 +139,7 @@ def mixers_table(kinds, dtypes, tokens: int = 1024) -> int:
     second probed) beside `topology.step_model`'s count of the same mixer's saved tensors."""
     import torch.distributed as dist
 
-    from hybrid_cp.integrations.hf import model_shape
+    from hybrid_cp.integrations.config_shape import model_shape
     from hybrid_cp.testing import local_rendezvous
     from topology.layouts import make_layout
     from topology.linear_cost import linear_mixer_saved
@@ -162,7 +162,7 @@ def mixers_table(kinds, dtypes, tokens: int = 1024) -> int:
 
 def estimate(kind: str, u: int, r: int, seq_len: int, checkpoint: bool, dtype: str, **overrides: Any):
     """The planner's step memory of the same model, mesh and options."""
-    from hybrid_cp.integrations.hf import model_shape
+    from hybrid_cp.integrations.config_shape import model_shape
     from topology.step_model import MemoryOptions, step_memory
 
     opts = MemoryOptions(checkpoint=checkpoint, fsdp=False, foreach_optimizer=False)

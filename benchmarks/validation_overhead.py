@@ -26,7 +26,7 @@ def _measure(u: int, r: int, calls: int) -> dict:
     import torch.distributed as dist
 
     import hybrid_cp as hcp
-    from hybrid_cp.engine.validate import agree_across_ranks
+    from hybrid_cp.engine.agreement import agree_across_ranks
 
     torch.manual_seed(0)
     cp = hcp.init_cp_mesh(u, r)

@@ -312,7 +312,7 @@ def mesh_case() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybrid_cp.integrations.hf import cp_mesh_from_device_mesh
+    from hybrid_cp.integrations.trainer_mesh import cp_mesh_from_device_mesh
 
     out = {}
     for dp, cp_size, u in ((1, 4, 2), (2, 2, 2), (1, 4, 1)):

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import hybrid_cp as hcp
+from hybrid_cp.engine.agreement import history as validation_history
 from hybrid_cp.engine.kernels import get_kernel, register_kernel
-from hybrid_cp.engine.validate import history as validation_history
 
 
 def mesh(u: int, r: int, layout: str = "zigzag", validate="always") -> hcp.CPMesh:

@@ -2,6 +2,12 @@
 
 One torchrun launch trains every case in the same 4 processes (startup is most of the cost); the
 stock references run at the same time in one plain process.
+
+    python tests/test_hf_trainer.py OUT      # the figures the tests bound, per case (runs once into OUT)
+
+prints, for each CP case, the relative errors the tests assert on (loss, grad norm, eval loss, weights: the
+largest element and the largest tensor norm), so a tolerance's margin over what is seen can be read off;
+it reuses OUT if it already holds a run.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ def test_cp_trainer_matches_stock_trainer(results, case):
     got = _load(results, f"cp-{model}_{kind}_{u}_{r}")
     want = _load(results, "ref-" + _ref(case).rsplit(":", 1)[0].replace(":", "_") + f"_dp{_dp(int(u), int(r))}")
     # Bounds: fp32 round-off of another summation order (per-rank partial sums, all-reduces); worst seen over every
-    # case (`python benchmarks/hf_trainer_figures.py OUT`, bitwise the same over 5 runs): loss 1.7e-7, grad norm
+    # case (`python tests/test_hf_trainer.py OUT`, bitwise the same over 5 runs): loss 1.7e-7, grad norm
     # 1.05e-6 (gemma3), eval loss 1.7e-7: each bound keeps >= 50x over it. The dynamic cases (documents re-packed
     # into other rows and groups every step): loss 8.6e-8, grad norm 9.4e-8, eval loss 1.7e-7, weights 8.7e-6.
     assert len(got["loss"]) == len(want["loss"]) >= 4
@@ -228,10 +234,41 @@ def test_one_process_accelerate_cpu_launch_is_named(monkeypatch):
     import torch.distributed as dist
 
     from hybrid_cp.errors import SetupError
-    from hybrid_cp.integrations.hf import resolve_mesh
+    from hybrid_cp.integrations.trainer_mesh import resolve_mesh
 
     if dist.is_initialized():
         pytest.skip("this process is a distributed rank")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
     with pytest.raises(SetupError, match="--multi_gpu --num_processes"):
         resolve_mesh(torch.nn.Linear(1, 1), 2, 2, "zigzag", True)
+
+
+def _run_into(out: str) -> None:
+    """The cases' torchrun and references once into `out` (the torchrun's output in out/cp.log)."""
+    script = os.path.join(HERE, "hf_cases.py")
+    with open(os.path.join(out, "cp.log"), "w") as log:
+        cp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                               script, out, "cp", *CHECKS, *CP_CASES, *RESUME], env=_env(), stdout=log,
+                              stderr=subprocess.STDOUT)
+        ref = subprocess.run([sys.executable, script, out, "ref", *REF_CASES], env=_env(), capture_output=True)
+        if cp.wait() or ref.returncode:
+            raise SystemExit(f"a run failed (see {out}/cp.log): {ref.stderr[-2000:]!r}")
+
+
+def _print_figures(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    if not os.path.exists(os.path.join(out, "checks.pt")):
+        _run_into(out)
+    for case in CP_CASES:
+        model, kind, u, r = case.split(":")
+        got = _load(out, f"cp-{model}_{kind}_{u}_{r}")
+        want = _load(out, "ref-" + _ref(case).rsplit(":", 1)[0].replace(":", "_") + f"_dp{_dp(int(u), int(r))}")
+        element = max((_rel(got["weights"][k], want["weights"][k]), k) for k in want["weights"])
+        norm = max(_rel_norm(got["weights"][k], want["weights"][k]) for k in want["weights"])
+        print(f"{case:26s} loss {_rel(got['loss'], want['loss']):.2e}  grad_norm "
+              f"{_rel(got['grad_norm'], want['grad_norm']):.2e}  eval {_rel(got['eval_loss'], want['eval_loss']):.2e}"
+              f"  weights: element {element[0]:.2e} ({element[1]}), norm {norm:.2e}")
+
+
+if __name__ == "__main__":   # the figures the tests above bound
+    _print_figures(sys.argv[1] if len(sys.argv) > 1 else "hf_trainer_figures")

@@ -5,7 +5,7 @@ import pytest
 
 from hybrid_cp.cli.plan import main
 from hybrid_cp.errors import ConfigError
-from hybrid_cp.integrations.hf import model_shape
+from hybrid_cp.integrations.config_shape import model_shape
 from hybrid_cp.testing.families import tiny_config
 from topology.model_shape import ModelShape
 

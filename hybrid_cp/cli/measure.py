@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import hybrid_cp as hcp
 from hybrid_cp.engine.kernels import get_kernel
+from hybrid_cp.engine.spec import AttentionSpec
 
 __all__ = ["NullKernel", "TorchRateSource", "bench_rank", "measure_rank", "DTYPES"]
 
@@ -86,11 +87,12 @@ def _inputs(n: int, h: int, hkv: int, d: int, dtype: torch.dtype, device: torch.
     return [torch.randn(1, n, hh, d, generator=g).to(device=device, dtype=dtype) for hh in (h, hkv, hkv, h)]
 
 
-def _time_attention(cp: Any, n: int, h: int, hkv: int, d: int, dtype: torch.dtype, causal: bool,
-                    repeats: int, warmup: int, backend: Any) -> tuple[list[float], dict[str, int]]:
-    """Per repeat, the slowest rank's time of one attention forward + backward."""
+def _time_attention(cp: Any, spec: AttentionSpec, h: int, hkv: int, d: int, dtype: torch.dtype, repeats: int,
+                    warmup: int) -> tuple[list[float], dict[str, int]]:
+    """Per repeat, the slowest rank's time of one attention forward + backward over `spec.seq_len` tokens
+    (`spec.causal`, `spec.backend`)."""
     device = cp.device
-    q, k, v, dout = _inputs(n, h, hkv, d, dtype, device)
+    q, k, v, dout = _inputs(spec.seq_len, h, hkv, d, dtype, device)
     ql, kl, vl = (hcp.shard(x, cp).requires_grad_() for x in (q, k, v))
     dl = hcp.shard(dout, cp)
     times = []
@@ -101,7 +103,7 @@ def _time_attention(cp: Any, n: int, h: int, hkv: int, d: int, dtype: torch.dtyp
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        out = hcp.attention(ql, kl, vl, cp, causal=causal, backend=backend, seq_len=n)
+        out = hcp.attention(ql, kl, vl, cp, causal=spec.causal, backend=spec.backend, seq_len=spec.seq_len)
         out.backward(dl)
         _sync(device)
         t = _slowest(time.perf_counter() - t0)
@@ -118,8 +120,8 @@ def bench_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int,
     cp = _mesh(ulysses, ring, world // (ulysses * ring), layout)
     source = TorchRateSource(repeats=3)
     probe = [_probe(source, backend, dtype)]
-    times, nbytes = _time_attention(cp, seq_len, heads, kv_heads, head_dim, DTYPES[dtype], causal,
-                                    repeats, warmup, backend)
+    spec = AttentionSpec(causal=causal, backend=backend, seq_len=seq_len)
+    times, nbytes = _time_attention(cp, spec, heads, kv_heads, head_dim, DTYPES[dtype], repeats, warmup)
     probe.append(_probe(source, backend, dtype))
     kernel = get_kernel(backend, cp.device, DTYPES[dtype], head_dim)
     return {"rank": dist.get_rank(), "times": times, "bytes": nbytes, "kernel": kernel.name,
@@ -288,8 +290,8 @@ class TorchRateSource:
 
     def engine(self, ulysses, ring, seq_len, heads, kv_heads, head_dim, dtype):
         cp = _mesh(ulysses, ring, 1)
-        times, _ = _time_attention(cp, seq_len, heads, kv_heads, head_dim, DTYPES[dtype], True, self.repeats, 1,
-                                   NullKernel())
+        spec = AttentionSpec(causal=True, backend=NullKernel(), seq_len=seq_len)
+        times, _ = _time_attention(cp, spec, heads, kv_heads, head_dim, DTYPES[dtype], self.repeats, 1)
         return min(times)
 
 

@@ -1,6 +1,11 @@
 """The cross-rank agreement: every rank of a cp group raises, instead of hanging in a collective, when one
 rank rejected its own arguments or the ranks were called differently (docs/errors.md, "Validation").
 
+Each check first runs on the rank alone and raises a `CPError` subclass for inputs the rank can judge by
+itself (the attention checks in `validate`, the mesh's in `mesh`, the batch's in `training.batch_checks`,
+a model call's in `integrations.model_inputs`); the calls that lead to a collective then agree here.
+`checked_on_every_rank` is both steps for a check that returns its signature.
+
 A call is summarised as a signature, a `typing.NamedTuple` of integers whose field labels name what
 differs; `digest` turns it, or any text, into one integer the ranks compare. `agree_across_ranks` is the
 protocol (one host all-reduce, a full all-gather only when something differs); `history(cp)` is what
@@ -13,13 +18,14 @@ from __future__ import annotations
 import hashlib
 import weakref
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError, InconsistentRanksError, InputTypeError, NonFiniteError, SetupError
+from ..errors import CommTimeoutError, CPError, InconsistentRanksError, InputTypeError, NonFiniteError, SetupError
 from .comm import comm_guard
 from .eager import eager_only
 
@@ -59,6 +65,27 @@ def validates(cp: Any) -> bool:
     groups, `hybrid_cp.testing.mesh_description`, never does)."""
     return (isinstance(cp, MeshLike) and bool(cp.validate) and cp.ulysses_size * cp.ring_size > 1
             and getattr(cp, "check_group", None) is not None)
+
+
+def checked_on_every_rank(cp: Any, check: Callable[[], Sequence[int]], names: Sequence[str], what: str) -> None:
+    """Run this rank's own `check` (raises a CPError on a bad argument, returns the call's signature: ints
+    labelled by `names`), then with `cp.validate` agree on it across the cp ranks, so that one rank's bad or
+    different argument makes every rank raise before the call's first collective instead of leaving the others
+    waiting in it. Inside a compiled graph only the rank's own check runs (the graph's arguments are the same on
+    every rank)."""
+    if torch.compiler.is_compiling():
+        check()
+        return
+    require_mesh(cp)
+    error, signature = None, [0] * len(names)
+    try:
+        signature = [int(x) for x in check()]
+    except (ValueError, TypeError) as exc:
+        if not validates(cp) or not isinstance(exc, CPError):
+            raise
+        error = exc
+    if validates(cp):
+        agree_across_ranks(cp, signature, names, error, what)
 
 
 # ---- digests and the cross-rank agreement -------------------------------------------------------

@@ -41,8 +41,9 @@ from .layout import row_layout
 from .mesh import CPMesh
 from .patterns import prepared
 from .pipeline import AttentionCall, Saved, backward, forward, plan_call
+from .rules import is_int
 from .spec import AttentionSpec
-from .validate import Checked, is_int, kernel_keywords, op_expressible
+from .validate import Checked, kernel_keywords, op_expressible
 
 log = logging.getLogger("hybrid_cp")
 

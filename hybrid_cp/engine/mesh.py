@@ -17,11 +17,76 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..errors import SetupError
-from .validate import DestroyedGroup, mesh_arguments, mesh_device
+from topology.layouts import check_layout
+
+from ..errors import ConfigError, SetupError
+from .agreement import DestroyedGroup
+from .rules import is_int, positive_int
 
 log = logging.getLogger("hybrid_cp")
 _SERIAL = itertools.count()   # meshes built by this process, in order (the same on every rank)
+
+
+# ---- init_cp_mesh's arguments ------------------------------------------------------------------
+
+VALIDATE_MODES = (True, "always", "debug", False)
+
+
+def _divisor_hint(world: int) -> str:
+    pairs = [f"(ulysses={u}, ring={d // u})" for d in range(1, world + 1) if world % d == 0
+             for u in range(1, d + 1) if d % u == 0]
+    return ", ".join(pairs[-12:])
+
+
+def mesh_arguments(ulysses: Any, ring: Any, dp: Any, plan: Any, layout: Any, validate: Any, timeout: Any,
+                   world: int) -> tuple[int, int, int]:
+    """`init_cp_mesh`'s arguments checked against the world size; returns (ulysses, ring, dp)."""
+    if plan is not None:
+        if ulysses is not None or ring is not None:
+            raise ConfigError("pass either plan=... or ulysses=/ring=, not both")
+        ulysses, ring = int(plan.ulysses), int(plan.ring)
+        dp = int(getattr(plan, "dp", 0)) or dp
+    if ulysses is None or ring is None:
+        raise ConfigError("init_cp_mesh needs ulysses= and ring= (or plan=)")
+    try:
+        check_layout(layout)
+    except ValueError as exc:
+        raise ConfigError(f"layout={layout!r}: {exc}") from None
+    if not (isinstance(validate, bool) or validate in ("always", "debug")):
+        raise ConfigError(f"validate={validate!r} must be True (check each new call signature), \"always\" (a "
+                          f"cheap check on every call), \"debug\" (full check, metadata checksum, NaN/inf) or "
+                          f"False (no check)")
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+        raise ConfigError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None to inherit "
+                          f"the default process group's timeout)")
+    positive_int("ulysses", ulysses)
+    positive_int("ring", ring)
+    if dp is not None and not is_int(dp):  # ints are judged against the world size below
+        positive_int("dp", dp)
+    cp = ulysses * ring
+    if world % cp != 0:
+        raise ConfigError(f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
+                          f"{world}; degrees that would work: {_divisor_hint(world)}")
+    if dp is None:
+        dp = world // cp
+    if dp * cp != world:
+        raise ConfigError(f"dp={dp} x ulysses={ulysses} x ring={ring} = {dp * cp} != world size "
+                          f"{world}; use dp={world // cp} (or leave dp unset)")
+    return ulysses, ring, dp
+
+
+def mesh_device(device: Any) -> torch.device:
+    """`init_cp_mesh(device=...)` as a torch.device this process can use (ConfigError otherwise)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r} is not a device: {exc}") from None
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise ConfigError(f"device={str(device)!r}: this process has no {device.type} device; pass device='cpu' (gloo) "
+                          f"or run where {device.type} is available")
+    return device
+
 
 
 @dataclass(eq=False)  # identity: a mesh is one set of process groups (and a weak-dictionary key)
@@ -45,7 +110,7 @@ class CPMesh:
     give: `ring_group_bwd`, a second communicator over the ring ranks, and `check_group`, a host (gloo)
     group for the validation check. Run-time records live with their owners: bytes sent and head-chunk
     waits in `hybrid_cp.engine.comm.counters(cp)`, the lengths `hcp.shard` saw in
-    `hybrid_cp.engine.layout.recorded_lengths(cp)`, the validation history in `hybrid_cp.engine.validate.history(cp)`.
+    `hybrid_cp.engine.layout.recorded_lengths(cp)`, the validation history in `hybrid_cp.engine.agreement.history(cp)`.
     """
 
     ulysses_size: int

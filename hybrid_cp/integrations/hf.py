@@ -26,15 +26,15 @@ the loss normalised over the step's target tokens across the world. Evaluation r
 batches on one rank (the degree-1 mesh), as DDP does.
 
 Arguments whose handling under context parallelism is not verified raise `ConfigError` on every rank in
-the constructor, before any collective. `CPSFTTrainer` (TRL) is built on first use: `trl` is imported
-only then.
+the constructor, before any collective (`trainer_args`). `CPSFTTrainer` (TRL) is built on first use: `trl` is
+imported only then. The mesh ("auto" degrees, accelerate's device mesh) comes from `trainer_mesh`, the planner's
+model shape from `config_shape`; their public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import os
 from typing import Any
 
@@ -43,335 +43,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..engine.comm import comm_bytes, comm_guard
-from ..engine.mesh import CPMesh, init_cp_mesh
 from ..engine.meshes import init_cp_meshes
-from ..errors import ConfigError, SetupError
+from ..errors import ConfigError
 from ..training.batch import shard_batch
 from ..training.dynamic import DynamicCP, batch_documents, micro_batches, schedule_documents
+from .config_shape import GATED_DELTA_TYPES, MAMBA2_TYPES, model_shape
 from .fsdp import shard_model
+from .trainer_args import check_constructor, check_fsdp2, check_training_arguments, checkpoints_allowed, refuse
+from .trainer_mesh import auto_degrees, cp_mesh_from_accelerator, cp_mesh_from_device_mesh, ddp_timeout, resolve_mesh
 from .transformers import apply_context_parallel, use_mesh
-
-log = logging.getLogger("hybrid_cp")
 
 # with fsdp2, the folder of a Trainer checkpoint that holds the sharded model and optimizer (DCP, every rank's shards)
 SHARDED_FOLDER = "hybrid_cp_sharded"
-
-# constructor arguments of the stock Trainer that would see this rank's shard where they expect the whole
-# sequence (logits for metrics) or compute a loss of their own on it
-_REFUSED_ARGUMENTS = {
-    "model_init": "pass model= (an instantiated model): the mesh is applied to it before training",
-    "compute_loss_func": "drop it: the model's own loss is replaced by the cp group's cross entropy",
-    "compute_metrics": "drop it: logits are per-rank shards under context parallelism (eval_loss is exact)",
-    "preprocess_logits_for_metrics": "drop it: logits are per-rank shards under context parallelism",
-}
-
-
-def _refuse(name: str, value: Any, fix: str) -> ConfigError:
-    return ConfigError(f"{name}={value!r} is not supported by the context-parallel trainer (hybrid_cp."
-                       f"integrations.hf): {fix}")
-
-
-def check_training_arguments(args: Any) -> None:
-    """Raise ConfigError for TrainingArguments whose effect under context parallelism is not verified."""
-    checks = [
-        ("label_smoothing_factor", lambda v: v not in (0, 0.0, None), "set it to 0"),
-        ("parallelism_config", lambda v: v is not None,
-         "drop it: hybrid-cp builds its own mesh from ulysses=/ring= (see hybrid_cp.integrations.hf.cp_mesh_from_"
-         "accelerator for accelerate's cp dimension)"),
-        ("deepspeed", lambda v: bool(v), "drop it: DeepSpeed is not verified with hybrid-cp (use DDP)"),
-        ("fsdp", lambda v: bool(v),
-         "drop it and pass fsdp2=True to the trainer: it shards the model with hybrid_cp.integrations.fsdp."
-         "shard_model over the dp x cp ranks (accelerate's own FSDP runs DDP instead on CPU; not verified)"),
-        ("train_sampling_strategy", lambda v: v == "group_by_length",
-         "use \"random\" or \"sequential\": the length-grouped batch sampler is built per process, not per dp "
-         "replica"),
-        ("n_gpu", lambda v: v > 1, "launch one process per device (torchrun), not torch.nn.DataParallel"),
-        ("torch_compile", lambda v: bool(v), "set it to False (not verified through the Trainer)"),
-        ("average_tokens_across_devices", lambda v: v is False,
-         "set it to True (the default): each rank's loss is its share of the global token mean"),
-    ]
-    for name, bad, fix in checks:
-        value = getattr(args, name, None)
-        if bad(value):
-            raise _refuse(f"TrainingArguments.{name}", value, fix)
-    acc = getattr(args, "accelerator_config", None)
-    for name in ("split_batches", "dispatch_batches"):
-        value = getattr(acc, name, None)
-        if value:
-            raise _refuse(f"TrainingArguments.accelerator_config.{name}", value,
-                          "leave it unset: every process loads its dp replica's batches itself")
-
-
-def _check_constructor(bound: inspect.BoundArguments) -> None:
-    """The stock constructor's arguments, checked before anything is built."""
-    given = bound.arguments
-    for name, fix in _REFUSED_ARGUMENTS.items():
-        if given.get(name) is not None:
-            raise _refuse(name, type(given[name]).__name__, fix)
-    if given.get("model") is None:
-        raise _refuse("model", None, _REFUSED_ARGUMENTS["model_init"])
-    for name in ("train_dataset", "eval_dataset"):
-        data = given.get(name)
-        sets = data.values() if isinstance(data, dict) else [data]
-        if any(isinstance(d, torch.utils.data.IterableDataset) for d in sets):
-            raise _refuse(name, "an IterableDataset", "use a map-style dataset (datasets.Dataset or a list): "
-                                                       "its batches are split per dp replica by index")
-
-
-def check_fsdp2(fsdp2: Any, args: Any) -> dict:
-    """The `fully_shard` keyword arguments of `fsdp2=` (True or a dict); ConfigError for what is not verified."""
-    if not (fsdp2 is True or isinstance(fsdp2, dict)):
-        raise ConfigError(f"fsdp2={fsdp2!r}: expected True, False or a dict of fully_shard keyword arguments "
-                          f"(e.g. {{'mp_policy': MixedPrecisionPolicy(...)}})")
-    if args is not None and getattr(args, "load_best_model_at_end", False):
-        raise _refuse("TrainingArguments.load_best_model_at_end", True,
-                      "with fsdp2 set it to False and load the best checkpoint's full weights with from_pretrained "
-                      "(the stock path loads full weights into the FSDP2 shards: not verified)")
-    return {} if fsdp2 is True else dict(fsdp2)
-
-
-# transformers families whose linear layers `model_shape` reads: Gated DeltaNet (`layer_types` "linear_attention")
-# and Mamba2 mixers (Bamba's `attn_layer_indices`, Nemotron-H's `layers_block_type`)
-GATED_DELTA_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-MAMBA2_TYPES = ("bamba", "nemotron_h")
-_ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
-# config keys that mean sequence mixers other than attention (a family not read here must not pass as attention-only)
-_LINEAR_MARKERS = ("mamba", "ssm", "linear_attn", "linear_num", "linear_conv", "conv_l_cache", "layers_block_type",
-                   "attn_layer")
-
-
-def model_shape(config: Any) -> Any:
-    """The planner's `ModelShape` of a transformers config (docs/planner.md section 4.2): windowed and chunked
-    layers from `layer_types` (Llama 4: `no_rope_layers` when it has none), a hybrid's linear layers for the
-    families in `GATED_DELTA_TYPES` and `MAMBA2_TYPES`. A config whose layers it cannot read raises
-    `ConfigError` (a wrong shape would plan a wrong split)."""
-    try:
-        return _read_shape(config)
-    except ConfigError:
-        raise
-    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:  # a field missing, per layer or of another form
-        mtype = getattr(config, "model_type", None) or type(config).__name__
-        text = " ".join(str(exc).split())
-        raise ConfigError(f"model_type={mtype!r}: the planner cannot read its config ({text[:300]}); pass explicit "
-                          f"ulysses= and ring= instead of \"auto\"") from None
-
-
-def _read_shape(config: Any) -> Any:
-    from topology.model_shape import ModelShape
-
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    mtype = getattr(config, "model_type", None) or "custom"
-    heads = config.num_attention_heads
-    fields = dict(heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                  head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                  hidden=config.hidden_size, layers=config.num_hidden_layers,
-                  intermediate=getattr(config, "intermediate_size", None), vocab=config.vocab_size, name=mtype)
-    if mtype in GATED_DELTA_TYPES:
-        fields.update(_gated_delta_fields(config))
-    elif mtype in MAMBA2_TYPES:
-        fields.update(_mamba2_fields(config, mtype))
-    else:
-        _refuse_unread_mixers(config, mtype)
-    kinds = [k for k in (getattr(config, "layer_types", None) or ()) if k != "linear_attention"]
-    unknown = sorted(set(kinds) - set(_ATTENTION_KINDS)) if mtype not in MAMBA2_TYPES else []
-    if unknown:
-        raise ConfigError(f"config.layer_types has {unknown} (model_type={mtype!r}): layer kinds the planner does "
-                          f"not price; pass explicit ulysses= and ring= instead of \"auto\"")
-    fields.update(_attention_kinds(config, kinds if mtype not in MAMBA2_TYPES else [], mtype))
-    return ModelShape(**fields)
-
-
-def _refuse_unread_mixers(config: Any, mtype: str) -> None:
-    """A family with non-attention mixers that `model_shape` does not read (Jamba, Zamba, GraniteMoeHybrid,
-    MiniMax, Kimi Linear, LFM2, Falcon-H1, ...) is refused: priced as attention only, its plan would be wrong."""
-    keys = [k for k in config.to_dict() if any(m in k.lower() for m in _LINEAR_MARKERS)]
-    kinds = set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_KINDS)
-    if keys or kinds:
-        what = f"layer_types {sorted(kinds)}" if kinds else f"fields {keys[:4]}"
-        raise ConfigError(f"model_type={mtype!r} has sequence mixers other than attention ({what}) that the planner "
-                          f"does not read (it reads {', '.join(GATED_DELTA_TYPES + MAMBA2_TYPES)}); pass explicit "
-                          f"ulysses= and ring= instead of \"auto\"")
-
-
-def _gated_delta_fields(config: Any) -> dict:
-    """Qwen3-Next / Qwen3.5: `layer_types` "linear_attention" layers are Gated DeltaNet blocks; MoE models
-    give the MLP's active width and the idle experts' weights (`expert_params`)."""
-    kinds = list(getattr(config, "layer_types", None) or ())
-    if len(kinds) != config.num_hidden_layers:
-        raise ConfigError(f"config.layer_types={kinds!r} (model_type={config.model_type!r}) does not name each of the "
-                          f"{config.num_hidden_layers} layers: cannot tell which are linear")
-    out: dict = {}
-    if getattr(config, "num_experts", 0) and getattr(config, "moe_intermediate_size", None):
-        # MoE (Qwen3-Next, Qwen3.5-MoE): the active width (routed experts per token and the shared expert), and
-        # the dense layers' (`mlp_only_layers`, `decoder_sparse_step`) averaged in
-        step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", ()) or ())
-        moe = config.num_experts_per_tok * config.moe_intermediate_size + \
-            (getattr(config, "shared_expert_intermediate_size", 0) or 0)
-        widths = [config.intermediate_size if i in dense or (i + 1) % step else moe for i in range(len(kinds))]
-        out["intermediate"] = round(sum(widths) / len(widths))
-        idle = (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size * config.moe_intermediate_size
-        out["expert_params"] = idle * sum(w == moe for w in widths)
-    return dict(out, linear_layers=kinds.count("linear_attention"), linear_kind="gated_delta",
-                linear_heads=config.linear_num_value_heads, linear_key_heads=config.linear_num_key_heads,
-                linear_key_dim=config.linear_key_head_dim, linear_value_dim=config.linear_value_head_dim,
-                linear_conv=config.linear_conv_kernel_dim)
-
-
-def _mamba2_fields(config: Any, mtype: str) -> dict:
-    """Bamba (attention at `attn_layer_indices`, Mamba2 elsewhere, an MLP in every layer) and Nemotron-H (one
-    mixer or one MLP per block, `layers_block_type`: a planner layer is a mixer block, with the MLP and MoE
-    blocks' active width spread evenly over them; relu2, no gate)."""
-    if mtype == "bamba":
-        attn = len(set(config.attn_layer_indices or ()))
-        out = dict(layers=config.num_hidden_layers, linear_layers=config.num_hidden_layers - attn,
-                   linear_heads=config.mamba_n_heads, linear_value_dim=config.mamba_d_head,
-                   linear_key_heads=config.mamba_n_groups, linear_key_dim=config.mamba_d_state,
-                   linear_conv=config.mamba_d_conv, linear_chunk=config.mamba_chunk_size)
-    else:
-        blocks = list(config.layers_block_type)
-        unknown = sorted(set(blocks) - {"linear_attention", "full_attention", "mlp", "moe"})
-        if unknown:
-            raise ConfigError(f"config.layers_block_type has {unknown} (model_type={mtype!r}): block kinds the "
-                              f"planner does not read; pass explicit ulysses= and ring= instead of \"auto\"")
-        linear, mixers = blocks.count("linear_attention"), blocks.count("linear_attention") + blocks.count("full_attention")
-        moe = config.num_experts_per_tok * config.moe_intermediate_size + \
-            (config.n_shared_experts or 0) * config.moe_shared_expert_intermediate_size
-        width = blocks.count("mlp") * config.intermediate_size + blocks.count("moe") * moe
-        idle = (config.n_routed_experts - config.num_experts_per_tok) * 2 * config.hidden_size * \
-            config.moe_intermediate_size * blocks.count("moe")   # relu2 experts: up and down projections
-        out = dict(layers=mixers, linear_layers=linear, intermediate=max(1, round(width / max(1, mixers))),
-                   gated_mlp=False, linear_heads=config.mamba_num_heads, linear_value_dim=config.mamba_head_dim,
-                   linear_key_heads=config.n_groups, linear_key_dim=config.ssm_state_size,
-                   linear_conv=config.conv_kernel, linear_chunk=config.chunk_size, expert_params=idle)
-    return dict(out, linear_kind="mamba2")
-
-
-def _attention_kinds(config: Any, kinds: list[str], mtype: str) -> dict:
-    """Window and chunk fields of the attention layers: how many of each from `layer_types` (Llama 4 without
-    them: its RoPE layers, `no_rope_layers` 1, are the chunked ones)."""
-    window, chunk = getattr(config, "sliding_window", None) or None, getattr(config, "attention_chunk_size", None)
-    out: dict = {"sliding_window": window,
-                 "window_layers": kinds.count("sliding_attention") if window and kinds else None}
-    if chunk:
-        if kinds:
-            chunked = kinds.count("chunked_attention")
-        elif getattr(config, "no_rope_layers", None):
-            chunked = sum(1 for x in config.no_rope_layers if x)
-        else:
-            raise ConfigError(f"config.attention_chunk_size={chunk} (model_type={mtype!r}) with neither layer_types nor "
-                              f"no_rope_layers: cannot tell which layers attend in chunks")
-        out.update(attention_chunk_size=chunk if chunked else None, chunked_layers=chunked or None)
-    return out
-
-
-def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, seq_len: int,
-                 cp_size: int | None = None) -> tuple[int, int]:
-    """(ulysses, ring) from the planner (`topology.planner.plan`) for the detected cluster and the model's shape,
-    honouring a degree that was given (and `cp_size`, a fixed ulysses x ring); logs the choice and why. A split
-    fits when some rung of `hybrid-cp plan`'s memory ladder fits it, as on the command line."""
-    from topology.discovery import discover
-    from topology.memory import memory_ladder
-    from topology.planner import plan
-
-    for name, value in (("ulysses", ulysses), ("ring", ring)):
-        if value != "auto" and not (isinstance(value, int) and value >= 1):
-            raise ConfigError(f"{name}={value!r}: expected a positive int or \"auto\"")
-    if not (isinstance(seq_len, int) and seq_len >= 1):
-        raise ConfigError(f"cp_seq_len={seq_len!r}: \"auto\" needs the training sequence length (a positive int) "
-                          f"to plan for; pass cp_seq_len=... or explicit ulysses= and ring=")
-    cluster = discover()
-    plans = plan(cluster, model_shape(config), seq_len, world_size=world,   # memory: the first rung that fits
-                 dp=None if cp_size is None else world // cp_size, ladder=memory_ladder())
-    fits = [p for p in plans if (ulysses == "auto" or p.ulysses == ulysses) and (ring == "auto" or p.ring == ring)]
-    if not fits:
-        raise ConfigError(f"ulysses={ulysses!r}, ring={ring!r}: the planner found no feasible split of {world} ranks "
-                          f"with that degree for seq_len={seq_len}:\n{plans.explain(top=8)}")
-    best = fits[0]
-    log.info("hybrid_cp: ulysses=%r ring=%r resolved by the planner to ulysses=%d ring=%d dp=%d for seq_len=%d on "
-             "%s: the fastest feasible split (time per layer / dp, ties to more ulysses)\n%s", ulysses, ring,
-             best.ulysses, best.ring, best.dp, seq_len, cluster.name, best.explain())
-    return best.ulysses, best.ring
-
-
-def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, layout: str,
-                 validate: bool | str, seq_len: int | None = None, timeout: Any = None) -> CPMesh:
-    """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"; its groups time out
-    after `timeout` (None: the default group's)."""
-    if not dist.is_available() or not dist.is_initialized():
-        hint = ""
-        if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":   # set by accelerate launch --cpu / use_cpu
-            hint = (" (accelerate launch --cpu, or a config with use_cpu: true, starts ONE process per machine "
-                    "unless given --mpirun_hostfile; on CPU use accelerate launch --multi_gpu --num_processes N, "
-                    "torchrun underneath, with TrainingArguments(use_cpu=True))")
-        raise SetupError("the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
-                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)" + hint)
-    if ulysses == "auto" or ring == "auto":
-        ulysses, ring = auto_degrees(model.config, ulysses, ring, dist.get_world_size(), seq_len)
-    return init_cp_mesh(ulysses, ring, layout=layout, validate=validate, timeout=timeout)
-
-
-def cp_mesh_from_device_mesh(mesh: Any, ulysses: int | str, *, config: Any = None, seq_len: int | None = None,
-                             layout: str = "zigzag", validate: bool | str = True) -> CPMesh:
-    """A `CPMesh` whose cp groups are the "cp" groups of `mesh` (accelerate's DeviceMesh), that dimension
-    unflattened into (ring, ulysses) with ulysses innermost (consecutive ranks: inside a node). `ulysses` is
-    an int dividing the cp size, or "auto" (the planner, for the model `config` and `seq_len`)."""
-    names = tuple(mesh.mesh_dim_names or ())
-    if "cp" not in names:
-        raise ConfigError(f"the device mesh has dimensions {names} and no 'cp': configure "
-                          f"ParallelismConfig(cp_size=...) (accelerate) or build the mesh with hcp.init_cp_mesh")
-    for other in ("tp", "sp"):
-        if other in names and mesh[other].size() > 1:
-            raise ConfigError(f"the device mesh has {other}={mesh[other].size()}: hybrid-cp does not combine with "
-                              f"accelerate's {other} dimension; set {other}_size=1")
-    cp_size = mesh["cp"].size()
-    grid = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, cp_size)
-    if not torch.equal(grid, torch.arange(grid.numel()).reshape(-1, cp_size)):
-        raise ConfigError(f"the device mesh's cp groups {grid.tolist()} are not consecutive ranks in order; hybrid-cp "
-                          f"puts dp outermost and ulysses innermost (accelerate's order with tp = sp = 1)")
-    if ulysses == "auto":
-        ulysses, _ = auto_degrees(config, "auto", "auto", grid.numel(), seq_len, cp_size=cp_size)
-    if not (isinstance(ulysses, int) and ulysses >= 1 and cp_size % ulysses == 0):
-        raise ConfigError(f"ulysses={ulysses!r} must be a positive int dividing the mesh's cp size {cp_size}")
-    return init_cp_mesh(ulysses, cp_size // ulysses, dp=grid.shape[0], layout=layout, validate=validate)
-
-
-def cp_mesh_from_accelerator(accelerator: Any, ulysses: int | str, **kwargs: Any) -> CPMesh:
-    """`cp_mesh_from_device_mesh` for `accelerate.Accelerator(parallelism_config=ParallelismConfig(cp_size=...))`:
-    its `torch_device_mesh`. (accelerate builds that mesh only with FSDP2 or on GPUs: not run on CPU here.)"""
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    if mesh is None:
-        raise ConfigError("the accelerator has no device mesh: create it with "
-                          "Accelerator(parallelism_config=ParallelismConfig(cp_size=...))")
-    return cp_mesh_from_device_mesh(mesh, ulysses, **kwargs)
-
-
-def _ddp_timeout(args: Any) -> Any:
-    """The Trainer's `ddp_timeout` (a timedelta) where it was set, else None: every group then keeps the default
-    group's timeout. transformers gives it to the default group on GPUs only; on CPU it is set here, so that the
-    stock Trainer's own collectives (its count of label tokens) give up when the mesh's do (docs/errors.md)."""
-    field = getattr(type(args), "__dataclass_fields__", {}).get("ddp_timeout")
-    if args is None or field is None or args.ddp_timeout == field.default:
-        return None
-    from torch.distributed import distributed_c10d as c10d
-
-    if getattr(args, "use_cpu", False) and dist.is_initialized() and hasattr(c10d, "_set_pg_timeout"):
-        c10d._set_pg_timeout(args.ddp_timeout_delta)
-    return args.ddp_timeout_delta
-
-
-@contextlib.contextmanager
-def _checkpoints_allowed(args: Any, fsdp2: bool):
-    """The stock constructor refuses full checkpoints of a model sharded before it (its optimizer state would be
-    torch.save'd from rank 0); with fsdp2 the mixin writes that state through DCP, so the check is passed with
-    save_only_model shown as True, and the user's value restored right after."""
-    saved = getattr(args, "save_only_model", None)
-    if fsdp2 and args is not None:
-        args.save_only_model = True
-    try:
-        yield
-    finally:
-        if fsdp2 and args is not None:
-            args.save_only_model = saved
 
 
 class CPTrainerMixin:
@@ -396,7 +79,7 @@ class CPTrainerMixin:
                  layout: str = "zigzag", cp_validate: bool | str = True, cp_seq_len: int | None = None,
                  fsdp2: bool | dict = False, dynamic_cp: DynamicCP | None = None, **kwargs: Any):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
-        _check_constructor(bound)
+        check_constructor(bound)
         training_args = bound.arguments.get("args")
         if training_args is not None:
             check_training_arguments(training_args)
@@ -407,9 +90,9 @@ class CPTrainerMixin:
             training_args.device  # noqa: B018  (sets up torch.distributed under torchrun / accelerate launch)
         model = bound.arguments["model"]
         if isinstance(model, str):
-            raise _refuse("model", model, "pass an instantiated model (from_pretrained), not a name")
+            raise refuse("model", model, "pass an instantiated model (from_pretrained), not a name")
         self.cp_dynamic, self.cp_meshes, self.cp_schedule = dynamic_cp, None, None
-        timeout = _ddp_timeout(training_args)
+        timeout = ddp_timeout(training_args)
         if dynamic_cp is not None:   # a mesh per degree; the degree-1 mesh is the home one (evaluation, FSDP2)
             self.cp_meshes = init_cp_meshes(None if dynamic_cp.degrees is None else list(dynamic_cp.degrees),
                                             splits=dynamic_cp.split_map, layout=layout, validate=cp_validate,
@@ -433,7 +116,7 @@ class CPTrainerMixin:
             # scatter is deferred under gradient accumulation (and generation syncs its ranks)
             model._is_distributed_loading_by_transformers = True
             model._is_fsdp_managed_module = True
-        with _checkpoints_allowed(training_args, self.cp_fsdp2 is not None):
+        with checkpoints_allowed(training_args, self.cp_fsdp2 is not None):
             super().__init__(*args, **kwargs)
         if training_args is None:
             check_training_arguments(self.args)
@@ -582,9 +265,9 @@ class CPTrainerMixin:
         if self.cp_fsdp2 is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         if not os.path.isdir(os.path.join(resume_from_checkpoint, SHARDED_FOLDER)):
-            raise _refuse("resume_from_checkpoint", resume_from_checkpoint,
-                          f"with fsdp2 resume from a checkpoint that holds {SHARDED_FOLDER}/ (written with "
-                          f"save_only_model=False); load a save_only_model checkpoint with from_pretrained instead")
+            raise refuse("resume_from_checkpoint", resume_from_checkpoint,
+                         f"with fsdp2 resume from a checkpoint that holds {SHARDED_FOLDER}/ (written with "
+                         f"save_only_model=False); load a save_only_model checkpoint with from_pretrained instead")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """With fsdp2: the sharded model and optimizer from `checkpoint/hybrid_cp_sharded` (DCP, into the current
@@ -689,10 +372,10 @@ _DYNAMIC_OVERRIDES = ("compute_loss", "training_step", "get_batch_samples")
 def _check_dynamic(trainer: Any, dynamic_cp: Any, ulysses: Any, ring: Any) -> None:
     """`dynamic_cp=` instead of ulysses=/ring=, a `DynamicCP`, on a Trainer whose loss path is the stock one."""
     if not isinstance(dynamic_cp, DynamicCP):
-        raise _refuse("dynamic_cp", dynamic_cp, "pass hybrid_cp.DynamicCP(tokens_per_rank=C)")
+        raise refuse("dynamic_cp", dynamic_cp, "pass hybrid_cp.DynamicCP(tokens_per_rank=C)")
     if ulysses is not None or ring is not None:
-        raise _refuse("ulysses/ring", (ulysses, ring), "give either dynamic_cp= (a degree per group of documents, "
-                                                       "chosen every step) or ulysses=/ring= (one fixed mesh)")
+        raise refuse("ulysses/ring", (ulysses, ring), "give either dynamic_cp= (a degree per group of documents, "
+                                                      "chosen every step) or ulysses=/ring= (one fixed mesh)")
     from transformers import Trainer
 
     for cls in type(trainer).__mro__:
@@ -700,8 +383,8 @@ def _check_dynamic(trainer: Any, dynamic_cp: Any, ulysses: Any, ring: Any) -> No
             break
         hit = [n for n in _DYNAMIC_OVERRIDES if n in vars(cls)] if cls is not CPTrainerMixin else []
         if hit:
-            raise _refuse("dynamic_cp", dynamic_cp, f"{cls.__name__} overrides {hit}: dynamic degrees are verified "
-                                                    f"with transformers.Trainer's own loss path only (CPTrainer)")
+            raise refuse("dynamic_cp", dynamic_cp, f"{cls.__name__} overrides {hit}: dynamic degrees are verified "
+                                                   f"with transformers.Trainer's own loss path only (CPTrainer)")
 
 
 def _trainer_class():

@@ -64,7 +64,7 @@ class RowExtent:
 
 
 def row_extent(cp: CPMesh, kwargs: dict) -> RowExtent:
-    """The extent of the row of a model call whose inputs `validate.model_inputs` has checked (position ids
+    """The extent of the row of a model call whose inputs `model_inputs.model_inputs` has checked (position ids
     filled in): the largest position + 1 of a dense row, each document's length in a packed row."""
     ref = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
     s, cu = ref.shape[1], kwargs.get("cu_seq_lens_q")

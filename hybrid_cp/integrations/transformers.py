@@ -43,11 +43,12 @@ from ..engine.attention import run_attention
 from ..engine.layout import boundaries, positions, row_layout
 from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
+from ..engine.rules import is_int, is_positive_int, positive_int
 from ..engine.spec import AttentionSpec
-from ..engine.validate import is_int, is_positive_int, model_inputs, positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.loss import cross_entropy
 from .linear_layers import is_routed, route_linear_layers
+from .model_inputs import model_inputs
 from .model_support import check_attention_kwargs, check_head_layout, check_model
 from .rope import route_rotaries, row_extent
 from .router_aux import install_router_aux
@@ -234,7 +235,7 @@ def _register() -> None:
 @torch.compiler.disable  # host-side checks and a collective: runs eagerly under torch.compile (no recompiles)
 def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's positional inputs as keywords, checked and agreed on across the cp group
-    (`validate.model_inputs`, which fills in missing position ids); the padding mask, once checked,
+    (`model_inputs.model_inputs`, which fills in missing position ids); the padding mask, once checked,
     is dropped (causal attention is exact for the real tokens of right-padded rows); the row's extent for
     rotaries that depend on it (`rope`)."""
     cp = ref.cp
@@ -293,9 +294,10 @@ class _ModuleChunks:
     forward with its q/k/v projections cut to the chunk's heads (views of the parameters), stopped at
     the attention call; the output projection's columns of the chunk's heads are applied inside."""
 
-    def __init__(self, module: torch.nn.Module, original, cp: CPMesh, kv_ranges: list[tuple[int, int]],
-                 engine_chunks: int, group: int, head_dim: int, layer=None, keep_output: bool | None = None):
-        self.module, self.original, self.cp, self.engine_chunks = module, original, cp, engine_chunks
+    def __init__(self, module: torch.nn.Module, cp: CPMesh, kv_ranges: list[tuple[int, int]], engine_chunks: int,
+                 group: int, head_dim: int, layer=None, keep_output: bool | None = None):
+        # the class's forward, taken now: the instance's `forward` becomes this object
+        self.module, self.original, self.cp, self.engine_chunks = module, type(module).forward, cp, engine_chunks
         self.kv_ranges, self.group, self.d = kv_ranges, group, head_dim
         self.q_ranges = [(a * group, b * group) for a, b in kv_ranges]
         self.checked = False
@@ -413,8 +415,8 @@ def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=N
     module.__dict__["_hybrid_cp_engine_chunks"] = engine
     module.__dict__.pop("forward", None)
     if len(ranges) > 1:
-        module.__dict__["forward"] = _ModuleChunks(module, type(module).forward, cp, ranges, engine,
-                                                   heads // kv_heads, d, layer, keep_output)
+        module.__dict__["forward"] = _ModuleChunks(module, cp, ranges, engine, heads // kv_heads, d, layer,
+                                                   keep_output)
     return True
 
 

@@ -22,17 +22,10 @@ import torch
 
 from topology.layouts import Layout
 
+from ..engine.agreement import require_mesh, validates
 from ..engine.layout import boundaries, positions, record_packed, row_layout, shard_layout, shard_tokens
-from ..engine.validate import (
-    agree_on_batch,
-    batch_arguments,
-    dense_labels,
-    dense_positions,
-    require_mesh,
-    right_padding,
-    validates,
-)
 from ..errors import ConfigError, CPError, ShapeError
+from .batch_checks import agree_on_batch, batch_arguments, dense_labels, dense_positions, right_padding
 
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..engine.agreement import checked_on_every_rank, digest, require_mesh
 from ..engine.comm import comm_guard
-from ..engine.validate import checked_on_every_rank, digest, require_mesh
 from ..errors import ConfigError, InputTypeError, ShapeError
 
 if TYPE_CHECKING:

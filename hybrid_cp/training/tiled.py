@@ -28,7 +28,8 @@ from torch import nn
 
 from topology.units import LOSS_CHUNK_BYTES
 
-from ..engine.validate import checked_on_every_rank, digest, positive_int
+from ..engine.agreement import checked_on_every_rank, digest
+from ..engine.rules import positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from .loss import GroupReduced, check_ignore_index, reduction_group
 
