@@ -1,9 +1,7 @@
 """The code keeps its shape: no import circles, imports only downward through the layers of
 docs/architecture.md (import-linter's contracts in pyproject.toml), no private names imported across
-modules, no function over 80 lines, no product function over 8 parameters, and the linter's small rule set
-(pyflakes, import order) clean. Static (ast and the linters), no import of the package.
-
-    python tests/test_structure.py      # the functions over 8 parameters, by package
+modules, no function over 80 lines, and the linter's small rule set (pyflakes, import order, no product function
+over 8 parameters) clean. Static (ast and the linters), no import of the package.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybrid_cp", "topology")
 LONG = 80
-WIDE = 8   # parameters (self, cls and an autograd Function's ctx not counted)
 
 def _modules() -> dict[str, pathlib.Path]:
     mods = {}
@@ -133,66 +130,10 @@ def test_no_function_over_80_lines():
     assert long == []
 
 
-def _exported(tree: ast.Module) -> set[str]:
-    """The names a module's `__all__` lists (literal lists and `+=` of literal lists)."""
-    names: set[str] = set()
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        if isinstance(target, ast.Name) and target.id == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
-            names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
-    return names
-
-
-def _exempt(path: pathlib.Path, fn: ast.FunctionDef, top: bool, public: set[str], owner: str) -> bool:
-    """Flat on purpose: a public entry point (a top-level name in its module's or the facade's `__all__`), a
-    torch custom op's definition or fake (their schema is flat), or a kernel's forward/backward (the public
-    `AttentionKernel` protocol: flash-attn's flat keywords, which users' registered kernels implement)."""
-    ops = any(word in ast.unparse(d) for d in fn.decorator_list for word in ("custom_op", "register_fake"))
-    kernel = "kernels" in path.parts and fn.name in ("forward", "backward") and owner != "Function"
-    return (top and fn.name in public) or ops or kernel
-
-
-def wide_functions() -> list[str]:
-    """Every function of the packages with more than WIDE parameters that `_exempt` does not excuse."""
-    facade = _exported(ast.parse((ROOT / "hybrid_cp" / "__init__.py").read_text()))
-    wide = []
-
-    def visit(node, path, public, prefix, top, owner):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                bases = "Function" if any("Function" in ast.unparse(b) for b in child.bases) else ""
-                visit(child, path, public, f"{prefix}{child.name}.", False, bases)
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                a = child.args
-                n = len([x for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls", "ctx")])
-                if n > WIDE and not _exempt(path, child, top, public, owner):
-                    wide.append(f"{path.relative_to(ROOT)}:{prefix}{child.name} {n}")
-                visit(child, path, public, f"{prefix}{child.name}.", False, owner)
-
-    for path in MODULES.values():
-        tree = ast.parse(path.read_text())
-        visit(tree, path, _exported(tree) | facade, "", True, "")
-    return sorted(wide)
-
-
-def test_no_product_function_over_8_parameters():
-    """An attention call's settings travel as one `AttentionSpec` and its plan as one `AttentionCall`
-    (docs/architecture.md); in topology a split as one `Split`. Public entry points (names in `__all__`) are
-    exempt: their keywords are the user's interface."""
-    assert wide_functions() == []
-
-
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is installed with the [test] extra")
 def test_linter_is_clean():
+    """pyflakes, import order, and no product function over 8 parameters (PLR0913: settings travel as one
+    AttentionSpec or Split; public entry points and the kernel protocol carry a noqa saying so)."""
     done = subprocess.run(["ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
-
-if __name__ == "__main__":
-    found = wide_functions()
-    for package in ("hybrid_cp/engine", "hybrid_cp", "topology"):
-        mine = [w for w in found if w.startswith(package + "/")]
-        found = [w for w in found if w not in mine]
-        print(f"{package}: {len(mine)} functions over {WIDE} parameters")
-        for w in mine:
-            print(f"  {w}")

@@ -140,7 +140,7 @@ class Estimate:
 _MODEL_WINDOW: Any = "model"  # estimate's default window: the model's sliding_window / window_layers mix
 
 
-def estimate(
+def estimate(  # noqa: PLR0913 (public entry point)
     cluster: Cluster,
     model: ModelShape,
     seq_len: int,

@@ -27,7 +27,7 @@ def exporting_runs(lay: Any, size: int) -> int:
                    for tok, pos, n in lay.document_runs(rank)) for rank in range(size))
 
 
-def linear_layer_bytes(lay: Any, size: int, batch: int, state_numel: int, halo_rows: int = 0, channels: int = 0,
+def linear_layer_bytes(lay: Any, size: int, batch: int, state_numel: int, halo_rows: int = 0, channels: int = 0,  # noqa: PLR0913 (public entry point)
                        act_bytes: int = 2, state_bytes: int = FP32_BYTES, *, transition_numel: int = 0,
                        rank: int | None = None, exchange: str | None = None) -> dict[str, int]:
     """Bytes one rank sends per linear layer, forward and backward: the exchange of every exporting run's summary

@@ -46,7 +46,7 @@ class MaxSeq:
                 f"({e.peak_phase})")
 
 
-def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: MemoryOptions | None = None, *,
+def max_seq_len(model: ModelShape, world: int, memory_budget: float, options: MemoryOptions | None = None, *,  # noqa: PLR0913 (public entry point)
                 heads_bound: bool = True, dtype: Any = "bf16", layout: str = "zigzag", dp: int = 1,
                 splits: list[tuple[int, int]] | None = None, granularity: int = 1024,
                 host_memory: float | None = None, pins: tuple[bool, ...] | None = None) -> MaxSeq | None:
@@ -117,7 +117,7 @@ def memory_ladder(head_chunks: int = 8, tiled_mlp: int = 8192, loss_chunk: int |
     return ladder
 
 
-def first_fitting(model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int,
+def first_fitting(model: ModelShape, seq_len: int, ulysses: int, ring: int, dp: int, batch: int,  # noqa: PLR0913 (public entry point)
                   ladder: list[tuple[str, MemoryOptions]], memory_budget: float, *, host_memory: float | None = None,
                   dtype: Any = "bf16", layout: str = "zigzag") -> tuple[str, MemoryOptions, MemoryEstimate] | None:
     """The first rung of ``ladder`` (and within it the fewest head chunks, then pinned host buffers before
@@ -143,7 +143,7 @@ def option_variants(model: ModelShape, ulysses: int, o: MemoryOptions,
             for hc in sorted({min(k, c) for k in range(1, o.head_chunks + 1)}) for pin in tried]
 
 
-def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype: Any = "bf16",
+def max_seq_table(model: ModelShape, world: int, memory_budget: float, *, dtype: Any = "bf16",  # noqa: PLR0913 (public entry point)
                   layout: str = "zigzag", dp: int = 1, head_chunks: int = 8, tiled_mlp: int = 8192,
                   loss_chunk: int | None = None, granularity: int = 1024, host_memory: float | None = None,
                   prefetch: bool = True) -> list[tuple[str, MaxSeq | None]]:

@@ -191,7 +191,7 @@ def _split(req: _Request, split: Split) -> tuple | Rejected:
     return rung, est.time_s / d, -u, Plan(u, r, d, est, mem, opt, notes=notes)
 
 
-def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, world_size: int | None = None,
+def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, world_size: int | None = None,  # noqa: PLR0913 (public entry point)
          memory_budget: float | None = None, *, dp: int | None = None, dtype: Any = "bf16", layout: str = "zigzag",
          causal: bool = True, options: MemoryOptions | None = None, ladder: list[tuple[str, MemoryOptions]] | None = None,
          host_memory: float | None = None) -> PlanList:

@@ -441,7 +441,7 @@ def host_bytes(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1,
     return model.layers * (1 << (one - 1).bit_length() if o.pin_memory else one)
 
 
-def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,
+def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,  # noqa: PLR0913 (public entry point)
                 options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag",
                 ulysses_rank: int | None = None) -> MemoryEstimate:
     """Predicted peak memory of one rank for one training step (forward, backward, AdamW step) of

@@ -38,7 +38,7 @@ def a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit:
     return unit * (c_p + k_p) + unit_v * (k_p + c_i), unit_v * (c_p + k_i) + unit * (c_i + k_i)
 
 
-def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, ulysses: int, ring: int,
+def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, ulysses: int, ring: int,  # noqa: PLR0913 (public entry point)
                dtype_bytes: int, layout: str = "zigzag", ulysses_rank: int | None = None, cu_seqlens: Any = None,
                causal: bool = True, window: Any = None, ring_rank: int | None = None, v_head_dim: int | None = None,
                chunk_size: int | None = None) -> dict[str, int]:

@@ -87,7 +87,7 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(res: list[dict], u: int, r: int, n: int, h: int, kv: int, d: int, causal: bool, dtype: str, dp: int,
+def summarize(res: list[dict], u: int, r: int, n: int, h: int, kv: int, d: int, causal: bool, dtype: str, dp: int,  # noqa: PLR0913 (public entry point)
               cluster: Any | None) -> dict[str, Any]:
     """One bench result: measured min/median, bytes per stage (worst rank) and the prediction."""
     times = res[0]["times"]  # already the slowest rank per repeat

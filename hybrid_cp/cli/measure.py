@@ -112,7 +112,7 @@ def _time_attention(cp: Any, spec: AttentionSpec, h: int, hkv: int, d: int, dtyp
     return times, hcp.comm_bytes(cp)
 
 
-def bench_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+def bench_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,  # noqa: PLR0913 (public entry point)
                causal: bool = True, dtype: str = "float32", repeats: int = 5, warmup: int = 1,
                backend: str = "auto", layout: str = "zigzag") -> dict[str, Any]:
     """`hybrid-cp bench` on one rank: slowest-rank time of each repeat, and this rank's bytes."""

@@ -33,7 +33,7 @@ def _needs_grad(*tensors) -> int:
     return int(torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,  # noqa: PLR0913 (public entry point)
               softmax_scale: float | None = None, return_lse: bool = False,
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
               cu_seqlens: torch.Tensor | list[int] | None = None, window: int | tuple[int, int] | None = None,

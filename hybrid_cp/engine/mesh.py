@@ -158,7 +158,7 @@ class CPMesh:
                 f"layout={self.layout!r}, rank={self.rank}, device={self.device})")
 
 
-def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int | None = None,
+def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int | None = None,  # noqa: PLR0913 (public entry point)
                  layout: str = "zigzag", plan: Any = None, device: str | torch.device | None = None,
                  validate: bool | str = True, timeout: datetime.timedelta | None = None,
                  share_world_with: CPMesh | None = None) -> CPMesh:

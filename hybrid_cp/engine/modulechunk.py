@@ -326,7 +326,7 @@ class _Pipelined(torch.autograd.Function):
         return (None, None, None, None, None, None, None, *grads, run.dw_o, db_o)
 
 
-def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Projected],
+def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Projected],  # noqa: PLR0913 (public entry point)
                             q_ranges: Sequence[tuple[int, int]], kv_counts: Sequence[int], cp: "CPMesh",
                             engine_chunks: int, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                             o_weight: torch.Tensor, o_bias: torch.Tensor | None, *,

@@ -173,7 +173,7 @@ def _marker_content(step: int, cp: "CPMesh", global_batch: int | None, extra: di
             "extra": extra, "files": _file_sizes(tmp)}
 
 
-def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,  # noqa: PLR0913 (public entry point)
                     cp: "CPMesh", *, scheduler: Any = None, global_batch: int | None = None,
                     extra: dict | None = None, keep: int | None = None) -> Path:
     """Write ``directory/step-NNNNNNNN`` atomically after optimizer step `step` (steps done so far).

@@ -132,7 +132,7 @@ def _tiled_arguments(hidden: Any, weight: Any, labels: Any, ignore_index: Any, r
             int(bias is not None)]
 
 
-def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp: "CPMesh",
+def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp: "CPMesh",  # noqa: PLR0913 (public entry point)
                         ignore_index: int = -100, reduction: str = "mean", *, include_dp: bool = False,
                         bias: torch.Tensor | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
     """`hcp.cross_entropy(F.linear(hidden, weight, bias), labels, cp, ...)` without materialising the logits.

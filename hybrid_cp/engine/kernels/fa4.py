@@ -61,7 +61,7 @@ class FA4Kernel:
         return out, lse.float()
 
     @per_segment_backward
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, softcap: float | None = None):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, softcap: float | None = None):  # noqa: PLR0913 (kernel protocol)
         res = _fa4_module()._flash_attn_bwd(
             q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), dout=dout.contiguous(),
             lse=lse.float().contiguous(), softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0),

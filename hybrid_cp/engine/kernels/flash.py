@@ -83,7 +83,7 @@ class FlashAttnKernel:
             return "flash-attn is not installed (pip install 'hybrid-cp[flash]')"
         return fa_class_reason("flash-attn", device, dtype, head_dim)
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,  # noqa: PLR0913 (kernel protocol)
                 max_seqlen_q=None, max_seqlen_k=None, softcap: float | None = None):
         mod, version = _flash_module()
         q, k, v = (x.contiguous() for x in (q, k, v))
@@ -102,7 +102,7 @@ class FlashAttnKernel:
             out, lse = out.unsqueeze(0), lse.unsqueeze(0)
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,  # noqa: PLR0913 (kernel protocol)
                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softcap: float | None = None):
         mod, version = _flash_module()
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))

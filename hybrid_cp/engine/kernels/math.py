@@ -57,7 +57,7 @@ class MathKernel:
         return out.to(q.dtype), lse.to(torch.float64 if ct == torch.float64 else torch.float32)
 
     @per_segment_backward
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None,
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None,  # noqa: PLR0913 (kernel protocol)
                  softcap: float | None = None):
         ct = _compute_dtype(q.dtype)
         h, hkv = q.shape[2], k.shape[2]

@@ -65,7 +65,7 @@ class SDPAKernel:
         return out.transpose(1, 2), lse[..., : q.shape[1]].float()
 
     @per_segment_backward
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None):  # noqa: PLR0913 (kernel protocol)
         mask = _window_bias(q, k, window)
         h, hkv = q.shape[2], k.shape[2]
         qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))

@@ -49,7 +49,7 @@ class TorchFlashKernel:
             return f"PyTorch's flash operators need sm80 or newer, this GPU is sm{major}{minor}"
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,  # noqa: PLR0913 (kernel protocol)
                 max_seqlen_q=None, max_seqlen_k=None):
         fwd = _op("_flash_attention_forward")
         q, k, v = (x.contiguous() for x in (q, k, v))
@@ -61,7 +61,7 @@ class TorchFlashKernel:
                   False, scale=scale, **_window(window))
         return res[0].unsqueeze(0), res[1].float().unsqueeze(0)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,  # noqa: PLR0913 (kernel protocol)
                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         bwd = _op("_flash_attention_backward")
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))

@@ -85,7 +85,7 @@ def per_segment_forward(dense: Callable) -> Callable:
 def per_segment_backward(dense: Callable) -> Callable:
     """A kernel's backward that takes packed rows by running `dense` (its dense backward) once per
     segment: dq is written per segment, dk/dv accumulate (segments may share keys)."""
-    def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+    def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,  # noqa: PLR0913 (kernel protocol)
                  max_seqlen_k=None, **kw):
         if cu_seqlens_q is None:
             return dense(self, dout, q, k, v, out, lse, **kw)
