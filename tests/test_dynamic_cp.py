@@ -55,10 +55,11 @@ def test_a_rank_with_another_batch_raises_on_every_rank(pool4):
         assert res["error"].startswith("InconsistentRanksError"), res
 
 
-@pytest.mark.slow   # ~80 s on 2 cores; the 4-rank cases cover the same logic
-def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool):
-    """The session's 8-rank pool: degrees 1/2/4/8 (splits 1x1, 1x2, 2x2, 2x4) in one step."""
-    rows = pool.run("dynamic_cases:dynamic_training", eight=True)
+@pytest.mark.parametrize("kind,fsdp", [("llama", False), ("bamba", True)], ids=["llama", "bamba-fsdp2"])
+def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool, kind, fsdp):
+    """The session's 8-rank pool: degrees 1/2/4/8 (splits 1x1, 1x2, 2x2, 2x4) in one step; a tiny Llama, and
+    Bamba (Mamba2 layers next to attention) sharded by FSDP2 over the world."""
+    rows = pool.run("dynamic_cases:dynamic_training", eight=True, kind=kind, fsdp=fsdp)
     for rank, res in enumerate(rows):
         assert all(8 in d and 1 in d for d in res["degrees"]), res
         within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)   # fp32 reduction order only
