@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hybrid_cp as hcp
@@ -89,6 +89,10 @@ def test_band_cells_is_the_dense_count(qa, nq, ka, nk, lo, hi):
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(raw_slice(), min_size=2, max_size=6))
+# found by hypothesis in a full run: two trimmed slices equal up to a None band against an int band made the
+# canonical sort compare None with an int (TypeError instead of the named error)
+@example(slices=[(0, 1, 0, 1, None, None), (0, 1, 0, 1, None, None), (20, 22, 0, 9, -13, None),
+                 (20, 22, 7, 9, None, None)])
 def test_slices_sharing_a_cell_are_refused(slices):
     slices = [s for s in slices if s[4] is None or s[5] is None or s[4] <= s[5]]
     if (dense_of(N, slices) > 1).any():

@@ -137,7 +137,9 @@ class AttnMask:
         checked = []
         for index, s in enumerate(list(slices)):
             checked.append(cls._slice(n, index, s))
-        trimmed = sorted((t, i) for i, s in enumerate(checked) if (t := _trim(s)) is not None)
+        # ordered by rectangle, then band as ints (a None band compared with an int one would raise TypeError)
+        trimmed = sorted(((t, i) for i, s in enumerate(checked) if (t := _trim(s)) is not None),
+                         key=lambda ti: (ti[0][:4], ti[0].offsets(), ti[1]))
         cls._disjoint(trimmed, checked)
         return cls(n, tuple(t for t, _ in trimmed))
 
