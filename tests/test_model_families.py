@@ -25,6 +25,10 @@ GUARD = "apply_context_parallel refuses"
 # (bound 10 * TOL) worst 1.71e-5 (diffllama, rank 7, in the latest recorded run; 1.03e-5 in the two runs before):
 # margins 14x and 5.8x
 TOL = 1e-5
+# fp32 round-off in Gemma 4's tiny models (KV-shared layers, keys equal to values, final logit soft-capping; not
+# analysed further) reaches 3.7e-6 in the logits (gemma4_text on (1,4), every rank; gemma4_unified_text 3.6e-6), a
+# 2.7x margin under TOL: their logits get 3e-5 (8x)
+LOGITS_TOL = {"gemma4_text": 3e-5, "gemma4_unified_text": 3e-5}
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,7 +171,7 @@ ZERO_GRADIENTS = {"opt": ("k_proj.bias",)}
 def _assert_parity(name: str, rank: int, row: dict) -> None:
     assert not row["missing"], (name, row)
     within(row["loss"], TOL, f"rank {rank} {name} loss", row)
-    within(row.get("logits", 0.0), TOL, f"rank {rank} {name} logits", row)
+    within(row.get("logits", 0.0), LOGITS_TOL.get(name.split()[0], TOL), f"rank {rank} {name} logits", row)
     within(row["grad"], 10 * TOL, f"rank {rank} {name} grad", row)
     within(row.get("grad_vs_largest", 0.0), 10 * TOL, f"rank {rank} {name} grad_vs_largest", row)
 
