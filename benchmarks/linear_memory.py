@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 from memory_step import NullTracker, mib, one_step  # noqa: E402
 
 from hybrid_cp.cli.table import table_lines  # noqa: E402
+from hybrid_cp.testing.parity import mesh  # noqa: E402  (the worker's cached meshes; the tests release them per module)
 from hybrid_cp.training.memory import StorageTracker, mark_stages  # noqa: E402
 
 # tiny hybrids whose linear layers dominate the activations: a dense MLP (Qwen3.5's text model; Bamba), one
@@ -52,14 +53,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STAGES = ("self_attn", "mlp", "feed_forward", "linear_attn", "mamba")
 
 
-def _mesh(u: int, r: int):
-    """The worker's cached CPMesh for (u, r) (`hybrid_cp.testing.parity.mesh`, which the test suite releases
-    after each module)."""
-    from hybrid_cp.testing.parity import mesh
-
-    return mesh(u, r)
-
-
 def config(kind: str, **overrides: Any):
     from hybrid_cp.testing.families import tiny_config
 
@@ -77,7 +70,7 @@ def measure(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int = 40
     from hybrid_cp.integrations.transformers import apply_context_parallel
     from hybrid_cp.testing.families import build
 
-    cp = _mesh(u, r)
+    cp = mesh(u, r)
     model = build(config(kind, **overrides)).to(DTYPES[dtype])
     apply_context_parallel(model, cp)
     if checkpoint:
@@ -109,7 +102,7 @@ def mixer_memory(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int
     from hybrid_cp.integrations.transformers import apply_context_parallel
     from hybrid_cp.testing.families import build
 
-    cp = _mesh(u, r)
+    cp = mesh(u, r)
     model = build(config(kind, **overrides)).to(DTYPES[dtype])
     apply_context_parallel(model, cp)
     layer = model.model.layers[0]

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hybrid_cp as hcp  # noqa: E402
 from hybrid_cp.cli.table import table_lines  # noqa: E402
 from hybrid_cp.engine.comm import counters  # noqa: E402
+from hybrid_cp.testing.parity import mesh  # noqa: E402  (the worker's cached meshes; the tests release them per module)
 from hybrid_cp.training.memory import CudaStageStats, StorageTracker, mark, mark_stages  # noqa: E402
 
 MiB = 1 << 20
@@ -96,14 +97,6 @@ def _backward_and_step(loss: torch.Tensor, tracker, optimizer: torch.optim.Optim
     return loss.item()
 
 
-def _mesh(u: int, r: int):
-    """The worker's cached CPMesh for (u, r) (`hybrid_cp.testing.parity.mesh`, which the test suite releases
-    after each module)."""
-    from hybrid_cp.testing.parity import mesh
-
-    return mesh(u, r)
-
-
 class _engine_stage:
     """Bracket every `hcp.attention` call of the transformers integration as the stage "engine" (forward)
     and "engine.bwd" (backward): the engine's own working set, without the Q/K/V projections (with
@@ -157,7 +150,7 @@ def measure(u: int = 1, r: int = 1, seq_len: int = 4096, layers: int = 2, tiled_
 
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
-    cp = _mesh(u, r)
+    cp = mesh(u, r)
     dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = build_model(str(dev), torch.float32 if fsdp else compute, num_hidden_layers=layers, **(shape or {}))
@@ -232,7 +225,7 @@ def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16,
 
     import torch.distributed as dist
 
-    cp = _mesh(u, r)
+    cp = mesh(u, r)
     g = torch.Generator().manual_seed(cp.rank)
     if level == "engine":
         cp, (q, k, v, dout) = _attention_case(u, r, heads, kv_heads, head_dim, seq_len)
@@ -273,7 +266,7 @@ def time_overlap(level: str = "engine", u: int = 2, r: int = 1, heads: int = 16,
 def _attention_case(u: int, r: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
                     dtype: torch.dtype = torch.float32):
     """The mesh and this rank's shards of fixed random q, k, v and dout."""
-    cp = _mesh(u, r)
+    cp = mesh(u, r)
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, seq_len, n, head_dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads, heads)]
     return cp, [hcp.shard(x, cp, dim=1) for x in full]
@@ -314,7 +307,7 @@ def _module_case(u: int, r: int, seq_len: int, head_chunks: int, keep: bool | No
     rank's hidden states (requiring a gradient), d(output), rotary tables and the module's weights."""
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
-    cp = _mesh(u, r)
+    cp = mesh(u, r)
     model = build_model("cpu", dtype, num_hidden_layers=1, **HEADS_SHAPE)
     apply_context_parallel(model, cp, head_chunks=head_chunks, keep_attention_output=keep, overlap=overlap)
     attn = model.model.layers[0].self_attn
