@@ -190,10 +190,14 @@ class Layout:
         return chunk_size if chunk_size < max(self.doc_lens, default=0) else None
 
     def tasks(self, ring_rank: int, step: int, causal: bool, window=None,
-              chunk_size: int | None = None) -> tuple[Step, ...]:
+              chunk_size: int | None = None, mask: AttnMask | None = None) -> tuple[Step, ...]:
         """What ring rank `ring_rank` computes at ring step `step` (keys from rank ring_rank - step):
         one kernel call per mask; empty when the visiting block is invisible. With `chunk_size` C a
-        query at document position i sees only keys j with j // C == i // C. Cached."""
+        query at document position i sees only keys j with j // C == i // C. With `mask` (an
+        `AttnMask`, which then says everything: causal, window and chunk_size are not read) the
+        plan is `mask_tasks`'. Cached."""
+        if mask is not None:
+            return self.mask_tasks(ring_rank, step, mask)
         cache = self.__dict__.setdefault("_task_cache", {})
         chunk = self.effective_chunk(chunk_size)
         key = (ring_rank, step, causal, tuple(window) if isinstance(window, list) else window, chunk)
@@ -264,9 +268,10 @@ class Layout:
         found = self.tasks(ring_rank, step, causal)
         return found[0] if found else None
 
-    def work(self, causal: bool = True, window=None, chunk_size: int | None = None) -> list[list[int]]:
+    def work(self, causal: bool = True, window=None, chunk_size: int | None = None,
+             mask: AttnMask | None = None) -> list[list[int]]:
         """Score entries each ring rank evaluates at each step, counted from the same plan the engine runs."""
-        return [[sum(t.work() for t in self.tasks(j, s, causal, window, chunk_size)) for s in range(self.ring)]
+        return [[sum(t.work() for t in self.tasks(j, s, causal, window, chunk_size, mask)) for s in range(self.ring)]
                 for j in range(self.ring)]
 
     def work_imbalance(self, causal: bool = True) -> float:
@@ -275,15 +280,16 @@ class Layout:
         balance causal work (zigzag pairs chunks j and 2r-1-j; packed layouts balance by design)."""
         return 1.0
 
-    def kernel_calls(self, causal: bool = True, window=None, chunk_size: int | None = None) -> list[int]:
+    def kernel_calls(self, causal: bool = True, window=None, chunk_size: int | None = None,
+                     mask: AttnMask | None = None) -> list[int]:
         """(query, key) segment pairs per ring rank over all steps: what its kernel calls carry."""
-        return [sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window, chunk_size))
+        return [sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window, chunk_size, mask))
                 for j in range(self.ring)]
 
     def needed_rows(self, ring_rank: int, step: int, causal: bool, window=None,
-                    chunk_size: int | None = None) -> list[tuple[int, int]]:
+                    chunk_size: int | None = None, mask: AttnMask | None = None) -> list[tuple[int, int]]:
         """Merged (first row, count) runs of the visiting key block that the step's calls read."""
-        runs = sorted((a, n) for t in self.tasks(ring_rank, step, causal, window, chunk_size)
+        runs = sorted((a, n) for t in self.tasks(ring_rank, step, causal, window, chunk_size, mask)
                       for _, _, a, n in t.pairs)
         merged: list[list[int]] = []
         for a, n in runs:
@@ -293,7 +299,7 @@ class Layout:
                 merged.append([a, n])
         return [(a, n) for a, n in merged]
 
-    def halo(self, causal: bool, window, chunk_size: int | None = None) -> bool:
+    def halo(self, causal: bool, window, chunk_size: int | None = None, mask: AttnMask | None = None) -> bool:
         """Whether the ring exchanges only the key rows other ranks' queries can see (`needed_rows`, the
         one visibility rule) instead of streaming whole blocks; decided identically on every rank, for
         every mask: a packed row whose documents each sit whole on one ring rank moves no ring bytes.
@@ -306,7 +312,7 @@ class Layout:
         r = self.ring
         for j in range(r):
             moved = sum(n for s in range(1, r) for rank in (j, (j + s) % r)
-                        for _, n in self.needed_rows(rank, s, causal, window, chunk_size))
+                        for _, n in self.needed_rows(rank, s, causal, window, chunk_size, mask))
             if moved > self.block_len:
                 return False
         return True

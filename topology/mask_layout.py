@@ -11,6 +11,8 @@ cell once on any layout); balance and the rows the ring moves do.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .heads import pieces
 from .layouts import PAD, Layout, Span
 from .masks import AttnMask
@@ -51,6 +53,12 @@ class MaskBalanced(Layout):
         return super().key() + (self.mask, self.chunks_per_rank)
 
 
+@lru_cache(maxsize=64)
+def mask_layout(mask: AttnMask, ulysses: int, ring: int) -> MaskBalanced:
+    """The row's `MaskBalanced` layout, cached: every layer of a model asks for the same one."""
+    return MaskBalanced(mask, ulysses, ring)
+
+
 def _dispatch(chunks: list[tuple[int, int]], work: list[int], ring: int, per_rank: int) -> list[list[tuple[int, int]]]:
     """Chunks heaviest first onto the least-loaded ring rank with fewer than `per_rank` chunks (ties:
     the lower rank, so every rank decides the same); each rank's chunks in row order."""
@@ -74,4 +82,4 @@ def work_ratios(layout: Layout, mask: AttnMask) -> tuple[float, float]:
     return max(map(sum, work)) / mean, lock_step / mean
 
 
-__all__ = ["MaskBalanced", "work_ratios"]
+__all__ = ["MaskBalanced", "mask_layout", "work_ratios"]

@@ -263,6 +263,29 @@ class AttnMask:
             start += n
         return cls.from_slices(start, slices)
 
+    def within(self, lo: int | None, hi: int | None) -> AttnMask:
+        """The mask with every slice's band narrowed to lo <= key - query <= hi (None: no bound): a
+        sliding window on top of any mask (`hcp.attention(..., mask=m, window=W)` is
+        ``m.within(-(W - 1), 0)``; window=(left, right) is ``m.within(-left, right)``)."""
+        def tighter(a, b, pick):
+            return a if b is None else b if a is None else pick(a, b)
+
+        slices = [t for s in self.slices if (t := _trim(s._replace(lo=tighter(s.lo, lo, max),
+                                                                    hi=tighter(s.hi, hi, min)))) is not None]
+        return type(self)(self.seq_len, tuple(sorted(slices, key=lambda t: (t[:4], t.offsets()))))
+
+    def windowed(self, window) -> AttnMask:
+        """The mask narrowed by an `hcp.attention` window (None: unchanged): an int W keeps the W keys
+        ending at each query, (left, right) the keys i - left .. i + right (`within`)."""
+        if window is None:
+            return self
+        try:
+            lo, hi = band(isinstance(window, int) and not isinstance(window, bool), window)
+        except ValueError as exc:
+            raise self.error(f"{exc} (with a mask, an int W keeps the W keys ending at each query, (left, right) the "
+                             f"keys i - left .. i + right, inside the mask)") from None
+        return self.within(lo, hi)
+
     # ---- queries the planner asks -----------------------------------------------------------
     def cells(self) -> int:
         """Visible (query, key) cells of the whole row."""

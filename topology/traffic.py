@@ -13,6 +13,7 @@ from typing import Any
 from .cluster import Cluster
 from .heads import head_split
 from .layouts import layout_of
+from .mask_layout import mask_layout
 from .units import FP32_BYTES, check_counts
 
 __all__ = ["GRAD_BYTES", "grad_bytes", "a2a_peer_bytes", "comm_bytes", "bandwidth", "a2a_time", "ring_tier"]
@@ -41,7 +42,7 @@ def a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit:
 def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, ulysses: int, ring: int,  # noqa: PLR0913 (public entry point)
                dtype_bytes: int, layout: str = "zigzag", ulysses_rank: int | None = None, cu_seqlens: Any = None,
                causal: bool = True, window: Any = None, ring_rank: int | None = None, v_head_dim: int | None = None,
-               chunk_size: int | None = None) -> dict[str, int]:
+               chunk_size: int | None = None, mask: Any = None) -> dict[str, int]:
     """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
 
     Keys ``ulysses_fwd``, ``ulysses_bwd``, ``ring_fwd``, ``ring_bwd``. With ``ulysses_rank=None`` each
@@ -52,7 +53,9 @@ def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: in
     (`Layout.halo`: what other ranks' queries can see fits one block) holds, under any mask (packed
     rows of whole documents, a sliding ``window``, attention chunks ``chunk_size``), a rank sends each
     ring peer only the K/V rows that peer reads, and gets back their fp32 gradients; the ring values
-    then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks).
+    then depend on the ring rank (``ring_rank=None``: the maximum over ring ranks). With ``mask`` (an
+    `AttnMask`, which replaces ``layout``, ``cu_seqlens``, ``causal`` and ``chunk_size``; a ``window``
+    narrows it as `hcp.attention`'s does) the row is the mask's balanced layout (`mask_layout.MaskBalanced`).
 
     Args:
         heads: Query heads.
@@ -71,6 +74,7 @@ def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: in
         ring_rank: One ring rank; None: the maximum over them.
         v_head_dim: v's head dim when it differs from `head_dim` (MLA); None: the same.
         chunk_size: Attention chunk size.
+        mask: The row's attention mask (`topology.masks.AttnMask`); `seq_len` must be its length.
 
     Returns:
         Bytes by stage: "ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd".
@@ -78,14 +82,11 @@ def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: in
     check_counts(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch=batch,
                 ulysses=ulysses, ring=ring, dtype_bytes=dtype_bytes)  # fmt: skip
     split = head_split(heads, kv_heads, ulysses)
-    lay = layout_of(layout, ulysses, ring, seq_len=seq_len, cu_seqlens=cu_seqlens)
-    if cu_seqlens is not None and lay.seq_len != seq_len:
-        raise ValueError(f"cu_seqlens ends at {lay.seq_len} but seq_len={seq_len}; pass the packed row's total")
+    lay, visible = _row(layout, ulysses, ring, seq_len, cu_seqlens, mask, (causal, window, chunk_size))
     s = lay.local_len
     dv = head_dim if v_head_dim is None else v_head_dim
     unit, unit_v = batch * s * head_dim * dtype_bytes, batch * s * dv * dtype_bytes
-    window = lay.effective_window(causal, window)
-    halo = lay.halo(causal, window, chunk_size)
+    halo = lay.halo(*visible)
     ring_ranks = range(ring) if ring_rank is None else [ring_rank]
     ranks = range(ulysses) if ulysses_rank is None else [ulysses_rank]
     if ulysses_rank is not None and not 0 <= ulysses_rank < ulysses:
@@ -100,9 +101,8 @@ def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: in
         row = batch * split[i][3] * (head_dim + dv)  # K/V elements of one token row
         if halo:  # rows my peers read from me go out; gradients of rows I read go back
             def sent(j: int) -> tuple[int, int]:
-                out_rows = sum(n for st in range(1, ring)
-                               for _, n in lay.needed_rows((j + st) % ring, st, causal, window, chunk_size))
-                back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, causal, window, chunk_size))
+                out_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows((j + st) % ring, st, *visible))
+                back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, *visible))
                 return out_rows * row * dtype_bytes, back_rows * row * grad_bytes(dtype_bytes)
             ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
         else:
@@ -112,6 +112,21 @@ def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: in
         for key, val in (("ulysses_fwd", fwd), ("ulysses_bwd", bwd), ("ring_fwd", ring_fwd), ("ring_bwd", ring_bwd)):
             out[key] = max(out[key], val)
     return out
+
+
+def _row(layout: str, ulysses: int, ring: int, seq_len: int, cu_seqlens: Any, mask: Any,  # noqa: PLR0913
+         attention: tuple) -> tuple[Any, tuple]:
+    """The row's layout and what `Layout.tasks` reads after the ranks: (causal, window, chunk_size, mask)."""
+    causal, window, chunk_size = attention
+    if mask is not None:
+        lay = mask_layout(mask, ulysses, ring)
+        if lay.seq_len != seq_len:
+            raise ValueError(f"the mask's row has {lay.seq_len} tokens but seq_len={seq_len}; pass mask.seq_len")
+        return lay, (False, None, None, mask.windowed(window))
+    lay = layout_of(layout, ulysses, ring, seq_len=seq_len, cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None and lay.seq_len != seq_len:
+        raise ValueError(f"cu_seqlens ends at {lay.seq_len} but seq_len={seq_len}; pass the packed row's total")
+    return lay, (causal, lay.effective_window(causal, window), chunk_size, None)
 
 
 def bandwidth(link: Any, concurrent: bool) -> float:

@@ -17,6 +17,7 @@ from ..errors import ShapeError
 from .eager import eager_only
 from .heads import HeadMap, head_split
 from .kernels import AttentionKernel
+from .masks import AttnMask
 from .mesh import CPMesh
 from .patterns import prepared
 from .pipeline import HeadToSeq, SeqToHead, plan_call
@@ -38,7 +39,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
               backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
               cu_seqlens: torch.Tensor | list[int] | None = None, window: int | tuple[int, int] | None = None,
               head_chunks: int = 1, sinks: torch.Tensor | None = None, softcap: float | None = None,
-              chunk_size: int | None = None, overlap: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              chunk_size: int | None = None, overlap: bool = False,
+              mask: AttnMask | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the whole row from this rank's shards.
 
     Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
@@ -78,6 +80,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         overlap: With head_chunks > 1, post each chunk's all-to-all before the previous chunk computes
             (communication hidden behind compute, at the price of another chunk's buffers); the same on
             every rank. False: the chunks one after another, the least memory.
+        mask: Any attention mask as range slices (`hcp.AttnMask`: documents, image blocks, prefix-LM,
+            a prompt shared by its completions, ...), the same on every rank, with q/k/v sharded by
+            `hcp.shard(x, cp, mask=mask)`. It replaces `causal`, `cu_seqlens`, `seq_len` and
+            `chunk_size` (passing one raises); `window`, `sinks` and `softcap` compose with it (a window
+            narrows every slice's band). A query that sees no key returns 0 with lse = -inf. Each rank
+            receives only the key rows its queries read when they fit in one block (docs/attention.md,
+            "Masks").
 
     Returns:
         out [B, S_local, H, D_v] in q's dtype, or (out, lse) with `return_lse`.
@@ -85,13 +94,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
     Raises:
         ShapeError: Shapes that do not fit each other, the mesh or the layout.
         InputTypeError: Wrong argument types or dtypes.
-        ConfigError: An unknown or unavailable backend, an invalid window, chunk size, scale or length.
+        ConfigError: An unknown or unavailable backend, an invalid window, chunk size, scale or length, or
+            an argument the mask replaces.
         InconsistentRanksError: The cp ranks were called with different arguments (`cp.validate`).
         CommTimeoutError: A peer rank died or stopped calling (with `init_cp_mesh(timeout=...)`).
     """
     spec = AttentionSpec(causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, backend=backend,
                          seq_len=seq_len, cu_seqlens=cu_seqlens, window=window, head_chunks=head_chunks,
-                         softcap=softcap, chunk_size=chunk_size, overlap=overlap)
+                         softcap=softcap, chunk_size=chunk_size, overlap=overlap, mask=mask)
     return run_attention(q, k, v, cp, spec, sinks)
 
 

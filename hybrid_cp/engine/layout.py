@@ -35,9 +35,11 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from topology.layouts import LAYOUTS, PAD, Layout, granularity, layout_of, padded_length
+from topology.mask_layout import MaskBalanced, mask_layout
+from topology.masks import AttnMask
 
 from ..errors import ConfigError, CPError, InputTypeError, ShapeError
-from .agreement import agree_across_ranks, digest, require_mesh, validates
+from .agreement import MeshLike, agree_across_ranks, digest, require_mesh, validates
 from .comm import comm_guard
 
 if TYPE_CHECKING:
@@ -79,7 +81,14 @@ _TAGS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 def _row_key(lay: Layout) -> tuple:
     """What a shard and a call on it must agree on (a dense row by its padded length: causal calls infer the longest
     of the lengths that pad alike, which gives every real token the same result)."""
+    if isinstance(lay, MaskBalanced):
+        return ("mask", lay.seq_len, digest(lay.mask))
     return ("packed", lay.seq_len, digest(lay.doc_lens)) if lay.kind.startswith("packed") else ("dense", lay.padded_len)
+
+
+def _row_words(key: tuple) -> str:
+    """How a row key reads in an error: which argument cut or describes the row."""
+    return {"mask": "mask=", "packed": "cu_seqlens", "dense": "neither cu_seqlens nor mask"}[key[0]]
 
 
 def check_shards(cp: "CPMesh", tensors: tuple[tuple[str, Any], ...], dim: int, lay: Layout, what: str) -> None:
@@ -97,11 +106,11 @@ def check_shards(cp: "CPMesh", tensors: tuple[tuple[str, Any], ...], dim: int, l
             raise ShapeError(f"{what}: {name} was sharded along dim {cut_dim} but the sequence is read from dim {dim}: "
                              f"pass [B, S, H, D] tensors (a [B, H, S, D] tensor: transpose(1, 2) before hcp.shard)")
         if key != _row_key(lay):
-            given = "with" if key[0] == "packed" else "without"
-            raise ConfigError(f"{what}: {name} was sharded by hcp.shard {given} cu_seqlens (a row of {key[1]} tokens"
-                              f"{', other boundaries' if key[0] == 'packed' and lay.kind.startswith('packed') else ''}"
-                              f"), but this call passes {'cu_seqlens' if lay.kind.startswith('packed') else 'no cu_seqlens'}"
-                              f": pass the same cu_seqlens= to both, or to neither")
+            mine = _row_key(lay)
+            other = ", another value" if key[0] == mine[0] else ""
+            raise ConfigError(f"{what}: {name} was sharded by hcp.shard with {_row_words(key)} (a row of {key[1]} "
+                              f"tokens{other}), but this call passes {_row_words(mine)}: pass the same cu_seqlens= "
+                              f"or mask= to both, or neither")
 
 
 # What `shard` has seen on each mesh. A record, not a result: the documented contract is that
@@ -184,9 +193,10 @@ def _unrecorded(cp: "CPMesh", local_len: int, padded: int, what: str) -> None:
                                            "(or cu_seqlens=) to be sure", what, local_len, padded, why)
 
 
-def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | None = None,
-               cu_seqlens: Any = None, causal: bool = False, what: str = "hcp.attention") -> Layout:
-    """The layout of this call's row: packed (`cu_seqlens`), or dense with an explicit or inferable length.
+def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | None = None,  # noqa: PLR0913 (one keyword per way to describe a row)
+               cu_seqlens: Any = None, causal: bool = False, what: str = "hcp.attention", mask: Any = None) -> Layout:
+    """The layout of this call's row: balanced from its `mask` (`topology.mask_layout`), packed (`cu_seqlens`),
+    or dense with an explicit or inferable length.
 
     `local_len` (the shard's length) is checked against the layout. A dense length without
     `seq_len` comes from `cp`'s record of lengths given to `shard`; when several lengths pad to the
@@ -195,6 +205,8 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
     longest is used.
     """
     u, r = cp.ulysses_size, cp.ring_size
+    if mask is not None:
+        return _mask_row(cp, mask, local_len, what, seq_len=seq_len, cu_seqlens=cu_seqlens)
     if cu_seqlens is not None:
         if seq_len is not None:
             raise ConfigError(f"{what}: pass cu_seqlens= or seq_len=, not both (a packed row's length is cu_seqlens[-1])")
@@ -228,6 +240,22 @@ def row_layout(cp: "CPMesh", *, local_len: int | None = None, seq_len: int | Non
         raise ConfigError(f"{what}: the sequence length is ambiguous: hcp.shard has seen lengths {seen} that all pad to "
                          f"{padded} tokens on this mesh; pass seq_len= explicitly")
     return layout_of(cp.layout, u, r, seq_len=seen[-1] if seen else padded)
+
+
+def _mask_row(cp: "CPMesh", mask: Any, local_len: int | None, what: str, **replaced: Any) -> Layout:
+    """The layout a mask balances (the mask replaces `replaced`: they must be None), its local length checked."""
+    if not isinstance(mask, AttnMask):
+        raise InputTypeError(f"{what}: mask={mask!r} must be an hcp.AttnMask (AttnMask.documents, blocks, prefix_lm, "
+                             f"shared_prefix or from_slices) or None")
+    for name, value in replaced.items():
+        if value is not None:
+            raise ConfigError(f"{what}: pass mask= or {name}=, not both (the mask holds the row's length and documents)")
+    lay = mask_layout(mask, cp.ulysses_size, cp.ring_size)
+    if local_len is not None and local_len != lay.local_len:
+        raise ShapeError(f"{what}: the shard has {local_len} local tokens but the mask's row ({mask.seq_len} tokens) "
+                         f"lays out {lay.local_len} per rank on ulysses={cp.ulysses_size} x ring={cp.ring_size}; "
+                         f"shard the row with hcp.shard(x, cp, mask=m) and pass the same mask")
+    return lay
 
 
 def local_indices(seq_len: int, layout: str, ulysses: int, ring: int, cp_rank: int,
@@ -267,17 +295,19 @@ def _check_tensor(x: Any, cp: Any, dim: Any, what: str) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -> torch.Tensor:
+def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None, *, mask: Any = None) -> torch.Tensor:
     """This rank's tokens of the full-row tensor `x` (padding slots are zeros).
 
     With `cu_seqlens` ([0, len_0, ..., total], flash-attn's varlen convention) `x` is a packed row
-    of documents, laid out so that causal work is balanced over the ring ranks.
+    of documents, laid out so that causal work is balanced over the ring ranks. With `mask` (an
+    `hcp.AttnMask`) the row is laid out for that mask's work (`topology.mask_layout.MaskBalanced`).
 
     Args:
         x: The full row, the same on every cp rank, with the sequence along `dim`.
         cp: The mesh.
         dim: The sequence dimension.
         cu_seqlens: Packed documents' boundaries [0, len_0, ..., total]; None: a dense row.
+        mask: The row's attention mask (then no `cu_seqlens`); pass the same one to `attention`/`unshard`.
 
     Returns:
         This rank's tokens, in `cp.layout`, padded to the layout's granularity.
@@ -285,13 +315,17 @@ def shard(x: torch.Tensor, cp: "CPMesh", dim: int = 1, cu_seqlens: Any = None) -
     Raises:
         InputTypeError: `x` is not a tensor.
         ShapeError: An empty sequence, or a packed row whose length is not `cu_seqlens[-1]`.
-        ConfigError: Invalid `cu_seqlens`.
+        ConfigError: Invalid `cu_seqlens`, or both `cu_seqlens` and `mask`.
     """
     dim = _check_tensor(x, cp, dim, "hcp.shard")
     n = x.shape[dim]
     if n == 0:
         raise ShapeError(f"x has an empty sequence dimension (dim={dim}, shape={tuple(x.shape)})")
-    if cu_seqlens is not None:
+    if mask is not None:
+        lay = row_layout(cp, cu_seqlens=cu_seqlens, mask=mask, what="hcp.shard")
+        if n != lay.seq_len:
+            raise ShapeError(f"x has {n} tokens along dim {dim} but the mask describes a row of {lay.seq_len}")
+    elif cu_seqlens is not None:
         lay = row_layout(cp, cu_seqlens=cu_seqlens, what="hcp.shard")
         _check_packed_row(x, dim, lay, "x")
         record_packed(cp, lay)
@@ -356,7 +390,7 @@ class _Unshard(torch.autograd.Function):
 
 
 def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | None = None,
-            cu_seqlens: Any = None) -> torch.Tensor:
+            cu_seqlens: Any = None, *, mask: Any = None) -> torch.Tensor:
     """Gather the full row from every cp rank (inverse of `shard`; padding removed).
 
     Autograd-aware: the backward gives each rank the slice of the full gradient at its tokens,
@@ -368,6 +402,7 @@ def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | No
         dim: The sequence dimension.
         seq_len: The unpadded length; None: the length `shard` saw.
         cu_seqlens: Packed documents' boundaries, as given to `shard`.
+        mask: The row's attention mask, as given to `shard`.
 
     Returns:
         The full row, the same on every cp rank.
@@ -378,54 +413,65 @@ def unshard(x_local: torch.Tensor, cp: "CPMesh", dim: int = 1, seq_len: int | No
         InconsistentRanksError: Another cp rank's call differs or failed its checks (with `cp.validate`).
         SetupError: A destroyed mesh.
     """
-    lay = _unshard_layout(x_local, cp, dim, seq_len, cu_seqlens)
+    lay = _unshard_layout(x_local, cp, dim, seq_len, cu_seqlens, mask)
     dim = dim % x_local.dim()
     if cp.size == 1:  # one rank holds the row in order, padding at the end
         return x_local.narrow(dim, 0, lay.seq_len)
     return _Unshard.apply(x_local, cp, dim, lay)
 
 
-def _unshard_layout(x: Any, cp: "CPMesh", dim: Any, seq_len: Any, cu_seqlens: Any) -> Layout:
+def _unshard_layout(x: Any, cp: "CPMesh", dim: Any, seq_len: Any, cu_seqlens: Any, mask: Any) -> Layout:
     """`unshard`'s checks: this rank's own, then (with `cp.validate`) the cp ranks' agreement on the call, so
     that one rank's bad argument makes every rank raise instead of leaving the others in the all-gather."""
     error, lay, signature = None, None, [0] * 5
     try:
         d = _check_tensor(x, cp, dim, "hcp.unshard")
-        lay = row_layout(cp, local_len=x.shape[d], seq_len=seq_len, cu_seqlens=cu_seqlens, what="hcp.unshard")
+        lay = row_layout(cp, local_len=x.shape[d], seq_len=seq_len, cu_seqlens=cu_seqlens, what="hcp.unshard", mask=mask)
         check_shards(cp, (("x", x),), d, lay, "hcp.unshard")
-        signature = [d, x.dim(), digest((tuple(x.shape), str(x.dtype))), lay.seq_len, digest(lay.doc_lens)]
+        signature = [d, x.dim(), digest((tuple(x.shape), str(x.dtype))), lay.seq_len,
+                     digest(lay.doc_lens if mask is None else mask)]
     except (ValueError, TypeError) as exc:
         if not validates(cp) or not isinstance(exc, CPError):
             raise
         error = exc
     if validates(cp):
         agree_across_ranks(cp, signature, ("dim", "dims", "shape and dtype (checksum)", "seq_len",
-                                           "cu_seqlens (checksum)"), error, "hcp.unshard arguments")
+                                           "cu_seqlens or mask (checksum)"), error, "hcp.unshard arguments")
     return lay
 
 
-def positions(seq_len: int | None, cp: "CPMesh", device: torch.device | str | None = None, *,
-              cu_seqlens: Any = None) -> torch.Tensor:
+def positions(seq_len: "int | None | CPMesh", cp: "CPMesh | None" = None, device: torch.device | str | None = None, *,
+              cu_seqlens: Any = None, mask: Any = None) -> torch.Tensor:
     """Position ids of this rank's tokens: global positions of a dense row (pad slots get ids >=
-    seq_len), or positions inside each document of a packed row (restarting at 0; pad slots 0..).
+    seq_len), positions inside each document of a packed row (restarting at 0; pad slots 0..), or,
+    with `mask`, the tokens' indices in the row (``hcp.positions(cp, mask=m)``; a completion that
+    continues its prompt's positions needs the caller's own position ids, `shard_batch` keeps them).
 
     Args:
-        seq_len: The unpadded global length of a dense row (None with `cu_seqlens`).
+        seq_len: The unpadded global length of a dense row (None with `cu_seqlens`); with `mask` it may
+            be left out (``positions(cp, mask=m)``).
         cp: The mesh.
         device: Where the result lives; None: `cp.device`.
         cu_seqlens: Packed documents' boundaries; positions then restart in every document.
+        mask: The row's attention mask, as given to `shard`.
 
     Returns:
         int64 position ids of this rank's tokens [S_local].
 
     Raises:
         SetupError: A destroyed mesh.
-        ConfigError: A `seq_len` that is not a positive integer or disagrees with `cu_seqlens`.
+        ConfigError: A `seq_len` that is not a positive integer or disagrees with `cu_seqlens` or `mask`.
     """
+    if cp is None and isinstance(seq_len, MeshLike):   # positions(cp, mask=m)
+        seq_len, cp = None, seq_len
     require_mesh(cp)
-    if cu_seqlens is None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+    if mask is not None:
+        lay = row_layout(cp, cu_seqlens=cu_seqlens, mask=mask, what="hcp.positions")
+        if seq_len is not None and seq_len != lay.seq_len:
+            raise ConfigError(f"seq_len={seq_len} but the mask's row has {lay.seq_len} tokens; pass seq_len=None with mask")
+    elif cu_seqlens is None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         raise ConfigError(f"seq_len={seq_len!r} must be a positive integer (or pass cu_seqlens= for a packed row)")
-    if cu_seqlens is not None:
+    elif cu_seqlens is not None:
         lay = row_layout(cp, seq_len=None, cu_seqlens=cu_seqlens, what="hcp.positions")
         if seq_len is not None and seq_len != lay.seq_len:
             raise ConfigError(f"seq_len={seq_len} but cu_seqlens ends at {lay.seq_len}; pass seq_len=None with cu_seqlens")

@@ -102,11 +102,11 @@ def plan_call(cp: "CPMesh", spec: "AttentionSpec", checked: "Checked", q_shape: 
               device: torch.device) -> AttentionCall:
     """The call's head split, block plan, scale and head stages (`spec.head_chunks` of them), from its checked
     layout, kernel and window (`checked`; the default scale is 1/sqrt(q's head dim))."""
-    lay, kernel, window = checked
+    lay, kernel, window, mask = checked
     heads, head_dim = q_shape[2], q_shape[3]
     split = head_split(heads, kv_heads, cp.ulysses_size)
     scale = float(spec.softmax_scale) if spec.softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    plan = block_plan(lay, cp.ring_rank, spec.causal, device, window, spec.chunk_size)
+    plan = block_plan(lay, cp.ring_rank, spec.causal, device, window, spec.chunk_size, mask)
     return AttentionCall(cp, spec, lay, kernel, split, plan, scale, chunk_heads(split, spec.head_chunks, cp.ulysses_rank),
                          tuple(split.kv_index(cp.ulysses_rank)),
                          cp.ulysses_size == 1 and gathered_rows_identity(lay, device))

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from topology.block_masks import Step
 from topology.layouts import Layout
+from topology.masks import AttnMask
 
 from ..errors import ShapeError
 from .comm import RingExchange, acc_dtype, count
@@ -124,28 +125,33 @@ def _task(step: Step, device: torch.device, key_runs: list[tuple[int, int]] | No
     return Task(_rows(q, device), _rows(k, device), step.causal, step.window, varlen)
 
 
-def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window=None,
-               chunk_size: int | None = None) -> Plan:
+def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window=None,  # noqa: PLR0913 (the layout's own arguments)
+               chunk_size: int | None = None, mask: AttnMask | None = None) -> Plan:
     """This rank's plan for one call, cached per (layout, rank, mask, window, chunk size, device): every
     layer of a model asks for the same one (bounded to a few layouts: packed rows bring a new layout every
     step, and a packed plan's row indices take about 28 bytes per local token at u=1 r=8). Halo
-    mode when the window or the attention chunks make it move fewer rows."""
+    mode when the window, the attention chunks or the `mask` (an `AttnMask`, which then says everything) make it
+    move fewer rows."""
+    if mask is not None:
+        return _plan(lay, ring_rank, False, torch.device(device), None, None, mask)
     return _plan(lay, ring_rank, causal, torch.device(device), tuple(window) if isinstance(window, list) else window,
                  lay.effective_chunk(chunk_size))
 
 
 @lru_cache(maxsize=16)
-def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window, chunk: int | None) -> Plan:
+def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window, chunk: int | None,  # noqa: PLR0913
+          mask: AttnMask | None = None) -> Plan:
     r = lay.ring
+    visible = (causal, window, chunk, mask)   # what `Layout.tasks` reads after the ranks
 
     def tasks(s: int):
-        return lay.tasks(ring_rank, s, causal, window, chunk)
+        return lay.tasks(ring_rank, s, *visible)
 
-    if not lay.halo(causal, window, chunk):
+    if not lay.halo(*visible):
         return Plan(tuple(tuple(_task(t, device) for t in tasks(s)) for s in range(r)))
-    recv = [lay.needed_rows(ring_rank, s, causal, window, chunk) if s else [] for s in range(r)]
+    recv = [lay.needed_rows(ring_rank, s, *visible) if s else [] for s in range(r)]
     send = [None] + [(lambda runs: _rows(runs, device) if runs else None)(
-        lay.needed_rows((ring_rank + s) % r, s, causal, window, chunk)) for s in range(1, r)]
+        lay.needed_rows((ring_rank + s) % r, s, *visible)) for s in range(1, r)]
     steps = tuple(tuple(_task(t, device, recv[s] if s else None) for t in tasks(s)) for s in range(r))
     return Plan(steps, True, tuple(tuple(x) for x in recv), tuple(send))
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from topology.masks import AttnMask
+
 __all__ = ["AttentionSpec"]
 
 
@@ -26,6 +28,7 @@ class AttentionSpec:
     `sinks` is not a setting but a learnable tensor whose gradient flows: it travels beside q/k/v.
     `overlap` (head chunks only) posts the next head chunk's all-to-all before this chunk computes
     (`hybrid_cp/engine/headchunk.py`), at the price of another chunk's buffers alive.
+    `mask` (an `hcp.AttnMask`) says which keys each query sees in place of causal/cu_seqlens/chunk_size.
     """
 
     causal: bool = False
@@ -39,6 +42,7 @@ class AttentionSpec:
     softcap: float | None = None
     chunk_size: int | None = None
     overlap: bool = False
+    mask: Any = None
 
     def key(self) -> tuple:
         """A hashable key that equals another spec's only when every setting is the same value of the same type
@@ -56,7 +60,9 @@ class AttentionSpec:
         kinds = tuple(map(type, values))
         if not _SCALARS.issuperset(kinds):
             raise TypeError("a setting of no plain scalar type")
-        return values, kinds, backend, cu, _typed(self.window)
+        if self.mask is not None and not isinstance(self.mask, AttnMask):
+            raise TypeError("a mask that is not an AttnMask")
+        return values, kinds, backend, cu, _typed(self.window), self.mask
 
     # ---- the compiled op's flat encoding (hybrid_cp/engine/compiled.py): the only place that knows its order ----
 

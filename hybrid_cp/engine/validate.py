@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from topology.layouts import Layout, granularity
+from topology.masks import AttnMask
 
 from ..errors import ConfigError, CPError, InputTypeError, ShapeError
 from .agreement import (
@@ -48,7 +49,7 @@ class AttentionSignature(NamedTuple):
     dtype: int = 0
     causal: int = 0
     seq_len: int = 0
-    documents: int = 0      # digest of the packed row's document lengths
+    documents: int = 0      # digest of the packed row's document lengths (and of the mask in effect)
     window_left: int = -1
     window_right: int = -1
     backend: int = 0        # digest of the kernel's name
@@ -61,7 +62,7 @@ class AttentionSignature(NamedTuple):
     softmax_scale: int = 0  # digest of the scale in effect
 
     labels = ("batch", "local length", "heads", "kv heads", "head_dim", "dtype", "causal", "seq_len",
-              "cu_seqlens (checksum)", "window", "window right", "backend", "needs grad", "head_chunks",
+              "cu_seqlens or mask (checksum)", "window", "window right", "backend", "needs grad", "head_chunks",
               "softcap (checksum)", "sinks (checksum)", "v head_dim", "chunk_size", "softmax_scale (checksum)")
 
 
@@ -108,17 +109,19 @@ def _check_shapes(q, k, v, cp, cu_seqlens) -> None:
                          f"documents into one row [1, total, ...] and describe them with cu_seqlens")
 
 
-_NEED_ARGUMENT = {"cu_seqlens_q": "cu_seqlens (or chunk_size)", "window": "window", "softcap": "softcap",
+_NEED_ARGUMENT = {"cu_seqlens_q": "cu_seqlens (or chunk_size, or mask)", "window": "window (or mask)", "softcap": "softcap",
                   "value_head_dim": "a v head dim that differs from q/k's"}
 
 
 class Checked(NamedTuple):
     """What the checks of an attention call decided: the row's layout, the kernel (None: a plain
-    local-attention callable) and the window in effect."""
+    local-attention callable), the window in effect and, for a masked call, the mask in effect (the
+    window folded in)."""
 
     lay: Layout
     kernel: AttentionKernel | None
     window: tuple | int | None
+    mask: AttnMask | None = None
 
 
 def _check_kernel(q, v, cp, lay: Layout, spec: AttentionSpec, window) -> AttentionKernel | None:
@@ -130,14 +133,15 @@ def _check_kernel(q, v, cp, lay: Layout, spec: AttentionSpec, window) -> Attenti
                               f"{cp.ring_size}): the ring needs a kernel that returns the log-sum-exp; "
                               f"register one with hcp.register_kernel")
         if spec.cu_seqlens is not None or window is not None or lay.effective_chunk(spec.chunk_size) is not None or (
-                lay.padded_len != lay.seq_len and not spec.causal):
+                lay.padded_len != lay.seq_len and not spec.causal) or spec.mask is not None:
             raise ConfigError("a plain local-attention callable cannot mask document boundaries, windows, attention "
-                              "chunks or (non-causal) "
+                              "chunks, an AttnMask or (non-causal) "
                               "padding; use a kernel backend, or for dense rows a length divisible by "
                               f"{granularity(cp.layout, cp.ulysses_size, cp.ring_size)}")
         return None
     backend = spec.backend
-    needs = kernel_keywords(lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v.shape[3] != q.shape[3])
+    needs = kernel_keywords(lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v.shape[3] != q.shape[3],
+                            spec.mask is not None)
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], needs=needs)
     for keyword in needs:
         if not can_on(kernel, keyword, q.device):
@@ -159,14 +163,32 @@ def chunk_size_arg(chunk_size: Any) -> int | None:
                         "attention_chunk_size), or None for no chunking", allow_none=True)
 
 
-def kernel_keywords(lay: Layout, cu_seqlens: Any, window: Any, chunk_size: Any, softcap: Any = None,
-                    value_head_dim: bool = False) -> list[str]:
+def kernel_keywords(lay: Layout, cu_seqlens: Any, window: Any, chunk_size: Any, softcap: Any = None,  # noqa: PLR0913 (kernel protocol)
+                    value_head_dim: bool = False, masked: bool = False) -> list[str]:
     """The keywords (and capabilities) a call needs of its kernel: an attention chunk cuts the rows into
-    varlen segments, also in a dense row."""
+    varlen segments, also in a dense row; a mask's slices reach the kernel as varlen segments with windows."""
     needs = kernel_needs(cu_seqlens, window, softcap, value_head_dim)
-    if lay.effective_chunk(chunk_size) is not None and "cu_seqlens_q" not in needs:
+    if (masked or lay.effective_chunk(chunk_size) is not None) and "cu_seqlens_q" not in needs:
         needs.append("cu_seqlens_q")
+    if masked and "window" not in needs:
+        needs.append("window")
     return needs
+
+
+def mask_in_effect(spec: AttentionSpec) -> AttnMask:
+    """A masked call's mask with its window folded in (`AttnMask.within`), after checking that the mask
+    is an `AttnMask` and that no argument it replaces was given."""
+    if not isinstance(spec.mask, AttnMask):
+        raise InputTypeError(f"mask={spec.mask!r} must be an hcp.AttnMask (built with AttnMask.documents, blocks, "
+                             f"prefix_lm, shared_prefix or from_slices) or None")
+    for name, value, why in (("causal", spec.causal, "build a causal mask: AttnMask.documents(cu_seqlens, causal=True)"),
+                             ("cu_seqlens", spec.cu_seqlens, "AttnMask.documents(cu_seqlens) holds the documents"),
+                             ("seq_len", spec.seq_len, "the mask's seq_len is the row's length"),
+                             ("chunk_size", spec.chunk_size, "AttnMask.documents(cu, chunk_size=C) holds the chunks")):
+        if value is not None and value is not False:
+            raise ConfigError(f"{name}={value!r} with mask=: the mask says which keys each query sees; drop {name} "
+                              f"({why})")
+    return spec.mask.windowed(spec.window)
 
 
 def _local_checks(q, k, v, cp, spec: AttentionSpec) -> Checked:
@@ -181,6 +203,11 @@ def _local_checks(q, k, v, cp, spec: AttentionSpec) -> Checked:
                           f"for 1/sqrt(head_dim))")
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal={causal!r} must be a bool")
+    if spec.mask is not None:
+        mask = mask_in_effect(spec)
+        lay = row_layout(cp, local_len=q.shape[1], mask=spec.mask)
+        check_shards(cp, (("q", q), ("k", k), ("v", v)), 1, lay, "hcp.attention")
+        return Checked(lay, _check_kernel(q, v, cp, lay, spec, None), None, mask)
     lay = row_layout(cp, local_len=q.shape[1], seq_len=spec.seq_len, cu_seqlens=spec.cu_seqlens, causal=causal)
     check_shards(cp, (("q", q), ("k", k), ("v", v)), 1, lay, "hcp.attention")
     window = lay.effective_window(causal, spec.window)
@@ -240,11 +267,11 @@ def attention_signature(cp, q, k, v, spec: AttentionSpec, checked: Checked, need
     """The signature of a call that passed this rank's checks (variants as digests, so that ranks that
     differ name the field)."""
     b, s, h, d = q.shape
-    lay, kernel, window = checked
+    lay, kernel, window, mask = checked
     left, right = (-1, -1) if window is None else (window, 0) if isinstance(window, int) else window
     name = getattr(kernel, "name", "callable" if kernel is None else str(spec.backend))
     return AttentionSignature(b, s, h, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(spec.causal), lay.seq_len,
-                              digest(lay.doc_lens), left, right, digest(name), int(needs_grad), spec.head_chunks,
+                              digest(lay.doc_lens if mask is None else (lay.doc_lens, mask)), left, right, digest(name), int(needs_grad), spec.head_chunks,
                               softcap=0 if spec.softcap is None else digest(float(spec.softcap)),
                               sinks=sinks_digest(cp, sinks), v_head_dim=v.shape[3], chunk_size=spec.chunk_size or 0,
                               softmax_scale=digest(float(spec.softmax_scale or 1 / math.sqrt(d))))
@@ -271,7 +298,7 @@ def op_expressible(q, k, v, cp, spec: AttentionSpec, sinks: Any, backend_key: st
             and op_window(s.window)[0] and isinstance(s.causal, bool) and isinstance(s.return_lse, bool)
             and is_int(s.head_chunks) and s.head_chunks == 1 and backend_key != ""
             and (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool)))
-            and (s.seq_len is None or is_int(s.seq_len)) and is_softcap(s.softcap)
+            and (s.seq_len is None or is_int(s.seq_len)) and is_softcap(s.softcap) and s.mask is None
             and (sinks is None or isinstance(sinks, torch.Tensor)) and (s.chunk_size is None or is_int(s.chunk_size))
             and (cu is None or isinstance(cu, torch.Tensor)
                  or (isinstance(cu, (list, tuple)) and all(is_int(x) for x in cu))))

@@ -152,14 +152,20 @@ def visibility(doc_lens: list[int], causal: bool, window=None) -> torch.Tensor:
         visible &= (diff >= -window[0]) & (diff <= window[1])
     return visible
 
-def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor):
-    """Attention by fp64 autograd over the whole row with a [N, N] visibility mask."""
+def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor, softcap: float | None = None):
+    """Attention by fp64 autograd over the whole row with a [N, N] visibility mask (and Gemma 2's logit
+    soft-cap, softcap * tanh(scores / softcap), when given)."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     h = q.shape[2]
     ke, ve = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
-    s = (torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale).masked_fill(~visible, float("-inf"))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), ve)
+    # a row that sees no key: out 0, lse -inf, no gradient (softmax over nothing would be NaN)
+    p = torch.where(visible, torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None]), 0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, ve)
     out.backward(dout.double())
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
@@ -234,4 +240,58 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
                                              (out.detach(), lse, ql.grad, kl.grad, vl.grad))}
         results.append({**c, **err, "bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank,
                         "ulysses_rank": cp.ulysses_rank})
+    return results
+
+
+def mask_visibility(mask) -> torch.Tensor:
+    """[N, N] bool of an `AttnMask`, cell by cell from its slices (the dense matrix the tests compare with)."""
+    n = mask.seq_len
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for sl in mask.slices:
+        lo, hi = sl.offsets()
+        visible |= ((i >= sl.q_start) & (i < sl.q_end) & (j >= sl.k_start) & (j < sl.k_end)
+                    & (j - i >= lo) & (j - i <= hi))
+    return visible
+
+
+def mask_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
+    """Attention under an `AttnMask` (case["mask"], with case["window"] folded in by the engine) against the
+    fp64 dense masked reference on this rank's real tokens: relative errors of out/lse/dq/dk/dv, whether lse
+    is -inf exactly where the reference's is (rows that see no key), and the bytes each stage sent."""
+    from topology.layouts import PAD
+
+    cp = mesh(u, r)
+    results = []
+    for c in cases:
+        mask, h, hkv, d, window = c["mask"], c["h"], c["hkv"], c["d"], c.get("window")
+        dtype = DTYPES[c.get("dtype", "fp32")]
+        q, k, v, dout = random_inputs(c.get("seed", 5), c.get("batch", 1), mask.seq_len, h, hkv, d)
+        visible = mask_visibility(mask.windowed(window))
+        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visible, c.get("softcap"))
+        hcp.reset_comm_bytes(cp)
+        ql, kl, vl = (hcp.shard(x.to(dtype), cp, mask=mask).requires_grad_() for x in (q, k, v))
+        out, lse = hcp.attention(ql, kl, vl, cp, mask=mask, window=window, return_lse=True,
+                                 backend=c.get("backend", "auto"), softcap=c.get("softcap"))
+        (out * hcp.shard(dout.to(dtype), cp, mask=mask)).sum().backward()
+        lay = hcp.engine.layout.row_layout(cp, mask=mask)
+        real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
+        keep = torch.nonzero(real).flatten()
+        ref_lse = hcp.shard(ref[1], cp, dim=2, mask=mask).index_select(2, keep)
+        got_lse = lse.index_select(2, keep)
+        empty = torch.isinf(ref_lse)
+        err = {name: rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, mask=mask).index_select(dim, keep),
+                         floor=1.0)
+               for name, dim, rf, gt in zip(["out", "dq", "dk", "dv"], [1, 1, 1, 1], (ref[0], *ref[2:]),
+                                             (out.detach(), ql.grad, kl.grad, vl.grad))}
+        err["lse"] = rel(torch.where(empty, 0.0, got_lse.double()), torch.where(empty, 0.0, ref_lse), floor=1.0)
+        full = hcp.unshard(out.detach(), cp, mask=mask)   # every real token back in row order
+        tokens = torch.tensor([t for tok, _, n in lay.token_runs(cp.rank) if tok != PAD for t in range(tok, tok + n)],
+                              dtype=torch.long)
+        results.append({**{key: val for key, val in c.items() if key != "mask"}, **err,
+                        "empty_rows": int(empty.sum()),
+                        "empty_match": bool(torch.equal(torch.isneginf(got_lse), empty)),
+                        "unshard": rel(full, ref[0], floor=1.0),
+                        "positions_match": bool(torch.equal(hcp.positions(cp, mask=mask).index_select(0, keep), tokens)),
+                        "bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank, "ulysses_rank": cp.ulysses_rank})
     return results
