@@ -34,6 +34,8 @@ Q = "q, k, v = qkv(32); ql, kl, vl = (hcp.shard(x, {m}) for x in (q, k, v)); "
 QA = Q.format(m="A")
 QM = Q.format(m="M")
 CU = "cu = [0, 5, 17, 18, 32]; "
+MK = "mk = hcp.AttnMask.shared_prefix(12, [9, 11]); "
+QMK = MK + "q, k, v = qkv(32); ql, kl, vl = (hcp.shard(x, {m}, mask=mk) for x in (q, k, v)); "
 LM = ("from hybrid_cp.integrations.transformers import apply_context_parallel; model = tiny(); "
       "ids = torch.arange(1, 33)[None]; ")
 CK = ("model = torch.nn.Linear(4, 4).double(); opt = torch.optim.SGD(model.parameters(), lr=0.1); "
@@ -85,6 +87,17 @@ CASES = [
     # ---- unshard
     ("unshard", "a shard of the wrong local length", "warn matches no row",
      "hcp.shard(torch.zeros(1, 32), M); hcp.unshard(torch.zeros(1, 6), M)"),
+    ("shard", "a mask of another length", "ShapeError mask", MK + "hcp.shard(torch.zeros(1, 30, 4), M, mask=mk)"),
+    ("shard", "mask and cu_seqlens together", "ConfigError mask", MK + "hcp.shard(torch.zeros(1, 32, 4), M, "
+     "cu_seqlens=[0, 32], mask=mk)"),
+    ("shard", "a list of slices instead of an AttnMask", "InputTypeError mask",
+     "hcp.shard(torch.zeros(1, 32, 4), M, mask=[(0, 32, 0, 32, None, 0)])"),
+    ("AttnMask", "two slices sharing cells", "ConfigError share",
+     "hcp.AttnMask.from_slices(8, [(0, 8, 0, 8, None, 0), (0, 4, 0, 4, None, None)])"),
+    ("AttnMask", "a slice outside the row", "ConfigError slices[0]", "hcp.AttnMask.from_slices(8, [(0, 9, 0, 8, None, 0)])"),
+    ("positions", "mask and seq_len disagree", "ConfigError seq_len", MK + "hcp.positions(31, M, mask=mk)"),
+    ("unshard", "mask of another row than the shard", "ConfigError mask=", MK +
+     "x = hcp.shard(torch.zeros(1, 32, 4), M); hcp.unshard(x, M, mask=mk)"),
     ("unshard", "seq_len that does not match", "ShapeError seq_len", "hcp.unshard(torch.zeros(1, 8), M, seq_len=50)"),
     ("unshard", "dim out of range", "ShapeError dim", "hcp.unshard(torch.zeros(1, 8), M, dim=3, seq_len=32)"),
     ("unshard", "a destroyed mesh", "SetupError destroy", "hcp.unshard(torch.zeros(1, 8), D, seq_len=32)"),
@@ -146,6 +159,25 @@ CASES = [
      "hcp.attention(ql, kl, vl, M, causal=True)"),
     ("attention", "cu_seqlens given to attention but not shard", "ConfigError cu_seqlens",
      CU + QM + "hcp.attention(ql, kl, vl, M, causal=True, cu_seqlens=cu)"),
+    ("attention", "mask with causal=True", "ConfigError causal", QMK.format(m="M") +
+     "hcp.attention(ql, kl, vl, M, mask=mk, causal=True)"),
+    ("attention", "mask with cu_seqlens", "ConfigError cu_seqlens", QMK.format(m="M") +
+     "hcp.attention(ql, kl, vl, M, mask=mk, cu_seqlens=[0, 32])"),
+    ("attention", "mask with chunk_size", "ConfigError chunk_size", QMK.format(m="M") +
+     "hcp.attention(ql, kl, vl, M, mask=mk, chunk_size=8)"),
+    ("attention", "a mask that is not an AttnMask", "InputTypeError mask", QM + "hcp.attention(ql, kl, vl, M, "
+     "mask=torch.ones(32, 32, dtype=torch.bool))"),
+    ("attention", "a mask with a one-sided window", "ConfigError window", QMK.format(m="M") +
+     "hcp.attention(ql, kl, vl, M, mask=mk, window=(3,))"),
+    ("attention", "mask given to shard but not attention", "ConfigError mask=", QMK.format(m="M") +
+     "hcp.attention(ql, kl, vl, M, causal=True)"),
+    ("attention", "mask given to attention but not shard", "ConfigError mask=", MK + QM +
+     "hcp.attention(ql, kl, vl, M, mask=mk)"),
+    ("attention", "ranks disagree on the mask", "InconsistentRanksError mask",
+     "mk = hcp.AttnMask.shared_prefix(12, [9, 11] if rank != 2 else [11, 9]); q, k, v = qkv(32); "
+     "ql, kl, vl = (hcp.shard(x, A, mask=mk) for x in (q, k, v)); hcp.attention(ql, kl, vl, A, mask=mk)"),
+    ("attention", "a shared prefix with a window and sinks (legal)", "ok", QMK.format(m="M") +
+     "hcp.attention(ql, kl, vl, M, mask=mk, window=5, sinks=torch.zeros(4, dtype=torch.float64))"),
     ("attention", "ranks disagree on softmax_scale", "InconsistentRanksError softmax_scale",
      QA + "hcp.attention(ql, kl, vl, A, causal=True, softmax_scale=0.5 if rank == 3 else 0.25)"),
     ("attention", "ranks disagree on causal", "InconsistentRanksError causal",
@@ -357,7 +389,7 @@ def test_the_campaign_covers_every_entry_point():
     entries = {c[0] for c in CASES}
     assert {"init_cp_mesh", "shard", "unshard", "positions", "attention", "shard_batch", "cross_entropy",
             "tiled_cross_entropy", "tile_mlp", "tile_norm", "apply_context_parallel", "shard_model",
-            "save_checkpoint", "load_checkpoint", "register_kernel", "CPTrainer"} <= entries
+            "save_checkpoint", "load_checkpoint", "register_kernel", "CPTrainer", "AttnMask"} <= entries
     assert len(CASES) + len(CLI) >= 60 and len({c[:2] for c in CASES}) == len(CASES)
 
 
