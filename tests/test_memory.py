@@ -91,7 +91,7 @@ def test_step_memory_is_monotone_and_options_help():
     assert chunked.stages["attention_bwd"] < tiled.stages["attention_bwd"] < plain.stages["attention_bwd"] * 1.01
     # the overlapped schedule keeps more in flight: between the serial one and no chunks. At ring size 1 the
     # unchunked engine is priced as its whole-block fast path runs, module chunks still by the ring > 1 terms
-    # (an over-count, CONTRIBUTING.md "Open work", Memory), so the upper bound is checked where both use the same terms
+    # (an over-count, benchmarks/results/open_items.md, "Memory"), so the upper bound is checked where both use the same terms
     assert chunked.stages["attention_bwd"] < overlapped.stages["attention_bwd"]
     ring2 = dict(model=LLAMA8B, ulysses=4, ring=2, seq_len=1 << 20)
     tiled2 = step_memory(options=MemoryOptions(tiled_loss=True, tiled_mlp=8192), **ring2)

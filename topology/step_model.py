@@ -182,7 +182,7 @@ def _attention_module(module: ModelShape, split: Split, rank: int | None, hc: in
     module, and of the engine inside it). `reorder`: the layout reorders the gathered tokens (see
     `_single_block_backward`). `module_chunk`: one chunk of `hybrid_cp.engine.modulechunk`, whose backward
     exchanges and returns its tensors with its own buffers: at ring size 1 it keeps the terms of ring > 1
-    (not re-derived for the fast path; docs/memory.md "Not done")."""
+    (not re-derived for the fast path; benchmarks/results/open_items.md, "Memory")."""
     H, Hkv, D, E = module.heads, module.n_kv, module.head_dim, module.d_model
     e, ulysses, ring, T = split.e, split.ulysses, split.ring, split.local_tokens
     per_rank = head_split(H, Hkv, ulysses)

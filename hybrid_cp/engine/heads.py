@@ -1,6 +1,6 @@
 """Head arithmetic, in one place: which heads each ulysses rank works on, and GQA groups.
 
-The split itself is `topology.layouts.head_split` (shared with the cost model, so the engine's
+The split itself is `topology.heads.head_split` (shared with the cost model, so the engine's
 traffic and `topology.comm_bytes` cannot disagree); this module turns it into ranges and indices
 and expands/reduces KV heads for kernels that need plain query groups.
 """

@@ -21,7 +21,7 @@ once per unchecked layer with it (twice without, at one output-sized tensor less
 Overlapped, one more stage is in flight (its exchange buffers) and the previous chunk's results are
 still landing.
 
-Stages: a module chunk may itself be cut into engine-level chunks (`topology.layouts.module_chunks`
+Stages: a module chunk may itself be cut into engine-level chunks (`topology.heads.module_chunks`
 says how many: when whole GQA groups leave too few chunks); stage (j, e) is engine chunk e of module
 chunk j, and the pipeline runs over the stages in order (K/V travel once per module chunk).
 """
