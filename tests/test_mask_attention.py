@@ -28,6 +28,7 @@ def _masks() -> list[tuple[str, hcp.AttnMask, object]]:
         ("documents-bidirectional", m.documents([0, 50, 121], causal=False, window=(5, 3)), None),
         ("images", m.blocks(images), None),
         ("images-sliding", m.blocks(images, window=17), None),
+        ("images-window", m.blocks(images), 11),
         ("prefix-lm", m.prefix_lm([0, 60, 125], [25, 0]), None),
         ("shared-prefix", m.shared_prefix(40, [15, 30, 7, 28]), None),
         ("shared-prefix-window", m.shared_prefix(40, [15, 30, 7, 28]), 12),
@@ -80,3 +81,15 @@ def test_mask_fp64_is_exact(pool):
     cases = [dict(c, dtype="fp64", backend="math") for c in _cases(2)]
     rows = pool.run("hybrid_cp.testing.parity:mask_errors", u=2, r=4, cases=cases)
     _check(rows, cases, FP64, "mask fp64 u=2 r=4")
+
+
+def test_an_int_window_drops_only_earlier_keys():
+    """window=W on a mask is transformers' sliding overlay (keys more than W - 1 back dropped): the W keys ending
+    at the query on a causal mask, and an image block keeps its later keys (Gemma 3's sliding layers)."""
+    images = [0] * 5 + [1] * 6 + [0] * 9
+    assert hcp.AttnMask.blocks(images).windowed(4) == hcp.AttnMask.blocks(images, window=4)
+    assert hcp.AttnMask.documents([0, 7, 20]).windowed(4) == hcp.AttnMask.documents([0, 7, 20], window=4)
+    assert hcp.AttnMask.documents([0, 20], causal=False).windowed((2, 3)) == \
+        hcp.AttnMask.documents([0, 20], causal=False, window=(2, 3))
+    with pytest.raises(hcp.ConfigError, match="window"):
+        hcp.AttnMask.documents([0, 20]).windowed(0)

@@ -275,15 +275,23 @@ class AttnMask:
         return type(self)(self.seq_len, tuple(sorted(slices, key=lambda t: (t[:4], t.offsets()))))
 
     def windowed(self, window) -> AttnMask:
-        """The mask narrowed by an `hcp.attention` window (None: unchanged): an int W keeps the W keys
-        ending at each query, (left, right) the keys i - left .. i + right (`within`)."""
+        """The mask narrowed by an `hcp.attention` window (None: unchanged): an int W drops the keys more
+        than W - 1 before each query (lo = -(W - 1); the mask keeps deciding what lies after it, so on a
+        causal mask these are the W keys ending at the query, and a bidirectional image block keeps its
+        later keys: transformers' sliding_window_overlay); (left, right) keeps the keys i - left .. i + right
+        (`within`)."""
         if window is None:
             return self
+        if isinstance(window, int) and not isinstance(window, bool):
+            if window < 1:
+                raise self.error(f"window={window!r} must be an int W >= 1 (each query keeps the keys from W - 1 "
+                                 f"before it on) or (left, right)")
+            return self.within(-(window - 1), None)
         try:
-            lo, hi = band(isinstance(window, int) and not isinstance(window, bool), window)
+            lo, hi = band(False, window)
         except ValueError as exc:
-            raise self.error(f"{exc} (with a mask, an int W keeps the W keys ending at each query, (left, right) the "
-                             f"keys i - left .. i + right, inside the mask)") from None
+            raise self.error(f"{exc} (with a mask, an int W keeps the keys from W - 1 before each query on, "
+                             f"(left, right) the keys i - left .. i + right, inside the mask)") from None
         return self.within(lo, hi)
 
     # ---- queries the planner asks -----------------------------------------------------------
