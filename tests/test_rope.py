@@ -66,3 +66,30 @@ def test_multi_axis_position_ids_are_refused_for_an_extent_dependent_rope():
     model.model.rotary_emb(x, torch.arange(4)[None])   # this rank's [batch, 4] positions: accepted
     with pytest.raises(ConfigError, match="LlamaRotaryEmbedding.*position_ids of shape"):
         model.model.rotary_emb(x, torch.arange(4).expand(3, 1, 4))
+
+
+def _print_rope_table() -> None:
+    """The table in benchmarks/results/rope_types.md: every rope type's loss and worst gradient against one process
+    (fp64), next to every rotary left to its own shard (before the fix) and transformers' own packed row."""
+    import os
+
+    from hybrid_cp.testing import WorkerPool
+
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    with WorkerPool(4, extra_paths=[here]) as pool:
+        fixed = pool.run("rope_cases:rope_table", u=2, r=2, stock=True)
+        before = pool.run("rope_cases:rope_table", u=2, r=2, routed=False)
+    print("| rope type | layout | loss rel. diff | worst gradient rel. diff | before the fix (worst gradient) "
+          "| transformers' packed row vs per document |")
+    print("|---|---|---|---|---|---|")
+    for key in fixed[0]:
+        worst = {k: max(row[key][k] for row in fixed) for k in ("loss", "grad")}
+        old = max(row[key]["grad"] for row in before)
+        stock = fixed[0][key].get("stock_row")
+        print(f"| {key[0]} | {key[1]} | {worst['loss']:.1e} | {worst['grad']:.1e} | {old:.1e} | "
+              f"{'' if stock is None else f'{stock:.1e}'} |")
+
+
+if __name__ == "__main__":   # the figures the tests above bound (about a minute on 2 cores)
+    _print_rope_table()
