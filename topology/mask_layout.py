@@ -29,6 +29,7 @@ from .masks import AttnMask, band_cells
 
 LOCAL_SLACK = 1.05  # whole components (no ring rows) win over a grid up to 5% better balanced per step
 _SCALE_BITS = 30  # the search's cells are quantized to total / 2**30: its sums of squares fit int64
+SEARCH_BUDGET = 1 << 22  # rank-pair entries one start's swap search scores (~0.2 s): swaps = budget / (pairs r^2)
 
 
 class MaskBalanced(Layout):
@@ -159,7 +160,9 @@ def _improve(work: np.ndarray, rank: np.ndarray, ring: int, max_swaps: int | Non
         at_step = pair_work[..., np.arange(ring)[None, :], steps]
         return at_step.max(axis=-1).sum(axis=-1), (pair_work * pair_work).sum(axis=(-1, -2))
 
-    for _ in range(4 * n if max_swaps is None else max_swaps):
+    if max_swaps is None:  # a count, not a clock: every rank stops at the same swap
+        max_swaps = max(1, SEARCH_BUDGET // max(1, len(first) * ring * ring))
+    for _ in range(max_swaps):
         onehot = np.zeros((n, ring), dtype=np.int64)
         onehot[np.arange(n), rank] = 1
         queries, keys = w @ onehot, w.T @ onehot
@@ -221,4 +224,4 @@ def work_ratios(layout: Layout, mask: AttnMask) -> tuple[float, float]:
     return max(map(sum, work)) / mean, lock / mean
 
 
-__all__ = ["LOCAL_SLACK", "MaskBalanced", "mask_layout", "place", "chunk_work", "lock_step", "work_ratios"]
+__all__ = ["LOCAL_SLACK", "SEARCH_BUDGET", "MaskBalanced", "mask_layout", "place", "chunk_work", "lock_step", "work_ratios"]
