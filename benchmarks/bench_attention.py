@@ -61,7 +61,7 @@ def main() -> None:
     rows = []
     with WorkerPool(8) as pool:
         for u, r, layout in CONFIGS:
-            res = pool.run("bench_attention:run_rank", timeout=3600, ulysses=u, ring=r, layout=layout,
+            res = pool.run(run_rank, timeout=3600, ulysses=u, ring=r, layout=layout,
                            seq_len=a.seq_len, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
                            repeats=a.repeats)
             per_run = [max(rr["times"][i] for rr in res) for i in range(a.repeats)]

@@ -68,7 +68,7 @@ def main() -> None:
     from hybrid_cp.testing import WorkerPool
 
     with WorkerPool(4, extra_paths=[os.path.dirname(os.path.abspath(__file__))]) as pool:
-        calls = pool.run("call_path:traced_call")[0]["calls"]
+        calls = pool.run(traced_call)[0]["calls"]
     modules = sorted({c[0] for c in calls})
     reentries = [f"{m}.{f}" for m, f, _, again in calls if again]
     print(f"every project function: {len(calls)} calls in {len(modules)} modules, {len(reentries)} re-entries")

@@ -122,7 +122,7 @@ def main() -> None:
     load = os.getloadavg()
     pool = WorkerPool(2, threads=1, extra_paths=[os.path.dirname(os.path.abspath(__file__))])
     try:
-        times = pool.run("dynamic_timed:timed_rounds", rounds=args.rounds, timeout=1800)[0]
+        times = pool.run(timed_rounds, rounds=args.rounds, timeout=1800)[0]
     finally:
         pool.close()
     pred = predicted()

@@ -185,7 +185,7 @@ def main() -> None:
     from hybrid_cp.testing import WorkerPool
 
     with WorkerPool(4, extra_paths=[str(Path(__file__).parent)]) as pool:
-        per_rank = pool.run("host_overhead:measure", ulysses=2, ring=2, calls=args.calls // 3, repeats=args.repeats)
+        per_rank = pool.run(measure, ulysses=2, ring=2, calls=args.calls // 3, repeats=args.repeats)
     slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.repeats)] for name in per_rank[0]}
     _table("2 x 2 gloo mesh, [1, 64, 8, 64] per rank (256 tokens), slowest of 4 ranks; (host): wall minus the "
            "time inside collectives; sdpa: on the rank's own shard, for scale", slowest)

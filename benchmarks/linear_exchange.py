@@ -138,7 +138,7 @@ def main() -> None:
     print(counted())
     before = os.getloadavg()
     with WorkerPool(args.ranks, threads=1, extra_paths=[os.path.dirname(os.path.abspath(__file__))]) as pool:
-        rows = pool.run("linear_exchange:rank_times", timeout=3600, tokens=args.tokens, repeat=args.repeat,
+        rows = pool.run(rank_times, timeout=3600, tokens=args.tokens, repeat=args.repeat,
                         heads=args.heads)
     after = os.getloadavg()
     for row in rows:

@@ -279,7 +279,7 @@ def main() -> None:
 
     before = os.getloadavg()
     with WorkerPool(args.ranks, threads=1, extra_paths=[os.path.dirname(os.path.abspath(__file__))]) as pool:
-        rows = pool.run("linear_layers:rank_times", timeout=3600, tokens=args.tokens, repeat=args.repeat,
+        rows = pool.run(rank_times, timeout=3600, tokens=args.tokens, repeat=args.repeat,
                         cases=args.cases, flush_denormal=args.flush_denormal)
     after = os.getloadavg()
     print(f"ranks={args.ranks} tokens={args.tokens} repeat={args.repeat}, 1 thread per rank, "

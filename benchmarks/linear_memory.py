@@ -171,7 +171,7 @@ def rows(pool, kinds, meshes, seq_len: int, dtypes, raw: dict, stored: dict | No
                     if stored is not None:
                         worst = stored[key]["measured"]
                     else:
-                        res = pool.run("linear_memory:measure", kind=kind, u=u, r=r, seq_len=seq_len,
+                        res = pool.run(measure, kind=kind, u=u, r=r, seq_len=seq_len,
                                        checkpoint=ckpt, dtype=dtype, timeout=3600)
                         worst = max(res, key=lambda x: x["peak"])
                     est = estimate(kind, u, r, seq_len, ckpt, dtype)

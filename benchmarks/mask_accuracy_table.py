@@ -12,7 +12,7 @@ import argparse
 from typing import Iterator
 
 from hybrid_cp.cli.table import table_lines
-from hybrid_cp.testing import WorkerPool
+from hybrid_cp.testing import WorkerPool, parity
 from hybrid_cp.testing.cases import packed_cases, window_cases
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
@@ -24,7 +24,7 @@ def rows(pool: WorkerPool) -> Iterator[list[str]]:
     for u, r in MESHES:
         for name, target, cases in (("packed documents", "packed_errors", packed_cases(u, seed=u * 10 + r)),
                                     ("sliding window", "window_errors", window_cases(u))):
-            measured = [row for rank in pool.run(f"hybrid_cp.testing.parity:{target}", u=u, r=r, layout="zigzag", cases=cases,
+            measured = [row for rank in pool.run(getattr(parity, target), u=u, r=r, layout="zigzag", cases=cases,
                                               timeout=600) for row in rank]
             yield [f"{u} x {r}", name, str(len(cases)), *(f"{max(row[t] for row in measured):.1e}" for t in TENSORS)]
 

@@ -415,7 +415,7 @@ def options_table(pool, raw: dict) -> Iterator[str]:
     def rows():
         for name, kw in OPTION_ROWS:
             for n in (4096, 8192):
-                worst = max(pool.run("memory_step:measure", u=2, r=2, seq_len=n, loss_chunk=512, **kw),
+                worst = max(pool.run(measure, u=2, r=2, seq_len=n, loss_chunk=512, **kw),
                             key=lambda x: x["peak"])
                 st = worst["stages"]
                 est = _estimate(2, 2, n, kw)
@@ -451,7 +451,7 @@ def runtime_table(pool, raw: dict) -> Iterator[str]:
 
     def rows():
         for name, kw in RUNTIME_ROWS:
-            res = pool.run("memory_step:measure", u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600,
+            res = pool.run(measure, u=2, r=2, seq_len=RUNTIME_TOKENS, loss_chunk=512, timeout=3600,
                            shape=RUNTIME_SHAPE, **kw)
             worst = max(res, key=lambda x: x["device_peak"])
             host = max(x["host_peak"] for x in res)
@@ -489,7 +489,7 @@ def bf16_table(pool, raw: dict, alive_at_peak: int = 0) -> Iterator[str]:
 
     def rows():
         for u, r, dtype in ((8, 1, "bf16"), (2, 4, "bf16"), (1, 8, "bf16"), (8, 1, "fp32")):
-            res = pool.run("memory_step:measure", u=u, r=r, seq_len=BF16_TOKENS, loss_chunk=512, timeout=3600,
+            res = pool.run(measure, u=u, r=r, seq_len=BF16_TOKENS, loss_chunk=512, timeout=3600,
                            shape=BF16_SHAPE, dtype=dtype, alive_at_peak=alive_at_peak, **BF16_OPTIONS)
             worst = max(res, key=lambda x: x["device_peak"])
             alive.append((f"u={u} r={r} {dtype}, rank {worst['rank']}", worst.get("alive_at_peak", [])))
@@ -519,7 +519,7 @@ def heads_table(pool, raw: dict) -> Iterator[str]:
         first = None
         for kc in (1, 2, 4, 8):
             kw = dict(checkpoint=True, tiled_loss=True, tiled_mlp=512, head_chunks=kc)
-            worst = max(pool.run("memory_step:measure", u=4, r=2, seq_len=HEADS_TOKENS, loss_chunk=512,
+            worst = max(pool.run(measure, u=4, r=2, seq_len=HEADS_TOKENS, loss_chunk=512,
                                  shape=HEADS_SHAPE, timeout=3600, **kw),  # slow: the tracker sees every op
                         key=lambda x: x["peak"])
             st = worst["stages"]
@@ -539,7 +539,7 @@ def heads_table(pool, raw: dict) -> Iterator[str]:
 
 def module_table(pool, raw: dict, keep: bool | None = None) -> Iterator[str]:
     """The attention module alone, by head_chunks and schedule."""
-    res = pool.run("memory_step:module_memory", seq_len=MODULE_TOKENS, keep=keep, timeout=3600)
+    res = pool.run(module_memory, seq_len=MODULE_TOKENS, keep=keep, timeout=3600)
     raw["module"] = res
     yield (f"### The attention module alone (projections, rotary, hcp.attention, output projection; chunks from "
            f"the projections on), u=4 x r=2, {MODULE_TOKENS} tokens, 32/8 heads, head_dim 16, hidden 512, fp32 (exact MiB "
@@ -562,7 +562,7 @@ def module_table(pool, raw: dict, keep: bool | None = None) -> Iterator[str]:
 
 def engine_table(pool, raw: dict) -> Iterator[str]:
     """One hcp.attention call alone, by head_chunks and overlap."""
-    res = pool.run("memory_step:engine_memory")
+    res = pool.run(engine_memory)
     raw["engine"] = res
     yield ("### The engine alone: one hcp.attention call, u=4 x r=2, 8192 tokens, 32/8 heads, head_dim 16, "
            "fp32 (exact MiB above the inputs, worst rank; 'intermediate' leaves out the output (forward) "
@@ -587,7 +587,7 @@ def overlap_tables(pool, raw: dict, u: int, r: int, repeats: int) -> Iterator[st
     """Wall time and exposed all-to-all of the serial and overlapped schedules (engine, then module)."""
     for level, what in (("engine", "one hcp.attention call (q, k, v given)"),
                         ("module", "one Llama attention module, chunks from the projections on")):
-        res = pool.run("memory_step:time_overlap", level=level, u=u, r=r, repeats=repeats, timeout=3600)
+        res = pool.run(time_overlap, level=level, u=u, r=r, repeats=repeats, timeout=3600)
         raw[f"overlap/{level}"] = res
         yield (f"### Overlap, {what}: forward + backward, u={u} x r={r}, 4096 tokens, 16/4 heads x 64, hidden "
                f"1024, fp32, {u * r} gloo CPU processes ({repeats} interleaved repeats; seconds, slowest "

@@ -20,6 +20,8 @@ import os
 import statistics
 import time
 
+from hybrid_cp.cli import measure
+
 HEADER = ["seq_len", "u", "r", "measured median s", "min s", "round medians s", "noise", "predicted s", "error",
           "probe vs calibration", "load-adjusted predicted s", "error", "load (1 min) per round"]
 
@@ -65,7 +67,7 @@ def main() -> None:
         for rnd in range(a.rounds):
             for n in a.seq_lens:
                 for u, r in splits:
-                    res = pool.run("hybrid_cp.cli.measure:bench_rank", timeout=3600, ulysses=u, ring=r, seq_len=n,
+                    res = pool.run(measure.bench_rank, timeout=3600, ulysses=u, ring=r, seq_len=n,
                                    heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, causal=True,
                                    repeats=a.repeats, warmup=1)
                     runs.setdefault((u, r, n), []).append(res[0]["times"])

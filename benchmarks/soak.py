@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     with WorkerPool(4, extra_paths=[here]) as pool:
-        short = pool.run("soak:run_rank", steps=a.short, every=a.short, timeout=3600)
-        long = pool.run("soak:run_rank", steps=a.steps, every=a.every, timeout=36000)
+        short = pool.run(run_rank, steps=a.short, every=a.short, timeout=3600)
+        long = pool.run(run_rank, steps=a.steps, every=a.every, timeout=36000)
     samples = long[0]["samples"]
     keys = [k for k in samples[0] if k != "step"]
     print("step " + " ".join(f"{k:>22s}" for k in keys))

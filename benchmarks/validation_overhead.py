@@ -75,7 +75,7 @@ def main() -> None:
 
     world = args.ulysses * args.ring
     with WorkerPool(world, extra_paths=[str(Path(__file__).parent)]) as pool:
-        per_rank = pool.run("validation_overhead:_measure", u=args.ulysses, r=args.ring, calls=args.calls)
+        per_rank = pool.run(_measure, u=args.ulysses, r=args.ring, calls=args.calls)
     print(f"median microseconds per call, slowest of {world} ranks, mesh ulysses={args.ulysses} ring={args.ring}")
     for key in per_rank[0]:
         print(f"  {key:45s} {max(r[key] for r in per_rank):10.1f}")

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from hybrid_cp.testing import WorkerPool
+from hybrid_cp.testing import WorkerPool, parity
 
 WORLD = 8
 
@@ -26,4 +26,4 @@ def _release_meshes():
     yield
     for p in _STARTED:
         if not p.broken:
-            p.run("hybrid_cp.testing.parity:release_meshes")
+            p.run(parity.release_meshes)

@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 
+import bad_input_cases
 import pytest
 import torch
 from tolerance import within
@@ -362,7 +363,7 @@ def run_campaign(pool: WorkerPool, cases: list[tuple] = CASES) -> list[tuple[tup
     Cases that end in a timeout run last: a group that timed out may leave gloo pairs behind that a later case
     on another group would trip over."""
     order = sorted(range(len(cases)), key=lambda i: "CommTimeoutError" in cases[i][2])
-    per_rank = pool.run("bad_input_cases:run_cases", codes=[cases[i][3] for i in order], timeout=600)
+    per_rank = pool.run(bad_input_cases.run_cases, codes=[cases[i][3] for i in order], timeout=600)
     results = {}
     for j, i in enumerate(order):
         ends = [rank[j] for rank in per_rank]

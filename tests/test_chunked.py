@@ -4,6 +4,8 @@ layouts), halo traffic equal to the cost model's, the compiled op, and the refus
 
 from __future__ import annotations
 
+import chunk_cases
+import compile_cases
 import pytest
 from dist_cases import assert_errors
 from test_compile import EXACT, _check_parity
@@ -36,7 +38,7 @@ def _predicted_bytes(row: dict, u: int, r: int) -> dict[str, int]:
 @pytest.mark.parametrize("u,r", MESHES)
 def test_chunked_matches_single_device(pool, u, r):
     layouts = ("zigzag", "contiguous") if (u, r) in BOTH_LAYOUTS else ("zigzag",)
-    rows = pool.run("chunk_cases:chunk_errors", u=u, r=r, layouts=layouts, pick=MESHES.index((u, r)), timeout=300)
+    rows = pool.run(chunk_cases.chunk_errors, u=u, r=r, layouts=layouts, pick=MESHES.index((u, r)), timeout=300)
     fp64 = [[row for row in rank if row.get("dtype") != "fp32"] for rank in rows]
     assert_errors(fp64, FP64, ("out", "dq", "dk", "dv"), "fp64")
     # head chunks keep lse in fp32 on its way home (hybrid_cp/engine/headchunk.py), as without chunk_size
@@ -58,12 +60,12 @@ def test_chunked_matches_single_device(pool, u, r):
 def test_chunked_model_compiles(pool):
     """fullgraph, no recompiles over 3 steps of new packings, exact against eager; C = 8 on 64 tokens
     (u = r = 2) takes the halo exchange, which the compiled backward receives again."""
-    rows = pool.run("compile_cases:parity", u=2, r=2, packed=True, chunk_size=8)
+    rows = pool.run(compile_cases.parity, u=2, r=2, packed=True, chunk_size=8)
     _check_parity(rows, EXACT, halo=True)
 
 
 def test_chunk_size_refusals(pool):
-    for rank, row in enumerate(pool.run("chunk_cases:chunk_refusals", u=2, r=2)):
+    for rank, row in enumerate(pool.run(chunk_cases.chunk_refusals, u=2, r=2)):
         for value in ("0", "-3", "True", "2.5", "'8'"):
             msg = row[f"bad {value}"]
             assert msg.startswith("ConfigError") and f"chunk_size={value}" in msg and "or None" in msg, (rank, msg)

@@ -9,6 +9,7 @@ compiled graph then runs the same ATen ops as eager, so parity is exact. One cas
 whose fused kernels agree with eager to fp32 round-off.
 """
 
+import compile_cases
 import pytest
 from tolerance import within
 
@@ -47,7 +48,7 @@ def _check_parity(rows, tol, halo=None):
 @pytest.mark.parametrize("packed", [False, True])
 def test_ops_pass_opcheck(pool, packed):
     """Schema, fake vs real shapes and strides, autograd registration and AOT dispatch of both ops."""
-    for row in _mine(pool.run("compile_cases:opcheck", u=2, r=2, packed=packed)):
+    for row in _mine(pool.run(compile_cases.opcheck, u=2, r=2, packed=packed)):
         for op in ("fwd", "bwd"):
             assert set(row[op].values()) == {"SUCCESS"}, row
 
@@ -57,29 +58,29 @@ def test_compiled_model_matches_eager(pool, packed, window):
     """fullgraph=True, error_on_recompile=True; u=2 x r=2, causal, GQA (4 query heads, 2 KV heads).
     The packed case changes the document boundaries every step and uses a short window (halo mode:
     backward receives the halo rows again instead of keeping forward's)."""
-    rows = pool.run("compile_cases:parity", u=2, r=2, packed=packed, window=window)
+    rows = pool.run(compile_cases.parity, u=2, r=2, packed=packed, window=window)
     _check_parity(rows, EXACT, halo=True if window else None)
 
 
 def test_inductor_matches_eager(pool):
-    _check_parity(pool.run("compile_cases:parity", u=2, r=2, backend="inductor"), INDUCTOR)
+    _check_parity(pool.run(compile_cases.parity, u=2, r=2, backend="inductor"), INDUCTOR)
 
 
 def test_kernel_objects_and_listed_boundaries_compile(pool):
-    for rank, row in enumerate(_mine(pool.run("compile_cases:argument_kinds", u=2, r=2))):
+    for rank, row in enumerate(_mine(pool.run(compile_cases.argument_kinds, u=2, r=2))):
         for key, err in row.items():
             within(err, EXACT, f"rank {rank} {key}", row)
 
 
 def test_validation_runs_inside_the_compiled_op(pool):
     """One rank compiles causal=False, the others causal=True: every rank raises, naming the field."""
-    for row in _mine(pool.run("compile_cases:validation", u=2, r=2)):
+    for row in _mine(pool.run(compile_cases.validation, u=2, r=2)):
         assert row.startswith("InconsistentRanksError") and "causal" in row, row
 
 
 def test_unsupported_options_run_outside_the_graph(pool):
     """head_chunks > 1 (not expressible as the op) falls back to eager at a graph break: same result."""
-    for rank, row in enumerate(_mine(pool.run("compile_cases:outside_graph", u=2, r=2))):
+    for rank, row in enumerate(_mine(pool.run(compile_cases.outside_graph, u=2, r=2))):
         _steps_within(rank, [row], EXACT)
 
 
@@ -89,7 +90,7 @@ def test_transformers_llama_compiles(pool):
     data-dependent branches and the cross-rank agreement) runs eagerly (torch.compiler.disable), so
     nothing recompiles after the first step."""
     pytest.importorskip("transformers")
-    for rank, row in enumerate(_mine(pool.run("compile_cases:hf_llama", u=2, r=2))):
+    for rank, row in enumerate(_mine(pool.run(compile_cases.hf_llama, u=2, r=2))):
         _steps_within(rank, row["steps"], EXACT)
         with_op = [i for i, n in enumerate(row["attention_ops"]) if n]
         assert len(with_op) == 1 and row["attention_ops"][with_op[0]] == 1, (rank, row)   # compiled once
@@ -101,7 +102,7 @@ def test_transformers_llama_with_module_head_chunks_compiles(pool):
     """Module-level head chunks under torch.compile: the chunk loop runs eagerly (a graph break per
     attention module), results exact, and nothing recompiles after the first step."""
     pytest.importorskip("transformers")
-    for rank, row in enumerate(_mine(pool.run("compile_cases:hf_llama", u=2, r=2, head_chunks=2))):
+    for rank, row in enumerate(_mine(pool.run(compile_cases.hf_llama, u=2, r=2, head_chunks=2))):
         _steps_within(rank, row["steps"], EXACT)
         assert not any(row["attention_ops"]), (rank, row)   # no compiled attention op: the pipeline is eager
         assert row["steps"][-1]["frames"] == row["steps"][0]["frames"], (rank, row)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import dynamic_cases
 import pytest
 from tolerance import within
 
@@ -19,7 +20,7 @@ def pool4():
 
 
 def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
-    for rank, res in enumerate(pool4.run("dynamic_cases:family_shape")):
+    for rank, res in enumerate(pool4.run(dynamic_cases.family_shape)):
         refused = res.pop("head_chunks")   # module-level head chunks cut heads for the patch-time mesh's ulysses
         assert "module chunks" in refused and "chunk_projections=False" in refused, refused
         assert res.pop("engine_head_chunks") == "no error" and res.pop("attention_chunks") == "no error"
@@ -38,7 +39,7 @@ def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
     ids=["plain", "checkpointed-head-chunks", "fsdp2-with-idle-ranks", "gemma3-sliding-windows",
          "llama4-chunked-layers", "bamba-mamba2-hybrid"])
 def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost, kind, head_chunks):
-    rows = pool4.run("dynamic_cases:dynamic_training", checkpoint=checkpoint, fsdp=fsdp, flat_cost=flat_cost, kind=kind,
+    rows = pool4.run(dynamic_cases.dynamic_training, checkpoint=checkpoint, fsdp=fsdp, flat_cost=flat_cost, kind=kind,
                      head_chunks=head_chunks)
     for rank, res in enumerate(rows):
         assert all(len(d) >= 2 and 4 in d for d in res["degrees"]), res   # really mixed degrees
@@ -51,7 +52,7 @@ def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost
 
 
 def test_a_rank_with_another_batch_raises_on_every_rank(pool4):
-    for res in pool4.run("dynamic_cases:disagreeing_batch", timeout=120):
+    for res in pool4.run(dynamic_cases.disagreeing_batch, timeout=120):
         assert res["error"].startswith("InconsistentRanksError"), res
 
 
@@ -59,7 +60,7 @@ def test_a_rank_with_another_batch_raises_on_every_rank(pool4):
 def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool, kind, fsdp):
     """The session's 8-rank pool: degrees 1/2/4/8 (splits 1x1, 1x2, 2x2, 2x4) in one step; a tiny Llama, and
     Bamba (Mamba2 layers next to attention) sharded by FSDP2 over the world."""
-    rows = pool.run("dynamic_cases:dynamic_training", eight=True, kind=kind, fsdp=fsdp)
+    rows = pool.run(dynamic_cases.dynamic_training, eight=True, kind=kind, fsdp=fsdp)
     for rank, res in enumerate(rows):
         assert all(8 in d and 1 in d for d in res["degrees"]), res
         within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)   # fp32 reduction order only

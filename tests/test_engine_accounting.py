@@ -1,5 +1,6 @@
 """Exact counts: bytes each stage sends (vs the cost model), causal work per rank, layouts."""
 
+import dist_cases
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ STAGES = ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")
     (4, 2, 8, 2, 1000, True), (2, 4, 8, 8, 512, False), (8, 1, 8, 1, 256, True),
     (4, 1, 10, 2, 300, False), (1, 8, 8, 2, 256, True), (2, 2, 6, 3, 100, True)])
 def test_counted_bytes_equal_cost_model(pool, u, r, h, hkv, n, causal):
-    per_rank = pool.run("dist_cases:comm_bytes_case", u=u, r=r, layout="zigzag", b=2, n=n, h=h, hkv=hkv,
+    per_rank = pool.run(dist_cases.comm_bytes_case, u=u, r=r, layout="zigzag", b=2, n=n, h=h, hkv=hkv,
                         d=16, causal=causal)
     for res in per_rank:
         want = topology.comm_bytes(h, hkv, 16, n, 2, u, r, 4, ulysses_rank=res["ulysses_rank"])

@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import pytest
+import reliability_cases
 import torch
 import torch.distributed as dist
 
@@ -45,7 +46,7 @@ def test_error_classes_keep_builtin_bases():
 def test_pool_examples_raise_their_class_on_every_rank(pool):
     exs = [e for e in examples() if e["where"] == "pool"]
     assert len(exs) >= 10
-    per_rank = pool.run("reliability_cases:run_examples", examples=exs, timeout=120)
+    per_rank = pool.run(reliability_cases.run_examples, examples=exs, timeout=120)
     for rank, results in enumerate(per_rank):
         for ex, res in zip(exs, results):
             assert res["raised"] is not None, f"{ex['name']} example raised nothing on rank {rank}:\n{ex['code']}"
@@ -69,18 +70,18 @@ def test_fault_examples_are_covered_by_test_faults():
 
 
 def test_timeouts_reach_every_group(pool):
-    for res in pool.run("reliability_cases:group_timeouts", seconds=7.0, timeout=120):
+    for res in pool.run(reliability_cases.group_timeouts, seconds=7.0, timeout=120):
         assert set(res["groups"].values()) == {7.0}, res
-    for res in pool.run("reliability_cases:group_timeouts", seconds=None, timeout=120):
+    for res in pool.run(reliability_cases.group_timeouts, seconds=None, timeout=120):
         assert set(res["groups"].values()) == {res["default"]}, res
 
 
 def test_validation_modes_count_their_checks(pool):
-    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=5, validate=True, timeout=120):
+    for res in pool.run(reliability_cases.validation_counts, u=2, r=2, steps=5, validate=True, timeout=120):
         assert res == {"hash": 1, "skipped": 4}, res
-    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=5, validate="always", timeout=120):
+    for res in pool.run(reliability_cases.validation_counts, u=2, r=2, steps=5, validate="always", timeout=120):
         assert res == {"hash": 5}, res
-    for res in pool.run("reliability_cases:validation_counts", u=2, r=2, steps=3, validate="debug", timeout=120):
+    for res in pool.run(reliability_cases.validation_counts, u=2, r=2, steps=3, validate="debug", timeout=120):
         assert res == {"full": 3}, res
 
 
@@ -116,14 +117,14 @@ def test_default_validation_learns_repeating_call_patterns():
 
 
 def test_default_validation_on_real_calls(pool):
-    for res in pool.run("reliability_cases:learned_validation", u=2, r=2, timeout=300):
+    for res in pool.run(reliability_cases.learned_validation, u=2, r=2, timeout=300):
         assert res["per_step"][0] == 5 and res["per_step"][2:] == [0, 0], res
         assert "causal" in res["first_call"], res
 
 
 @pytest.mark.parametrize("tensor", ["q", "v"])
 def test_debug_mode_names_the_nonfinite_rank_and_tensor(pool, tensor):
-    msgs = pool.run("reliability_cases:nonfinite_debug", u=2, r=2, bad_rank=2, tensor=tensor, timeout=120)
+    msgs = pool.run(reliability_cases.nonfinite_debug, u=2, r=2, bad_rank=2, tensor=tensor, timeout=120)
     for rank, m in enumerate(msgs):
         if rank < 4:  # dp group 0 holds rank 2
             assert f"{tensor} on cp rank 2" in m, (rank, m)
@@ -132,7 +133,7 @@ def test_debug_mode_names_the_nonfinite_rank_and_tensor(pool, tensor):
 
 
 def test_mesh_creation_logs_its_configuration_and_warns_about_slow_placements(pool):
-    per_rank = pool.run("reliability_cases:mesh_logs", local_world_size=2, timeout=120)
+    per_rank = pool.run(reliability_cases.mesh_logs, local_world_size=2, timeout=120)
     info = [m for level, m in per_rank[0] if level == "INFO" and "ulysses=4 ring=2" in m]
     assert len(info) == 1 and "ulysses=4 ring=2 dp=1 layout=zigzag backend=gloo device=cpu" in info[0], info
     assert all(not any("ulysses=4 ring=2" in m for _, m in records) for records in per_rank[1:])  # rank 0 only
@@ -140,5 +141,5 @@ def test_mesh_creation_logs_its_configuration_and_warns_about_slow_placements(po
         warnings = [m for level, m in records if level == "WARNING"]
         assert any("spans nodes" in m for m in warnings), records
         assert any("padding is 7 of 16 tokens" in m for m in warnings), records
-    quiet = pool.run("reliability_cases:mesh_logs", local_world_size=8, timeout=120)
+    quiet = pool.run(reliability_cases.mesh_logs, local_world_size=8, timeout=120)
     assert not any("spans nodes" in m for records in quiet for _, m in records)

@@ -5,6 +5,7 @@ group; none hangs (the pool's timeout would fail the test)."""
 
 from __future__ import annotations
 
+import reliability_cases
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reliability_cases import FUZZ_LIMITS
@@ -42,7 +43,7 @@ def cases(draw):
 @example(case={"u": 8, "r": 1, "h": 8, "hkv": 1, "d": 8, "lens": [1], "packed": False, "causal": False,
                "window": None, "dtype": "fp32", "fault": None, "seed": 0})  # one token: dq is exactly 0
 def test_every_call_is_exact_or_raises_a_documented_error_on_every_rank(pool, case):
-    results = pool.run("reliability_cases:fuzz_case", c=case, timeout=120)
+    results = pool.run(reliability_cases.fuzz_case, c=case, timeout=120)
     size = case["u"] * case["r"]
     SEEN["calls"] += 1
     for group in range(len(results) // size):  # each cp group is judged on its own

@@ -1,6 +1,8 @@
 """Head-chunked attention (UPipe-style, with overlapped all-to-alls) equals head_chunks=1."""
 
+import memory_cases
 import pytest
+import train_cases
 from tolerance import within
 
 from hybrid_cp.engine.headchunk import chunk_heads
@@ -33,7 +35,7 @@ def test_chunk_schedule_is_gqa_aware_and_uneven():
     (1, 8, 6, 3, (2, 4)),        # pure ring: chunks of a rank's 6 heads (uneven 2, 2, 1, 1 at k=4)
 ])
 def test_head_chunks_equal_one_chunk(pool, u, r, h, hkv, chunks):
-    for rank, rows in enumerate(pool.run("memory_cases:headchunk_parity", u=u, r=r, h=h, hkv=hkv, chunks=chunks,
+    for rank, rows in enumerate(pool.run(memory_cases.headchunk_parity, u=u, r=r, h=h, hkv=hkv, chunks=chunks,
                                          causal=(u, r) != (2, 2))):
         for kc in chunks:
             for key in ("out", "dq", "dk", "dv"):
@@ -42,7 +44,7 @@ def test_head_chunks_equal_one_chunk(pool, u, r, h, hkv, chunks):
 
 def test_head_chunks_lse_padding_and_no_overlap(pool):
     # s=90 is not a multiple of the zigzag granularity 16: padding is masked in every chunk
-    for rank, rows in enumerate(pool.run("memory_cases:headchunk_parity", u=2, r=2, h=4, hkv=2, chunks=(2,), s=90,
+    for rank, rows in enumerate(pool.run(memory_cases.headchunk_parity, u=2, r=2, h=4, hkv=2, chunks=(2,), s=90,
                                          return_lse=True, overlap=False)):
         for key in ("out", "lse", "dq", "dk", "dv"):
             within(rows[2][key], TOL, f"rank {rank} {key}", rows)
@@ -75,7 +77,7 @@ def test_transformers_with_head_chunks_trains_like_single_process(pool, kind, he
                                                                   checkpoint, widths, projections, overlap):
     """Module-level chunks: the q projection only ever produces one chunk's heads (forward and the
     recomputation in backward), and loss and every gradient equal the single-process run."""
-    for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=hkv, heads=heads,
+    for rank, row in enumerate(pool.run(memory_cases.tiled_model_parity, u=2, r=2, hkv=hkv, heads=heads,
                                         head_chunks=head_chunks, fsdp=fsdp, checkpoint=checkpoint,
                                         chunk_projections=projections, kind=kind, overlap=overlap)):
         assert not row["missing"], row
@@ -86,23 +88,23 @@ def test_transformers_with_head_chunks_trains_like_single_process(pool, kind, he
 
 def test_head_chunks_with_packed_documents_and_windows(pool):
     cu = [0, 30, 31, 77, 120]   # packed row: documents of 30, 1, 46 and 43 tokens
-    for rank, rows in enumerate(pool.run("memory_cases:headchunk_parity", u=2, r=2, h=8, hkv=2, chunks=(2,), s=120,
+    for rank, rows in enumerate(pool.run(memory_cases.headchunk_parity, u=2, r=2, h=8, hkv=2, chunks=(2,), s=120,
                                          b=1, cu_seqlens=cu)):
         for key in ("out", "dq", "dk", "dv"):
             within(rows[2][key], TOL, f"packed rank {rank} {key}", rows)
-    for rank, rows in enumerate(pool.run("memory_cases:headchunk_parity", u=2, r=4, h=4, hkv=1, chunks=(2,), s=128,
+    for rank, rows in enumerate(pool.run(memory_cases.headchunk_parity, u=2, r=4, h=4, hkv=1, chunks=(2,), s=128,
                                          window=9)):
         for key in ("out", "dq", "dk", "dv"):
             within(rows[2][key], TOL, f"window rank {rank} {key}", rows)
 
 
 def test_module_chunks_with_packed_documents(pool):
-    for rank, row in enumerate(pool.run("train_cases:packed_model_parity", u=2, r=2, head_chunks=2)):
+    for rank, row in enumerate(pool.run(train_cases.packed_model_parity, u=2, r=2, head_chunks=2)):
         assert not row["missing"], row
         within(row["loss"], TOL, f"rank {rank} loss", row)
         within(row["grad"], TOL, f"rank {rank} grad", row)
 
 
 def test_module_chunks_refuse_a_module_that_does_more_than_o_proj(pool):
-    for msg in pool.run("memory_cases:module_chunks_refuse_other_structure", u=2, r=2):
+    for msg in pool.run(memory_cases.module_chunks_refuse_other_structure, u=2, r=2):
         assert msg is not None and "chunk_projections=False" in msg and "o_proj" in msg, msg

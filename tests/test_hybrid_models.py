@@ -2,6 +2,7 @@
 equal to one process: tiny Qwen3-Next (Gated DeltaNet + gated attention), dense right-padded rows on
 three meshes, with FSDP2, and a packed row against each document run on its own."""
 
+import linear_cases
 import pytest
 from tolerance import within
 
@@ -27,21 +28,21 @@ def _step_within(row: dict, label: str, grad: float = GRAD) -> None:
 
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True)])
 def test_qwen3_next_step_matches_one_process(pool, u, r, fsdp):
-    for rank, row in enumerate(pool.run("linear_cases:hybrid_parity", u=u, r=r, fsdp=fsdp)):
+    for rank, row in enumerate(pool.run(linear_cases.hybrid_parity, u=u, r=r, fsdp=fsdp)):
         assert not row["missing"], row
         assert "logits" in row, row
         _step_within(row, f"rank {rank}")
 
 
 def test_qwen3_next_packed_row_matches_per_document_reference(pool):
-    for rank, row in enumerate(pool.run("linear_cases:hybrid_packed_parity", u=2, r=2)):
+    for rank, row in enumerate(pool.run(linear_cases.hybrid_packed_parity, u=2, r=2)):
         _step_within(row, f"rank {rank}")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_qwen3_5_step_matches_one_process(pool, packed):
     # Qwen3.5's text model: the same rule, separate q|k|v, z, b, a projections
-    rows = pool.run("linear_cases:hybrid_packed_parity" if packed else "linear_cases:hybrid_parity", u=2, r=2,
+    rows = pool.run(linear_cases.hybrid_packed_parity if packed else "linear_cases:hybrid_parity", u=2, r=2,
                     kind="qwen3_5_text")
     # packed: the fp32 chunked kernel rounds Qwen3.5's dt_bias gradient (a sum over every token) differently
     # when a document's pieces are cut elsewhere; over four document sets it differs from the per-document
@@ -69,7 +70,7 @@ MAMBA2_FAMILIES = ("bamba", "nemotron_h", "falcon_h1")
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True)])
 def test_mamba2_hybrid_step_matches_one_process(pool, kind, u, r, fsdp):
     # Bamba, Nemotron-H (Mamba2 + MoE + attention + MLP blocks), Falcon-H1 (attention || Mamba2 per layer)
-    for rank, row in enumerate(pool.run("linear_cases:hybrid_parity", u=u, r=r, kind=kind, fsdp=fsdp)):
+    for rank, row in enumerate(pool.run(linear_cases.hybrid_parity, u=u, r=r, kind=kind, fsdp=fsdp)):
         assert not row["missing"], row
         assert "logits" in row, row
         _step_within(row, f"rank {rank}")
@@ -79,5 +80,5 @@ def test_mamba2_hybrid_step_matches_one_process(pool, kind, u, r, fsdp):
                          ids=["bamba", "nemotron_h", "falcon_h1_gated_norm"])
 def test_mamba2_hybrid_packed_row_matches_per_document_reference(pool, kind, extra):
     # Falcon-H1 with its optional gated RMSNorm (the dense runs above take its default, silu(gate) only)
-    for rank, row in enumerate(pool.run("linear_cases:hybrid_packed_parity", u=2, r=2, kind=kind, extra=extra)):
+    for rank, row in enumerate(pool.run(linear_cases.hybrid_packed_parity, u=2, r=2, kind=kind, extra=extra)):
         _step_within(row, f"rank {rank}")

@@ -4,6 +4,7 @@ tiny LFM2 and LFM2-MoE (gated short convolutions + attention), Jamba (Mamba-1 + 
 packed row against each document run on its own. A control: the same models with the mixers left
 unrouted (each rank runs them over its shard only) fail these checks."""
 
+import linear_more_cases
 import pytest
 import torch
 from tolerance import within
@@ -33,21 +34,21 @@ def _check(rows, what):
 
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True)])
 def test_more_hybrids_step_matches_one_process(pool, u, r, fsdp):
-    _check(pool.run("linear_more_cases:more_parity", u=u, r=r, kinds=KINDS, fsdp=fsdp), (u, r, fsdp))
+    _check(pool.run(linear_more_cases.more_parity, u=u, r=r, kinds=KINDS, fsdp=fsdp), (u, r, fsdp))
 
 
 def test_more_hybrids_packed_row_matches_per_document_reference(pool):
-    _check(pool.run("linear_more_cases:more_packed_parity", u=2, r=2, kinds=KINDS), "packed")
+    _check(pool.run(linear_more_cases.more_packed_parity, u=2, r=2, kinds=KINDS), "packed")
 
 
 def test_jamba_routed_decoder_layer_under_activation_checkpointing(pool):
     # Jamba's Mamba decoder layer is routed too (to pass the packed row's boundaries on): it must checkpoint
-    _check(pool.run("linear_more_cases:more_parity", u=2, r=2, kinds=["jamba"], checkpoint=True), "checkpoint")
+    _check(pool.run(linear_more_cases.more_parity, u=2, r=2, kinds=["jamba"], checkpoint=True), "checkpoint")
 
 
 def test_unrouted_mixers_fail_the_same_checks(pool):
     # the control: without the routing every family's gradients are off by far more than the tolerance
-    for row in pool.run("linear_more_cases:more_parity", u=2, r=2, kinds=KINDS, routed=False):
+    for row in pool.run(linear_more_cases.more_parity, u=2, r=2, kinds=KINDS, routed=False):
         for kind, errs in row.items():
             assert errs["grad"] > 0.1 and errs["logits"] > 5e-4, (kind, errs)
 

@@ -262,7 +262,7 @@ def scan_through_standins(u: int, r: int) -> dict:
 
 
 def test_linear_scan_across_ranks_through_standins_is_the_reference_bitwise(pool):
-    rows = pool.run("test_linear_kernels:scan_through_standins", u=1, r=2)
+    rows = pool.run(scan_through_standins, u=1, r=2)
     assert all(row["same"] == {"gdn": True, "ssd": True} for row in rows), [row["same"] for row in rows]
     for row in rows:   # zigzag on a ring of 2: every rank has a probed (continuing) run and an exporting one
         fla = [c for who, c in row["calls"] if who == "fla"]

@@ -10,6 +10,7 @@ from dist_cases import assert_errors
 
 import hybrid_cp as hcp
 import topology
+from hybrid_cp.testing import parity
 
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 # fp32 kernels against the fp64 dense reference: round-off only (worst seen: see the closing note), 3x margin
@@ -71,7 +72,7 @@ def label_mesh(label: str) -> tuple[int, int]:
 @pytest.mark.parametrize("u,r", MESHES)
 def test_mask_matches_dense_reference(pool, u, r):
     cases = _cases(u)
-    rows = pool.run("hybrid_cp.testing.parity:mask_errors", u=u, r=r, cases=cases)
+    rows = pool.run(parity.mask_errors, u=u, r=r, cases=cases)
     _check(rows, cases, FP32, f"mask u={u} r={r}")
     empty = sum(row["empty_rows"] for rank in rows for row in rank)
     assert empty > 0   # the sparse mask's empty rows reached some rank
@@ -79,7 +80,7 @@ def test_mask_matches_dense_reference(pool, u, r):
 
 def test_mask_fp64_is_exact(pool):
     cases = [dict(c, dtype="fp64", backend="math") for c in _cases(2)]
-    rows = pool.run("hybrid_cp.testing.parity:mask_errors", u=2, r=4, cases=cases)
+    rows = pool.run(parity.mask_errors, u=2, r=4, cases=cases)
     _check(rows, cases, FP64, "mask fp64 u=2 r=4")
 
 

@@ -2,6 +2,7 @@
 its longest sequence grows with memory and with nodes."""
 
 
+import memory_cases
 import pytest
 import torch
 
@@ -137,7 +138,7 @@ MEASURED_SHAPE = ModelShape(heads=8, kv_heads=2, head_dim=32, hidden=256, layers
                                     (4, 2, dict(tiled_loss=True, tiled_mlp=512, checkpoint=True, head_chunks=2))])
 def test_estimate_within_ten_percent_of_measured_peak(pool, u, r, kw):
     """benchmarks/memory_step.py measures one step exactly; topology.step_model predicts it."""
-    rows = pool.run("memory_cases:measure_step", u=u, r=r, seq_len=4096, loss_chunk=512, **kw)
+    rows = pool.run(memory_cases.measure_step, u=u, r=r, seq_len=4096, loss_chunk=512, **kw)
     est = step_memory(MEASURED_SHAPE, 4096, u, r, 8 // (u * r), 1,
                       MemoryOptions(checkpoint=kw.get("checkpoint", False), tiled_loss=kw.get("tiled_loss", False), foreach_optimizer=False,
                                     loss_chunk=512, tiled_mlp=kw.get("tiled_mlp", 0), fsdp=False,
@@ -150,7 +151,7 @@ def test_module_chunks_keep_nothing_across_checkpointed_layers(pool):
     """With layer checkpointing, what forward leaves for backward is the layers' inputs whatever the head
     chunks: the chunk pipeline keeps its own inputs only through autograd (where checkpointing drops them)."""
     kw = dict(u=4, r=2, seq_len=4096, loss_chunk=512, tiled_loss=True, tiled_mlp=512, checkpoint=True)
-    plain, chunked = pool.run("memory_cases:measure_step", **kw), pool.run("memory_cases:measure_step", head_chunks=2, **kw)
+    plain, chunked = pool.run(memory_cases.measure_step, **kw), pool.run(memory_cases.measure_step, head_chunks=2, **kw)
     for a, b in zip(plain, chunked):
         assert b["stages"]["loss"]["peak"] <= a["stages"]["loss"]["peak"], (a["stages"]["loss"], b["stages"]["loss"])
 

@@ -2,6 +2,7 @@
 
 import math
 
+import dist_cases
 import pytest
 import torch
 from dist_cases import reference
@@ -13,7 +14,7 @@ from hybrid_cp.engine.kernels.merge import merge_
 
 
 def test_mesh_validation_and_plan(pool):
-    for rank, res in enumerate(pool.run("dist_cases:mesh_errors")):
+    for rank, res in enumerate(pool.run(dist_cases.mesh_errors)):
         assert "does not divide the world size 8" in res["not_divisor"] and "ulysses=4, ring=2" in res["not_divisor"]
         assert "use dp=2" in res["bad_dp"]
         assert "positive integer" in res["zero"]
@@ -26,7 +27,7 @@ def test_mesh_validation_and_plan(pool):
 
 
 def test_destroyed_mesh_frees_its_groups_and_refuses_use(pool):
-    for res in pool.run("dist_cases:destroyed_mesh", u=2, r=2):
+    for res in pool.run(dist_cases.destroyed_mesh, u=2, r=2):
         assert res["alive"] == 0 and res["fsdp_again"], res    # nothing holds the groups; a new mesh trains
         for use in ("attention", "loss"):
             assert "destroyed by hcp.destroy_cp_mesh" in res[use], res

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import functools
 
+import guard_cases
+import linear_more_cases
 import pytest
 import torch
+import train_cases
 
 pytest.importorskip("transformers")
 
@@ -140,7 +143,7 @@ def test_module_head_chunks_skip_layers_that_use_whole_heads(model_type, overrid
 
 def test_a_mixer_that_gets_no_boundaries_of_a_packed_row_raises(pool):
     """A routed mixer whose layer drops the packed row's boundaries would scan across documents: it raises."""
-    for row in pool.run("guard_cases:packed_row_without_boundaries", u=2, r=2):
+    for row in pool.run(guard_cases.packed_row_without_boundaries, u=2, r=2):
         assert row.startswith("ConfigError") and "JambaMambaMixer received no cu_seq_lens_q" in row, row
 
 
@@ -180,7 +183,7 @@ def _assert_parity(name: str, rank: int, row: dict) -> None:
 def test_verified_family_matches_single_process(pool, model_type):
     if model_type not in walk():
         pytest.skip(f"model_type {model_type!r} is not in the installed transformers")
-    rows = pool.run("train_cases:model_parity", u=2, r=2, kind=model_type, hkv=None, s=100, pad=True,
+    rows = pool.run(train_cases.model_parity, u=2, r=2, kind=model_type, hkv=None, s=100, pad=True,
                     config=_window(model_type), generic=True, exclude=ZERO_GRADIENTS.get(model_type, ()))
     for rank, row in enumerate(rows):
         _assert_parity(model_type, rank, row)
@@ -198,7 +201,7 @@ def test_new_families_dense_and_packed(pool, mesh):
     if mesh != (2, 2):   # (2, 2) dense: test_verified_family_matches_single_process
         runs += [dict(name=t, kind=t, hkv=None, generic=True, config=_window(t), exclude=ZERO_GRADIENTS.get(t, ()))
                  for t in kinds]
-    for rank, row in enumerate(pool.run("train_cases:family_runs", u=mesh[0], r=mesh[1], runs=runs)):
+    for rank, row in enumerate(pool.run(train_cases.family_runs, u=mesh[0], r=mesh[1], runs=runs)):
         assert len(row) == len(runs)
         for name, errors in row.items():
             _assert_parity(name, rank, errors)
@@ -207,7 +210,7 @@ def test_new_families_dense_and_packed(pool, mesh):
 
 def test_refused_families_raise_on_every_rank_before_any_collective(pool):
     types = ["recurrent_gemma", "deepseek_v32", "bloom", "xlstm"]
-    for row in pool.run("train_cases:guard_on_every_rank", model_types=types):
+    for row in pool.run(train_cases.guard_on_every_rank, model_types=types):
         assert row["collectives"] == 0, row
         for model_type in types:
             assert row[model_type].startswith(GUARD), (model_type, row[model_type])
@@ -233,7 +236,7 @@ VARIANT_RUNS = {
 @pytest.mark.parametrize("mesh", sorted(VARIANT_RUNS), ids=lambda m: f"u{m[0]}r{m[1]}")
 def test_attention_variant_families_match_single_process(pool, mesh):
     u, r = mesh
-    for rank, row in enumerate(pool.run("train_cases:family_runs", u=u, r=r, runs=VARIANT_RUNS[mesh])):
+    for rank, row in enumerate(pool.run(train_cases.family_runs, u=u, r=r, runs=VARIANT_RUNS[mesh])):
         for name, errors in row.items():
             assert not errors["missing"], (name, errors)
             within(errors["loss"], TOL, f"rank {rank} {name} loss", errors)
@@ -258,7 +261,7 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
     shared attention block sums its gradient over both of its uses: up to 6.7e-5 (its q_proj, (2, 2)). The gradients
     hold 2.5e-4 (a 3.7x margin; 2e-4 left 2.99x)."""
     kinds = [t for t in NEW_HYBRIDS + ((), PURE_SSM)[not packed] if t in walk()]
-    task = "linear_more_cases:more_packed_parity" if packed else "linear_more_cases:more_parity"
+    task = linear_more_cases.more_packed_parity if packed else linear_more_cases.more_parity
     extra = {} if packed else {"fsdp": fsdp}
     for rank, row in enumerate(pool.run(task, u=mesh[0], r=mesh[1], kinds=kinds, **extra)):
         for kind, errors in row.items():
@@ -269,6 +272,6 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
 
 
 def test_pure_ssm_families_refuse_packed_rows(pool):
-    for row in pool.run("guard_cases:packed_row_refused", u=2, r=2, kinds=[t for t in PURE_SSM if t in walk()]):
+    for row in pool.run(guard_cases.packed_row_refused, u=2, r=2, kinds=[t for t in PURE_SSM if t in walk()]):
         for kind, raised in row.items():
             assert raised.startswith("ConfigError") and "received no cu_seq_lens_q" in raised, (kind, raised)

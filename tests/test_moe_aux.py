@@ -4,6 +4,7 @@ transformers model computes it (`router_aux.py`); the other MoE families keep re
 
 from __future__ import annotations
 
+import moe_cases
 import pytest
 import torch
 
@@ -71,7 +72,7 @@ IDS = [f"u{m[0]}r{m[1]}-{'packed' if p else 'dense'}" for m, p in RUNS]
 
 def _check(pool, mesh, packed, kinds):
     for kind in kinds:   # one pool task per family: minutes each on a loaded 2-core machine
-        rows = pool.run("moe_cases:aux_parity", timeout=900, u=mesh[0], r=mesh[1], kinds=[kind], packed=packed)
+        rows = pool.run(moe_cases.aux_parity, timeout=900, u=mesh[0], r=mesh[1], kinds=[kind], packed=packed)
         for rank, row in enumerate(rows):
             errors = row[kind]
             assert not errors["missing"], (kind, errors)

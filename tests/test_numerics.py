@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import reliability_cases
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -111,7 +112,7 @@ def test_shard_then_place_back_is_the_identity(u, r, layout, docs, packed):
 
 @pytest.mark.parametrize("u,r", [(2, 2), (1, 4), (4, 2)])
 def test_extreme_logits_equal_scores_and_half_precision(pool, u, r):
-    for rank, res in enumerate(pool.run("reliability_cases:numerics_extremes", u=u, r=r, timeout=300)):
+    for rank, res in enumerate(pool.run(reliability_cases.numerics_extremes, u=u, r=r, timeout=300)):
         for key, err in res.items():
             if "finite" in key:
                 assert err, (key, res)
@@ -128,7 +129,7 @@ def test_extreme_logits_equal_scores_and_half_precision(pool, u, r):
 def test_nan_stays_in_the_rows_it_reaches(pool, u, r):
     """NaN at one token of q, k or v, causal and not: exactly the rows (and heads) it reaches."""
     combos = [(t, c) for t in ("q", "k", "v") for c in (True, False)]
-    for per_rank in pool.run("reliability_cases:nan_confinements", u=u, r=r, combos=combos, timeout=300):
+    for per_rank in pool.run(reliability_cases.nan_confinements, u=u, r=r, combos=combos, timeout=300):
         for (tensor, causal), res in zip(combos, per_rank):
             assert res["missing"] == 0, (u, r, tensor, causal, res)  # every row the NaN reaches shows it
             if tensor == "v" and causal:
@@ -144,5 +145,5 @@ def test_nan_stays_in_the_rows_it_reaches(pool, u, r):
     (2, 2, "zigzag", False, None), (1, 4, "zigzag", True, None), (4, 2, "contiguous", False, 7),
     (2, 4, "zigzag", True, 9), (8, 1, "zigzag", False, None)])
 def test_bitwise_deterministic_reruns(pool, u, r, layout, packed, window):
-    assert all(pool.run("reliability_cases:determinism", u=u, r=r, layout=layout, packed=packed, window=window,
+    assert all(pool.run(reliability_cases.determinism, u=u, r=r, layout=layout, packed=packed, window=window,
                         timeout=300))

@@ -4,6 +4,7 @@ and the refusals."""
 
 import warnings
 
+import memory_cases
 import pytest
 import torch
 from tolerance import relative_error, within
@@ -197,14 +198,14 @@ def test_module_chunks_attention_forwards_per_layer(pool, checkpoint, keep, expe
     backward then runs no attention forward, so a checkpointed layer runs attention twice (forward,
     recomputation) and, with keep_attention_output=True, an unchecked one once; the gradients are
     bitwise those of recomputing attention."""
-    for row in pool.run("memory_cases:attention_forward_counts", u=2, r=2, head_chunks=2, checkpoint=checkpoint,
+    for row in pool.run(memory_cases.attention_forward_counts, u=2, r=2, head_chunks=2, checkpoint=checkpoint,
                         keep=keep):
         assert row["count"] == expected and row["diff"] == 0, row
 
 
 def test_every_runtime_option_on_a_mesh_trains_like_single_process(pool):
     """Offload + tiled norm + tiled MLP + tiled loss + module head chunks + FSDP2 + checkpointing on u=2 x r=2."""
-    for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=2, r=2, hkv=2, heads=8, head_chunks=2,
+    for rank, row in enumerate(pool.run(memory_cases.tiled_model_parity, u=2, r=2, hkv=2, heads=8, head_chunks=2,
                                         fsdp=True, checkpoint=True, offload=True, norm_chunk=7, overlap=False)):
         assert not row["missing"], row
         # fp32 round-off of the tiled/chunked sums against one process: worst 6.0e-7 (grad; loss 0), 17x

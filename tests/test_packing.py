@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import dist_cases
 import pytest
 from dist_cases import assert_errors
 from hypothesis import given, settings
@@ -117,21 +118,21 @@ def _check(rows_per_rank, limit: float = FP32) -> None:
 
 @pytest.mark.parametrize("u,r", MESHES)
 def test_packed_matches_per_document_attention(pool, u, r):
-    _check(pool.run("dist_cases:packed_errors", u=u, r=r, layout="zigzag", cases=_cases(u, seed=u * 10 + r)))
+    _check(pool.run(dist_cases.packed_errors, u=u, r=r, layout="zigzag", cases=_cases(u, seed=u * 10 + r)))
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (1, 4)])
 def test_packed_contiguous_policy(pool, u, r):
-    _check(pool.run("dist_cases:packed_errors", u=u, r=r, layout="contiguous", cases=_cases(u, seed=3)))
+    _check(pool.run(dist_cases.packed_errors, u=u, r=r, layout="contiguous", cases=_cases(u, seed=3)))
 
 
 def test_packed_fp64_math_is_exact(pool):
     cases = [dict(docs=[5, 1, 40, 17], h=4, hkv=2, d=8, causal=c, dtype="fp64", backend="math") for c in (True, False)]
-    _check(pool.run("dist_cases:packed_errors", u=2, r=4, layout="zigzag", cases=cases), FP64)
+    _check(pool.run(dist_cases.packed_errors, u=2, r=4, layout="zigzag", cases=cases), FP64)
 
 
 def test_hidden_lengths_raise_or_are_explicit(pool):
-    for rank, res in enumerate(pool.run("dist_cases:hidden_length_case")):
+    for rank, res in enumerate(pool.run(dist_cases.hidden_length_case)):
         assert "ambiguous" in res["attention"] and "seq_len=" in res["attention"], res
         assert "ambiguous" in res["unshard"], res
         assert res["explicit_shape"] == (1, 997, 4, 16), res
@@ -141,7 +142,7 @@ def test_hidden_lengths_raise_or_are_explicit(pool):
 
 @pytest.mark.parametrize("u,r,lens", [(2, 2, [1, 30, 7, 200, 3]), (4, 2, [513, 2, 2, 90]), (1, 8, [64] * 5 + [1])])
 def test_packed_bytes_equal_cost_model(pool, u, r, lens):
-    for res in pool.run("dist_cases:packed_comm_bytes_case", u=u, r=r, lens=lens, h=8, hkv=2, d=16, causal=True):
+    for res in pool.run(dist_cases.packed_comm_bytes_case, u=u, r=r, lens=lens, h=8, hkv=2, d=16, causal=True):
         want = topology.comm_bytes(8, 2, 16, sum(lens), 1, u, r, 4, ulysses_rank=res["ulysses_rank"],
                                    ring_rank=res["ring_rank"], cu_seqlens=res["cu"])  # halo: per ring rank
         got = {s: res["total"].get(s, 0) for s in ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")}
@@ -165,7 +166,7 @@ def test_random_mixes_match_per_document_attention(pool, docs, mesh, causal, hea
     u, r = mesh
     h, hkv = heads if heads[0] >= u else (8, 2)
     case = dict(docs=docs, h=h, hkv=hkv, d=8, causal=causal, seed=len(docs))
-    _check(pool.run("dist_cases:packed_errors", u=u, r=r, layout="zigzag", cases=[case], timeout=300))
+    _check(pool.run(dist_cases.packed_errors, u=u, r=r, layout="zigzag", cases=[case], timeout=300))
 
 
 def test_a_long_packed_run_keeps_few_plans_on_the_device():

@@ -2,6 +2,7 @@
 computation over the full sequence (each document on its own for packed rows): forward and the
 gradient of every input, on meshes up to 8 ranks, zigzag and contiguous, dense and packed rows."""
 
+import linear_cases
 import pytest
 from tolerance import within
 
@@ -27,7 +28,7 @@ def _check(row, tol, what, label):
 
 
 def _check_cases(pool, task: str, u: int, r: int, cases: list, tol: float) -> None:
-    for rank, rank_rows in enumerate(pool.run(f"linear_cases:{task}", u=u, r=r, cases=cases)):
+    for rank, rank_rows in enumerate(pool.run(getattr(linear_cases, task), u=u, r=r, cases=cases)):
         for i, (case, row) in enumerate(zip(cases, rank_rows)):
             _check(row, tol, (u, r, case), f"rank {rank} case {i}")
 
@@ -177,7 +178,7 @@ def _print_parity_tables() -> None:
         for u, r in _TABLE_MESHES:
             cases = [(lay, docs, kern) for kern in ("naive", "hf") for lay in ("zigzag", "contiguous")
                      for docs in (None, _TABLE_DOCS)]
-            rows = pool.run("linear_cases:scan_parity", u=u, r=r, cases=cases)
+            rows = pool.run(linear_cases.scan_parity, u=u, r=r, cases=cases)
             for i, (lay, docs, kern) in enumerate(cases):
                 worst = {part: {k: max(row[i][part][k] for row in rows) for k in rows[0][i][part]}
                          for part in ("gdn", "conv")}
@@ -194,9 +195,9 @@ def _print_parity_tables() -> None:
                  ("qwen3_5_text", 2, 2, False, True)]
         for kind, u, r, fsdp, packed in runs:
             if packed:
-                rows = pool.run("linear_cases:hybrid_packed_parity", u=u, r=r, kind=kind)
+                rows = pool.run(linear_cases.hybrid_packed_parity, u=u, r=r, kind=kind)
             else:
-                rows = pool.run("linear_cases:hybrid_parity", u=u, r=r, kind=kind, fsdp=fsdp)
+                rows = pool.run(linear_cases.hybrid_parity, u=u, r=r, kind=kind, fsdp=fsdp)
             logits = "-" if packed else f"{max(x['logits'] for x in rows):.1e}"
             print(f"| {kind}{' FSDP2' if fsdp else ''} | ({u},{r}) | {'packed' if packed else 'dense, right-padded'} "
                   f"| {logits} | {max(x['loss'] for x in rows):.1e} | {max(x['grad'] for x in rows):.1e} |")

@@ -4,6 +4,7 @@ MiniMax's lightning attention (a fixed decay per head) under context parallelism
 computation over the full sequence (each document on its own for packed rows): forward and the gradient of
 every input and parameter, zigzag and contiguous, dense and packed rows; bytes equal the cost model."""
 
+import linear_more_cases
 import pytest
 from tolerance import within
 
@@ -21,7 +22,7 @@ FP32 = 1e-5
 
 
 def _check_cases(pool, u: int, r: int, cases: list, tol: float) -> None:
-    for rank, rank_rows in enumerate(pool.run("linear_more_cases:kinds_parity", u=u, r=r, cases=cases)):
+    for rank, rank_rows in enumerate(pool.run(linear_more_cases.kinds_parity, u=u, r=r, cases=cases)):
         for i, (case, row) in enumerate(zip(cases, rank_rows)):
             for kind, result in row.items():
                 sent, predicted = result["bytes"]

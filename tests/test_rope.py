@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import rope_cases
 import torch
 
 pytest.importorskip("transformers")
@@ -32,7 +33,7 @@ def test_every_rope_type_matches_single_process(pool, mesh):
 
     assert set(ROPE_INIT_FUNCTIONS) <= set(ROPE_TYPES), set(ROPE_INIT_FUNCTIONS) - set(ROPE_TYPES)
     layouts = ("zigzag", "contiguous", "packed") if mesh == (2, 2) else ("zigzag", "packed")
-    for rank, table in enumerate(pool.run("rope_cases:rope_table", u=mesh[0], r=mesh[1], layouts=layouts)):
+    for rank, table in enumerate(pool.run(rope_cases.rope_table, u=mesh[0], r=mesh[1], layouts=layouts)):
         assert len(table) == len(layouts) * len(ROPE_TYPES)
         for (rope_type, layout), errors in table.items():
             within(errors["loss"], TOL, f"rank {rank} {rope_type} {layout} loss", errors)
@@ -42,7 +43,7 @@ def test_every_rope_type_matches_single_process(pool, mesh):
 def test_the_rows_would_catch_a_shard_local_extent(pool):
     """The control: the same rows with every rotary seeing its own shard only are far off (some rank's shard,
     or some document, stays below the threshold the row crosses)."""
-    rows = pool.run("rope_cases:rope_table", u=2, r=2, rope_types=EXTENT_TYPES, routed=False)
+    rows = pool.run(rope_cases.rope_table, u=2, r=2, rope_types=EXTENT_TYPES, routed=False)
     for (rope_type, layout) in rows[0]:
         assert max(row[rope_type, layout]["grad"] for row in rows) > 1e-3, (rope_type, layout)
 
@@ -78,8 +79,8 @@ def _print_rope_table() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
 
     with WorkerPool(4, extra_paths=[here]) as pool:
-        fixed = pool.run("rope_cases:rope_table", u=2, r=2, stock=True)
-        before = pool.run("rope_cases:rope_table", u=2, r=2, routed=False)
+        fixed = pool.run(rope_cases.rope_table, u=2, r=2, stock=True)
+        before = pool.run(rope_cases.rope_table, u=2, r=2, routed=False)
     print("| rope type | layout | loss rel. diff | worst gradient rel. diff | before the fix (worst gradient) "
           "| transformers' packed row vs per document |")
     print("|---|---|---|---|---|---|")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import soak
 
 from hybrid_cp.testing import WorkerPool
 
@@ -19,8 +20,8 @@ BOUNDS = {"layout perms": 8, "ring plans": 16, "head maps": 64, "topology layout
 
 def test_soak_short():
     with WorkerPool(4, extra_paths=[os.path.join(ROOT, "benchmarks")]) as pool:
-        short = pool.run("soak:run_rank", steps=4, every=4, timeout=600)
-        long = pool.run("soak:run_rank", steps=10, every=5, timeout=600)
+        short = pool.run(soak.run_rank, steps=4, every=4, timeout=600)
+        long = pool.run(soak.run_rank, steps=10, every=5, timeout=600)
     for res, ref in zip(long, short):
         assert res["losses"][:4] == ref["losses"]   # bitwise: nothing carried over between runs or steps
         first, *_, last = res["samples"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import dist_cases
 import pytest
 from dist_cases import assert_errors as _check
 
@@ -71,7 +72,7 @@ def test_halo_stays_within_the_double_buffer():
 def test_packed_full_attention_exact_and_bytes_predicted(pool, u, r):
     cases = [dict(docs=docs, h=4, hkv=2, d=8, causal=causal, window=None, dtype="fp64", backend="math", name=name)
              for name, docs in CASES.items() for causal in (True, False)]
-    rows = pool.run("dist_cases:window_errors", u=u, r=r, layout="zigzag", cases=cases)
+    rows = pool.run(dist_cases.window_errors, u=u, r=r, layout="zigzag", cases=cases)
     _check(rows, FP64)
     for rank in rows:
         for row in rank:

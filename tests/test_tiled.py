@@ -1,5 +1,6 @@
 """Tiled loss and tiled MLP equal their untiled computations (forward and every gradient)."""
 
+import memory_cases
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,7 +174,7 @@ def test_lm_loss_single_process_equals_logits_path():
                                                       (1, 8, False, "mean"), (2, 2, True, "mean")])
 def test_tiled_loss_on_meshes(pool, u, r, include_dp, reduction):
     for s in (37, 5):   # s=5 on u*r=8 leaves ranks with only padding
-        for rank, row in enumerate(pool.run("memory_cases:tiled_loss_parity", u=u, r=r, s=s, include_dp=include_dp,
+        for rank, row in enumerate(pool.run(memory_cases.tiled_loss_parity, u=u, r=r, s=s, include_dp=include_dp,
                                             reduction=reduction)):
             assert row["finite"]
             for key in ("loss", "hidden", "weight", "bias"):
@@ -181,16 +182,16 @@ def test_tiled_loss_on_meshes(pool, u, r, include_dp, reduction):
 
 
 def test_tiled_loss_empty_group_and_bad_label(pool):
-    for row in pool.run("memory_cases:tiled_loss_parity", u=2, r=2, s=16, empty=True):
+    for row in pool.run(memory_cases.tiled_loss_parity, u=2, r=2, s=16, empty=True):
         assert row["value"] == 0.0 and row["hidden"] == 0.0 and row["weight"] == 0.0
-    for msg in pool.run("memory_cases:tiled_loss_bad_label", u=2, r=2):
+    for msg in pool.run(memory_cases.tiled_loss_bad_label, u=2, r=2):
         assert msg is not None and "outside the vocabulary" in msg
 
 
 @pytest.mark.parametrize("u,r,fsdp,checkpoint", [(2, 2, True, False), (4, 2, True, True), (2, 1, False, False)])
 def test_tiled_loss_and_mlp_train_like_single_process(pool, u, r, fsdp, checkpoint):
     hkv = 1 if u == 4 else 2
-    for rank, row in enumerate(pool.run("memory_cases:tiled_model_parity", u=u, r=r, hkv=hkv, fsdp=fsdp,
+    for rank, row in enumerate(pool.run(memory_cases.tiled_model_parity, u=u, r=r, hkv=hkv, fsdp=fsdp,
                                         checkpoint=checkpoint)):
         assert not row["missing"], row
         within(row["loss"], TOL, f"rank {rank} loss", row)

@@ -8,6 +8,7 @@ import json
 import pytest
 from tolerance import relative_difference, within
 
+from hybrid_cp.cli import measure
 from topology import Cluster, ModelShape, estimate
 from topology.calibrated import engine_known_s
 from topology.calibration import (
@@ -289,7 +290,7 @@ def test_end_to_end_calibrate_then_bench(pool):
                            overlap_tokens=128, overlap_bytes=1 << 14, engine_heads=8, engine_kv_heads=2,
                            engine_lengths=[128], kernel_passes=1, probe_passes=1,
                            stages=["kernels", "merge", "p2p", "overlap", "engine"])  # a2a: covered by the fake source
-    res = pool.run("hybrid_cp.cli.measure:measure_rank", timeout=600, spec=spec.model_dump(), repeats=1)
+    res = pool.run(measure.measure_rank, timeout=600, spec=spec.model_dump(), repeats=1)
     r0 = res[0]
     kinds = {s["kind"] for s in r0["samples"]}
     assert {"kernel", "merge", "p2p", "overlap", "engine", "probe"} <= kinds, [s for s in r0["samples"] if s["kind"] == "skip"]
@@ -302,7 +303,7 @@ def test_end_to_end_calibrate_then_bench(pool):
     assert any("a2a: not requested" in x for x in cal.not_measured)  # said, not hidden
     cluster = _calibrated_cluster(cal, 1, 8, "gloo")
     assert Cluster.from_yaml(cluster.to_yaml()) == cluster
-    out = pool.run("hybrid_cp.cli.measure:bench_rank", timeout=600, ulysses=2, ring=4, seq_len=256, heads=8, kv_heads=2,
+    out = pool.run(measure.bench_rank, timeout=600, ulysses=2, ring=4, seq_len=256, heads=8, kv_heads=2,
                    head_dim=16, causal=True, repeats=2, warmup=1)
     summary = summarize(out, 2, 4, 256, 8, 2, 16, True, "float32", 1, cluster)
     assert summary["load_factor"] > 0 and summary["predicted_load_adjusted_s"] > 0

@@ -163,7 +163,7 @@ def test_linear_memory_estimate_within_ten_percent_of_measured(pool, kind, check
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from linear_memory import estimate
 
-    rows = pool.run("test_topology_linear:measure_linear", kind=kind, u=2, r=2, seq_len=2048, checkpoint=checkpoint)
+    rows = pool.run(measure_linear, kind=kind, u=2, r=2, seq_len=2048, checkpoint=checkpoint)
     est = estimate(kind, 2, 2, 2048, checkpoint, "fp32")
     worst = max(row["peak"] for row in rows)
     assert abs(est.peak / worst - 1) <= 0.10, (est.peak, worst, est.phases)

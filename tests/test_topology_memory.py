@@ -1,6 +1,7 @@
 """The planner's memory terms, each against exact live storage (StorageTracker) on a real CPU step of a
 transformers Llama, and the longest-sequence targets the corrected model reaches (docs/memory.md)."""
 
+import memory_cases
 import pytest
 import torch
 from tolerance import relative_difference, within
@@ -208,8 +209,8 @@ def test_offloaded_inputs_leave_the_device_as_the_model_says(pool):
     device estimates are within 10%."""
     kw = dict(u=1, r=8, seq_len=16384, layers=4, loss_chunk=512, tiled_loss=True, tiled_mlp=512, checkpoint=True,
               shape=SMALL)
-    plain = max(pool.run("memory_cases:measure_step", **kw), key=lambda x: x["device_peak"])
-    off_rows = pool.run("memory_cases:measure_step", offload=True, **kw)
+    plain = max(pool.run(memory_cases.measure_step, **kw), key=lambda x: x["device_peak"])
+    off_rows = pool.run(memory_cases.measure_step, offload=True, **kw)
     off = max(off_rows, key=lambda x: x["device_peak"])
     est_plain = _runtime_estimate(1, 8, 16384, 4)
     est_off = _runtime_estimate(1, 8, 16384, 4, offload_checkpoints=True)
@@ -267,7 +268,7 @@ def test_engine_backward_at_ring_one_is_priced_exactly(pool, dtype):
     reordered copy, the all-to-all's buffers and the fp32 sums, less the freed saved tensors). MHA: CPU's
     SDPA kernel expands GQA K/V for the call, which the planner (native-GQA kernels) does not price."""
     shape = ModelShape(heads=8, kv_heads=8, head_dim=8, hidden=64, layers=1, intermediate=128, vocab=64)
-    rows = pool.run("memory_cases:engine_step", u=8, r=1, heads=8, kv_heads=8, head_dim=8, seq_len=4096, chunks=(1,),
+    rows = pool.run(memory_cases.engine_step, u=8, r=1, heads=8, kv_heads=8, head_dim=8, seq_len=4096, chunks=(1,),
                     dtype=dtype)
     measured = max(row["1"][1] for row in rows)
     est = step_memory(shape, 4096, 8, 1, 1, 1, MemoryOptions(fsdp=False), dtype=dtype)
@@ -286,7 +287,7 @@ def test_module_chunk_backward_at_ring_one_is_an_upper_bound_within_30_percent(p
     move of the measured peak (below). 8,192 tokens rather than
     16,384 (u=8 there: +29.4%): the u=2 case's attention took minutes there."""
     n = 8192
-    rows = pool.run("memory_cases:module_backward", u=u, r=1, seq_len=n, head_chunks=4, dtype="bf16")
+    rows = pool.run(memory_cases.module_backward, u=u, r=1, seq_len=n, head_chunks=4, dtype="bf16")
     row = max(rows, key=lambda x: x["bwd_peak"])
     measured = row["bwd_peak"] - row["kept"] - row["weight_grads"]   # `kept` includes the output
     shape = ModelShape(heads=32, kv_heads=8, head_dim=16, hidden=512, layers=1, vocab=64)   # memory_step.HEADS_SHAPE

@@ -3,6 +3,7 @@ the transformers integration and FSDP2, against single-process references."""
 
 import pytest
 import torch
+import train_cases
 from tolerance import within
 
 from hybrid_cp.engine.layout import local_indices, padded_length
@@ -98,7 +99,7 @@ def test_shard_batch_rejects_bad_input(batch, match):
 def test_cross_entropy_matches_full_sequence(pool, u, r, reduction, include_dp):
     # s=5 on (4,2)/(1,8) leaves ranks holding only padding: no valid token there
     for s in (37, 5):
-        rows = pool.run("train_cases:loss_parity", u=u, r=r, s=s, reduction=reduction, include_dp=include_dp)
+        rows = pool.run(train_cases.loss_parity, u=u, r=r, s=s, reduction=reduction, include_dp=include_dp)
         for rank, row in enumerate(rows):
             assert row["finite"]
             within(abs(row["loss"] - row["ref"]) / max(abs(row["ref"]), 1e-30), TOL, f"s={s} rank {rank} loss", row)
@@ -110,7 +111,7 @@ def test_cross_entropy_matches_full_sequence(pool, u, r, reduction, include_dp):
 
 
 def test_cross_entropy_with_no_valid_token_anywhere(pool):
-    for row in pool.run("train_cases:loss_parity", u=2, r=2, s=16, empty=True):
+    for row in pool.run(train_cases.loss_parity, u=2, r=2, s=16, empty=True):
         assert row["loss"] == 0.0 and row["finite"] and row["grad_zero"] == 0.0
 
 
@@ -118,21 +119,21 @@ def test_cross_entropy_with_no_valid_token_anywhere(pool):
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_llama_gqa_matches_single_process(pool, u, r, fsdp):
     hkv = 1 if (u, r) == (4, 2) else 2   # MQA on the widest ulysses degree, GQA elsewhere
-    for rank, row in enumerate(pool.run("train_cases:model_parity", u=u, r=r, hkv=hkv, fsdp=fsdp)):
+    for rank, row in enumerate(pool.run(train_cases.model_parity, u=u, r=r, hkv=hkv, fsdp=fsdp)):
         assert not row["missing"], row
         for key in ("logits", "loss", "grad"):
             within(row[key], TOL, f"rank {rank} {key}", row)
 
 
 def test_activation_checkpointing_with_fsdp(pool):
-    for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, fsdp=True, checkpoint=True)):
+    for rank, row in enumerate(pool.run(train_cases.model_parity, u=2, r=2, fsdp=True, checkpoint=True)):
         for key in ("logits", "loss", "grad"):
             within(row[key], TOL, f"rank {rank} {key}", row)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_other_architectures(pool, kind):
-    for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, kind=kind, hkv=2, s=64, pad=False)):
+    for rank, row in enumerate(pool.run(train_cases.model_parity, u=2, r=2, kind=kind, hkv=2, s=64, pad=False)):
         for key in ("logits", "loss", "grad"):
             within(row[key], TOL, f"rank {rank} {key}", row)
 
@@ -143,7 +144,7 @@ def test_other_architectures(pool, kind):
                                          ("gemma3", {})])
 def test_sliding_window_models_match_single_process(pool, kind, config):
     # 100 tokens: several windows long; window layers and full layers in one model (qwen2, gemma3)
-    for rank, row in enumerate(pool.run("train_cases:model_parity", u=2, r=2, kind=kind, hkv=2, s=100, pad=True,
+    for rank, row in enumerate(pool.run(train_cases.model_parity, u=2, r=2, kind=kind, hkv=2, s=100, pad=True,
                                         config=config)):
         for key in ("logits", "loss", "grad"):
             within(row[key], TOL, f"rank {rank} {key}", row)
@@ -151,7 +152,7 @@ def test_sliding_window_models_match_single_process(pool, kind, config):
 
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (4, 2, True)])
 def test_twenty_steps_track_single_process(pool, u, r, fsdp):
-    for rank, row in enumerate(pool.run("train_cases:training_losses", u=u, r=r, steps=20, fsdp=fsdp)):
+    for rank, row in enumerate(pool.run(train_cases.training_losses, u=u, r=r, steps=20, fsdp=fsdp)):
         assert len(row["cp"]) == 20
         diffs = [abs(a - b) for a, b in zip(row["cp"], row["ref"])]
         # AdamW carries each step's fp32 round-off into the next over 20 steps (losses near 5.5): worst 4.3e-6
@@ -161,7 +162,7 @@ def test_twenty_steps_track_single_process(pool, u, r, fsdp):
 
 
 def test_unsupported_configurations_raise(pool):
-    for row in pool.run("train_cases:error_messages", u=2, r=2):
+    for row in pool.run(train_cases.error_messages, u=2, r=2):
         assert row["ok_after"][0] == 2
         assert "hcp.cross_entropy" in row["labels"]
         assert "right padding" in row["left_padding"]

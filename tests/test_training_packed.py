@@ -8,6 +8,7 @@ document boundary, a wrong position or a label shifted over a boundary shows up 
 
 import pytest
 import torch
+import train_cases
 from tolerance import within
 
 from hybrid_cp.engine.mesh import CPMesh
@@ -36,13 +37,13 @@ def _check(rows, what) -> None:
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp2"])
 @pytest.mark.parametrize("form", ["positions", "cu_seq_lens_q"])
 def test_packed_llama_step_matches_per_document_reference(pool, u, r, fsdp, form):
-    rows = pool.run("train_cases:packed_model_parity", u=u, r=r, fsdp=fsdp, explicit_cu=form == "cu_seq_lens_q")
+    rows = pool.run(train_cases.packed_model_parity, u=u, r=r, fsdp=fsdp, explicit_cu=form == "cu_seq_lens_q")
     _check(rows, (u, r, fsdp, form))
 
 
 @pytest.mark.parametrize("form", ["positions", "cu_seq_lens_q"])
 def test_packed_qwen2_step_matches_per_document_reference(pool, form):
-    rows = pool.run("train_cases:packed_model_parity", u=2, r=2, kind="qwen2", explicit_cu=form == "cu_seq_lens_q")
+    rows = pool.run(train_cases.packed_model_parity, u=2, r=2, kind="qwen2", explicit_cu=form == "cu_seq_lens_q")
     _check(rows, ("qwen2", form))
 
 
@@ -52,19 +53,19 @@ def test_packed_qwen2_step_matches_per_document_reference(pool, form):
     (4, 2, (5, 0, 7), True),                 # an empty document (a repeated boundary)
 ], ids=["fewer-tokens-than-ranks", "one-long-many-tiny", "empty-document"])
 def test_packed_extreme_document_mixes(pool, u, r, doc_lens, explicit_cu):
-    rows = pool.run("train_cases:packed_model_parity", u=u, r=r, doc_lens=doc_lens, explicit_cu=explicit_cu)
+    rows = pool.run(train_cases.packed_model_parity, u=u, r=r, doc_lens=doc_lens, explicit_cu=explicit_cu)
     _check(rows, doc_lens)
 
 
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, True), (1, 4, False)])
 def test_packed_tiled_lm_loss_matches_per_document_reference(pool, u, r, fsdp):
     # hcp.lm_loss(model, shard_batch(...), cp) must hand the document boundaries to the model
-    rows = pool.run("train_cases:packed_model_parity", u=u, r=r, fsdp=fsdp, tiled_loss=True)
+    rows = pool.run(train_cases.packed_model_parity, u=u, r=r, fsdp=fsdp, tiled_loss=True)
     _check(rows, ("lm_loss", u, r, fsdp))
 
 
 def test_packed_activation_checkpointing_with_fsdp(pool):
-    rows = pool.run("train_cases:packed_model_parity", u=4, r=2, fsdp=True, checkpoint=True)
+    rows = pool.run(train_cases.packed_model_parity, u=4, r=2, fsdp=True, checkpoint=True)
     _check(rows, "checkpoint")
 
 
@@ -72,7 +73,7 @@ def test_packed_activation_checkpointing_with_fsdp(pool):
 @pytest.mark.parametrize("explicit_cu", [False, True])
 def test_packed_labels_never_cross_a_document_boundary(pool, u, r, explicit_cu):
     cu = [0] + torch.tensor(LENS).cumsum(0).tolist()
-    for row in pool.run("train_cases:packed_labels", u=u, r=r, explicit_cu=explicit_cu):
+    for row in pool.run(train_cases.packed_labels, u=u, r=r, explicit_cu=explicit_cu):
         full = row["full"]
         ids, labels = full["input_ids"][0], full["labels"][0]
         assert ids.shape == (cu[-1],) and labels.shape == (cu[-1],)

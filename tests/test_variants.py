@@ -4,6 +4,7 @@ combinations (gpt-oss, Gemma 2, DeepSeek), torch.compile, and the checks that re
 
 import pytest
 import torch
+import variant_cases
 from tolerance import relative_error, within
 
 import hybrid_cp as hcp
@@ -44,7 +45,7 @@ def _cases(u: int, r: int) -> list[dict]:
 
 @pytest.mark.parametrize("u,r", MESHES)
 def test_variants_match_fp64_reference(pool, u, r):
-    for rank, rows in enumerate(pool.run("variant_cases:variant_errors", u=u, r=r, cases=_cases(u, r))):
+    for rank, rows in enumerate(pool.run(variant_cases.variant_errors, u=u, r=r, cases=_cases(u, r))):
         for i, row in enumerate(rows):
             limit = FP32 if row.get("dtype") == "fp32" else FP64
             for t in ("out", "lse", "dq", "dk", "dv", "dsinks"):
@@ -54,7 +55,7 @@ def test_variants_match_fp64_reference(pool, u, r):
 
 
 def test_compiled_variants_equal_eager(pool):
-    for rank, row in enumerate(pool.run("variant_cases:compiled_variant", u=2, r=2)):
+    for rank, row in enumerate(pool.run(variant_cases.compiled_variant, u=2, r=2)):
         if row is not None:
             for key, err in row.items():
                 within(err, FP32, f"rank {rank} {key}", row)
@@ -67,7 +68,7 @@ def test_compiled_variants_equal_eager(pool):
     ("v_head_dim", "v head_dim"),
 ])
 def test_ranks_that_disagree_raise(pool, which, expect):
-    messages = pool.run("variant_cases:disagreement", u=2, r=2, which=which, timeout=60)
+    messages = pool.run(variant_cases.disagreement, u=2, r=2, which=which, timeout=60)
     assert all(m != "no error" for m in messages), messages
     assert any(expect in m for m in messages), messages
 

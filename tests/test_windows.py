@@ -3,6 +3,7 @@ non-causal (left, right)), skipped blocks, and halo traffic counted against the 
 
 from __future__ import annotations
 
+import dist_cases
 import pytest
 from dist_cases import assert_errors as _check
 
@@ -19,25 +20,25 @@ FP64 = 1e-12
 
 @pytest.mark.parametrize("u,r", MESHES)
 def test_window_matches_single_device(pool, u, r):
-    _check(pool.run("dist_cases:window_errors", u=u, r=r, layout="zigzag", cases=_cases(u)), FP32)
+    _check(pool.run(dist_cases.window_errors, u=u, r=r, layout="zigzag", cases=_cases(u)), FP32)
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (1, 4)])
 def test_window_contiguous_layout(pool, u, r):
-    _check(pool.run("dist_cases:window_errors", u=u, r=r, layout="contiguous", cases=_cases(u)), FP32)
+    _check(pool.run(dist_cases.window_errors, u=u, r=r, layout="contiguous", cases=_cases(u)), FP32)
 
 
 def test_window_fp64_math_is_exact(pool):
     cases = [dict(n=100, h=4, hkv=2, d=8, causal=True, window=9, backend="math"),
              dict(docs=[40, 3, 57], h=4, hkv=2, d=8, causal=False, window=(6, 2), backend="math")]
-    rows = pool.run("dist_cases:window_errors", u=2, r=4, layout="zigzag",
+    rows = pool.run(dist_cases.window_errors, u=2, r=4, layout="zigzag",
                     cases=[dict(c, dtype="fp64") for c in cases])
     _check(rows, FP64)
 
 
 @pytest.mark.parametrize("u,r,n,w", [(1, 4, 8192, 64), (2, 2, 2048, 16), (1, 8, 4096, 100)])
 def test_halo_bytes_are_small_and_predicted(pool, u, r, n, w):
-    rows = pool.run("dist_cases:window_bytes_case", u=u, r=r, n=n, h=4, hkv=2, d=8, window=w, timeout=120)
+    rows = pool.run(dist_cases.window_bytes_case, u=u, r=r, n=n, h=4, hkv=2, d=8, window=w, timeout=120)
     full = topology.comm_bytes(4, 2, 8, n, 1, u, r, 4)
     for row in rows:
         want = topology.comm_bytes(4, 2, 8, n, 1, u, r, 4, ulysses_rank=row["ulysses_rank"], causal=True,

@@ -15,6 +15,7 @@ import time
 import torch
 
 import hybrid_cp as hcp
+from hybrid_cp.cli import attention_demo
 from hybrid_cp.engine.kernels import get_kernel
 from hybrid_cp.engine.layout import local_indices, padded_length
 from hybrid_cp.testing import WorkerPool
@@ -119,7 +120,7 @@ def run(a: argparse.Namespace) -> int:
           f"causal GQA (H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}), {a.seq_len} tokens, {a.dtype}")
     t0 = time.perf_counter()
     with WorkerPool(world) as pool:
-        results = pool.run("hybrid_cp.cli.attention_demo:run_rank", timeout=1800, ulysses=a.ulysses, ring=a.ring,
+        results = pool.run(attention_demo.run_rank, timeout=1800, ulysses=a.ulysses, ring=a.ring,
                            seq_len=a.seq_len, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
                            dtype=a.dtype, repeats=a.repeats)
     wall = time.perf_counter() - t0

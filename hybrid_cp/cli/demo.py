@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from hybrid_cp.cli import demo
+
 from ..testing.data import VOCAB, build_model, sample_batch, stdlib_corpus, tiny_llama_config
 from .command import Command, UsageError
 from .table import format_table
@@ -138,7 +140,7 @@ def _train_both(args: argparse.Namespace) -> tuple[dict, dict, float, float]:
           f"zigzag layout, FSDP2 over all {world} ranks)")
     t0 = time.perf_counter()
     with WorkerPool(world) as pool:
-        results = pool.run("hybrid_cp.cli.demo:cp_rank_train", timeout=1800, ulysses=args.ulysses,
+        results = pool.run(demo.cp_rank_train, timeout=1800, ulysses=args.ulysses,
                            ring=args.ring, seq_len=args.seq_len, steps=args.steps, seed=args.seed, lr=args.lr,
                            model_kwargs=model_kwargs)
     cp_wall = time.perf_counter() - t0

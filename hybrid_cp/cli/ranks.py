@@ -11,7 +11,13 @@ from hybrid_cp.errors import ConfigError
 
 __all__ = ["Ranks"]
 
-TASKS = "hybrid_cp.cli.measure"
+
+
+def _task(name: str) -> Any:
+    """The function `name` of :mod:`hybrid_cp.cli.measure` (imported on first use: it loads torch)."""
+    from hybrid_cp.cli import measure
+
+    return getattr(measure, name)
 
 
 class Ranks:
@@ -35,7 +41,7 @@ class Ranks:
 
         self.pool = WorkerPool(nprocs)
         self.world = nprocs
-        self.pool.run(f"{TASKS}:ping", timeout=600)  # wait until every rank has joined
+        self.pool.run(_task("ping"), timeout=600)  # wait until every rank has joined
 
     def _join_torchrun(self, backend: str) -> None:
         import torch
@@ -62,7 +68,7 @@ class Ranks:
     def run(self, task: str, **kwargs: Any) -> list[Any]:
         """``task(**kwargs)`` of :mod:`hybrid_cp.cli.measure` on every rank; the results in rank order."""
         if self.pool is not None:
-            return self.pool.run(f"{TASKS}:{task}", timeout=3600, **kwargs)
+            return self.pool.run(_task(task), timeout=3600, **kwargs)
         import torch.distributed as dist
 
         from hybrid_cp.cli import measure

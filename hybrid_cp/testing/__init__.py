@@ -1,7 +1,8 @@
 """A pool of local gloo worker processes, started once and reused for many distributed checks.
 
-Used by the test-suite (one pool per pytest session) and by `hybrid-cp demo`. A task is the
-import path of a function "module:function"; every rank runs it and returns a picklable result.
+Used by the test-suite (one pool per pytest session) and by `hybrid-cp demo`. A task is a module-level
+function (passed as the object; the workers import it by its module and name); every rank runs it and
+returns a picklable result.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import shutil
 import sys
 import tempfile
 import traceback
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
@@ -64,6 +66,19 @@ def _worker(rank: int, world: int, init_method: str, tasks, results, paths: list
     dist.destroy_process_group()
 
 
+def task_path(task: Callable[..., Any]) -> str:
+    """"module:function" of a module-level function, what the workers import (a script run as __main__ is
+    imported by its file name)."""
+    if not callable(task) or "<" in getattr(task, "__qualname__", "<"):
+        raise TypeError(f"a pool task must be a module-level function, got {task!r}")
+    module = task.__module__
+    if module == "__main__":
+        main = sys.modules["__main__"]
+        spec = getattr(main, "__spec__", None)
+        module = spec.name if spec is not None else Path(main.__file__).stem
+    return f"{module}:{task.__qualname__}"
+
+
 class WorkerPool:
     """`world` gloo processes on this machine; `run` executes one task on all of them."""
 
@@ -81,12 +96,15 @@ class WorkerPool:
         for p in self.procs:
             p.start()
 
-    def run(self, target: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-        """Run `target(**kwargs)` on every rank; return the per-rank results in rank order.
+    def run(self, task: Callable[..., Any], timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run `task(**kwargs)` on every rank; return the per-rank results in rank order.
 
-        Raises RuntimeError with each failing rank's traceback, or TimeoutError if a rank hangs
+        `task` is a module-level function; the workers import it by module and name, so its module must be
+        importable there (the pool's `extra_paths` and this process's `sys.path`; a script run as __main__ by
+        its file name). Raises RuntimeError with each failing rank's traceback, or TimeoutError if a rank hangs
         (the pool is then closed, and later calls fail at once instead of waiting again).
         """
+        target = task_path(task)
         if self.broken:
             raise RuntimeError(f"the worker pool was closed after an earlier hang ({self.broken}); not running {target}")
         for q in self.tasks:

@@ -1,7 +1,7 @@
 """The fp64 parity runs of the attention engine, shared by the test-suite (tests/dist_cases.py re-exports
 them) and the benchmarks that tabulate the same errors (benchmarks/accuracy_table.py,
 benchmarks/mask_accuracy_table.py). Each `*_errors` function runs on every rank of a `WorkerPool`
-(`pool.run("hybrid_cp.testing.parity:attention_errors", ...)`) and returns its errors; the callers assert
+(`pool.run(parity.attention_errors, ...)`) and returns its errors; the callers assert
 or print them. The references are computed by fp64 autograd, independent of the package's kernels."""
 
 from __future__ import annotations
