@@ -62,15 +62,15 @@ def _leak(batch: dict, ref_grads: dict) -> float:
     return max(_rel(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.grad is not None)
 
 
-def tree_model_parity(u: int, r: int) -> dict:
-    """Loss (`model(**shard).loss`) and every parameter gradient of one step on the masked row under CP vs
-    `tree_reference`."""
+def tree_model_parity(u: int, r: int, tiled_loss: bool = False) -> dict:
+    """Loss (`model(**shard).loss`, or `hcp.lm_loss(model, shard, cp)` with `tiled_loss`) and every parameter
+    gradient of one step on the masked row under CP vs `tree_reference`."""
     cp = mesh(u, r)
     batch, mask = tree_row(2024)
     ref_loss, ref_grads = tree_reference(tiny_model("llama"), batch)
     model = apply_context_parallel(tiny_model("llama"), cp)
     local = hcp.shard_batch(batch, cp, mask=mask)
-    loss = model(**local).loss
+    loss = hcp.lm_loss(model, local, cp, chunk_tokens=8) if tiled_loss else model(**local).loss
     loss.backward()
     average_gradients(model)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
