@@ -15,8 +15,8 @@ from hybrid_cp.training.batch import MASK_KEY
 pytest.importorskip("transformers")
 
 # fp32 round-off of a tiny Llama, one masked row vs five prompt + completion rows run alone: worst loss 8.6e-8
-# (116x under), worst gradient 5.2e-7 (u=2 r=2 through lm_loss; 190x under) in a recorded run (fixed seeds,
-# the same figures again in a second run)
+# (116x under), worst gradient 5.2e-7 (u=2 r=2 through lm_loss; 190x under) in a recorded run (fixed seeds:
+# the model(**shard) figures repeated exactly in a second run)
 LOSS = 1e-5
 GRAD = 1e-4
 
