@@ -1,7 +1,8 @@
 """The checks of a context-parallel transformers model call's keyword arguments (`model_inputs`): this
 rank's own (labels only as `shift_labels`, no KV cache, position ids that are this rank's, a 0/1 padding
-mask), the agreement on a `ModelInputSignature` across the cp group, and right padding over the whole
-sequence (`global_right_padding`, one all-reduce)."""
+mask, or an `hcp.AttnMask` under `MASK_KEY` with the caller's own positions), the agreement on a
+`ModelInputSignature` across the cp group, and right padding over the whole sequence
+(`global_right_padding`, one all-reduce)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from topology.layouts import Layout
 
 from ..engine.agreement import agree_across_ranks, digest, validates
 from ..engine.layout import positions, row_layout
+from ..engine.masks import AttnMask
 from ..errors import ConfigError, ShapeError
+from ..training.batch import MASK_KEY
 
 
 class ModelInputSignature(NamedTuple):
@@ -24,10 +27,10 @@ class ModelInputSignature(NamedTuple):
     batch: int = 0
     local_length: int = 0
     has_mask: int = 0
-    documents: int = 0   # digest of the packed row's document lengths, 0 for a dense row
+    documents: int = 0   # digest of the packed row's document lengths or of the AttnMask, 0 for a dense row
     loss: int = 0        # labels given: every rank joins the loss's all-reduce
 
-    labels = ("batch", "local length", "has mask", "cu_seq_lens_q (checksum)", "labels given")
+    labels = ("batch", "local length", "has mask", "cu_seq_lens_q or hcp_attn_mask (checksum)", "labels given")
 
 
 def _model_call_options(kwargs: Mapping[str, Any]) -> None:
@@ -72,6 +75,28 @@ def _model_positions(cp, kwargs: dict, ref: torch.Tensor, lay: Layout, packed: b
                          "batch['position_ids'] from hcp.shard_batch, or none (the default is filled in)")
 
 
+def _masked_row(cp, kwargs: dict, b: int, s: int) -> ModelInputSignature:
+    """A call under an `hcp.AttnMask` (`MASK_KEY`): its layout, no other mask or boundaries, the caller's
+    position ids (any integers: a completion continues its prompt's positions) or the token indices."""
+    mask = kwargs[MASK_KEY]
+    if not isinstance(mask, AttnMask):
+        raise ConfigError(f"{MASK_KEY}={mask!r} must be an hcp.AttnMask (pass the output of "
+                          f"hcp.shard_batch(batch, cp, mask=m) as it is)")
+    given = [name for name in ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(name) is not None]
+    if given:
+        raise ConfigError(f"{given[0]}= with {MASK_KEY}=: the AttnMask says which keys each token sees (documents "
+                          f"and padding included); drop {given}")
+    lay = row_layout(cp, local_len=s, mask=mask, what="the model's input")
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        kwargs["position_ids"] = positions(cp, device=kwargs.get("input_ids", kwargs.get("inputs_embeds")).device,
+                                           mask=mask)[None].expand(b, -1)
+    elif not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.shape[-1] != s or pos.dim() > 2:
+        raise ShapeError(f"position_ids must be this rank's [batch, {s}] integer positions from hcp.shard_batch, got "
+                         f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
+    return ModelInputSignature(b, s, 0, digest((lay.seq_len, mask)), int(kwargs.get("labels") is not None))
+
+
 def _model_local_checks(cp, kwargs: dict) -> ModelInputSignature:
     """This rank's checks of a model call (filling in missing position ids); returns its signature."""
     ids, embeds, mask = kwargs.get("input_ids"), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
@@ -81,6 +106,9 @@ def _model_local_checks(cp, kwargs: dict) -> ModelInputSignature:
                           "hcp.shard_batch")
     b, s = ref.shape[0], ref.shape[1]
     _model_call_options(kwargs)
+    if kwargs.get(MASK_KEY) is not None:
+        return _masked_row(cp, kwargs, b, s)
+    _prepared_mask(mask)
     cu = kwargs.get("cu_seq_lens_q")
     pos = kwargs.get("position_ids")
     if cu is None and isinstance(pos, torch.Tensor) and pos.dim() >= 1 and pos.shape[-1] > 1 and \
@@ -104,6 +132,14 @@ def _model_local_checks(cp, kwargs: dict) -> ModelInputSignature:
                               "not supported under context parallelism")
     return ModelInputSignature(b, s, int(mask is not None), 0 if cu is None else digest(lay.doc_lens),
                                int(kwargs.get("labels") is not None))
+
+
+def _prepared_mask(mask) -> None:
+    """A prepared (4-D, additive or boolean) attention mask is refused by name: hcp.attention cannot read it."""
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        raise ConfigError(f"attention_mask of shape {tuple(mask.shape)}: a prepared {mask.dim()}-D mask cannot be "
+                          f"split over the cp ranks. Pass a 2-D right-padding mask, or describe the mask as an "
+                          f"hcp.AttnMask and pass hcp.shard_batch(batch, cp, mask=m) to the model")
 
 
 def model_inputs(cp, kwargs: dict) -> dict:

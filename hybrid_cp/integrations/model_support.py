@@ -258,7 +258,8 @@ _CONTAINER = re.compile(r"Norm|ForCausalLM$|Model$|Layer$|Block$|Embedding")
 
 # keyword arguments of the attention function: implemented by `hybrid_cp_attention_forward` ...
 IMPLEMENTED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "cu_seq_lens_q",
-                                "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "softcap"})
+                                "cu_seq_lens_k", "max_length_q", "max_length_k", "s_aux", "softcap",
+                                "hcp_attn_mask"})
 # ... or with no effect on the attention output (position_ids: the model applied them before the call;
 # the forward pre-hook checks them; shift_labels, num_items_in_batch: the loss's inputs, passed down with the
 # rest; seq_idx: the document of each token, for linear-attention convolutions: the attention call reads the

@@ -38,6 +38,7 @@ from ..engine.comm import comm_guard
 from ..engine.layout import positions, recorded_lengths, row_layout
 from ..engine.mesh import CPMesh
 from ..errors import ConfigError
+from ..training.batch import MASK_KEY
 from ..training.loss import GroupReduced
 
 AUX_FUNCTION = "load_balancing_loss_func"
@@ -123,9 +124,10 @@ def row_tokens(cp: CPMesh, kwargs: dict, padding: torch.Tensor | None) -> torch.
     right padding of `padding`, the model call's 2-D attention mask)."""
     ref = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
     b, s = ref.shape[:2]
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        lay = row_layout(cp, local_len=s, cu_seqlens=cu, causal=True, what="the router's load-balancing loss")
+    cu, mask = kwargs.get("cu_seq_lens_q"), kwargs.get(MASK_KEY)
+    if cu is not None or mask is not None:
+        lay = row_layout(cp, local_len=s, cu_seqlens=cu, mask=mask, causal=True,
+                         what="the router's load-balancing loss")
         real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
     else:
         lay = row_layout(cp, local_len=s, causal=True, what="the router's load-balancing loss")

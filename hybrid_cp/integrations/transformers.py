@@ -20,6 +20,9 @@ A forward pre-hook on the model makes the call contract hard to get wrong:
 - packed rows (from `hcp.shard_batch`) carry the global document boundaries as transformers'
   flash-attention keywords ``cu_seq_lens_q``/``cu_seq_lens_k``; they reach every attention layer,
   and position ids must be the per-document positions of this rank's tokens;
+- masked rows (`hcp.shard_batch(..., mask=m)`) carry their `hcp.AttnMask` under ``hcp_attn_mask``
+  (`training.batch.MASK_KEY`); it reaches every attention layer the same way, which runs `hcp.attention`
+  under it (a layer's sliding window narrows it); position ids are the caller's own;
 - KV caches (generation) are refused.
 
 The attention function passes what the module gives it and what its layer is: attention sinks
@@ -41,11 +44,13 @@ from topology.heads import module_chunks
 
 from ..engine.attention import run_attention
 from ..engine.layout import boundaries, positions, row_layout
+from ..engine.masks import AttnMask
 from ..engine.mesh import CPMesh
 from ..engine.modulechunk import Projected, pipelined_module_chunks
 from ..engine.rules import is_int, is_positive_int, positive_int
 from ..engine.spec import AttentionSpec
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from ..training.batch import MASK_KEY
 from ..training.loss import cross_entropy
 from .linear_layers import is_routed, route_linear_layers
 from .model_inputs import model_inputs
@@ -141,6 +146,29 @@ def _temperature(module: torch.nn.Module, q: torch.Tensor, cp: CPMesh, lay, cu: 
     return (q * ratio.view(1, -1, 1, 1)).to(q.dtype)
 
 
+def _row_of_call(module: torch.nn.Module, cp: CPMesh, local_len: int, kwargs: dict) -> tuple[dict, Any]:
+    """The row settings of an attention call (causal with seq_len, packed with cu_seqlens, or an `hcp.AttnMask`
+    from `MASK_KEY`, which replaces both) and its layout."""
+    name = type(module).__name__
+    cu, mask = kwargs.get("cu_seq_lens_q"), kwargs.get(MASK_KEY)
+    if mask is not None:
+        if cu is not None or kwargs.get("cu_seq_lens_k") is not None:
+            raise _unsupported(f"{name} received cu_seq_lens_q/k with {MASK_KEY}=: the AttnMask holds the documents")
+        if not isinstance(mask, AttnMask):
+            raise ConfigError(f"{name} received {MASK_KEY}={mask!r}; expected an hcp.AttnMask (from "
+                              f"hcp.shard_batch(batch, cp, mask=m))")
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            raise _unsupported(f"{name} scales its queries by their positions (attn_temperature_tuning), not "
+                               f"verified with {MASK_KEY}=")
+        return dict(mask=mask), row_layout(cp, local_len=local_len, mask=mask, what=name)
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and (cu is None or boundaries(cu_k) != boundaries(cu)):
+        raise _unsupported(f"{name} received cu_seq_lens_k different from cu_seq_lens_q; packed "
+                           f"self-attention needs the same boundaries for queries and keys")
+    lay = row_layout(cp, local_len=local_len, cu_seqlens=cu, causal=True, what=name)
+    return dict(causal=True, seq_len=None if cu is not None else lay.seq_len, cu_seqlens=cu), lay
+
+
 def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
                                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -165,26 +193,25 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     check_attention_kwargs(module, kwargs)
     if _CAPTURE not in module.__dict__:   # a module chunk's call holds its chunk of the heads
         check_head_layout(module, query)
-    cu = kwargs.get("cu_seq_lens_q")
-    cu_k = kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and (cu is None or boundaries(cu_k) != boundaries(cu)):
-        raise _unsupported(f"{type(module).__name__} received cu_seq_lens_k different from cu_seq_lens_q; packed "
-                           f"self-attention needs the same boundaries for queries and keys")
-    lay = row_layout(cp, local_len=query.shape[2], cu_seqlens=cu, causal=True, what=type(module).__name__)
     window = kwargs.get("sliding_window")
     if window is not None and not is_positive_int(window):
         raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
                            f"number of keys each query sees, itself included)")
+    row, lay = _row_of_call(module, cp, query.shape[2], kwargs)
     if torch.is_autocast_enabled(query.device.type):   # fp32 weights under autocast (Trainer bf16=True): the
         dt = torch.get_autocast_dtype(query.device.type)   # projections give bf16, rotary fp32; eager's matmuls
         query, key, value = (x.to(dt) for x in (query, key, value))   # would run all three in the autocast dtype
-    q = _temperature(module, query.transpose(1, 2), cp, lay, cu).contiguous()
+    q = _temperature(module, query.transpose(1, 2), cp, lay, row.get("cu_seqlens")).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
     sinks, variants = _variants(module, kwargs)
-    spec = AttentionSpec(causal=True, softmax_scale=scaling, seq_len=None if cu is not None else lay.seq_len,
-                         cu_seqlens=cu, window=window, overlap=ref.overlap,
-                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks), **variants)
+    if row.get("mask") is not None and "chunk_size" in variants:
+        raise _unsupported(f"{type(module).__name__} is a chunked_attention layer, called with {MASK_KEY}=: its "
+                           f"chunks cannot be cut from an AttnMask shared by every layer (Llama 4); train it on "
+                           f"causal or packed rows")
+    spec = AttentionSpec(softmax_scale=scaling, window=window, overlap=ref.overlap,
+                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks), **row,
+                         **variants)
     mode = module.__dict__.get(_CAPTURE)
     if mode == "project":   # a module chunk's projections are done: hand them to the chunk pipeline
         raise _Captured(Projected(q, k, v, spec, sinks))
@@ -246,6 +273,8 @@ def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: di
         args = ()
     kwargs = model_inputs(cp, kwargs)
     ref.packed = kwargs.get("cu_seq_lens_q") is not None
+    if kwargs.get(MASK_KEY) is not None:
+        _refuse_masked(module)
     if ref.rotaries:
         ref.row = row_extent(cp, kwargs)
     ref.padding = kwargs.get("attention_mask")   # the router's load-balancing loss counts the real tokens
@@ -253,6 +282,21 @@ def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: di
         kwargs["attention_mask"] = None
     kwargs["use_cache"] = False
     return args, kwargs
+
+
+def _refuse_masked(model: torch.nn.Module) -> None:
+    """A masked call (`MASK_KEY`) of a model whose sequence mixers outside attention (Mamba2, Gated DeltaNet: routed
+    mixers) or length-dependent rotaries could not follow the mask: refused by name (after the inputs were agreed,
+    so on every rank alike)."""
+    mixers = sorted({type(m).__name__ for m in model.modules() if is_routed(m)})
+    if mixers:
+        raise ConfigError(f"{MASK_KEY}= (an hcp.AttnMask) with sequence mixers {mixers}: their scans run along the "
+                          f"row, not under an attention mask; train this model on causal or packed rows")
+    ref = model.__dict__.get("_hybrid_cp_mesh")
+    if ref is not None and ref.rotaries:
+        raise ConfigError(f"{MASK_KEY}= (an hcp.AttnMask) with a rotary embedding whose frequencies depend on the "
+                          f"row's length (longrope, dynamic NTK): its extent under a mask is not defined; use a "
+                          f"static rope type or causal/packed rows")
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -11,6 +11,10 @@ The three places where context-parallel training usually goes wrong are handled 
 Packed rows (documents concatenated into one row, "padding-free" training) are recognised from
 position ids that restart at 0 (transformers' `DataCollatorWithFlattening`) or from explicit
 ``cu_seq_lens_q`` boundaries; no label crosses a document boundary.
+
+A row under an `hcp.AttnMask` (``mask=``: a prompt and its completions, prefix-LM, image blocks) is cut
+with the mask's layout and carries the mask to the model's attention layers under `MASK_KEY`; its
+targets come from the caller (``shift_labels``), since only the caller knows which token follows which.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from topology.layouts import Layout
 
 from ..engine.agreement import require_mesh, validates
 from ..engine.layout import boundaries, positions, record_packed, row_layout, shard_layout, shard_tokens
+from ..engine.masks import AttnMask
 from ..errors import ConfigError, CPError, ShapeError
 from .batch_checks import agree_on_batch, batch_arguments, dense_labels, dense_positions, right_padding
 
@@ -32,6 +37,9 @@ if TYPE_CHECKING:
 
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _LABEL_KEYS = ("shift_labels",)
+# the key under which shard_batch's result carries an `hcp.AttnMask`: `model(**shard)` passes it, with the other
+# keywords, down to every attention layer (transformers forwards unknown keywords there, as it does cu_seq_lens_q)
+MASK_KEY = "hcp_attn_mask"
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
@@ -60,8 +68,9 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
     return out
 
 
-def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -100, shift: bool = True,
-                pad_token_id: int = 0, device: torch.device | str | None = None) -> dict[str, Any]:
+def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -100, shift: bool = True,  # noqa: PLR0913 (public entry point)
+                pad_token_id: int = 0, device: torch.device | str | None = None,
+                mask: AttnMask | None = None) -> dict[str, Any]:
     """This rank's shard, in `cp.layout`, of a batch of full-sequence tensors.
 
     `batch` maps names to tensors shaped [batch, seq, ...] holding the WHOLE sequence (the same on
@@ -88,6 +97,15 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     ``max_length_q``/``max_length_k``: pass them to the model with the rest (they reach the attention
     layers as transformers' flash-attention keywords do).
 
+    Masked rows (``mask=``, an `hcp.AttnMask` over the S tokens of every row: each row shares it): the
+    rows are cut with the mask's layout (`hcp.shard(x, cp, mask=m)`), ``position_ids`` are kept as given
+    (any integers: a completion's positions continue from its prompt's; default `hcp.positions(cp,
+    mask=m)`, the token index), and the targets must be given: ``shift_labels`` (or ``labels`` with
+    ``shift=False``), the next token of each token or `ignore_index`. Shifting along the row would be
+    wrong: in a prompt with several completions the last prompt token has no single next token. Without
+    either the result holds no labels. The result carries the mask under `MASK_KEY` ("hcp_attn_mask"),
+    which ``model(**out)`` hands to every attention layer under `apply_context_parallel`.
+
     Args:
         batch: Full-sequence tensors by name, as above.
         cp: The mesh.
@@ -96,28 +114,35 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
         pad_token_id: The token id of the padding slots that lengths not a multiple of the layout's
             granularity get at the end (with `ignore_index` labels, mask 0 and positions >= S).
         device: Where the results live; None: `cp.device`.
+        mask: The rows' attention mask (`hcp.AttnMask`); None: causal rows (dense or packed).
 
     Returns:
         ``input_ids``, ``labels``, ``position_ids`` (and the other keys given), ``shift_labels`` (the
         same tensor as ``labels``: it tells a model under `apply_context_parallel` that they are already
         next-token targets, so ``model(**out).loss`` is the cp group's token mean; or feed ``labels`` to
-        `hcp.cross_entropy`), and the packed keys for packed rows.
+        `hcp.cross_entropy`), the packed keys for packed rows, and `MASK_KEY` for masked rows.
 
     Raises:
         ShapeError: Tensors whose batch or sequence dims disagree; media (`MEDIA_KEYS`: pixel_values, ...).
-        ConfigError: Left padding or holes in ``attention_mask``, position ids that do not count up.
-        InconsistentRanksError: The ranks of a cp group were given different batches (checked on every call
-            with `cp.validate`: one host all-reduce of 3 integers).
+        ConfigError: Left padding or holes in ``attention_mask``, position ids that do not count up; with
+            ``mask``: ``labels`` to be shifted, an ``attention_mask`` or packed keys (the mask says it all).
+        InputTypeError: ``mask`` is not an `hcp.AttnMask`.
+        InconsistentRanksError: The ranks of a cp group were given different batches or masks (checked on
+            every call with `cp.validate`: one host all-reduce of a few integers).
     """
     error, out = None, {}
     try:
-        out = _shard_batch(batch, cp, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
-                           device=device)
+        if mask is not None:
+            out = _shard_masked(batch, cp, mask, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
+                                device=device)
+        else:
+            out = _shard_batch(batch, cp, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
+                               device=device)
     except (ValueError, TypeError) as exc:
         if not validates(cp) or not isinstance(exc, CPError):
             raise
         error = exc
-    agree_on_batch(cp, batch, error)
+    agree_on_batch(cp, batch, error, mask)
     return out
 
 
@@ -156,6 +181,56 @@ def _shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int, s
     if mask is not None:
         out["attention_mask"] = _take(mask, cp, lay, device, 0)
     out["shift_labels"] = out["labels"]
+    return out
+
+
+def _masked_targets(batch: Mapping[str, Any], shift: bool) -> torch.Tensor | None:
+    """A masked row's next-token targets: ``shift_labels``, or ``labels`` with shift=False; None without either."""
+    targets = batch.get("shift_labels")
+    if targets is None and batch.get("labels") is not None:
+        if shift:
+            raise ConfigError("shard_batch(mask=...) got batch['labels'] to shift: under a mask the next token of a "
+                              "token is not the next one in the row (with a prompt and several completions the last "
+                              "prompt token has no single next token). Pass the targets as batch['shift_labels'] (or "
+                              "labels with shift=False): for each token the token it predicts, or ignore_index")
+        targets = batch["labels"]
+    dense_labels(targets)
+    return targets
+
+
+def _shard_masked(batch: Mapping[str, Any], cp: "CPMesh", mask: AttnMask, *, ignore_index: int, shift: bool,
+                  pad_token_id: int, device: torch.device | str | None) -> dict[str, Any]:
+    """`shard_batch` of rows that share one `hcp.AttnMask`: the mask's layout, the caller's positions and targets."""
+    require_mesh(cp)
+    _refuse_media(batch)
+    ids, attention_mask, pos = batch_arguments(batch, ignore_index)
+    lay = row_layout(cp, mask=mask, what="hcp.shard_batch")
+    b, s = ids.shape
+    if s != mask.seq_len:
+        raise ShapeError(f"batch['input_ids'] has {s} tokens per row but mask describes a row of {mask.seq_len}; "
+                         f"build the mask over the whole row")
+    if attention_mask is not None:
+        raise ConfigError("shard_batch(mask=...) takes no batch['attention_mask']: the mask says which keys each "
+                          "token sees (a token it leaves out sees nothing); drop attention_mask and set the "
+                          "targets of padding to ignore_index")
+    packed = [key for key in (*PACKED_KEYS, "cu_seqlens") if batch.get(key) is not None]
+    if packed:
+        raise ConfigError(f"shard_batch(mask=...) got batch[{packed[0]!r}]: a mask replaces packed-document "
+                          f"boundaries (AttnMask.documents(cu_seqlens) holds them); drop {packed}")
+    if pos is not None and pos.is_floating_point():
+        raise ConfigError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
+    targets = _masked_targets(batch, shift)
+    device = torch.device(device) if device is not None else cp.device
+    out = _shard_rest(batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", *_LABEL_KEYS))
+    out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
+    if pos is None:
+        out["position_ids"] = positions(cp, device=device, mask=mask)[None].expand(b, -1).contiguous()
+    else:   # pad slots see no key and no token sees them: any position
+        out["position_ids"] = _take(pos, cp, lay, device, 0)
+    if targets is not None:
+        out["labels"] = _take(targets, cp, lay, device, ignore_index)
+        out["shift_labels"] = out["labels"]
+    out[MASK_KEY] = mask
     return out
 
 
@@ -257,4 +332,4 @@ def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, igno
     return out
 
 
-__all__ = ["shard_batch", "shift_labels"]
+__all__ = ["shard_batch", "shift_labels", "MASK_KEY"]

@@ -56,8 +56,9 @@ class BatchSignature(NamedTuple):
     input_ids: int = 0      # checksum of the token ids
     labels: int = 0         # checksum of the labels (0: none)
     keys: int = 0           # digest of the batch's keys
+    mask: int = 0           # digest of shard_batch's mask= (0: none)
 
-    labels_ = ("batch", "length", "input_ids (checksum)", "labels (checksum)", "keys")
+    labels_ = ("batch", "length", "input_ids (checksum)", "labels (checksum)", "keys", "mask (checksum)")
 
 
 def content_checksum(t: Any) -> int:
@@ -70,18 +71,19 @@ def content_checksum(t: Any) -> int:
     return int((flat * weights).sum()) & (2 ** 62 - 1)
 
 
-def batch_signature(batch: Mapping[str, Any]) -> BatchSignature:
-    """The signature of a batch that passed this rank's checks."""
+def batch_signature(batch: Mapping[str, Any], mask: Any = None) -> BatchSignature:
+    """The signature of a batch (and its `hcp.AttnMask`, if any) that passed this rank's checks."""
     ids = batch["input_ids"]
     return BatchSignature(ids.shape[0], ids.shape[1], content_checksum(ids),
-                          content_checksum(batch.get("shift_labels", batch.get("labels"))), digest(sorted(batch)))
+                          content_checksum(batch.get("shift_labels", batch.get("labels"))), digest(sorted(batch)),
+                          0 if mask is None else digest(mask))
 
 
-def agree_on_batch(cp, batch: Any, error: Exception | None) -> None:
+def agree_on_batch(cp, batch: Any, error: Exception | None, mask: Any = None) -> None:
     """Every cp rank raises if one rank's batch failed its checks or the ranks were given different batches
-    (checked on every call: the batch changes every step, so no call is predicted)."""
+    or masks (checked on every call: the batch changes every step, so no call is predicted)."""
     if validates(cp):
-        signature = batch_signature(batch) if error is None else BatchSignature()
+        signature = batch_signature(batch, mask) if error is None else BatchSignature()
         agree_across_ranks(cp, signature, BatchSignature.labels_, error, "hcp.shard_batch batch (the same full "
                            "batch on every rank of a cp group)", learn=False)
 

@@ -31,6 +31,7 @@ from topology.units import LOSS_CHUNK_BYTES
 from ..engine.agreement import checked_on_every_rank, digest
 from ..engine.rules import positive_int
 from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
+from .batch import MASK_KEY
 from .loss import GroupReduced, check_ignore_index, reduction_group
 
 if TYPE_CHECKING:
@@ -197,10 +198,10 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     return GroupReduced.apply(local_sum, total.float(), torch.tensor(float(world), device=local_sum.device))
 
 
-# what lm_loss hands the model: a packed row's document boundaries (shard_batch's cu_seq_lens_q/...) must reach the
-# attention layers
+# what lm_loss hands the model: a packed row's document boundaries (shard_batch's cu_seq_lens_q/...) or a masked row's
+# AttnMask (MASK_KEY) must reach the attention layers
 BATCH_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-              "max_length_k")
+              "max_length_k", MASK_KEY)
 
 
 def _lm_loss_arguments(model: Any, batch: Any, tiled: Any, chunk_tokens: Any, ignore_index: Any,
