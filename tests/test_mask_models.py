@@ -2,6 +2,7 @@
 `model(**shard)`) equals running each prompt + completion alone on one process (tests/mask_model_cases.py), and
 the calls a mask cannot make exact raise a named error on every rank."""
 
+import mask_model_cases
 import pytest
 import torch
 from tolerance import within
@@ -25,7 +26,7 @@ GRAD = 1e-4
                          ids=["2x2", "1x4", "2x2-lm_loss"])
 def test_shared_prefix_llama_step_matches_per_completion_reference(pool, u, r, tiled_loss):
     # tiled_loss: hcp.lm_loss(model, shard, cp) must hand the mask to the model as model(**shard) does
-    rows = pool.run("mask_model_cases:tree_model_parity", u=u, r=r, tiled_loss=tiled_loss)
+    rows = pool.run(mask_model_cases.tree_model_parity, u=u, r=r, tiled_loss=tiled_loss)
     for rank, row in enumerate(rows):
         assert not row["missing"] and row["carried"], (u, r, row)
         within(row["loss"], LOSS, f"u={u} r={r} rank {rank} loss", row)
@@ -36,7 +37,7 @@ def test_shared_prefix_llama_step_matches_per_completion_reference(pool, u, r, t
 
 
 def test_masked_model_calls_that_cannot_be_exact_raise(pool):
-    rows = pool.run("mask_model_cases:tree_model_refusals", u=2, r=2)
+    rows = pool.run(mask_model_cases.tree_model_refusals, u=2, r=2)
     for row in rows:
         assert row["ok_after"][1] > 0
         for case in ("mask_4d", "mask_4d_with_mask", "wrong_type", "padding_with_mask"):
