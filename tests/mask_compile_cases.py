@@ -17,6 +17,7 @@ from torch import nn
 
 import hybrid_cp as hcp
 from hybrid_cp.testing.parity import DTYPES, mask_visibility, masked_reference, random_inputs, rel
+from topology.masks import AttnMask as RangeMask
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
 SEQ = 128
@@ -68,11 +69,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def parity(u: int, r: int, backend: str = "aot_eager", window=None, softcap: float | None = None,
-           sinks: bool = False) -> dict | None:
-    """Compile the masked model (fullgraph, error_on_recompile) and run one step per `step_masks()` mask against
-    eager: loss and gradient errors per step, compiled frames, graph breaks, whether the custom op is in the
-    graph (what the op received: the mask encodings' lengths)."""
+def parity(u: int, r: int, backend: str = "aot_eager", window=None, softcap: float | None = None,  # noqa: PLR0913 (case knobs)
+           sinks: bool = False, plain: bool = False) -> dict | None:
+    """Compile the masked model (fullgraph; error_on_recompile unless `plain`) and run one step per `step_masks()`
+    mask against eager: loss and gradient errors per step, compiled frames, graph breaks, whether the custom op is
+    in the graph. `plain`: the masks as `topology.masks.AttnMask` (no `encoded` tensor)."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
@@ -88,7 +89,9 @@ def parity(u: int, r: int, backend: str = "aot_eager", window=None, softcap: flo
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     rows = []
     masks = step_masks()   # built after dynamo loaded: their encodings' lengths are marked dynamic
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    if plain:
+        masks = [RangeMask(m.seq_len, m.slices) for m in masks]
+    with torch._dynamo.config.patch(error_on_recompile=not plain):
         for step, mask in enumerate(masks):
             ids, labels = _batch(cp, step, mask)
             ref = eager(ids, labels, mask)

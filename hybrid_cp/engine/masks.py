@@ -10,6 +10,7 @@ input like `cu_seqlens`, so a new mask every step is new data, not a recompile (
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -34,10 +35,17 @@ def encode_mask(mask: range_masks.AttnMask) -> torch.Tensor:
 def decode_mask(encoded: torch.Tensor) -> AttnMask:
     """The `hcp.AttnMask` of `encode_mask(m)`: equal to `m` (for an `hcp.AttnMask` `m`), rebuilt through
     `AttnMask.from_slices`, which checks the slices and gives the canonical form (sentinel bands -> None)."""
-    values = encoded.tolist()
+    values = tuple(encoded.tolist())
     if len(values) < 1 or (len(values) - 1) % _FIELDS:
         raise ConfigError(f"an encoded mask holds seq_len and {_FIELDS} ints per slice, got {len(values)} ints; "
                           f"build it with hybrid_cp.engine.masks.encode_mask")
+    return _decoded(values)
+
+
+@functools.lru_cache(maxsize=16)
+def _decoded(values: tuple[int, ...]) -> AttnMask:
+    """The mask of valid encoded `values`, remembered: the compiled op decodes each mask in forward and again
+    in backward, and `from_slices`' checks cost about 25 ms for 4000 slices."""
     slices = [values[i:i + _FIELDS] for i in range(1, len(values), _FIELDS)]
     return AttnMask.from_slices(values[0], slices)
 
