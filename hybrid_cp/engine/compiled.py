@@ -16,7 +16,9 @@ depends on the plan (for packed rows, on the values in `cu_seqlens`), which a fa
 so backward receives them again instead (halo rows are few by construction).
 
 The variants are op arguments too: `softcap` a float, `sinks` an optional tensor whose gradient (this
-rank's share) comes out of the backward op; v's head dim comes from v's shape (the fakes use it).
+rank's share) comes out of the backward op; v's head dim comes from v's shape (the fakes use it). A mask
+is an int64 tensor (`engine.masks.encode_mask`, carried by every `hcp.AttnMask` as `encoded`) that the op
+decodes: like `cu_seqlens` its values are data, so a new mask each step runs the same graph.
 
 Objects cannot be op arguments, so the mesh and kernel objects go through a per-process registry
 and the op gets a small integer key (first-use order: the same on every rank of an SPMD program,
@@ -38,12 +40,13 @@ from .comm import acc_dtype
 from .heads import head_split
 from .kernels import AttentionKernel, get_kernel
 from .layout import row_layout
+from .masks import AttnMask, encode_mask
 from .mesh import CPMesh
 from .patterns import prepared
 from .pipeline import AttentionCall, Saved, backward, forward, plan_call
 from .rules import is_int
 from .spec import AttentionSpec
-from .validate import Checked, kernel_keywords, op_expressible
+from .validate import Checked, kernel_keywords, mask_in_effect, op_expressible
 
 log = logging.getLogger("hybrid_cp")
 
@@ -100,11 +103,16 @@ def _call(cp: CPMesh, spec: AttentionSpec, shape: tuple[int, int, int, int], kv_
           v_dim: int) -> AttentionCall:
     """The call's plan handle in backward, recomputed without checks (forward checked the same arguments).
     `shape` is q's, `like` a tensor of q's dtype and device, `v_dim` v's head dim."""
-    lay = row_layout(cp, local_len=shape[1], seq_len=spec.seq_len, cu_seqlens=spec.cu_seqlens, causal=spec.causal)
-    window = lay.effective_window(spec.causal, spec.window)
-    needs = kernel_keywords(lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v_dim != shape[3])
+    if spec.mask is not None:   # as validate's checks: the mask's own layout, its window folded into the mask
+        lay, window, mask = row_layout(cp, local_len=shape[1], mask=spec.mask), None, mask_in_effect(spec)
+    else:
+        lay, mask = row_layout(cp, local_len=shape[1], seq_len=spec.seq_len, cu_seqlens=spec.cu_seqlens,
+                               causal=spec.causal), None
+        window = lay.effective_window(spec.causal, spec.window)
+    needs = kernel_keywords(lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v_dim != shape[3],
+                            mask is not None)
     kernel = get_kernel(spec.backend, like.device, like.dtype, shape[3], needs=needs)  # as forward
-    return plan_call(cp, spec, Checked(lay, kernel, window), shape, kv_heads, like.device)
+    return plan_call(cp, spec, Checked(lay, kernel, window, mask), shape, kv_heads, like.device)
 
 
 def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
@@ -168,7 +176,7 @@ def _own_heads(cp: CPMesh, heads: int, kv_heads: int) -> tuple[int, int]:
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, sinks, mesh, needs_grad, *spec_args):
     cp = registered_mesh(mesh)
-    spec = AttentionSpec.from_op_args(*spec_args)
+    spec = AttentionSpec.from_op_args(*spec_args, values=False)
     b, s, h, d = q.shape
     nq, nkv = _own_heads(cp, h, k.shape[2])
     n = cp.ulysses_size * s
@@ -228,6 +236,14 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 _WARNED: set[str] = set()
 
 
+def _mask_arg(mask: Any) -> torch.Tensor | None:
+    """The op's `mask` argument: an `hcp.AttnMask`'s own encoding (dynamo reads it as a graph input), or the
+    encoding of another `topology.masks.AttnMask` built while tracing (a constant it guards on)."""
+    if mask is None:
+        return None
+    return mask.encoded if isinstance(mask, AttnMask) else encode_mask(mask)
+
+
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, spec: AttentionSpec,
                        sinks: Any = None):
     """`hcp.attention` while dynamo traces (`run_attention` calls this): one `hybrid_cp::attention_fwd` node in
@@ -235,7 +251,9 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
     outside the graph, which raises eager's error for invalid arguments).
 
     `cu_seqlens` should be a tensor (as `shard_batch` gives): a Python list is a constant to dynamo,
-    so every new packing would recompile.
+    so every new packing would recompile. Likewise a mask: an `hcp.AttnMask` reaches the op as its
+    `encoded` tensor (a graph input read from the mask object: new masks are new data); a
+    `topology.masks.AttnMask` is encoded while tracing, a constant, so each new one recompiles.
     """
     backend = spec.backend
     backend_arg = backend if isinstance(backend, str) else _kernel_key(backend)
@@ -253,6 +271,6 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
-    op_spec = replace(spec, backend=backend_arg, cu_seqlens=cu_seqlens)
+    op_spec = replace(spec, backend=backend_arg, cu_seqlens=cu_seqlens, mask=_mask_arg(spec.mask))
     out, lse = torch.ops.hybrid_cp.attention_fwd(q, k, v, sinks, _mesh_key(cp), needs_grad, *op_spec.op_args())[:2]
     return (out, lse) if spec.return_lse else out

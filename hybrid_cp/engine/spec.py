@@ -17,6 +17,8 @@ import torch
 
 from topology.masks import AttnMask
 
+from .masks import decode_mask
+
 __all__ = ["AttentionSpec"]
 
 
@@ -67,25 +69,29 @@ class AttentionSpec:
     # ---- the compiled op's flat encoding (hybrid_cp/engine/compiled.py): the only place that knows its order ----
 
     OP_SCHEMA = ("Tensor? cu_seqlens, str backend, bool causal, float? softmax_scale, int? seq_len, int[]? window, "
-                 "float? softcap, int? chunk_size, bool return_lse")
+                 "float? softcap, int? chunk_size, bool return_lse, Tensor? mask")
 
     def op_args(self) -> tuple:
         """The spec as the compiled op's arguments (`OP_SCHEMA`): `backend` must already be a str (a kernel
-        name or the op's registry key) and `cu_seqlens` a tensor or None; a window int W is [W], (left, right)
-        is [left, right]. Head chunks and their schedule are not op arguments (such calls run eagerly)."""
+        name or the op's registry key), `cu_seqlens` a tensor or None and `mask` an encoded mask
+        (`engine.masks.encode_mask`) or None; a window int W is [W], (left, right) is [left, right]. Head chunks
+        and their schedule are not op arguments (such calls run eagerly)."""
         window = None if self.window is None else [self.window] if isinstance(self.window, int) else list(self.window)
         return (self.cu_seqlens, self.backend, self.causal,
                 None if self.softmax_scale is None else float(self.softmax_scale), self.seq_len, window,
-                None if self.softcap is None else float(self.softcap), self.chunk_size, self.return_lse)
+                None if self.softcap is None else float(self.softcap), self.chunk_size, self.return_lse, self.mask)
 
     @classmethod
-    def from_op_args(cls, *args: Any) -> "AttentionSpec":
-        """The spec back from `op_args()` (inside the op)."""
-        cu_seqlens, backend, causal, softmax_scale, seq_len, window, softcap, chunk_size, return_lse = args
+    def from_op_args(cls, *args: Any, values: bool = True) -> "AttentionSpec":
+        """The spec back from `op_args()` (inside the op), the mask decoded into an `hcp.AttnMask`. The fake
+        implementations pass `values=False`: a fake tensor has no values, so the mask stays encoded."""
+        cu_seqlens, backend, causal, softmax_scale, seq_len, window, softcap, chunk_size, return_lse, mask = args
         if window is not None:
             window = window[0] if len(window) == 1 else (window[0], window[1])
+        if mask is not None and values:
+            mask = decode_mask(mask)
         return cls(causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, backend=backend, seq_len=seq_len,
-                   cu_seqlens=cu_seqlens, window=window, softcap=softcap, chunk_size=chunk_size)
+                   cu_seqlens=cu_seqlens, window=window, softcap=softcap, chunk_size=chunk_size, mask=mask)
 
 
 _SCALARS = frozenset((type(None), bool, int, float, str))

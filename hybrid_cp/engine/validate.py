@@ -298,7 +298,7 @@ def op_expressible(q, k, v, cp, spec: AttentionSpec, sinks: Any, backend_key: st
             and op_window(s.window)[0] and isinstance(s.causal, bool) and isinstance(s.return_lse, bool)
             and is_int(s.head_chunks) and s.head_chunks == 1 and backend_key != ""
             and (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool)))
-            and (s.seq_len is None or is_int(s.seq_len)) and is_softcap(s.softcap) and s.mask is None
+            and (s.seq_len is None or is_int(s.seq_len)) and is_softcap(s.softcap) and (s.mask is None or isinstance(s.mask, AttnMask))
             and (sinks is None or isinstance(sinks, torch.Tensor)) and (s.chunk_size is None or is_int(s.chunk_size))
             and (cu is None or isinstance(cu, torch.Tensor)
                  or (isinstance(cu, (list, tuple)) and all(is_int(x) for x in cu))))
