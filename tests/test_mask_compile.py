@@ -5,6 +5,7 @@ time, compiles once (fullgraph, error_on_recompile) and matches eager loss and g
 
 from __future__ import annotations
 
+import mask_compile_cases
 import pytest
 import torch
 from tolerance import within
@@ -63,18 +64,18 @@ def test_encoded_mask_round_trips():
 def test_masked_model_compiles_once(pool, u, r):
     """fullgraph=True, error_on_recompile=True; four steps, each with a new mask (documents, shared prefix,
     prefix-LM, image blocks: 3 to 9 slices), GQA (4 query heads, 2 KV heads)."""
-    _check_parity(pool.run("mask_compile_cases:parity", u=u, r=r))
+    _check_parity(pool.run(mask_compile_cases.parity, u=u, r=r))
 
 
 def test_masked_model_with_window_softcap_sinks_compiles_once(pool):
     """The mask with a window folded in, logit soft-capping and learnable sinks, in one compiled graph."""
-    _check_parity(pool.run("mask_compile_cases:parity", u=2, r=2, window=9, softcap=20.0, sinks=True))
+    _check_parity(pool.run(mask_compile_cases.parity, u=2, r=2, window=9, softcap=20.0, sinks=True))
 
 
 def test_topology_masks_compile_as_constants(pool):
     """A `topology.masks.AttnMask` (no `encoded` tensor) is encoded while tracing: a constant, so each new mask
     recompiles (no graph break), with eager's results."""
-    for rank, row in enumerate(_mine(pool.run("mask_compile_cases:parity", u=2, r=2, plain=True))):
+    for rank, row in enumerate(_mine(pool.run(mask_compile_cases.parity, u=2, r=2, plain=True))):
         assert row["frames"] == len(row["steps"]) and row["graph_breaks"] == {} and row["op_in_graph"], (rank, row)
         for s, step in enumerate(row["steps"]):
             within(step["loss"], EXACT, f"rank {rank} step {s} loss", step)
@@ -83,7 +84,7 @@ def test_topology_masks_compile_as_constants(pool):
 
 def test_masked_ops_pass_opcheck(pool):
     """Schema, fake vs real shapes and strides, autograd registration and AOT dispatch with a mask argument."""
-    for row in _mine(pool.run("mask_compile_cases:opcheck", u=2, r=2)):
+    for row in _mine(pool.run(mask_compile_cases.opcheck, u=2, r=2)):
         for op in ("fwd", "bwd"):
             assert set(row[op].values()) == {"SUCCESS"}, row
 
@@ -103,7 +104,7 @@ def _head_chunk_cases() -> list[dict]:
 def test_masked_head_chunks(pool, u, r):
     """head_chunks=2, one after another and overlapped: the same results as one chunk, and the fp64 reference."""
     cases = _head_chunk_cases()
-    for rank, rows in enumerate(pool.run("mask_compile_cases:head_chunk_errors", u=u, r=r, cases=cases)):
+    for rank, rows in enumerate(pool.run(mask_compile_cases.head_chunk_errors, u=u, r=r, cases=cases)):
         for row in rows:
             label = f"u={u} r={r} rank {rank} {row['name']} overlap={row['overlap']}"
             assert row["lse -inf match"], label
