@@ -62,7 +62,12 @@ class MaskModel(nn.Module):
 def _batch(cp: hcp.CPMesh, step: int, mask: hcp.AttnMask):
     g = torch.Generator().manual_seed(300 + step)
     ids, labels = (torch.randint(0, VOCAB, (2, mask.seq_len), generator=g) for _ in range(2))
-    return hcp.shard(ids, cp, mask=mask), hcp.shard(labels, cp, mask=mask)
+    local = hcp.shard(ids, cp, mask=mask), hcp.shard(labels, cp, mask=mask)
+    from torch._dynamo import mark_dynamic
+
+    for x in local:   # each mask's layout has its own local length (whole documents are kept whole): dynamic
+        mark_dynamic(x, 1)
+    return local
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
