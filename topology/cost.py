@@ -172,13 +172,11 @@ def estimate(  # noqa: PLR0913 (public entry point)
     ``attention_forwards`` is how often attention runs forward per layer and step (1 plain; 2 with
     activation checkpointing, whose recomputation repeats it; ``topology.step_model.attention_forwards``):
     each extra one adds a forward pass's attention kernels, ring steps and exchanges (not useful FLOPs).
-    ``mask`` (a `topology.masks.AttnMask` of ``seq_len`` tokens; it replaces ``layout``, ``causal`` and
-    ``chunk_size``) prices the call on the mask's balanced layout (`topology.mask_layout.mask_layout`),
-    from the block plan the engine runs there: per ring step, the visible cells and kernel calls of the
-    busiest ring rank at that step, summed over the steps (the ring is lock-step), the halo or streamed
-    ring bytes of :func:`comm_bytes` with the same mask, and the mask's visible cells as useful FLOPs.
-    ``window=W`` narrows the mask as `hcp.attention` does (`AttnMask.windowed`); the default prices
-    the model's window layers with the mask narrowed by its ``sliding_window`` and the rest with the mask.
+    ``mask`` (a `topology.masks.AttnMask`; it replaces ``layout``, ``causal``, ``chunk_size``) prices the call
+    on the mask's balanced layout (`mask_layout`) from the block plan the engine runs there: per ring step the
+    visible cells and kernel calls of that step's busiest rank, summed over the steps (the ring is lock-step),
+    :func:`comm_bytes`' bytes under the mask, its visible cells as useful FLOPs. ``window=W`` narrows the
+    mask as `hcp.attention` does; by default the model's window layers narrow it by its ``sliding_window``.
     Memory is not part of it: the training step's peak is :func:`topology.step_model.step_memory`'s, which
     :func:`topology.planner.plan` checks each split with (``Plan.memory``).
 
@@ -221,14 +219,22 @@ def estimate(  # noqa: PLR0913 (public entry point)
     if window is not _MODEL_WINDOW or chunk_size is not None:
         window = None if window is _MODEL_WINDOW else window
         return _one_layer(cluster, model, split, window=window, chunk_size=chunk_size, **kw)
-    kinds = _layer_kinds(model, seq_len, causal)
+    return _model_layers(cluster, model, split, causal=causal, backward=backward, mask=mask)
+
+
+def _model_layers(cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool,
+                  mask: AttnMask | None) -> Estimate:
+    """:func:`estimate` with the model's own windows: each kind of layer priced alone, then averaged."""
+    kinds = _layer_kinds(model, split.seq_len, causal)
     if mask is not None and (model.linear_layers or any(c is not None for _, _, c, _ in kinds)):
         what = "linear layers" if model.linear_layers else f"attention_chunk_size={model.attention_chunk_size}"
         raise ValueError(f"mask= with a model that has {what}: the mask prices attention layers only; pass "
                          f"window=None (or window=W) to price one masked attention layer")
-    layers = [(n, _one_layer(cluster, model, split, window=w, chunk_size=c, **kw), what) for n, w, c, what in kinds]
+    kw: dict[str, Any] = dict(causal=causal, backward=backward)
+    layers = [(n, _one_layer(cluster, model, split, window=w, chunk_size=c, mask=mask, **kw), what)
+              for n, w, c, what in kinds]
     if model.linear_layers:
-        layers.append((model.linear_layers, _linear_layer(cluster, model, split, causal=causal, backward=backward),
+        layers.append((model.linear_layers, _linear_layer(cluster, model, split, **kw),
                        f"are linear ({model.linear_kind})"))
     if len(layers) == 1:
         return layers[0][1]
