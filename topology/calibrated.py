@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .block_masks import visible_entries
 from .call_shape import CallShape, LayerTimes, streamed_ring_s
 from .cluster import Cluster
 from .placement import ulysses_groups
+from .rates import kernel_flops
 from .traffic import a2a_time, comm_bytes
 from .units import dtype_name
 
@@ -17,11 +19,15 @@ __all__ = ["calibrated_times", "engine_known_s"]
 def calibrated_times(cluster: Cluster, call: CallShape, dtype: Any, window: Any, busiest_share: float,
                       nbytes: dict[str, int], analytic: LayerTimes, chunk: int | None = None) -> tuple[LayerTimes, list[str]]:
     """The analytic times replaced by the measured ones; a window (or attention chunks) scales the
-    calibrated kernel and ring terms by the work and the ring bytes it keeps."""
+    calibrated kernel and ring terms by the work and the ring bytes it keeps. A mask's kernels are
+    priced call by call (:func:`_calibrated_mask_kernel_s`), its ring by the bytes it moves."""
     parts = _calibrated_parts(cluster.calibration, cluster, call, dtype)
     kernel_fwd, kernel_bwd = parts["kernel_fwd_s"], parts["kernel_bwd_s"]
     ring_comm, ring_exposed = parts["ring_comm_s"], parts["ring_exposed_s"]
-    if window is not None or chunk is not None:
+    if call.mask is not None:  # the measured exchange streams whole blocks; a halo moves fewer bytes
+        moved = (nbytes["ring_fwd"] + nbytes["ring_bwd"]) / max(1, call.streamed_ring_bytes())
+        ring_comm, ring_exposed = ring_comm * moved, ring_exposed * moved
+    elif window is not None or chunk is not None:
         kernel_fwd, kernel_bwd = kernel_fwd * busiest_share, kernel_bwd * busiest_share
         full = comm_bytes(call.heads, call.kv_heads, call.head_dim, call.seq_len, call.batch, call.ulysses, call.ring,
                           call.e, call.layout, causal=call.causal)
@@ -61,6 +67,36 @@ def _calibrated_kernel_s(cal: Any, call: CallShape, dtype: Any, notes: list[str]
         if totals["fwd"] + totals["bwd"] > sum(worst):
             worst = (totals["fwd"], totals["bwd"])
     return worst
+
+
+def _calibrated_mask_kernel_s(cal: Any, call: CallShape, dtype: Any, notes: list[str]) -> tuple[float, float]:
+    """A masked call's kernels from its block plan (`Layout.mask_tasks`): every (query, key) pair of every
+    call through the fitted form, a banded pair at its visible cells (the full-block fit less the FLOPs its
+    band skips), and the lock-step ring's busiest rank at each step summed over the steps: (fwd, bwd) s."""
+    name = dtype_name(dtype)
+    fits = {(c, d): cal.kernel_fit(c, d, dtype=name) for c in (True, False) for d in ("fwd", "bwd")}
+    if any(f is not None and f.dtype != name for f in fits.values()):
+        notes.append(f"kernel rates for {name} not calibrated; used {cal.dtype}")
+    heads, d_head = call.batch * call.busiest_heads[0], call.head_dim
+    directions = ("fwd", "bwd") if call.backward else ("fwd",)
+
+    def pair_s(step: Any, nq: int, nk: int, direction: str) -> float:
+        fit = fits[(step.causal, direction)]
+        if fit is None:
+            raise ValueError(f"the calibration has no {'causal' if step.causal else 'full'} {direction} kernel fit; "
+                             "re-run hybrid-cp calibrate with the kernels stage")
+        skipped = 0.0
+        if step.window is not None:  # a band: the block's flops the kernel skips
+            full = kernel_flops(nq, nk, heads, d_head, False, direction)
+            skipped = full * (1.0 - visible_entries(nq, nk, False, step.window) / (nq * nk))
+        return fit.seconds(nq, nk, heads, d_head) - skipped / (fit.tflops * 1e12)
+
+    lay, r, out = call.lay, call.ring, {"fwd": 0.0, "bwd": 0.0}
+    for s in range(r):
+        for direction in directions:
+            out[direction] += max(sum(pair_s(t, nq, nk, direction) for t in lay.tasks(j, s, False, mask=call.mask)
+                                      for _, nq, _, nk in t.pairs) for j in range(r))
+    return out["fwd"], out["bwd"]
 
 
 def _calibrated_merge_s(cal: Any, call: CallShape) -> float:
@@ -116,7 +152,8 @@ def _calibrated_parts(cal: Any, cluster: Cluster | None, call: CallShape, dtype:
     :func:`estimate` scales them for a window.
     """
     notes: list[str] = []
-    kf, kb = _calibrated_kernel_s(cal, call, dtype, notes) if kernels else (0.0, 0.0)
+    kernel_s = _calibrated_kernel_s if call.mask is None else _calibrated_mask_kernel_s
+    kf, kb = kernel_s(cal, call, dtype, notes) if kernels else (0.0, 0.0)
     units = call.ring * (3 if call.backward else 1)
     fixed = units * cal.step_overhead_us * 1e-6 + cal.call_overhead_us * 1e-6 * (1.0 if call.backward else 0.5)
     nbytes = call.sent_bytes()

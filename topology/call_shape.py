@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 from .heads import head_split
 from .layouts import make_layout
+from .mask_layout import mask_layout
+from .masks import AttnMask
 from .model_shape import ModelShape
 from .rates import merge_bwd_bytes, merge_fwd_bytes
 from .split import Split
@@ -20,7 +22,9 @@ __all__ = ["CallShape", "LayerTimes", "exposed_s", "streamed_ring_s"]
 @dataclass(frozen=True)
 class CallShape:
     """One attention call (one layer, ``batch`` rows) on a (dp, ring, ulysses) mesh: the shape that
-    every cost term prices. ``e`` is bytes per element of the compute dtype."""
+    every cost term prices. ``e`` is bytes per element of the compute dtype. ``mask`` (an `AttnMask`, its
+    window already folded in) replaces ``layout`` and ``causal``: the row is then the mask's balanced
+    layout (`mask_layout`), as the engine runs it."""
 
     heads: int
     kv_heads: int
@@ -34,19 +38,24 @@ class CallShape:
     causal: bool = True
     backward: bool = True
     dp: int = 1
+    mask: AttnMask | None = None
 
     @classmethod
-    def of(cls, model: ModelShape, split: Split, causal: bool = True, backward: bool = True) -> "CallShape":
-        """The call of one of ``model``'s attention layers on ``split``."""
+    def of(cls, model: ModelShape, split: Split, causal: bool = True, backward: bool = True,
+           mask: AttnMask | None = None) -> "CallShape":
+        """The call of one of ``model``'s attention layers on ``split`` (under ``mask``, not causal: the
+        mask says which keys each query sees)."""
         return cls(model.heads, model.n_kv, model.head_dim, split.seq_len, split.batch, split.ulysses, split.ring,
-                   split.e, split.layout, causal, backward, split.dp)
+                   split.e, split.layout, causal and mask is None, backward, split.dp, mask)
 
     @property
     def world(self) -> int:
         return self.dp * self.ulysses * self.ring
 
     @property
-    def lay(self):  # a topology.layouts.Layout (make_layout is cached)
+    def lay(self):  # a topology.layouts.Layout (make_layout and mask_layout are cached)
+        if self.mask is not None:
+            return mask_layout(self.mask, self.ulysses, self.ring)
         return make_layout(self.layout, self.ulysses, self.ring, seq_len=self.seq_len)
 
     @property
@@ -73,10 +82,27 @@ class CallShape:
     def sent_bytes(self, window: Any = None, chunk_size: int | None = None) -> dict[str, int]:
         """:func:`comm_bytes` of this call (the backward's zero for a forward-only call)."""
         nbytes = comm_bytes(self.heads, self.kv_heads, self.head_dim, self.seq_len, self.batch, self.ulysses,
-                            self.ring, self.e, self.layout, causal=self.causal, window=window, chunk_size=chunk_size)
+                            self.ring, self.e, self.layout, causal=self.causal, window=window, chunk_size=chunk_size,
+                            mask=self.mask)
         if not self.backward:
             nbytes.update(ulysses_bwd=0, ring_bwd=0)
         return nbytes
+
+    def streamed_ring_bytes(self) -> int:
+        """Ring bytes (forward + backward) of whole K/V blocks streamed around the ring, what
+        :func:`comm_bytes` gives when the layout's halo rule does not hold (0 without a ring)."""
+        if self.ring == 1:
+            return 0
+        kv, g = self.kv_block, grad_bytes(self.e)
+        fwd = (self.ring - 1) * kv * self.e
+        return fwd + (fwd + self.ring * kv * g if self.backward else 0)
+
+    def mask_plan(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(visible cells, kernel calls) of each ring rank at each ring step under the call's mask: the
+        block plan the engine runs (`Layout.mask_tasks`), per batch row and head."""
+        lay, r = self.lay, self.ring
+        tasks = [[lay.tasks(j, s, False, mask=self.mask) for s in range(r)] for j in range(r)]
+        return [[sum(t.work() for t in at) for at in row] for row in tasks], [[len(at) for at in row] for row in tasks]
 
     def merge_bytes(self) -> tuple[int, int]:
         """Bytes one ring step's online-softmax merge moves, forward and backward (0 forward-only)."""

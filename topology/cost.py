@@ -37,6 +37,7 @@ from .linear_cost import (
     linear_summary_bytes,
     linear_tokens,
 )
+from .masks import AttnMask
 from .model_shape import MODEL_PRESETS, ModelShape
 from .placement import PlacementError, ring_groups, ulysses_groups
 from .rates import ATTN_BWD_FACTOR
@@ -150,12 +151,13 @@ def estimate(  # noqa: PLR0913 (public entry point)
     batch: int = 1,
     *,
     dtype: Any = "bf16",
-    layout: Layout = "zigzag",
-    causal: bool = True,
+    layout: Layout | None = None,
+    causal: bool | None = None,
     backward: bool = True,
     window: int | None = _MODEL_WINDOW,
     chunk_size: int | None = None,
     attention_forwards: int = 1,
+    mask: AttnMask | None = None,
 ) -> Estimate:
     """Predict time and bytes of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
@@ -170,6 +172,11 @@ def estimate(  # noqa: PLR0913 (public entry point)
     ``attention_forwards`` is how often attention runs forward per layer and step (1 plain; 2 with
     activation checkpointing, whose recomputation repeats it; ``topology.step_model.attention_forwards``):
     each extra one adds a forward pass's attention kernels, ring steps and exchanges (not useful FLOPs).
+    ``mask`` (a `topology.masks.AttnMask`; it replaces ``layout``, ``causal``, ``chunk_size``) prices the call
+    on the mask's balanced layout (`mask_layout`) from the block plan the engine runs there: per ring step the
+    visible cells and kernel calls of that step's busiest rank, summed over the steps (the ring is lock-step),
+    :func:`comm_bytes`' bytes under the mask, its visible cells as useful FLOPs. ``window=W`` narrows the
+    mask as `hcp.attention` does; by default the model's window layers narrow it by its ``sliding_window``.
     Memory is not part of it: the training step's peak is :func:`topology.step_model.step_memory`'s, which
     :func:`topology.planner.plan` checks each split with (``Plan.memory``).
 
@@ -182,30 +189,50 @@ def estimate(  # noqa: PLR0913 (public entry point)
         dp: The data-parallel degree.
         batch: Sequences per CP group.
         dtype: The compute dtype.
-        layout: "zigzag" or "contiguous".
-        causal: Causal attention.
+        layout: "zigzag" (None: the default) or "contiguous".
+        causal: Causal attention (None: True).
         backward: Price backward too.
         window: A sliding window W for one layer, None for none; "model": the model's own layers.
         chunk_size: An attention chunk size for one layer.
         attention_forwards: Attention forward passes per layer and step.
+        mask: The row's attention mask (`topology.masks.AttnMask`); ``seq_len`` must be its length.
 
     Returns:
         Time and bytes of one layer, by stage.
+
+    Raises:
+        ValueError: ``mask`` with ``layout``, ``causal`` or ``chunk_size``, a mask of another length than
+            ``seq_len``, or a model with chunked or linear layers under a mask and the model's windows.
     """
+    _check_mask(mask, seq_len, layout=layout, causal=causal, chunk_size=chunk_size)
+    layout, causal = layout or "zigzag", True if causal is None else causal
     if backward and attention_forwards > 1:
-        kw: dict[str, Any] = dict(dtype=dtype, layout=layout, causal=causal, window=window, chunk_size=chunk_size)
+        kw: dict[str, Any] = dict(dtype=dtype, layout=None if mask is not None else layout, window=window,
+                                  causal=None if mask is not None else causal, chunk_size=chunk_size, mask=mask)
         return _recomputed(estimate(cluster, model, seq_len, ulysses, ring, dp, batch, **kw),
                            estimate(cluster, model, seq_len, ulysses, ring, dp, batch, backward=False, **kw),
                            attention_forwards - 1)
     if not isinstance(attention_forwards, int) or attention_forwards < 1 or (attention_forwards > 1 and not backward):
         raise ValueError(f"attention_forwards={attention_forwards!r} must be an integer >= 1 (1 without backward)")
     split = Split(seq_len, ulysses, ring, dp, batch, dtype, layout)
-    kw: dict[str, Any] = dict(causal=causal, backward=backward)
+    kw: dict[str, Any] = dict(causal=causal, backward=backward, mask=mask)
     if window is not _MODEL_WINDOW or chunk_size is not None:
         window = None if window is _MODEL_WINDOW else window
         return _one_layer(cluster, model, split, window=window, chunk_size=chunk_size, **kw)
-    kinds = _layer_kinds(model, seq_len, causal)
-    layers = [(n, _one_layer(cluster, model, split, window=w, chunk_size=c, **kw), what) for n, w, c, what in kinds]
+    return _model_layers(cluster, model, split, causal=causal, backward=backward, mask=mask)
+
+
+def _model_layers(cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool,
+                  mask: AttnMask | None) -> Estimate:
+    """:func:`estimate` with the model's own windows: each kind of layer priced alone, then averaged."""
+    kinds = _layer_kinds(model, split.seq_len, causal)
+    if mask is not None and (model.linear_layers or any(c is not None for _, _, c, _ in kinds)):
+        what = "linear layers" if model.linear_layers else f"attention_chunk_size={model.attention_chunk_size}"
+        raise ValueError(f"mask= with a model that has {what}: the mask prices attention layers only; pass "
+                         f"window=None (or window=W) to price one masked attention layer")
+    kw: dict[str, Any] = dict(causal=causal, backward=backward)
+    layers = [(n, _one_layer(cluster, model, split, window=w, chunk_size=c, mask=mask, **kw), what)
+              for n, w, c, what in kinds]
     if model.linear_layers:
         layers.append((model.linear_layers, _linear_layer(cluster, model, split, **kw),
                        f"are linear ({model.linear_kind})"))
@@ -214,6 +241,24 @@ def estimate(  # noqa: PLR0913 (public entry point)
     note = ", ".join(f"{n} of {model.layers} layers {what}" for n, _, what in layers) + "; the figures are the average layer"
     avg = _average_layer([(n / model.layers, est) for n, est, _ in layers], note)
     return replace(avg, linear_share=model.linear_layers / model.layers)
+
+
+def _check_mask(mask: Any, seq_len: int, **replaced: Any) -> None:
+    """Raise ValueError unless ``mask`` is None or an `AttnMask` of ``seq_len`` tokens given without the
+    arguments it replaces (``replaced``: layout, causal, chunk_size, None when not given)."""
+    if mask is None:
+        return
+    if not isinstance(mask, AttnMask):
+        raise ValueError(f"mask={mask!r} must be a topology.masks.AttnMask (AttnMask.documents, blocks, prefix_lm, "
+                         f"shared_prefix or from_slices) or None")
+    for name, value in replaced.items():
+        if value is not None:
+            raise ValueError(f"{name}={value!r} with mask=: the mask says which keys each query sees and where the "
+                             f"row's tokens go; drop {name} (build it into the mask, e.g. "
+                             f"AttnMask.documents(cu_seqlens, causal=..., chunk_size=...))")
+    if mask.seq_len != seq_len:
+        raise ValueError(f"seq_len={seq_len} but the mask covers mask.seq_len={mask.seq_len} tokens; pass "
+                         f"seq_len=mask.seq_len")
 
 
 def _recomputed(step: Estimate, forward: Estimate, extra: int) -> Estimate:
@@ -253,11 +298,11 @@ def _average_layer(layers: list[tuple[float, Estimate]], note: str) -> Estimate:
 
 
 def _one_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool, window: Any,
-               chunk_size: int | None = None) -> Estimate:
-    """:func:`estimate` of one layer with ``window`` (or none): the analytic terms, then the measured
-    ones where the cluster carries a calibration."""
+               chunk_size: int | None = None, mask: AttnMask | None = None) -> Estimate:
+    """:func:`estimate` of one layer with ``window`` (or none), or under ``mask`` narrowed by ``window``:
+    the analytic terms, then the measured ones where the cluster carries a calibration."""
     split.check()
-    call = CallShape.of(model, split, causal, backward)
+    call = CallShape.of(model, split, causal, backward, None if mask is None else mask.windowed(window))
     ulysses, ring, dp, batch, seq_len = split.ulysses, split.ring, split.dp, split.batch, split.seq_len
     if call.world > cluster.world_size:
         raise PlacementError(
@@ -265,9 +310,14 @@ def _one_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: boo
             f"{cluster.world_size} GPUs ({cluster.nodes} x {cluster.gpus_per_node})"
         )
     lay, acc = call.lay, cluster.accelerator
-    window, chunk = lay.effective_window(causal, window), lay.effective_chunk(chunk_size)
-    halo = lay.halo(causal, window, chunk)
-    busiest_share, window_share = _window_shares(lay, causal, window, chunk)
+    if call.mask is not None:  # the mask holds the window; its plan is priced step by step (_mask_kernel_s)
+        window = chunk = None
+        halo = lay.halo(False, None, None, call.mask)
+        busiest_share, window_share = 1.0, call.mask.cells() / seq_len ** 2
+    else:
+        window, chunk = lay.effective_window(causal, window), lay.effective_chunk(chunk_size)
+        halo = lay.halo(causal, window, chunk)
+        busiest_share, window_share = _window_shares(lay, causal, window, chunk)
     nbytes = call.sent_bytes(window, chunk)
     times = _analytic_times(cluster, call, busiest_share, nbytes, halo)
     notes = _analytic_notes(call, acc, window, halo)
@@ -313,7 +363,9 @@ def _kernel_s(call: CallShape, acc: Any, busiest_share: float) -> tuple[float, f
     """Attention kernels of the busiest rank, forward and backward: its FLOPs (padding, the layout's
     own imbalance and the window's share included) at the accelerator's attention rate, plus the
     fixed cost of each kernel call (r forward, r backward), which makes r smaller blocks cost more
-    than one large block of the same FLOPs."""
+    than one large block of the same FLOPs. Under a mask: :func:`_mask_kernel_s`."""
+    if call.mask is not None:
+        return _mask_kernel_s(call, acc)
     lay, c_max = call.lay, call.busiest_heads[0]
     padded, imbalance = lay.padded_len, lay.work_imbalance(call.causal)
     flops = (_causal_factor(call.causal) * 4.0 * call.batch * padded * (padded / call.ring) * call.head_dim * c_max
@@ -323,6 +375,22 @@ def _kernel_s(call: CallShape, acc: Any, busiest_share: float) -> tuple[float, f
     if acc.kernel_call_overhead_us:
         fwd += call.ring * acc.kernel_call_overhead_us * 1e-6
         bwd += (call.ring if call.backward else 0) * acc.kernel_call_overhead_us * 1e-6
+    return fwd, bwd
+
+
+def _mask_kernel_s(call: CallShape, acc: Any) -> tuple[float, float]:
+    """Attention kernels under a mask, forward and backward, from the block plan the engine runs
+    (`CallShape.mask_plan`): at each ring step every rank computes its visible cells at the attention
+    rate and pays each of its kernel calls; the lock-step ring waits for the busiest rank at that step,
+    so the steps' maxima add up (an imbalance no per-rank total shows)."""
+    cells, calls = call.mask_plan()
+    per_cell = 4.0 * call.batch * call.head_dim * call.busiest_heads[0] / acc.attention_flops
+    per_call = acc.kernel_call_overhead_us * 1e-6
+    bwd_cell = _bwd_factor(call.backward) * per_cell
+    bwd_call = per_call if call.backward else 0.0
+    r = call.ring
+    fwd = sum(max(per_cell * cells[j][s] + per_call * calls[j][s] for j in range(r)) for s in range(r))
+    bwd = sum(max(bwd_cell * cells[j][s] + bwd_call * calls[j][s] for j in range(r)) for s in range(r))
     return fwd, bwd
 
 
@@ -386,16 +454,31 @@ def _analytic_times(cluster: Cluster, call: CallShape, busiest_share: float, nby
 def _analytic_notes(call: CallShape, acc: Any, window: Any, halo: bool) -> list[str]:
     """What the analytic terms assumed that a reader of the plan should know."""
     lay, notes = call.lay, []
+    if call.mask is not None:
+        notes += _mask_notes(call, halo)
     if window is not None:
         notes.append(f"{window}-token window: blocks it does not reach are skipped"
                      + ("; only the halo rows are exchanged" if halo else ""))
     if acc.kernel_call_overhead_us:
-        notes.append(f"{call.ring * (2 if call.backward else 1)} kernel calls at {acc.kernel_call_overhead_us:g} us each")
+        n = sum(map(sum, call.mask_plan()[1])) // call.ring if call.mask is not None else call.ring
+        notes.append(f"{n * (2 if call.backward else 1)} kernel calls{' (mean rank)' if call.mask is not None else ''}"
+                     f" at {acc.kernel_call_overhead_us:g} us each")
     if (imbalance := lay.work_imbalance(call.causal)) > 1:
         notes.append(f"contiguous causal ring: slowest rank does {imbalance:.2f}x the mean attention work")
     if lay.padded_len > call.seq_len:
         notes.append(f"padded {call.seq_len} -> {lay.padded_len} tokens")
     return notes
+
+
+def _mask_notes(call: CallShape, halo: bool) -> list[str]:
+    """What a masked call's plan does: its share of the dense row, and how far the lock-step ring sits
+    above a perfectly balanced one."""
+    cells = call.mask_plan()[0]
+    total, r = sum(map(sum, cells)), call.ring
+    lock = sum(max(cells[j][s] for j in range(r)) for s in range(r))
+    return [f"mask: {total:,} visible cells ({total / call.seq_len ** 2:.1%} of the dense row) on its balanced layout; "
+            f"the lock-step ring does {lock * r / max(total, 1):.2f}x the mean rank's work"
+            + ("; only the halo rows are exchanged" if halo else "")]
 
 
 # ---------------------------------------------------------------------------------------------------
