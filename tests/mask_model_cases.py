@@ -104,6 +104,16 @@ def tree_model_refusals(u: int, r: int) -> dict:
     attempt("padding_with_mask", **local, attention_mask=torch.ones(1, s, dtype=torch.long))
     other = hcp.AttnMask.shared_prefix(PROMPT + 1, [n - 1 if i == 0 else n for i, n in enumerate(COMPLETIONS)])
     attempt("other_mask_on_rank0", **{**local, MASK_KEY: other if cp.rank == 0 else mask})
+    bidirectional = tiny_model("llama")
+    bidirectional.config.is_causal = False   # transformers then composes a bidirectional mask we do not read
+    bidirectional = apply_context_parallel(bidirectional, cp)
+    dense = hcp.shard_batch({"input_ids": batch["input_ids"][:, :32]}, cp)
+    try:
+        bidirectional(input_ids=dense["input_ids"], position_ids=dense["position_ids"])
+        out["bidirectional_config"] = ("no error", "")
+    except ValueError as exc:
+        out["bidirectional_config"] = (type(exc).__name__, str(exc))
+    out["bidirectional_config_with_mask"] = tuple(bidirectional(**local).logits.shape)   # the AttnMask decides
     out["ok_after"] = tuple(model(**local).logits.shape)
     out["cp_rank"] = cp.rank
     return out

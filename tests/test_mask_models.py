@@ -45,6 +45,9 @@ def test_masked_model_calls_that_cannot_be_exact_raise(pool):
         assert "prepared 4-D mask" in row["mask_4d"][1], row["mask_4d"]
         assert "drop ['attention_mask']" in row["mask_4d_with_mask"][1], row["mask_4d_with_mask"]
         assert "must be an hcp.AttnMask" in row["wrong_type"][1], row["wrong_type"]
+        assert row["bidirectional_config"][0] == "ConfigError", row["bidirectional_config"]
+        assert "not causal" in row["bidirectional_config"][1], row["bidirectional_config"]
+        assert row["bidirectional_config_with_mask"] == row["ok_after"]
     # rank 0 alone given another tree of the same length: it raises its own error, the others the agreement's
     for row in rows:
         want = ("ShapeError", "InconsistentRanksError") if row["cp_rank"] == 0 else ("InconsistentRanksError",)
@@ -115,3 +118,24 @@ def test_masked_shard_batch_refusals(batch, kwargs, error, match):
         return
     with pytest.raises(error, match=match):
         hcp.shard_batch(batch, _described_mesh(2, 2), **kwargs)
+
+
+def test_transformers_mask_interface_reads_only_what_the_call_carries():
+    """transformers hands hybrid-cp the mask function it composed: causal, sliding windows, attention chunks and
+    packed documents are rebuilt from the call's own arguments (None); anything else (image blocks, bidirectional
+    rows, a user's or_mask_function) comes back as an UnreadMask naming its parts, which the attention function
+    refuses unless the batch carries the row's hcp.AttnMask."""
+    from transformers import masking_utils as mu
+
+    from hybrid_cp.integrations.mask_interface import UnreadMask, transformers_mask
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    for read in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(4),
+                 mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
+                 mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos)):
+        assert transformers_mask(mask_function=read, batch_size=1) is None, read
+    blocks = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.tensor([[-1, 0, 0, -1]])))
+    for unread, part in ((blocks, "blockwise_overlay"), (mu.bidirectional_mask_function, "bidirectional_mask_function"),
+                         (mu.sliding_window_bidirectional_mask_function(3), "bidirectional")):
+        got = transformers_mask(mask_function=unread)
+        assert isinstance(got, UnreadMask) and part in got.describe(), (part, got)

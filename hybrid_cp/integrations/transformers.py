@@ -53,6 +53,7 @@ from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.batch import MASK_KEY
 from ..training.loss import cross_entropy
 from .linear_layers import is_routed, route_linear_layers
+from .mask_interface import UnreadMask, transformers_mask
 from .model_inputs import model_inputs
 from .model_support import check_attention_kwargs, check_head_layout, check_model
 from .rope import route_rotaries, row_extent
@@ -169,6 +170,25 @@ def _row_of_call(module: torch.nn.Module, cp: CPMesh, local_len: int, kwargs: di
     return dict(causal=True, seq_len=None if cu is not None else lay.seq_len, cu_seqlens=cu), lay
 
 
+def _check_prepared_mask(module: torch.nn.Module, attention_mask: Any, kwargs: dict) -> None:
+    """Refuse, by name, every mask the call would otherwise drop: a non-causal module, a prepared mask tensor, or a
+    mask transformers composed of parts we do not read (`mask_interface.UnreadMask`), unless the batch carries the
+    row's `hcp.AttnMask` (`MASK_KEY`), which then says which keys each query sees."""
+    name, given = type(module).__name__, kwargs.get(MASK_KEY) is not None
+    fix = ("build the row's mask as an hcp.AttnMask (AttnMask.blocks for image tokens, documents(..., causal=False) "
+           "for bidirectional rows, from_slices for anything else) and pass it with hcp.shard_batch(batch, cp, mask=m)")
+    if (not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False) and not given:
+        raise _unsupported(f"{name} is not causal; {fix}")
+    if isinstance(attention_mask, UnreadMask):
+        if not given:
+            raise _unsupported(f"{name}: transformers built this model's mask from {attention_mask.describe()}, "
+                               f"which hybrid-cp does not read from transformers (it would run causally); {fix}")
+    elif attention_mask is not None:
+        raise _unsupported(f"{name} received a prepared attention mask "
+                           f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
+                           f"attention with right padding is supported (pass a 2-D padding mask or none), or {fix}")
+
+
 def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
                                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -184,12 +204,7 @@ def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if dropout and dropout > 0:
         raise _unsupported(f"attention dropout={dropout} in {type(module).__name__}; set "
                            f"config.attention_dropout=0.0 for context-parallel training")
-    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
-        raise _unsupported(f"{type(module).__name__} is not causal")
-    if attention_mask is not None:
-        raise _unsupported(f"{type(module).__name__} received a prepared attention mask "
-                           f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
-                           f"attention with right padding is supported (pass a 2-D padding mask or none)")
+    _check_prepared_mask(module, attention_mask, kwargs)
     check_attention_kwargs(module, kwargs)
     if _CAPTURE not in module.__dict__:   # a module chunk's call holds its chunk of the heads
         check_head_layout(module, query)
@@ -255,8 +270,11 @@ class _CPLoss:
 
 def _register() -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, hybrid_cp_attention_forward)
+    # transformers then hands us the mask it composed instead of none (hybrid_cp/integrations/mask_interface.py)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, transformers_mask)
 
 
 @torch.compiler.disable  # host-side checks and a collective: runs eagerly under torch.compile (no recompiles)

@@ -1,0 +1,81 @@
+"""hybrid-cp in transformers' attention-mask interface: masks we read from the call, and masks we would drop.
+
+transformers builds no mask for an attention implementation missing from its mask interface, so without
+this registration a model whose mask is more than causal (Gemma 3's image blocks from ``token_type_ids``,
+``config.is_causal=False``, any ``or_mask_function``) would reach the attention function with no mask and
+run causally: silently wrong. Registered, transformers hands us the mask function it composed; we never
+evaluate it (a dense mask is what context parallelism avoids) but read which parts it is made of:
+
+- only parts the attention function reads from its own arguments (causal, a sliding window, attention
+  chunks, packed documents, padding, which `_pre_forward` checks is right padding): `None`, as before;
+- anything else: an `UnreadMask` naming the parts; the attention function refuses it by name unless the
+  batch carries the row's `hcp.AttnMask` (`hcp.shard_batch(..., mask=m)`), which then says everything.
+
+The known parts are an allow-list of transformers' own mask functions (by qualified name): a part that a
+later transformers adds is refused until it is read here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# transformers.masking_utils functions whose mask the attention function rebuilds from its own arguments
+READ_PARTS = frozenset({
+    "causal_mask_function",
+    "and_masks.<locals>.and_mask",
+    "sliding_window_overlay.<locals>.inner_mask",
+    "chunked_overlay.<locals>.inner_mask",
+    "padding_mask_function.<locals>.inner_mask",
+    "packed_sequence_mask_function.<locals>.inner_mask",
+})
+_PACKED_REMAP = "remap_positions_for_packed_sequence.<locals>."
+
+
+@dataclass(frozen=True)
+class UnreadMask:
+    """What transformers passes as ``attention_mask`` when its mask has parts the attention function does
+    not read (`parts`: their qualified names)."""
+
+    parts: tuple[str, ...]
+
+    def describe(self) -> str:
+        return ", ".join(self.parts)
+
+
+def mask_parts(mask_function: Callable) -> set[str]:
+    """The qualified names of the functions a composed transformers mask function is made of (its closures,
+    recursively; tuples of functions, as `and_masks`/`or_masks` keep them, included)."""
+    seen: set[int] = set()
+    names: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, (tuple, list)):
+            for item in value:
+                walk(item)
+            return
+        if not callable(value) or id(value) in seen or not hasattr(value, "__qualname__"):
+            return
+        seen.add(id(value))
+        names.add(value.__qualname__)
+        for cell in getattr(value, "__closure__", None) or ():
+            try:
+                walk(cell.cell_contents)
+            except ValueError:   # an empty cell
+                continue
+
+    walk(mask_function)
+    return names
+
+
+def transformers_mask(*, mask_function: Callable, **_: Any) -> UnreadMask | None:
+    """transformers' mask-interface entry for hybrid-cp: None when the attention function's own arguments
+    describe the mask, else an `UnreadMask` naming the parts it would drop."""
+    unread = sorted(name for name in mask_parts(mask_function)
+                    if name not in READ_PARTS and not name.startswith(_PACKED_REMAP))
+    if "causal_mask_function" not in mask_parts(mask_function) and not unread:
+        unread = ["(no causal part)"]
+    return UnreadMask(tuple(unread)) if unread else None
+
+
+__all__ = ["UnreadMask", "mask_parts", "transformers_mask", "READ_PARTS"]
