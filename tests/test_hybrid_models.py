@@ -42,7 +42,7 @@ def test_qwen3_next_packed_row_matches_per_document_reference(pool):
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_qwen3_5_step_matches_one_process(pool, packed):
     # Qwen3.5's text model: the same rule, separate q|k|v, z, b, a projections
-    rows = pool.run(linear_cases.hybrid_packed_parity if packed else "linear_cases:hybrid_parity", u=2, r=2,
+    rows = pool.run(linear_cases.hybrid_packed_parity if packed else linear_cases.hybrid_parity, u=2, r=2,
                     kind="qwen3_5_text")
     # packed: the fp32 chunked kernel rounds Qwen3.5's dt_bias gradient (a sum over every token) differently
     # when a document's pieces are cut elsewhere; over four document sets it differs from the per-document

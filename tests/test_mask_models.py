@@ -139,3 +139,44 @@ def test_transformers_mask_interface_reads_only_what_the_call_carries():
                          (mu.sliding_window_bidirectional_mask_function(3), "bidirectional")):
         got = transformers_mask(mask_function=unread)
         assert isinstance(got, UnreadMask) and part in got.describe(), (part, got)
+
+
+def test_transformers_mask_interface_under_torch_compile():
+    """While torch.compile traces, the mask function's closures are hidden: plain causal, transformers' own
+    sliding/chunked builders (the causal skip still allowed) and, for a model whose modeling code never passes
+    or/and masks, packing are read; an or-mask, or an and-mask with the skip cleared in a model that may pass
+    extra parts (Gemma 3), is an UnreadMask. Each case traced fullgraph with the eager backend."""
+    from transformers import GemmaConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import masking_utils as mu
+
+    from hybrid_cp.integrations.mask_interface import _COMPOSES_EXTRA, UnreadMask, note_model, transformers_mask
+
+    note_model(LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2)))
+    assert _COMPOSES_EXTRA[LlamaConfig] is False
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    llama, gemma = LlamaConfig(), GemmaConfig()
+
+    def packed(p):
+        return mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, p),
+                            mu.packed_sequence_mask_function(p))
+
+    def blocks(p):
+        return mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(p - 1))
+
+    cases = [(lambda p: mu.causal_mask_function, True, llama, None),
+             (lambda p: mu.sliding_window_causal_mask_function(4), True, gemma, None),
+             (packed, False, llama, None), (packed, False, gemma, "and_mask"), (blocks, False, llama, "or_mask"),
+             (lambda p: mu.bidirectional_mask_function, False, llama, "bidirectional")]
+    for build, skip, config, unread in cases:
+        got = {}
+
+        def traced(p, build=build, skip=skip, config=config, got=got):   # the function built while tracing
+            got["mask"] = transformers_mask(mask_function=build(p), allow_is_causal_skip=skip, config=config)
+            return p + 1
+
+        torch.compile(traced, backend="eager", fullgraph=True)(pos)
+        if unread is None:
+            assert got["mask"] is None, (build, got)
+        else:
+            assert isinstance(got["mask"], UnreadMask) and unread in got["mask"].describe(), (build, got)

@@ -53,7 +53,7 @@ from ..errors import ConfigError, InputTypeError, SetupError, ShapeError
 from ..training.batch import MASK_KEY
 from ..training.loss import cross_entropy
 from .linear_layers import is_routed, route_linear_layers
-from .mask_interface import UnreadMask, transformers_mask
+from .mask_interface import UnreadMask, note_model, transformers_mask
 from .model_inputs import model_inputs
 from .model_support import check_attention_kwargs, check_head_layout, check_model
 from .rope import route_rotaries, row_extent
@@ -560,6 +560,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
         raise ShapeError(f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
+    note_model(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks, overlap)
