@@ -323,8 +323,14 @@ class Layout:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self.key() == other.key()
 
-    def __hash__(self) -> int:
-        return hash(self.key())
+    def __hash__(self) -> int:   # computed once: a layout keys the engine's caches on every call
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash(self.key())
+        return cached
+
+    def __getstate__(self) -> dict:   # a string's hash differs between processes: never pickle the cached one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(u={self.ulysses}, r={self.ring}, docs={len(self.doc_lens)}, "

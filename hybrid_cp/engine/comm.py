@@ -133,8 +133,9 @@ def post_seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Range
     """
     u, me = cp.ulysses_size, cp.ulysses_rank
     then = then or (lambda x: x)
-    if u == 1:
-        return Posted.done(cp, [then(x[:, :, r[0][0]:r[0][1]]) for x, r in zip(parts, ranges)])
+    if u == 1:   # no exchange; a part whose range is all its heads is passed on as it is (no view)
+        return Posted.done(cp, [then(x if r[0] == (0, x.shape[2]) else x[:, :, r[0][0]:r[0][1]])
+                                for x, r in zip(parts, ranges)])
     b, s = parts[0].shape[:2]
     dims = [x.shape[3] for x in parts]
     send_sizes = [b * s * sum((r[p][1] - r[p][0]) * d for r, d in zip(ranges, dims)) for p in range(u)]

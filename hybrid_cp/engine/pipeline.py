@@ -207,9 +207,12 @@ def forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     it saved as soon as its backward ran); without, the caller keeps `Saved` (the compiled op returns it)."""
     cp, lay, split = call.cp, call.lay, call.split
     halo = None
-    if autograd and call.local:   # ulysses = 1, no reordering: the exchange nodes would give back their inputs
+    if call.local:   # ulysses = 1, no reordering: the exchange would give back its inputs
         qh, kh, vh = q, k, v
-        out_h, lse_h = RingStage.apply(call, q, k, v, sinks)
+        if autograd:
+            out_h, lse_h = RingStage.apply(call, q, k, v, sinks)
+        else:
+            out_h, lse_h, halo = _ring_forward(call, q, k, v, call.kv_index, split.q[cp.ulysses_rank], sinks)
         out = out_h
     elif autograd:
         qh, kh, vh = SeqToHead.apply(cp, split, lay, q, k, v)
