@@ -73,24 +73,32 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def compiled_twins(make, backend: str, fullgraph: bool = True):
+    """Fresh dynamo state and counters, two models from `make()` (the same seed gives the same weights) and the
+    second compiled: (eager, model, its frame counter, compiled)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, model = make(), make()
+    counter = CompileCounterWithBackend(backend)
+    return eager, model, counter, torch.compile(model, backend=counter, fullgraph=fullgraph)
+
+
 def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: bool = False, window=None,
            seq_len: int = 64, chunk_size: int | None = None) -> dict | None:
     """Compile the tiny model (fullgraph) and run `steps` steps with new data against eager: loss and
     gradient errors per step, compiles, graph breaks, whether the custom op is in the graph, and
     timings (first compiled step = compile time; later steps: compiled vs eager)."""
     import torch._dynamo
-    from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     cp = mesh(u, r)
     if cp.dp_rank != 0:
         return None
-    torch._dynamo.reset()
-    counters.clear()
-    eager = TinyModel(cp, seq_len, window, chunk_size)
-    model = TinyModel(cp, seq_len, window, chunk_size)
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    eager, model, counter, compiled = compiled_twins(lambda: TinyModel(cp, seq_len, window, chunk_size), backend)
     rows = []
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(steps):
@@ -145,8 +153,6 @@ def validation(u: int, r: int) -> str | None:
 def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3, head_chunks: int = 1) -> dict | None:
     """A tiny transformers Llama with `apply_context_parallel` (module-level `head_chunks`), compiled (not
     fullgraph) against eager: loss and gradient errors, compiled frames and graph breaks."""
-    import torch._dynamo
-    from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
     from train_cases import tiny_model
 
@@ -155,12 +161,9 @@ def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3, head_ch
     cp = mesh(u, r)
     if cp.dp_rank != 0:
         return None
-    torch._dynamo.reset()
-    counters.clear()
-    eager = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp, head_chunks=head_chunks)
-    model = apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp, head_chunks=head_chunks)
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(model, backend=counter)
+    eager, model, counter, compiled = compiled_twins(
+        lambda: apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp, head_chunks=head_chunks), backend,
+        fullgraph=False)
     rows = []
     seq_len = 64
     for step in range(steps):

@@ -70,28 +70,19 @@ def _batch(cp: hcp.CPMesh, step: int, mask: hcp.AttnMask):
     return local
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def parity(u: int, r: int, backend: str = "aot_eager", window=None, softcap: float | None = None,  # noqa: PLR0913 (case knobs)
            sinks: bool = False, plain: bool = False) -> dict | None:
     """Compile the masked model (fullgraph; error_on_recompile unless `plain`) and run one step per `step_masks()`
     mask against eager: loss and gradient errors per step, compiled frames, graph breaks, whether the custom op is
     in the graph. `plain`: the masks as `topology.masks.AttnMask` (no `encoded` tensor)."""
     import torch._dynamo
-    from torch._dynamo.testing import CompileCounterWithBackend
+    from compile_cases import _rel, compiled_twins
     from torch._dynamo.utils import counters
 
     cp = mesh(u, r)
     if cp.dp_rank != 0:
         return None
-    torch._dynamo.reset()
-    counters.clear()
-    eager = MaskModel(cp, window, softcap, sinks)
-    model = MaskModel(cp, window, softcap, sinks)
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    eager, model, counter, compiled = compiled_twins(lambda: MaskModel(cp, window, softcap, sinks), backend)
     rows = []
     masks = step_masks()   # built after dynamo loaded: their encodings' lengths are marked dynamic
     if plain:
