@@ -94,10 +94,12 @@ def _row_words(key: tuple) -> str:
 def check_shards(cp: "CPMesh", tensors: tuple[tuple[str, Any], ...], dim: int, lay: Layout, what: str) -> None:
     """Raise when a tensor `shard` returned is used on another mesh, along another dim, or as another row
     (cu_seqlens given to one call and not the other, or other boundaries): shapes alone cannot tell."""
+    mine = None
     for name, x in tensors:
         tag = _TAGS.get(x) if isinstance(x, torch.Tensor) else None
         if tag is None:
             continue
+        mine = mine or _row_key(lay)   # once per call (a packed row's key digests its documents)
         mesh, cut_dim, key = tag[0](), tag[1], tag[2]
         if mesh is not None and mesh is not cp and _mesh_name(mesh) != _mesh_name(cp):
             raise ShapeError(f"{what}: {name} was sharded on another mesh ({_mesh_name(mesh)}) than this call's "
@@ -105,8 +107,7 @@ def check_shards(cp: "CPMesh", tensors: tuple[tuple[str, Any], ...], dim: int, l
         if cut_dim != dim:
             raise ShapeError(f"{what}: {name} was sharded along dim {cut_dim} but the sequence is read from dim {dim}: "
                              f"pass [B, S, H, D] tensors (a [B, H, S, D] tensor: transpose(1, 2) before hcp.shard)")
-        if key != _row_key(lay):
-            mine = _row_key(lay)
+        if key != mine:
             other = ", another value" if key[0] == mine[0] else ""
             raise ConfigError(f"{what}: {name} was sharded by hcp.shard with {_row_words(key)} (a row of {key[1]} "
                               f"tokens{other}), but this call passes {_row_words(mine)}: pass the same cu_seqlens= "
