@@ -258,7 +258,8 @@ def _refuse_media(batch: Mapping[str, Any]) -> None:
     media = [key for key in MEDIA_KEYS if isinstance(batch, Mapping) and isinstance(batch.get(key), torch.Tensor)]
     if media:
         raise ShapeError(f"batch[{media[0]!r}] (shape {tuple(batch[media[0]].shape)}) holds media, not one value per "
-                         f"token: hcp.shard_batch would cut it along its dim 1. Media inputs (images, audio) are "
+                         f"token: hcp.shard_batch would cut it along its dim 1. Gemma 3's images: build the row with "
+                         f"hybrid_cp.image_row and shard its inputs_embeds under its mask; other media inputs are "
                          f"not supported under context parallelism: drop {media} from the batch (a text-only "
                          f"row), or train the multimodal model without context parallelism")
 
