@@ -36,6 +36,8 @@ REASONS = [
     (r"add_cross_attention", "cross-attention"),
     (r"dropout would draw", "dropout in the default config"),
     (r"varies per layer", "per-layer configurations"),
+    (r"vision-language family that hybrid_cp.image_row does not carry", "vision-language families hybrid_cp.image_row "
+                                                                        "does not carry (Gemma 4, PaliGemma)"),
     (r"has not been verified", "not verified yet (no parity test)"),
 ]
 

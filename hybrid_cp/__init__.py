@@ -10,6 +10,7 @@ from .engine.masks import AttnMask
 from .engine.mesh import CPMesh, destroy_cp_mesh, init_cp_mesh
 from .engine.meshes import CPMeshes, init_cp_meshes
 from .errors import *  # noqa: F403 (the error classes: errors.__all__)
+from .integrations.vision import image_row
 from .training.batch import shard_batch, shift_labels
 from .training.checkpoint import (
            CheckpointInfo,
@@ -36,4 +37,5 @@ __all__ += ["init_cp_meshes", "CPMeshes", "schedule_documents", "micro_batches",
 __all__ += ["offload_checkpoints", "unoffload_checkpoints", "tile_norm", "untile_norm"]
 __all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "replica_samples",
             "restart_store", "CheckpointInfo"]
+__all__ += ["image_row"]
 __all__ += errors.__all__

@@ -213,6 +213,26 @@ VERIFIED_FAMILIES: dict[str, tuple[str, str]] = {
                          "Model RMSNorm RMSNormGated RotaryEmbedding"),
 }
 
+# vision-language families whose language model trains exactly under context parallelism on rows made by
+# `hybrid_cp.image_row` (integrations/vision.py): model_type -> (stem, the classes after the stem, as in
+# VERIFIED_FAMILIES, and the submodules that run on the whole row inside image_row, before sharding, whose modules
+# (a vision tower, a pooling projector) the allow-list does not see). Passing pixel_values/token_type_ids to the
+# model itself is refused (`media_refusal`). Each trained one step on (2, 2) and (1, 4) by tests/test_vision_masks.py.
+VISION_LANGUAGE_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "gemma3": ("Gemma3", "Attention DecoderLayer ForConditionalGeneration MLP Model RMSNorm RotaryEmbedding TextModel "
+                         "TextScaledWordEmbedding", ("model.vision_tower", "model.multi_modal_projector")),
+}
+# vision-language families the image_row path does not carry exactly, with why (the guard's message gives it)
+VISION_LANGUAGE_REFUSED = {
+    "gemma4": "hybrid_cp.image_row does not carry it exactly: its decoder layers also read per-layer embeddings "
+              "looked up from input_ids (hidden_size_per_layer_input), which an inputs_embeds row leaves out, its "
+              "vision tower takes pixel_position_ids and its video/audio tokens are further blocks "
+              "(mm_token_type_ids); not verified",
+    "paligemma": "hybrid_cp.image_row does not carry it: its mask is prefix-LM (the image and prompt tokens, "
+                 "token_type_ids == 0, one bidirectional block; Gemma 3's blocks are the image tokens, "
+                 "token_type_ids == 1) and its positions start at 1; not verified",
+}
+
 # families whose modules are token-wise but whose training step cannot equal the single-process one, with why
 # (the guard's message and the family table give the reason)
 REFUSED_FAMILIES = {
@@ -374,13 +394,17 @@ def _settings_refused(where: str, cfg: Any) -> list[str]:
     return found
 
 
-def _module_refusals(model: torch.nn.Module, verified: set[str]) -> tuple[list[str], list[str]]:
+def _module_refusals(model: torch.nn.Module, verified: set[str],
+                     whole_row: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """(sequence mixers, other modules outside the allow-list), as 'name (Class)'; a mixer is named at its
-    outermost level (the Mamba mixer, not its convolution)."""
+    outermost level (the Mamba mixer, not its convolution). Submodules in `whole_row` (a vision-language family's
+    vision tower and projector, run on the whole row by `hybrid_cp.image_row`) are not checked."""
     mixers, unverified, routed = {}, [], []
     for name, module in model.named_modules():
         cls = _own_class(module)
         where = f"{name or '<model>'} ({cls.__name__})"
+        if any(name == r or name.startswith(f"{r}.") for r in whole_row):
+            continue
         if any(name.startswith(f"{r}.") for r in routed):
             continue
         if cls.__name__ in ROUTED_CLASSES and cls.__name__ in verified:
@@ -404,9 +428,10 @@ def check_model(model: torch.nn.Module) -> None:
     """
     config = model.config
     model_type = getattr(config, "model_type", None)
-    family = VERIFIED_FAMILIES.get(model_type)
+    family = VERIFIED_FAMILIES.get(model_type) or VISION_LANGUAGE_FAMILIES.get(model_type)
     verified = set() if family is None else {family[0] + rest for rest in family[1].split()}
-    mixers, unverified = _module_refusals(model, verified)
+    whole_row = family[2] if family is not None and len(family) > 2 else ()   # a vision tower: image_row's
+    mixers, unverified = _module_refusals(model, verified, whole_row)
     reasons = []
     if mixers:
         more = f" (and {len(mixers) - 1} more such modules)" if len(mixers) > 1 else ""
@@ -424,6 +449,9 @@ def check_model(model: torch.nn.Module) -> None:
     if why:
         reasons.append(f"{router[0]}.output_router_logits=True: {why}, so no auxiliary loss over the row can be made "
                        f"exact under context parallelism; set it to False")
+    if model_type in VISION_LANGUAGE_REFUSED:
+        reasons.append(f"model_type {model_type!r} is a vision-language family that "
+                       f"{VISION_LANGUAGE_REFUSED[model_type]}; {_WHAT_TO_DO}")
     if model_type in REFUSED_FAMILIES:
         reasons.append(f"model_type {model_type!r} cannot be made exact under context parallelism: "
                        f"{REFUSED_FAMILIES[model_type]}; {_WHAT_TO_DO}")
@@ -437,6 +465,38 @@ def check_model(model: torch.nn.Module) -> None:
     if reasons:
         raise ConfigError(f"apply_context_parallel refuses {type(model).__name__} (config.model_type={model_type!r}): "
                           + "; also ".join(reasons))
+
+
+# what a vision-language call passes for its images, refused at the model under context parallelism: the vision tower
+# would run on this rank's shard (and transformers' image-block mask is not what the engine reads)
+MEDIA_CALL_KWARGS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
+                     "pixel_attention_mask", "mm_encoder_outputs", "input_features", "audio_values")
+
+
+def media_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None:
+    """Why a context-parallel model call with media must not run, or None: images given to the model itself
+    (`MEDIA_CALL_KWARGS`), a vision-language family's token_type_ids (they build its image blocks), or an
+    ``inputs_embeds`` row of a vision-language family without the row's `hcp.AttnMask` (it would run causally,
+    its images without their bidirectional blocks). Local: no collective."""
+    from ..training.batch import MASK_KEY
+
+    name = type(model).__name__
+    fix = ("build the row with hybrid_cp.image_row(model, input_ids, pixel_values, token_type_ids) on every rank, shard "
+           "it with hcp.shard_batch({'inputs_embeds': row['inputs_embeds'], 'shift_labels': ..., 'position_ids': ...}, "
+           "cp, mask=row['mask']) and call the model with that shard (docs/training.md, 'Vision-language rows')")
+    given = [key for key in MEDIA_CALL_KWARGS if kwargs.get(key) is not None]
+    if given:
+        return (f"{name} was called with {given} under context parallelism: the vision tower would run on this rank's "
+                f"shard of the row; {fix}")
+    if getattr(getattr(model, "config", None), "model_type", None) not in VISION_LANGUAGE_FAMILIES:
+        return None
+    if kwargs.get("token_type_ids") is not None:
+        return (f"{name} was called with token_type_ids under context parallelism: transformers would build the image "
+                f"blocks from this rank's shard; {fix}")
+    if kwargs.get("inputs_embeds") is not None and kwargs.get(MASK_KEY) is None:
+        return (f"{name} was called with inputs_embeds but no {MASK_KEY} under context parallelism: the row would run "
+                f"causally, its images without their bidirectional blocks; {fix}")
+    return None
 
 
 def check_attention_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
@@ -480,4 +540,5 @@ def check_head_layout(module: torch.nn.Module, query: torch.Tensor) -> None:
             name, tuple(query.shape), query.shape[1], heads)
 
 
-__all__ = ["VERIFIED_FAMILIES", "REFUSED_FAMILIES", "check_model", "check_attention_kwargs", "check_head_layout"]
+__all__ = ["VERIFIED_FAMILIES", "VISION_LANGUAGE_FAMILIES", "VISION_LANGUAGE_REFUSED", "REFUSED_FAMILIES",
+           "media_refusal", "check_model", "check_attention_kwargs", "check_head_layout"]

@@ -55,7 +55,13 @@ from ..training.loss import cross_entropy
 from .linear_layers import is_routed, route_linear_layers
 from .mask_interface import UnreadMask, note_model, transformers_mask
 from .model_inputs import model_inputs
-from .model_support import check_attention_kwargs, check_head_layout, check_model
+from .model_support import (
+    VISION_LANGUAGE_FAMILIES,
+    check_attention_kwargs,
+    check_head_layout,
+    check_model,
+    media_refusal,
+)
 from .rope import route_rotaries, row_extent
 from .router_aux import install_router_aux
 
@@ -289,6 +295,9 @@ def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: di
         for name, value in zip(("input_ids", "attention_mask", "position_ids"), args):
             kwargs[name] = value
         args = ()
+    media = media_refusal(module, kwargs)   # before any collective: every rank given images raises here alike
+    if media:
+        raise ConfigError(media)
     kwargs = model_inputs(cp, kwargs)
     ref.packed = kwargs.get("cu_seq_lens_q") is not None
     if kwargs.get(MASK_KEY) is not None:
@@ -561,7 +570,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
                          f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
     _register()
     note_model(model)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(_implementations(model))
     route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks, overlap)
     ref.rotaries = route_rotaries(model, ref)
@@ -578,6 +587,18 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     handle = model.register_forward_pre_hook(lambda mod, a, kw: _pre_forward(ref, mod, a, kw), with_kwargs=True)
     model.__dict__[_HOOK_ATTR] = handle
     return model
+
+
+def _implementations(model: torch.nn.Module) -> str | dict[str, str]:
+    """What `set_attn_implementation` gets: hybrid-cp everywhere, except a vision-language family's sub-models other
+    than its text model (the vision tower runs on whole images inside `hybrid_cp.image_row`, with its own attention
+    implementation: it is not context-parallel)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in VISION_LANGUAGE_FAMILIES:
+        return ATTN_IMPLEMENTATION
+    own = {key: getattr(config, key)._attn_implementation for key in config.sub_configs
+           if key != "text_config" and getattr(config, key, None) is not None}
+    return {"": ATTN_IMPLEMENTATION, "text_config": ATTN_IMPLEMENTATION, **own}
 
 
 def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:

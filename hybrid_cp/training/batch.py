@@ -76,7 +76,9 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     `batch` maps names to tensors shaped [batch, seq, ...] holding the WHOLE sequence (the same on
     every cp rank of a sequence group):
 
-    - ``input_ids`` (required) [B, S] integer token ids;
+    - ``input_ids`` (required) [B, S] integer token ids; with ``mask=``, ``inputs_embeds`` [B, S, hidden] can take
+      their place (a vision-language row from `hybrid_cp.image_row`), sharded along dim 1 the same way (zeros in
+      padding slots; gradients flow back to the full row);
     - ``labels`` [B, S], Hugging Face style: NOT shifted (the model-side convention where
       labels = input_ids); defaults to ``input_ids``. With ``shift=True`` (default) they are shifted
       here, on the full sequence: out[t] = labels[t+1], the last one `ignore_index`. Pass
@@ -151,6 +153,10 @@ def _shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int, s
     require_mesh(cp)
     _refuse_media(batch)
     ids, mask, pos = batch_arguments(batch, ignore_index)
+    if ids.is_floating_point():
+        raise ConfigError("shard_batch got batch['inputs_embeds'] without mask=: an embedded row (hybrid_cp.image_row) "
+                          "is sharded under its hcp.AttnMask; pass mask=row['mask'] (a causal row: "
+                          "hcp.AttnMask.blocks([0] * seq)), or pass input_ids")
     if batch.get("shift_labels") is not None:  # next-token targets already (a collator's, or shard_batch's own)
         batch = {**batch, "labels": batch["shift_labels"]}
         shift = False
@@ -205,9 +211,10 @@ def _shard_masked(batch: Mapping[str, Any], cp: "CPMesh", mask: AttnMask, *, ign
     _refuse_media(batch)
     ids, attention_mask, pos = batch_arguments(batch, ignore_index)
     lay = row_layout(cp, mask=mask, what="hcp.shard_batch")
-    b, s = ids.shape
+    b, s = ids.shape[:2]
+    key = "inputs_embeds" if ids.is_floating_point() else "input_ids"   # embeddings: hybrid_cp.image_row's row
     if s != mask.seq_len:
-        raise ShapeError(f"batch['input_ids'] has {s} tokens per row but mask describes a row of {mask.seq_len}; "
+        raise ShapeError(f"batch[{key!r}] has {s} tokens per row but mask describes a row of {mask.seq_len}; "
                          f"build the mask over the whole row")
     if attention_mask is not None:
         raise ConfigError("shard_batch(mask=...) takes no batch['attention_mask']: the mask says which keys each "
@@ -221,8 +228,8 @@ def _shard_masked(batch: Mapping[str, Any], cp: "CPMesh", mask: AttnMask, *, ign
         raise ConfigError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
     targets = _masked_targets(batch, shift)
     device = torch.device(device) if device is not None else cp.device
-    out = _shard_rest(batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", *_LABEL_KEYS))
-    out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
+    out = _shard_rest(batch, cp, lay, device, skip=(key, "labels", "position_ids", *_LABEL_KEYS))
+    out[key] = _take(ids, cp, lay, device, pad_token_id if key == "input_ids" else 0)
     if pos is None:
         out["position_ids"] = positions(cp, device=device, mask=mask)[None].expand(b, -1).contiguous()
     else:   # pad slots see no key and no token sees them: any position
@@ -251,7 +258,8 @@ def _refuse_media(batch: Mapping[str, Any]) -> None:
     media = [key for key in MEDIA_KEYS if isinstance(batch, Mapping) and isinstance(batch.get(key), torch.Tensor)]
     if media:
         raise ShapeError(f"batch[{media[0]!r}] (shape {tuple(batch[media[0]].shape)}) holds media, not one value per "
-                         f"token: hcp.shard_batch would cut it along its dim 1. Media inputs (images, audio) are "
+                         f"token: hcp.shard_batch would cut it along its dim 1. Gemma 3's images: build the row with "
+                         f"hybrid_cp.image_row and shard its inputs_embeds under its mask; other media inputs are "
                          f"not supported under context parallelism: drop {media} from the batch (a text-only "
                          f"row), or train the multimodal model without context parallelism")
 

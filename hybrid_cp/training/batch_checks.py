@@ -19,9 +19,11 @@ def batch_arguments(batch: Any, ignore_index: Any) -> tuple[torch.Tensor, torch.
     [B or 1, S])."""
     if not isinstance(batch, Mapping):
         raise InputTypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    if "input_ids" not in batch and isinstance(batch.get("inputs_embeds"), torch.Tensor):
+        return _embeds_arguments(batch, ignore_index)
     if "input_ids" not in batch or not isinstance(batch["input_ids"], torch.Tensor):
-        raise ShapeError(f"batch needs an 'input_ids' tensor [batch, seq] (got keys {sorted(batch)}); "
-                         f"pass the full-sequence token ids as batch['input_ids']")
+        raise ShapeError(f"batch needs an 'input_ids' tensor [batch, seq] (or 'inputs_embeds' [batch, seq, hidden]; "
+                         f"got keys {sorted(batch)}); pass the full-sequence token ids as batch['input_ids']")
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ShapeError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(ids.shape)}; "
@@ -39,13 +41,35 @@ def batch_arguments(batch: Any, ignore_index: Any) -> tuple[torch.Tensor, torch.
         raise ShapeError(f"batch['attention_mask'] must be a [batch, seq] 0/1 padding mask, got "
                          f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}; 4-D or custom masks are "
                          f"not supported under context parallelism (attention is causal over the sequence)")
+    return ids, mask, _row_positions(batch, b, s)
+
+
+def _embeds_arguments(batch: Mapping[str, Any], ignore_index: Any) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    """`batch_arguments` of a batch given as ``inputs_embeds`` [B, S, hidden] (a vision-language row from
+    `hybrid_cp.image_row`): returns it in place of the token ids; no attention_mask (embedded rows come with their
+    mask, `shard_batch(..., mask=m)`)."""
+    embeds = batch["inputs_embeds"]
+    if embeds.dim() != 3 or not embeds.is_floating_point() or 0 in embeds.shape[:2]:
+        raise ShapeError(f"batch['inputs_embeds'] must be floating [batch, seq, hidden] with at least one token, got "
+                         f"{embeds.dtype} {tuple(embeds.shape)}")
+    if not isinstance(ignore_index, int):
+        raise ConfigError(f"ignore_index={ignore_index!r} must be an int")
+    if batch.get("attention_mask") is not None:
+        raise ConfigError("batch['attention_mask'] with batch['inputs_embeds']: an embedded row takes no padding "
+                          "mask; pass its hcp.AttnMask (shard_batch(..., mask=m)) and ignore_index targets at padding")
+    b, s = embeds.shape[:2]
+    return embeds, None, _row_positions(batch, b, s)
+
+
+def _row_positions(batch: Mapping[str, Any], b: int, s: int) -> torch.Tensor | None:
+    """The per-token shape check of every tensor, then ``position_ids`` as [B or 1, S] (None when not given)."""
     _check_per_token_shapes(batch, b, s)
     pos = batch.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.dim() == 1:
         if pos.shape[0] != s:
             raise ShapeError(f"batch['position_ids'] has length {pos.shape[0]} but input_ids has {s}")
         pos = pos[None]
-    return ids, mask, pos
+    return pos
 
 
 class BatchSignature(NamedTuple):
@@ -73,7 +97,7 @@ def content_checksum(t: Any) -> int:
 
 def batch_signature(batch: Mapping[str, Any], mask: Any = None) -> BatchSignature:
     """The signature of a batch (and its `hcp.AttnMask`, if any) that passed this rank's checks."""
-    ids = batch["input_ids"]
+    ids = batch["input_ids"] if "input_ids" in batch else batch["inputs_embeds"]   # embeddings: no checksum
     return BatchSignature(ids.shape[0], ids.shape[1], content_checksum(ids),
                           content_checksum(batch.get("shift_labels", batch.get("labels"))), digest(sorted(batch)),
                           0 if mask is None else digest(mask))
