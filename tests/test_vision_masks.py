@@ -49,13 +49,18 @@ def test_gemma3_media_calls_are_refused_on_every_rank(pool):
             assert "hybrid_cp.image_row" in row[case][1], (case, row[case])
         assert "vision tower would run on this rank's shard" in row["pixel_values"][1]
         assert f"no {MASK_KEY}" in row["no_mask"][1]
+        lone = row["pixel_values_on_rank_0"]   # the others learn it through the input agreement
+        if row["cp_rank"] == 0:
+            assert lone[0] == "ConfigError" and "hybrid_cp.image_row" in lone[1], lone
+        else:
+            assert lone[0] == "InconsistentRanksError" and "cp ranks [0] rejected their model inputs" in lone[1], lone
         assert row["ok_after"] > 0
     assert len({row["ok_after"] for row in rows}) == 1
 
 
 def test_gemma3_refusals_come_before_any_collective():
-    """A mesh description has no process groups: the refusal is raised before the model's input agreement would
-    need one (a rank given images raises alone, without waiting for the others)."""
+    """A mesh description has no process groups: the refusal is raised before any collective is needed (with
+    process groups it travels through the input agreement, so a rank not given images raises as well)."""
     model = apply_context_parallel(cases.tiny_vlm(), mesh_description(2, 2))
     row = cases.vl_row()
     with pytest.raises(ConfigError, match=r"\['pixel_values'\] under context parallelism.*hybrid_cp.image_row"):

@@ -132,8 +132,8 @@ def vl_parity(u: int, r: int, seed: int = 0) -> dict:
 
 
 def vl_refusals(u: int, r: int) -> dict:
-    """Calls that must raise a named error on every rank, each rank on its own (no collective first): images or
-    token_type_ids given to the model, inputs_embeds without the row's mask; then the right call still works."""
+    """Calls that must raise a named error on every rank: images or token_type_ids given to the model,
+    inputs_embeds without the row's mask, images given to one rank only; then the right call still works."""
     cp = mesh(u, r, validate="always")
     row = vl_row(3)
     model = apply_context_parallel(tiny_vlm(3), cp)
@@ -142,7 +142,7 @@ def vl_refusals(u: int, r: int) -> dict:
                              "position_ids": row["position_ids"]}, cp, mask=built["mask"])
     ids = hcp.shard_batch({"input_ids": row["input_ids"], "token_type_ids": row["token_type_ids"],
                            "shift_labels": row["shift_labels"]}, cp, mask=built["mask"])
-    out = {}
+    out = {"cp_rank": cp.rank}
 
     def attempt(name, **kwargs):
         try:
@@ -154,5 +154,8 @@ def vl_refusals(u: int, r: int) -> dict:
     attempt("pixel_values", **{k: v for k, v in ids.items() if k != "token_type_ids"}, pixel_values=row["pixel_values"])
     attempt("token_type_ids", **ids)
     attempt("no_mask", **{k: v for k, v in local.items() if k != MASK_KEY})
+    # images given on rank 0 only: refused through the input agreement, so the other ranks raise too (no hang)
+    lone = {k: v for k, v in ids.items() if k != "token_type_ids"}
+    attempt("pixel_values_on_rank_0", **lone, **({"pixel_values": row["pixel_values"]} if cp.rank == 0 else {}))
     out["ok_after"] = model(**local).loss.item()
     return out

@@ -142,13 +142,16 @@ def _prepared_mask(mask) -> None:
                           f"hcp.AttnMask and pass hcp.shard_batch(batch, cp, mask=m) to the model")
 
 
-def model_inputs(cp, kwargs: dict) -> dict:
+def model_inputs(cp, kwargs: dict, refusal: str | None = None) -> dict:
     """Check a transformers model call's keyword arguments on this rank, agree on them across the cp
     group, and check a padding mask is right padding over the whole sequence. Returns the arguments
-    with missing `position_ids` filled in."""
+    with missing `position_ids` filled in. `refusal`: this rank's reason to refuse the call (media given to
+    the model), raised on every rank through the agreement, so that ranks not given it do not wait."""
     kwargs = dict(kwargs)
     error, signature = None, ModelInputSignature()
     try:
+        if refusal:
+            raise ConfigError(refusal)
         signature = _model_local_checks(cp, kwargs)
     except ValueError as exc:
         if not validates(cp):

@@ -295,10 +295,8 @@ def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: di
         for name, value in zip(("input_ids", "attention_mask", "position_ids"), args):
             kwargs[name] = value
         args = ()
-    media = media_refusal(module, kwargs)   # before any collective: every rank given images raises here alike
-    if media:
-        raise ConfigError(media)
-    kwargs = model_inputs(cp, kwargs)
+    # media given to the model: refused through the input agreement, on every rank (before any other collective)
+    kwargs = model_inputs(cp, kwargs, refusal=media_refusal(module, kwargs))
     ref.packed = kwargs.get("cu_seq_lens_q") is not None
     if kwargs.get(MASK_KEY) is not None:
         _refuse_masked(module)
