@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from linear_cases import HYBRIDS
+from linear_cases import HYBRIDS, scan_case
+from linear_more_cases import MORE
 from train_cases import _full_grad, _rel, tiny_model
 
 import hybrid_cp as hcp
@@ -75,11 +76,13 @@ STEPS8 = [[150, 70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5, 60, 18, 7], [180, 50,
 
 
 def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bool = False,
-                     eight: bool = False, kind: str = "llama", head_chunks: int = 1) -> dict:
+                     eight: bool = False, kind: str = "llama", head_chunks: int = 1, resync: bool = False) -> dict:
     """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step (`fsdp`: the
     model sharded by FSDP2 over the family's shared all-ranks mesh; `flat_cost`: degrees priced alike, so
     idle blocks are not doubled and idle ranks run placeholders; `kind`: `_model`'s; `head_chunks`: chunks of
-    heads inside hcp.attention, which reads the call's mesh)."""
+    heads inside hcp.attention, which reads the call's mesh; `resync`: after each SGD step the model takes the
+    reference's parameters, so that every step compares gradients at the same point: the round-off of that step,
+    not two fp32 trajectories drifting apart in a sharp tiny model)."""
     splits = SPLITS8 if eight else SPLITS   # eight: the 8-rank pool, degrees 1/2/4/8
     cost = [Degree(k, u, r) for k, (u, r) in splits.items()] if flat_cost else None
     meshes = hcp.init_cp_meshes(sorted(splits), splits=splits, cost=cost)
@@ -109,8 +112,40 @@ def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bo
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        if resync:
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    p.copy_(q)
     hcp.destroy_cp_mesh(meshes)
     return out
+
+
+def gated_delta_on_groups(kernel: str = "naive") -> dict:
+    """The Gated DeltaNet recurrence and the causal convolution (linear_cases.scan_case: forward and every input's
+    gradient against one device, each document on its own) on the micro-batch groups a dynamic schedule gives
+    this rank (the family's mesh of the group's degree, the packed row of its documents, as `micro_batches`
+    and `shard_batch` lay it out), then on single rows of awkward documents (shorter than the group, odd, several
+    starting mid-row) on every degree. {degree: {"gdn.out": worst, ...}} and the cases whose bytes differ from
+    the cost model's."""
+    meshes = hcp.init_cp_meshes(sorted(SPLITS), splits=SPLITS)
+    rows = []
+    for step, lengths in enumerate(STEPS):
+        sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
+        rows += [(mb.cp, tuple(sched.lengths[d] for d in mb.docs)) for mb in hcp.micro_batches(sched, meshes)
+                 if not mb.idle]
+    rows += [(meshes.mesh(k), docs) for k in sorted(SPLITS) for docs in [(3,), (5,), (2, 9, 1), (13, 5, 40)]]
+    out, bytes_off = {}, []
+    for cp, docs in rows:
+        row = scan_case(cp, cp.layout, docs, kernel)
+        sent, predicted = row.pop("bytes")
+        if sent != predicted:
+            bytes_off.append((cp.size, docs, sent, predicted))
+        worst = out.setdefault(cp.size, {})
+        for part, errs in row.items():
+            for name, err in errs.items():
+                worst[f"{part}.{name}"] = max(worst.get(f"{part}.{name}", 0.0), err)
+    hcp.destroy_cp_mesh(meshes)
+    return {"worst": out, "bytes_off": bytes_off}
 
 
 def disagreeing_batch() -> dict:
@@ -140,7 +175,8 @@ def family_shape() -> dict:
     models = {"head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2),
               "engine_head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2,
                                                            chunk_projections=False),
-              "attention_chunks": chunked, "gated_delta": apply_context_parallel(_model("qwen3_next"), meshes.mesh(1))}
+              "attention_chunks": chunked, "gated_delta": apply_context_parallel(_model("qwen3_next"), meshes.mesh(1)),
+              "short_conv": apply_context_parallel(tiny_model("lfm2", 2, generic=True, **MORE["lfm2"]), meshes.mesh(1))}
     for name, model in models.items():   # module chunks cut heads for the patch-time mesh: refused before a forward
         try:
             with use_mesh(model, meshes.mesh(2)):
@@ -152,4 +188,4 @@ def family_shape() -> dict:
     return out
 
 
-__all__ = ["dynamic_training", "disagreeing_batch", "family_shape"]
+__all__ = ["dynamic_training", "disagreeing_batch", "family_shape", "gated_delta_on_groups"]

@@ -601,8 +601,8 @@ def _implementations(model: torch.nn.Module) -> str | dict[str, str]:
 
 def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:
     """Why `use_mesh` refuses this model, with the fix, or "": module-level head chunks (their head ranges are
-    cut for the patch-time mesh's ulysses degree) and routed mixers not verified with mixed degrees (Mamba2 is:
-    `linear_layers._Routed.dynamic_verified`)."""
+    cut for the patch-time mesh's ulysses degree) and routed mixers not verified with mixed degrees (Gated
+    DeltaNet and Mamba2 are: `linear_layers._Routed.dynamic_verified`)."""
     chunked = any("forward" in m.__dict__ for name, m in model.named_modules()
                   if name.endswith("self_attn") and not is_routed(m))
     if chunked:
@@ -612,9 +612,8 @@ def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:
     mixers = sorted({type(x).__name__ for x in model.modules()   # a routed forward not marked verified: refused
                      if is_routed(x) and not getattr(x.__dict__.get("forward"), "dynamic_verified", False)})
     if mixers:
-        return (f"sequence mixers {mixers} are not verified with dynamic degrees (Gated DeltaNet: 2.1e-4 from one "
-                f"process on mixed degrees, over the 1e-4 bound; Mamba2 mixers are verified); train this model on "
-                f"one fixed mesh (hcp.init_cp_mesh)")
+        return (f"sequence mixers {mixers} are not verified with dynamic degrees (Gated DeltaNet and Mamba2 mixers "
+                f"are); train this model on one fixed mesh (hcp.init_cp_mesh)")
     return ""
 
 
@@ -625,8 +624,8 @@ def use_mesh(model: torch.nn.Module, cp: CPMesh):
     backward inside the block too: activation checkpointing recomputes the forward there. Mamba2 mixers, chunked
     layers and head chunks inside `hcp.attention` read the call's mesh too. ConfigError for module-level head
     chunks (head_chunks > 1 with chunk_projections=True: their head ranges are cut for the patch-time mesh's
-    ulysses degree) and for routed mixers not verified with mixed degrees (Gated DeltaNet, Mamba, short
-    convolutions, lightning attention)."""
+    ulysses degree) and for routed mixers not verified with mixed degrees (Mamba, short convolutions, lightning
+    attention, Kimi Delta Attention)."""
     ref = model.__dict__.get("_hybrid_cp_mesh")
     if ref is None:
         raise SetupError("use_mesh needs a model patched by apply_context_parallel(model, cp) first")
