@@ -238,3 +238,12 @@ def window_bytes_case(u: int, r: int, n: int, h: int, hkv: int, d: int, window) 
     out = hcp.attention(ql, kl, vl, cp, causal=True, window=window, seq_len=n)
     (out * hcp.shard(dout.float(), cp)).sum().backward()
     return {"bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank, "ulysses_rank": cp.ulysses_rank}
+
+
+def raised(call, **kwargs) -> tuple[str, str]:
+    """(error class name, message) of what `call(**kwargs)` raised as a ValueError, or ("no error", "")."""
+    try:
+        call(**kwargs)
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from dist_cases import mesh
+from dist_cases import mesh, raised
 from train_cases import VOCAB, _full_grad, _grad_errors, _rel, tiny_model
 
 import hybrid_cp as hcp
@@ -91,11 +91,7 @@ def tree_model_refusals(u: int, r: int) -> dict:
     out = {}
 
     def attempt(name, **kwargs):
-        try:
-            model(**kwargs)
-            out[name] = ("no error", "")
-        except ValueError as exc:
-            out[name] = (type(exc).__name__, str(exc))
+        out[name] = raised(model, **kwargs)
 
     plain = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
     attempt("mask_4d", **plain, attention_mask=torch.ones(1, 1, s, mask.seq_len))

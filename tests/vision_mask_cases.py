@@ -10,7 +10,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from dist_cases import mesh
+from dist_cases import mesh, raised
 from train_cases import _full_grad, _grad_errors
 
 import hybrid_cp as hcp
@@ -145,11 +145,7 @@ def vl_refusals(u: int, r: int) -> dict:
     out = {"cp_rank": cp.rank}
 
     def attempt(name, **kwargs):
-        try:
-            model(**kwargs)
-            out[name] = ("no error", "")
-        except ValueError as exc:
-            out[name] = (type(exc).__name__, str(exc))
+        out[name] = raised(model, **kwargs)
 
     attempt("pixel_values", **{k: v for k, v in ids.items() if k != "token_type_ids"}, pixel_values=row["pixel_values"])
     attempt("token_type_ids", **ids)

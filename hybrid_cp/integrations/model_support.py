@@ -430,7 +430,7 @@ def check_model(model: torch.nn.Module) -> None:
     model_type = getattr(config, "model_type", None)
     family = VERIFIED_FAMILIES.get(model_type) or VISION_LANGUAGE_FAMILIES.get(model_type)
     verified = set() if family is None else {family[0] + rest for rest in family[1].split()}
-    whole_row = family[2] if family is not None and len(family) > 2 else ()   # a vision tower: image_row's
+    whole_row = VISION_LANGUAGE_FAMILIES[model_type][2] if model_type in VISION_LANGUAGE_FAMILIES else ()   # image_row's
     mixers, unverified = _module_refusals(model, verified, whole_row)
     reasons = []
     if mixers:

@@ -20,9 +20,10 @@ import torch
 
 from ..engine.masks import AttnMask
 from ..errors import ConfigError, InputTypeError, ShapeError
+from .model_support import VISION_LANGUAGE_FAMILIES
 
-# model_type -> the class of the model's multimodal body (model.model) image_row knows how to run
-_BODIES = {"gemma3": "Gemma3Model"}
+# model_type -> the class of the model's multimodal body (model.model) image_row runs: the family's stem + "Model"
+_BODIES = {model_type: family[0] + "Model" for model_type, family in VISION_LANGUAGE_FAMILIES.items()}
 
 
 def _body(model: torch.nn.Module) -> torch.nn.Module:
