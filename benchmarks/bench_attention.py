@@ -18,12 +18,19 @@ import time
 
 import torch
 
-CONFIGS = [(8, 1, "zigzag"), (4, 2, "zigzag"), (2, 4, "zigzag"), (1, 8, "zigzag"),
-           (4, 2, "contiguous"), (1, 8, "contiguous")]
+CONFIGS = [
+    (8, 1, "zigzag"),
+    (4, 2, "zigzag"),
+    (2, 4, "zigzag"),
+    (1, 8, "zigzag"),
+    (4, 2, "contiguous"),
+    (1, 8, "contiguous"),
+]
 
 
-def run_rank(ulysses: int, ring: int, layout: str, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-             repeats: int) -> dict:
+def run_rank(
+    ulysses: int, ring: int, layout: str, seq_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int
+) -> dict:
     import torch.distributed as dist
 
     import hybrid_cp as hcp
@@ -61,25 +68,62 @@ def main() -> None:
     rows = []
     with WorkerPool(8) as pool:
         for u, r, layout in CONFIGS:
-            res = pool.run(run_rank, timeout=3600, ulysses=u, ring=r, layout=layout,
-                           seq_len=a.seq_len, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
-                           repeats=a.repeats)
+            res = pool.run(
+                run_rank,
+                timeout=3600,
+                ulysses=u,
+                ring=r,
+                layout=layout,
+                seq_len=a.seq_len,
+                heads=a.heads,
+                kv_heads=a.kv_heads,
+                head_dim=a.head_dim,
+                repeats=a.repeats,
+            )
             per_run = [max(rr["times"][i] for rr in res) for i in range(a.repeats)]
             work = [sum(row) for row in make_layout(layout, u, r, seq_len=a.seq_len).work()]
             b = res[0]["bytes"]
-            rows.append({"ulysses": u, "ring": r, "layout": layout, "min_s": min(per_run),
-                         "median_s": statistics.median(per_run), "imbalance": max(work) / min(work),
-                         "a2a_MiB": (b.get("ulysses_fwd", 0) + b.get("ulysses_bwd", 0)) / 2**20,
-                         "ring_MiB": (b.get("ring_fwd", 0) + b.get("ring_bwd", 0)) / 2**20})
+            rows.append(
+                {
+                    "ulysses": u,
+                    "ring": r,
+                    "layout": layout,
+                    "min_s": min(per_run),
+                    "median_s": statistics.median(per_run),
+                    "imbalance": max(work) / min(work),
+                    "a2a_MiB": (b.get("ulysses_fwd", 0) + b.get("ulysses_bwd", 0)) / 2**20,
+                    "ring_MiB": (b.get("ring_fwd", 0) + b.get("ring_bwd", 0)) / 2**20,
+                }
+            )
             print(rows[-1], flush=True)
     base = rows[0]["median_s"]
-    print(f"\ncausal GQA attention fwd+bwd, {a.seq_len} tokens, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, "
-          f"8 gloo ranks, {a.repeats} timed runs each")
+    print(
+        f"\ncausal GQA attention fwd+bwd, {a.seq_len} tokens, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, "
+        f"8 gloo ranks, {a.repeats} timed runs each"
+    )
     header = ["u", "r", "layout", "min s", "median s", "vs first", "work max/min", "a2a MiB/rank", "ring MiB/rank"]
-    print(format_table(header, [[row["ulysses"], row["ring"], row["layout"], row["min_s"], row["median_s"],
-                                 row["median_s"] / base, row["imbalance"], row["a2a_MiB"], row["ring_MiB"]]
-                                for row in rows],
-                       formats=["", "", "", ".2f", ".2f", ".2f", ".2f", ".1f", ".1f"], align=">" * 9, gap=1))
+    print(
+        format_table(
+            header,
+            [
+                [
+                    row["ulysses"],
+                    row["ring"],
+                    row["layout"],
+                    row["min_s"],
+                    row["median_s"],
+                    row["median_s"] / base,
+                    row["imbalance"],
+                    row["a2a_MiB"],
+                    row["ring_MiB"],
+                ]
+                for row in rows
+            ],
+            formats=["", "", "", ".2f", ".2f", ".2f", ".2f", ".1f", ".1f"],
+            align=">" * 9,
+            gap=1,
+        )
+    )
     if a.csv:
         with open(a.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

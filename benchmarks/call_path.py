@@ -39,8 +39,8 @@ def traced_call() -> dict:
     cu = torch.tensor([0, 100, 130, 256])
     q, k, v = (torch.randn(1, 256, h, 16) for h in (4, 2, 2))
     q, k, v = (hcp.shard(x, cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
-    hcp.attention(q, k, v, cp, causal=True, cu_seqlens=cu)   # warm: the first call agrees across ranks
-    calls: list[tuple[str, str, bool, bool]] = []   # module, function, takes boundaries, re-entry
+    hcp.attention(q, k, v, cp, causal=True, cu_seqlens=cu)  # warm: the first call agrees across ranks
+    calls: list[tuple[str, str, bool, bool]] = []  # module, function, takes boundaries, re-entry
     stack: list[str] = []
 
     def hook(frame, event, arg):
@@ -49,7 +49,7 @@ def traced_call() -> dict:
             return
         if event == "call":
             code = frame.f_code
-            params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
             reentry = bool(stack) and stack[-1] != module and module in stack
             calls.append((module, code.co_name, any(p in BOUNDARY_ARGS for p in params), reentry))
             stack.append(module)

@@ -53,17 +53,30 @@ def long_plus_short(seed: int, long: int, median: int, total: int) -> list[int]:
 
 def mixes(world: int) -> dict[str, list[int]]:
     total, cap = 8 * world * C, world * C
-    return {"lognormal median 2K, sigma 1.0": lognormal(0, 2048, 1.0, total, cap),
-            "lognormal median 2K, sigma 1.5": lognormal(1, 2048, 1.5, total, cap),
-            "lognormal median 4K, sigma 1.5": lognormal(2, 4096, 1.5, total, cap),
-            "one 48K + short (median 1K)": long_plus_short(3, 49152, 1024, total),
-            "one 64K + short (median 512)": long_plus_short(4, 65536, 512, total)}
+    return {
+        "lognormal median 2K, sigma 1.0": lognormal(0, 2048, 1.0, total, cap),
+        "lognormal median 2K, sigma 1.5": lognormal(1, 2048, 1.5, total, cap),
+        "lognormal median 4K, sigma 1.5": lognormal(2, 4096, 1.5, total, cap),
+        "one 48K + short (median 1K)": long_plus_short(3, 49152, 1024, total),
+        "one 64K + short (median 512)": long_plus_short(4, 65536, 512, total),
+    }
 
 
 def bytes_table(world: int = 8) -> str:
     degrees = degree_table(Cluster.preset("dgx-h100", nodes=max(1, world // 8)), MODEL, world, C)
-    header = ["mix", "docs", "tokens > C", "dynamic B/token", "best fixed", "fixed B/token", "fixed / dynamic",
-              "bound B/token", "padding dyn / fixed", "predicted ms dyn / fixed", "idle dyn / fixed"]
+    header = [
+        "mix",
+        "docs",
+        "tokens > C",
+        "dynamic B/token",
+        "best fixed",
+        "fixed B/token",
+        "fixed / dynamic",
+        "bound B/token",
+        "padding dyn / fixed",
+        "predicted ms dyn / fixed",
+        "idle dyn / fixed",
+    ]
     rows = []
     for name, lens in mixes(world).items():
         sched = schedule_step(lens, world, C, degrees)
@@ -72,10 +85,21 @@ def bytes_table(world: int = 8) -> str:
         long_share = sum(n for n in lens if n > C) / sum(lens)
         f_time = f"{f.predicted_s * 1e3:.1f}" if f.predicted_s is not None else "-"
         f_idle = f"{f.idle_share:.1%}" if f.idle_share is not None else "-"
-        rows.append([name, len(lens), f"{long_share:.0%}", f"{s.bytes_per_token:.0f}", f.label,
-                     f"{f.bytes_per_token:.0f}", f"{f.bytes / max(s.bytes, 1):.2f}x",
-                     f"{cmp.bound_bytes / s.tokens:.0f}", f"{s.padding} / {f.padding}",
-                     f"{s.predicted_s * 1e3:.1f} / {f_time}", f"{s.idle_share:.1%} / {f_idle}"])
+        rows.append(
+            [
+                name,
+                len(lens),
+                f"{long_share:.0%}",
+                f"{s.bytes_per_token:.0f}",
+                f.label,
+                f"{f.bytes_per_token:.0f}",
+                f"{f.bytes / max(s.bytes, 1):.2f}x",
+                f"{cmp.bound_bytes / s.tokens:.0f}",
+                f"{s.padding} / {f.padding}",
+                f"{s.predicted_s * 1e3:.1f} / {f_time}",
+                f"{s.idle_share:.1%} / {f_idle}",
+            ]
+        )
     return format_table(header, rows, markdown=True)
 
 
@@ -91,9 +115,11 @@ def speed(world: int = 64, docs: int = 1000, repeats: int = 30) -> str:
         digests.add(sched.digest)
     placed = sorted(d for mb in sched.microbatches for g in mb.groups for d in g.docs)
     assert placed == list(range(docs)) and len(digests) == 1
-    return (f"schedule_step: {docs} documents ({sum(lens)} tokens) at world {world}, C = {C}: "
-            f"median {statistics.median(times) * 1e3:.1f} ms, best {min(times) * 1e3:.1f} ms over {repeats} runs; "
-            f"{len(sched.microbatches)} micro-batches; one digest ({sched.digest}); every document exactly once")
+    return (
+        f"schedule_step: {docs} documents ({sum(lens)} tokens) at world {world}, C = {C}: "
+        f"median {statistics.median(times) * 1e3:.1f} ms, best {min(times) * 1e3:.1f} ms over {repeats} runs; "
+        f"{len(sched.microbatches)} micro-batches; one digest ({sched.digest}); every document exactly once"
+    )
 
 
 def main() -> None:

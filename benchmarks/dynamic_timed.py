@@ -24,15 +24,24 @@ import time
 C = 1024
 LENGTHS = [1800, 300, 120, 700, 260, 90, 410, 500, 150, 330, 60, 640, 220, 380, 240, 100, 530, 290]
 SPLITS = [(2, 1), (1, 2)]
-MODEL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=4096, attention_dropout=0.0, tie_word_embeddings=False)
+MODEL = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+)
 
 
 def _fixed_rows(lengths: list[int], room: int) -> list[list[int]]:
     from topology.schedule_report import pack_rows
 
     order = sorted(range(len(lengths)), key=lambda d: -lengths[d])
-    rows = pack_rows(tuple(lengths), room)   # the same first-fit decreasing, on indices
+    rows = pack_rows(tuple(lengths), room)  # the same first-fit decreasing, on indices
     out, free = [[] for _ in rows], [room] * len(rows)
     for d in order:
         at = next(i for i, f in enumerate(free) if f >= lengths[d])
@@ -68,8 +77,9 @@ def timed_rounds(rounds: int) -> dict:
     from hybrid_cp.integrations.transformers import apply_context_parallel
 
     torch.manual_seed(0)
-    model = apply_context_parallel(transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).float(),
-                                   hcp.init_cp_mesh(1, 1))
+    model = apply_context_parallel(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).float(), hcp.init_cp_mesh(1, 1)
+    )
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, MODEL["vocab_size"], (n,), generator=g) for n in LENGTHS]
     static = {s: hcp.init_cp_mesh(*s) for s in SPLITS}
@@ -77,12 +87,12 @@ def timed_rounds(rounds: int) -> dict:
     sched = hcp.schedule_documents(LENGTHS, meshes, tokens_per_rank=C)
     mine = [(mb.cp, mb.docs) for mb in hcp.micro_batches(sched, meshes) if not mb.idle]
     rows = _fixed_rows(LENGTHS, 2 * C)
-    plans = {f"fixed u{u}r{r}": [(static[(u, r)], row) for row in rows] for u, r in SPLITS}   # dp = 1: every row
+    plans = {f"fixed u{u}r{r}": [(static[(u, r)], row) for row in rows] for u, r in SPLITS}  # dp = 1: every row
     plans["dynamic"] = mine
     ce = torch.nn.functional.cross_entropy
     loss_of = lambda logits, labels: ce(logits[0].float(), labels[0], ignore_index=-100, reduction="sum")  # noqa: E731
     times: dict[str, list[float]] = {k: [] for k in plans}
-    for i in range(rounds + 1):   # round 0 warms up every path
+    for i in range(rounds + 1):  # round 0 warms up every path
         for name, rows_of in plans.items():
             dist.barrier()
             t0 = time.perf_counter()
@@ -103,7 +113,7 @@ def predicted() -> dict:
     cluster = Cluster.load(os.path.join(os.path.dirname(__file__), "results", "cpu8_calibrated.yaml"))
     shape = ModelShape(heads=4, kv_heads=2, head_dim=32, hidden=128, layers=2, intermediate=256, vocab=1024)
     table = {d.size: d for d in degree_table(cluster, shape, 2, C, dtype="fp32", memory_budget=1e12)}
-    table[2] = fitted_degree(cluster, shape, 2, 2, 1, 2 * C, "fp32")   # the split the timed run uses
+    table[2] = fitted_degree(cluster, shape, 2, 2, 1, 2 * C, "fp32")  # the split the timed run uses
     sched = schedule_step(LENGTHS, 2, C, list(table.values()))
     out = {"dynamic": sched.predicted_s}
     for u, r in SPLITS:
@@ -126,15 +136,21 @@ def main() -> None:
     finally:
         pool.close()
     pred = predicted()
-    lines = [f"world 2, one thread per rank, {len(LENGTHS)} documents ({sum(LENGTHS)} tokens), C = {C}; "
-             f"{args.rounds} interleaved rounds after a warm-up; load average before {load[0]:.1f}",
-             "", "| run | median step s | predicted per-layer ms | measured static / dynamic (median, min-max) "
-             "| predicted static / dynamic |", "|---|---|---|---|---|"]
+    lines = [
+        f"world 2, one thread per rank, {len(LENGTHS)} documents ({sum(LENGTHS)} tokens), C = {C}; "
+        f"{args.rounds} interleaved rounds after a warm-up; load average before {load[0]:.1f}",
+        "",
+        "| run | median step s | predicted per-layer ms | measured static / dynamic (median, min-max) "
+        "| predicted static / dynamic |",
+        "|---|---|---|---|---|",
+    ]
     for name in times:
         ratio = [a / b for a, b in zip(times[name], times["dynamic"])]
-        lines.append(f"| {name} | {statistics.median(times[name]):.3f} | {pred[name] * 1e3:.2f} | "
-                     f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
-                     f"{pred[name] / pred['dynamic']:.2f} |")
+        lines.append(
+            f"| {name} | {statistics.median(times[name]):.3f} | {pred[name] * 1e3:.2f} | "
+            f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
+            f"{pred[name] / pred['dynamic']:.2f} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -143,6 +143,7 @@ def _free(dev: torch.device) -> None:
 
 # ---- 1. environment -------------------------------------------------------------------------------------------------
 
+
 def env(res: dict, ctx: Ctx) -> None:
     info = {"torch": torch.__version__, "device": str(ctx.dev), "dry_run": ctx.dry}
     if ctx.dev.type == "cuda":
@@ -150,27 +151,33 @@ def env(res: dict, ctx: Ctx) -> None:
         info["capability"] = "sm%d%d" % torch.cuda.get_device_capability(ctx.dev)
         info["cuda"] = torch.version.cuda
         info["cudnn"] = torch.backends.cudnn.version()
-    for mod, label in (("flash_attn", "flash_attn"), ("flash_attn_interface", "flash_attn_3"),
-                       ("flash_attn.cute", "flash_attn_4")):
+    for mod, label in (
+        ("flash_attn", "flash_attn"),
+        ("flash_attn_interface", "flash_attn_3"),
+        ("flash_attn.cute", "flash_attn_4"),
+    ):
         try:
             m = __import__(mod, fromlist=["_"])
             info[label] = getattr(m, "__version__", "installed")
         except Exception as exc:
             info[label] = f"not importable ({_err(exc)})"
     d = ctx.heads[2]
-    info["supports_bf16"] = {n: K.registered_kernels()[n].supports(ctx.dev, torch.bfloat16, d) or "yes"
-                             for n in K.CUDA_AUTO_ORDER}
+    info["supports_bf16"] = {
+        n: K.registered_kernels()[n].supports(ctx.dev, torch.bfloat16, d) or "yes" for n in K.CUDA_AUTO_ORDER
+    }
     try:
         info["auto_bf16"] = K.get_kernel("auto", ctx.dev, torch.bfloat16, d).name
     except Exception as exc:
         info["auto_bf16"] = _err(exc)
-    info["self_tests"] = {f"{k[0]} {k[2]} D={k[3]}": ("passed" if v is None else _err(v))
-                          for k, v in K.self_test_results().items()}
+    info["self_tests"] = {
+        f"{k[0]} {k[2]} D={k[3]}": ("passed" if v is None else _err(v)) for k, v in K.self_test_results().items()
+    }
     res["env"] = info
     print(json.dumps(info, indent=1, default=str), flush=True)
 
 
 # ---- 2. parity ------------------------------------------------------------------------------------------------------
+
 
 def parity(res: dict, ctx: Ctx) -> None:
     rows = res.setdefault("parity", [])
@@ -188,8 +195,9 @@ def parity(res: dict, ctx: Ctx) -> None:
                     continue
                 tol = K.SELF_TEST_TOL[dtype]
                 try:
-                    for case, errs in K.kernel_errors(kern, ctx.dev, dtype, d, size=ctx.parity_size,
-                                                      ref_dtype=torch.float64):
+                    for case, errs in K.kernel_errors(
+                        kern, ctx.dev, dtype, d, size=ctx.parity_size, ref_dtype=torch.float64
+                    ):
                         rows.append({**base, "case": case, **errs, "pass": all(e <= tol for e in errs.values())})
                         print(rows[-1], flush=True)
                 except Exception as exc:
@@ -200,9 +208,14 @@ def parity(res: dict, ctx: Ctx) -> None:
 
 # ---- 3. throughput --------------------------------------------------------------------------------------------------
 
+
 def _blocks(n: int):
-    return [("causal square", n, n, True), ("zigzag off-diagonal (n x n/2)", n, n // 2, False),
-            ("zigzag off-diagonal (n/2 x n)", n // 2, n, False), ("full", n, n, False)]
+    return [
+        ("causal square", n, n, True),
+        ("zigzag off-diagonal (n x n/2)", n, n // 2, False),
+        ("zigzag off-diagonal (n/2 x n)", n // 2, n, False),
+        ("full", n, n, False),
+    ]
 
 
 def throughput(res: dict, ctx: Ctx) -> None:
@@ -224,14 +237,19 @@ def throughput(res: dict, ctx: Ctx) -> None:
                     q = torch.randn(1, sq, h, d, device=ctx.dev, dtype=dtype)
                     k, v = (torch.randn(1, sk, hkv, d, device=ctx.dev, dtype=dtype) for _ in range(2))
                     flops = 4 * sq * sk * d * h * (0.5 if causal else 1.0)
-                    scale = d ** -0.5
+                    scale = d**-0.5
                     reps = 10 if n <= 8192 else 5
                     fmin, fmed = _time(lambda: kern.forward(q, k, v, causal=causal, scale=scale), ctx.dev, reps)
                     o, lse = kern.forward(q, k, v, causal=causal, scale=scale)
-                    bmin, bmed = _time(lambda: kern.backward(o, q, k, v, o, lse, causal=causal, scale=scale),
-                                       ctx.dev, reps)
-                    row.update(fwd_tflops_best=flops / fmin / 1e12, fwd_tflops_median=flops / fmed / 1e12,
-                               bwd_tflops_best=2.5 * flops / bmin / 1e12, bwd_tflops_median=2.5 * flops / bmed / 1e12)
+                    bmin, bmed = _time(
+                        lambda: kern.backward(o, q, k, v, o, lse, causal=causal, scale=scale), ctx.dev, reps
+                    )
+                    row.update(
+                        fwd_tflops_best=flops / fmin / 1e12,
+                        fwd_tflops_median=flops / fmed / 1e12,
+                        bwd_tflops_best=2.5 * flops / bmin / 1e12,
+                        bwd_tflops_median=2.5 * flops / bmed / 1e12,
+                    )
                 except Exception as exc:
                     row["error"] = _err(exc)
                 rows.append(row)
@@ -250,12 +268,13 @@ def throughput(res: dict, ctx: Ctx) -> None:
 
 # ---- 4. ring schedule efficiency ------------------------------------------------------------------------------------
 
+
 def schedule(res: dict, ctx: Ctx) -> None:
     rows = res.setdefault("schedule", [])
     h, hkv, d = ctx.heads
     dtype = torch.bfloat16
     n, rs = ctx.sched
-    scale = d ** -0.5
+    scale = d**-0.5
     for name in KERNELS:
         kern, why = _kernel(name, ctx, dtype, d)
         if kern is None:
@@ -296,10 +315,17 @@ def schedule(res: dict, ctx: Ctx) -> None:
                 ff = _time(lambda: kern.forward(q, k, v, causal=False, scale=scale), ctx.dev, reps, warmup=1)
                 fo, fl = kern.forward(q, k, v, causal=False, scale=scale)
                 rb = _time(ring_bwd, ctx.dev, reps, warmup=1)
-                fb = _time(lambda: kern.backward(dout, q, k, v, fo, fl, causal=False, scale=scale), ctx.dev, reps,
-                           warmup=1)
-                row.update(fwd_ring_ms=rf[0] * 1e3, fwd_fused_ms=ff[0] * 1e3, fwd_efficiency=ff[0] / rf[0],
-                           bwd_ring_ms=rb[0] * 1e3, bwd_fused_ms=fb[0] * 1e3, bwd_efficiency=fb[0] / rb[0])
+                fb = _time(
+                    lambda: kern.backward(dout, q, k, v, fo, fl, causal=False, scale=scale), ctx.dev, reps, warmup=1
+                )
+                row.update(
+                    fwd_ring_ms=rf[0] * 1e3,
+                    fwd_fused_ms=ff[0] * 1e3,
+                    fwd_efficiency=ff[0] / rf[0],
+                    bwd_ring_ms=rb[0] * 1e3,
+                    bwd_fused_ms=fb[0] * 1e3,
+                    bwd_efficiency=fb[0] / rb[0],
+                )
             except Exception as exc:
                 row["error"] = _err(exc)
             rows.append(row)
@@ -308,6 +334,7 @@ def schedule(res: dict, ctx: Ctx) -> None:
 
 
 # ---- 5. linear-layer kernels (fla, mamba_ssm) against transformers' torch reference ---------------------------------
+
 
 def _linear_kernels(ctx: Ctx) -> list[tuple[str, str, object, object]]:
     """(family, package and version or why not, kernel or None, reference) for Gated DeltaNet and Mamba2: the
@@ -319,13 +346,15 @@ def _linear_kernels(ctx: Ctx) -> list[tuple[str, str, object, object]]:
     from hybrid_cp.integrations.linear_layers import CUDA_KERNELS, cuda_kernel
 
     out = []
-    for family, name, mod in (("gdn", "torch_chunk_gated_delta_rule", modeling_qwen3_next),
-                              ("ssd", "mamba2_chunk_scan", modeling_bamba)):
+    for family, name, mod in (
+        ("gdn", "torch_chunk_gated_delta_rule", modeling_qwen3_next),
+        ("ssd", "mamba2_chunk_scan", modeling_bamba),
+    ):
         ref = getattr(getattr(mod, name), "__wrapped__", getattr(mod, name))
         _, attr, package, _ = CUDA_KERNELS[name]
         try:
             kern, what = cuda_kernel(name), f"{package}.{attr}"
-        except Exception as exc:   # installed but refused (too old) or broken: recorded, not replaced
+        except Exception as exc:  # installed but refused (too old) or broken: recorded, not replaced
             kern, what = None, f"{package}: {_err(exc)}"
         if kern is not None:
             what += f" {getattr(sys.modules[package], '__version__', '')}"
@@ -344,18 +373,35 @@ def _gdn_cases(ctx: Ctx, dtype: torch.dtype) -> tuple[dict, list]:
 
     b, t, h, hv, dk, dv = (1, 40, 2, 4, 8, 8) if ctx.dry else (1, 2000, 16, 32, 128, 128)
     g = torch.Generator().manual_seed(11)
-    x = {"q": torch.randn(b, t, h, dk, generator=g).to(dtype), "k": torch.randn(b, t, h, dk, generator=g).to(dtype),
-         "v": torch.randn(b, t, hv, dv, generator=g).to(dtype),
-         "g": -torch.nn.functional.softplus(torch.randn(b, t, hv, generator=g) - 2),   # fp32, as the layer's
-         "beta": torch.rand(b, t, hv, generator=g).to(dtype), "h0": torch.randn(b, hv, dk, dv, generator=g) * 0.1}
+    x = {
+        "q": torch.randn(b, t, h, dk, generator=g).to(dtype),
+        "k": torch.randn(b, t, h, dk, generator=g).to(dtype),
+        "v": torch.randn(b, t, hv, dv, generator=g).to(dtype),
+        "g": -torch.nn.functional.softplus(torch.randn(b, t, hv, generator=g) - 2),  # fp32, as the layer's
+        "beta": torch.rand(b, t, hv, generator=g).to(dtype),
+        "h0": torch.randn(b, hv, dk, dv, generator=g) * 0.1,
+    }
 
     def call(kern, i, initial):
-        return kern(i["q"], i["k"], i["v"], g=i["g"], beta=i["beta"], initial_state=i["h0"] if initial else None,
-                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return x, [("plain + final state", lambda kern, i: call(kern, i, False)),
-               ("initial state", lambda kern, i: call(kern, i, True)),
-               (f"probe (v width {dv + dk})", lambda kern, i: GatedDelta(kern).probe(
-                   [i[n] for n in ("q", "k", "v", "g", "beta")]))]
+        return kern(
+            i["q"],
+            i["k"],
+            i["v"],
+            g=i["g"],
+            beta=i["beta"],
+            initial_state=i["h0"] if initial else None,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+
+    return x, [
+        ("plain + final state", lambda kern, i: call(kern, i, False)),
+        ("initial state", lambda kern, i: call(kern, i, True)),
+        (
+            f"probe (v width {dv + dk})",
+            lambda kern, i: GatedDelta(kern).probe([i[n] for n in ("q", "k", "v", "g", "beta")]),
+        ),
+    ]
 
 
 def _ssd_cases(ctx: Ctx, dtype: torch.dtype) -> tuple[dict, list]:
@@ -365,36 +411,62 @@ def _ssd_cases(ctx: Ctx, dtype: torch.dtype) -> tuple[dict, list]:
 
     b, t, h, p, ng, n, chunk = (1, 40, 4, 4, 2, 8, 16) if ctx.dry else (1, 2000, 32, 64, 4, 128, 256)
     g = torch.Generator().manual_seed(12)
-    x = {"x": torch.randn(b, t, h, p, generator=g).to(dtype), "dt": torch.randn(b, t, h, generator=g).to(dtype),
-         "B": torch.randn(b, t, ng, n, generator=g).to(dtype), "C": torch.randn(b, t, ng, n, generator=g).to(dtype),
-         "A": -torch.rand(h, generator=g) - 0.5, "D": torch.randn(h, generator=g), "dt_bias": torch.randn(h, generator=g),
-         "h0": torch.randn(b, h, p, n, generator=g) * 0.1}
+    x = {
+        "x": torch.randn(b, t, h, p, generator=g).to(dtype),
+        "dt": torch.randn(b, t, h, generator=g).to(dtype),
+        "B": torch.randn(b, t, ng, n, generator=g).to(dtype),
+        "C": torch.randn(b, t, ng, n, generator=g).to(dtype),
+        "A": -torch.rand(h, generator=g) - 0.5,
+        "D": torch.randn(h, generator=g),
+        "dt_bias": torch.randn(h, generator=g),
+        "h0": torch.randn(b, h, p, n, generator=g) * 0.1,
+    }
 
     def kind(kern, i):
         return Mamba2(kern, i["A"], chunk, i["D"], i["dt_bias"])
 
     def initial(kern, i):
-        return kern(i["x"], i["dt"], i["A"], i["B"], i["C"], chunk_size=chunk, D=i["D"], dt_bias=i["dt_bias"],
-                    initial_states=i["h0"], dt_softplus=True, return_final_states=True)
-    return x, [("plain + final state", lambda kern, i: kind(kern, i).plain([i[k] for k in "x dt B C".split()], True)),
-               ("initial state", initial),
-               ("probe", lambda kern, i: kind(kern, i).probe([i[k] for k in "x dt B C".split()]))]
+        return kern(
+            i["x"],
+            i["dt"],
+            i["A"],
+            i["B"],
+            i["C"],
+            chunk_size=chunk,
+            D=i["D"],
+            dt_bias=i["dt_bias"],
+            initial_states=i["h0"],
+            dt_softplus=True,
+            return_final_states=True,
+        )
+
+    return x, [
+        ("plain + final state", lambda kern, i: kind(kern, i).plain([i[k] for k in "x dt B C".split()], True)),
+        ("initial state", initial),
+        ("probe", lambda kern, i: kind(kern, i).probe([i[k] for k in "x dt B C".split()])),
+    ]
 
 
 def _linear_errors(fn, inputs: dict, kern, ref, dev: torch.device) -> dict:
     """Max relative errors of fn(kernel, inputs) against fn(reference, inputs): the largest over the outputs
     (out, final state, the probe's transition) and over the gradients of every input, and which input's."""
+
     def run(k):
         xs = {n: x.detach().to(dev, copy=True).requires_grad_() for n, x in inputs.items()}
         outs = [o for o in fn(k, xs) if o is not None]
         g = torch.Generator(device=dev).manual_seed(5)
         sum((o.float() * torch.randn(o.shape, generator=g, device=dev)).sum() for o in outs).backward()
         return outs, {n: x.grad for n, x in xs.items() if x.grad is not None}
+
     (go, gg), (ro, rg) = run(kern), run(ref)
     grads = {n: _rel(gg[n], rg[n]) for n in rg if rg[n].abs().max() > 0}
     worst = max(grads, key=grads.get) if grads else ""
-    return {"out": max(_rel(a, b) for a, b in zip(go, ro)), "grad": grads.get(worst, 0.0), "worst_grad": worst,
-            "grads": grads}
+    return {
+        "out": max(_rel(a, b) for a, b in zip(go, ro)),
+        "grad": grads.get(worst, 0.0),
+        "worst_grad": worst,
+        "grads": grads,
+    }
 
 
 def linear(res: dict, ctx: Ctx) -> None:
@@ -421,6 +493,7 @@ def linear(res: dict, ctx: Ctx) -> None:
 
 # ---- 6. the engine on a one-rank mesh, 7. host syncs --------------------------------------------------------------
 
+
 def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
@@ -431,8 +504,11 @@ def engine(res: dict, ctx: Ctx) -> None:
     cp = res["_mesh"]
     rows = res.setdefault("engine", [])
     m = K.MathKernel()
-    cases = [(torch.bfloat16, 4000, True), (torch.float32, 1000, False)] if not ctx.dry else \
-        [(torch.float32, 200, True), (torch.bfloat16, 120, False)]
+    cases = (
+        [(torch.bfloat16, 4000, True), (torch.float32, 1000, False)]
+        if not ctx.dry
+        else [(torch.float32, 200, True), (torch.bfloat16, 120, False)]
+    )
     for dtype, n, causal in cases:
         row = {"dtype": str(dtype).replace("torch.", ""), "n": n, "causal": causal}
         try:
@@ -445,8 +521,14 @@ def engine(res: dict, ctx: Ctx) -> None:
             args = [x.to(dtype).double() for x in (q, k, v)]
             o64, l64 = m.forward(*args, causal=causal, scale=0.125)
             g64 = m.backward(do.to(dtype).double(), *args, o64, l64, causal=causal, scale=0.125)
-            row.update(kernel=K.get_kernel("auto", ctx.dev, dtype, 64).name, out=_rel(out, o64), lse=_rel(lse, l64),
-                       dq=_rel(ql.grad, g64[0]), dk=_rel(kl.grad, g64[1]), dv=_rel(vl.grad, g64[2]))
+            row.update(
+                kernel=K.get_kernel("auto", ctx.dev, dtype, 64).name,
+                out=_rel(out, o64),
+                lse=_rel(lse, l64),
+                dq=_rel(ql.grad, g64[0]),
+                dk=_rel(kl.grad, g64[1]),
+                dv=_rel(vl.grad, g64[2]),
+            )
         except Exception as exc:
             row["error"] = _err(exc)
         rows.append(row)
@@ -471,7 +553,7 @@ def sync_check(res: dict, ctx: Ctx) -> None:
     kv_index = head_split(h, hkv, 1).kv_index(0)
 
     def ring():
-        rc = RingCall(cp, kern, plan, scale=d ** -0.5)
+        rc = RingCall(cp, kern, plan, scale=d**-0.5)
         out, lse, halo = ring_forward(rc, q, k, v, kv_index)
         ring_backward(rc, dout, q, k, v, (out, lse), kv_index, halo)
 
@@ -479,12 +561,15 @@ def sync_check(res: dict, ctx: Ctx) -> None:
         def run():
             ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
             hcp.attention(ql, kl, vl, cp, causal=True, **kw).backward(dout)
+
         return run
 
     docs = [0, 3 * n // 8, 7 * n // 8, n]
-    checks = [(f"ring_forward + ring_backward ({kern.name}, causal, {n} tokens)", ring),
-              ("hcp.attention forward + backward (dense causal)", call(seq_len=n)),
-              (f"hcp.attention forward + backward (packed, cu_seqlens={docs})", call(cu_seqlens=docs))]
+    checks = [
+        (f"ring_forward + ring_backward ({kern.name}, causal, {n} tokens)", ring),
+        ("hcp.attention forward + backward (dense causal)", call(seq_len=n)),
+        (f"hcp.attention forward + backward (packed, cu_seqlens={docs})", call(cu_seqlens=docs)),
+    ]
     for label, fn in checks:
         row = {"check": label}
         try:
@@ -511,17 +596,35 @@ def sync_check(res: dict, ctx: Ctx) -> None:
 
 # ---- 8. a training step's peak against the planner ----------------------------------------------------------------
 
+
 def memory(res: dict, ctx: Ctx) -> None:
     import memory_step as ms
 
     rows = res.setdefault("memory", [])
-    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
-                 head_dim=8) if ctx.dry else \
-        dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-             head_dim=128)   # Llama-3-8B's layer
+    shape = (
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+        if ctx.dry
+        else dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
+    )  # Llama-3-8B's layer
     tile = 256 if ctx.dry else 8192
-    opts = dict(layers=2, checkpoint=True, offload=True, tiled_norm=tile, tiled_mlp=tile, tiled_loss=True, head_chunks=4)
-    for n in ((1024, 2048) if ctx.dry else (131072, 262144)):
+    opts = dict(
+        layers=2, checkpoint=True, offload=True, tiled_norm=tile, tiled_mlp=tile, tiled_loss=True, head_chunks=4
+    )
+    for n in (1024, 2048) if ctx.dry else (131072, 262144):
         row = {"tokens": n}
         try:
             if ctx.out_of_time():
@@ -529,12 +632,18 @@ def memory(res: dict, ctx: Ctx) -> None:
             else:
                 if ctx.dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(ctx.dev)
-                m = ms.measure(u=1, r=1, seq_len=n, loss_chunk=512, device=ctx.dev.type, shape=shape, dtype="bf16",
-                               **opts)
+                m = ms.measure(
+                    u=1, r=1, seq_len=n, loss_chunk=512, device=ctx.dev.type, shape=shape, dtype="bf16", **opts
+                )
                 est = ms._estimate(1, 1, n, opts, shape, "bf16")
                 reserved = torch.cuda.max_memory_reserved(ctx.dev) if ctx.dev.type == "cuda" else m["device_peak"]
-                row.update(measured_gib=m["device_peak"] / 2**30, reserved_gib=reserved / 2**30,
-                           estimate_gib=est.peak / 2**30, ratio=est.peak / m["device_peak"], phase=est.peak_phase)
+                row.update(
+                    measured_gib=m["device_peak"] / 2**30,
+                    reserved_gib=reserved / 2**30,
+                    estimate_gib=est.peak / 2**30,
+                    ratio=est.peak / m["device_peak"],
+                    phase=est.peak_phase,
+                )
         except Exception as exc:
             row["error"] = _err(exc)
         rows.append(row)
@@ -549,8 +658,9 @@ def _with_mesh(res: dict, ctx: Ctx, sections) -> None:
     import hybrid_cp as hcp
 
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl" if ctx.dev.type == "cuda" else "gloo", init_method=f"file://{tmp}/store",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if ctx.dev.type == "cuda" else "gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1
+        )
         try:
             if ctx.dev.type == "cuda":
                 torch.cuda.set_device(ctx.dev)
@@ -563,6 +673,7 @@ def _with_mesh(res: dict, ctx: Ctx, sections) -> None:
 
 
 # ---- running and writing ------------------------------------------------------------------------------------------
+
 
 def _run(section, res: dict, ctx: Ctx) -> None:
     t = time.time()
@@ -601,44 +712,137 @@ def md_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 def markdown(res: dict) -> str:
     env_ = res.get("env", {})
     out = ["# GPU check (`benchmarks/gpu_check.py`)", ""]
-    out += [f"- {k}: {_fmt(v) if not isinstance(v, dict) else ', '.join(f'{a}: {b}' for a, b in v.items())}"
-            for k, v in env_.items()]
-    out += ["", "## Parity against fp64 math (max |err| / max |ref|)", "",
-            md_table([{**r, "pass": "yes" if r["pass"] else "**NO**"} if "pass" in r else r
-                      for r in res.get("parity", [])], [("kernel", "kernel"), ("dtype", "dtype"), ("D", "D"), ("case", "case"),
-                                             ("out", "out"), ("lse", "lse"), ("dq", "dq"), ("dk", "dk"),
-                                             ("dv", "dv"), ("pass", "within self-test tolerance")])]
+    out += [
+        f"- {k}: {_fmt(v) if not isinstance(v, dict) else ', '.join(f'{a}: {b}' for a, b in v.items())}"
+        for k, v in env_.items()
+    ]
+    out += [
+        "",
+        "## Parity against fp64 math (max |err| / max |ref|)",
+        "",
+        md_table(
+            [{**r, "pass": "yes" if r["pass"] else "**NO**"} if "pass" in r else r for r in res.get("parity", [])],
+            [
+                ("kernel", "kernel"),
+                ("dtype", "dtype"),
+                ("D", "D"),
+                ("case", "case"),
+                ("out", "out"),
+                ("lse", "lse"),
+                ("dq", "dq"),
+                ("dk", "dk"),
+                ("dv", "dv"),
+                ("pass", "within self-test tolerance"),
+            ],
+        ),
+    ]
     out += ["", "## Throughput (TFLOP/s, best / median; bf16, H=32, H_kv=8, D=128)", ""]
-    rows = [{**r, "fwd": f"{r['fwd_tflops_best']:.0f} / {r['fwd_tflops_median']:.0f}",
-             "bwd": f"{r['bwd_tflops_best']:.0f} / {r['bwd_tflops_median']:.0f}"} if "fwd_tflops_best" in r else r
-            for r in res.get("throughput", [])]
-    out.append(md_table(rows, [("kernel", "kernel"), ("tokens", "tokens per ring block"), ("block", "block"),
-                               ("fwd", "forward"), ("bwd", "backward")]))
+    rows = [
+        {
+            **r,
+            "fwd": f"{r['fwd_tflops_best']:.0f} / {r['fwd_tflops_median']:.0f}",
+            "bwd": f"{r['bwd_tflops_best']:.0f} / {r['bwd_tflops_median']:.0f}",
+        }
+        if "fwd_tflops_best" in r
+        else r
+        for r in res.get("throughput", [])
+    ]
+    out.append(
+        md_table(
+            rows,
+            [
+                ("kernel", "kernel"),
+                ("tokens", "tokens per ring block"),
+                ("block", "block"),
+                ("fwd", "forward"),
+                ("bwd", "backward"),
+            ],
+        )
+    )
     if "merge" in res:
         m = res["merge"]
         out += ["", f"fp32 merge of one {m['tokens']}-token block: {m['ms_best']:.2f} ms (median {m['ms_median']:.2f})"]
-    out += ["", "## Ring schedule efficiency on one GPU (one fused call / r blocks with merge; limit 1.0)", "",
-            md_table(res.get("schedule", []), [("kernel", "kernel"), ("tokens_per_block", "tokens per block"),
-                                               ("r", "r"), ("fwd_ring_ms", "fwd ring ms"),
-                                               ("fwd_fused_ms", "fwd fused ms"), ("fwd_efficiency", "fwd eff."),
-                                               ("bwd_ring_ms", "bwd ring ms"), ("bwd_fused_ms", "bwd fused ms"),
-                                               ("bwd_efficiency", "bwd eff.")])]
-    out += ["", "## Linear-layer kernels against transformers' torch reference (max relative error)", "",
-            md_table(res.get("linear", []), [("family", "layer"), ("kernel", "kernel"), ("dtype", "dtype"),
-                                             ("case", "case"), ("out", "outputs"), ("grad", "gradients"),
-                                             ("worst_grad", "worst gradient")])]
-    out += ["", "## hcp.attention on a one-rank mesh against fp64 math", "",
-            md_table(res.get("engine", []), [("dtype", "dtype"), ("n", "n"), ("causal", "causal"),
-                                             ("kernel", "auto picked"), ("out", "out"), ("lse", "lse"),
-                                             ("dq", "dq"), ("dk", "dk"), ("dv", "dv")])]
-    out += ["", "## Host syncs (torch.cuda.set_sync_debug_mode('error') after warm-up)", "",
-            md_table(res.get("sync", []), [("check", "check"), ("result", "result")])]
-    out += ["", "## A training step's peak against the planner (Llama-3-8B layers x 2, bf16, every ladder option)", "",
-            md_table(res.get("memory", []), [("tokens", "tokens"), ("measured_gib", "allocated peak GiB"),
-                                             ("reserved_gib", "reserved peak GiB"), ("estimate_gib", "estimate GiB"),
-                                             ("ratio", "estimate / allocated"), ("phase", "estimate's peak phase")])]
+    out += [
+        "",
+        "## Ring schedule efficiency on one GPU (one fused call / r blocks with merge; limit 1.0)",
+        "",
+        md_table(
+            res.get("schedule", []),
+            [
+                ("kernel", "kernel"),
+                ("tokens_per_block", "tokens per block"),
+                ("r", "r"),
+                ("fwd_ring_ms", "fwd ring ms"),
+                ("fwd_fused_ms", "fwd fused ms"),
+                ("fwd_efficiency", "fwd eff."),
+                ("bwd_ring_ms", "bwd ring ms"),
+                ("bwd_fused_ms", "bwd fused ms"),
+                ("bwd_efficiency", "bwd eff."),
+            ],
+        ),
+    ]
+    out += [
+        "",
+        "## Linear-layer kernels against transformers' torch reference (max relative error)",
+        "",
+        md_table(
+            res.get("linear", []),
+            [
+                ("family", "layer"),
+                ("kernel", "kernel"),
+                ("dtype", "dtype"),
+                ("case", "case"),
+                ("out", "outputs"),
+                ("grad", "gradients"),
+                ("worst_grad", "worst gradient"),
+            ],
+        ),
+    ]
+    out += [
+        "",
+        "## hcp.attention on a one-rank mesh against fp64 math",
+        "",
+        md_table(
+            res.get("engine", []),
+            [
+                ("dtype", "dtype"),
+                ("n", "n"),
+                ("causal", "causal"),
+                ("kernel", "auto picked"),
+                ("out", "out"),
+                ("lse", "lse"),
+                ("dq", "dq"),
+                ("dk", "dk"),
+                ("dv", "dv"),
+            ],
+        ),
+    ]
+    out += [
+        "",
+        "## Host syncs (torch.cuda.set_sync_debug_mode('error') after warm-up)",
+        "",
+        md_table(res.get("sync", []), [("check", "check"), ("result", "result")]),
+    ]
+    out += [
+        "",
+        "## A training step's peak against the planner (Llama-3-8B layers x 2, bf16, every ladder option)",
+        "",
+        md_table(
+            res.get("memory", []),
+            [
+                ("tokens", "tokens"),
+                ("measured_gib", "allocated peak GiB"),
+                ("reserved_gib", "reserved peak GiB"),
+                ("estimate_gib", "estimate GiB"),
+                ("ratio", "estimate / allocated"),
+                ("phase", "estimate's peak phase"),
+            ],
+        ),
+    ]
     if res.get("errors"):
-        out += ["", "## Section errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()]
+        out += ["", "## Section errors", ""] + [
+            f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()
+        ]
     out += ["", "Seconds per section: " + ", ".join(f"{k} {v}" for k, v in res.get("seconds", {}).items())]
     return "\n".join(out) + "\n"
 
@@ -654,16 +858,27 @@ def write(res: dict, out_dir: str) -> tuple[str, str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join("benchmarks", "results"),
-                   help="directory for gpu_check.json and gpu_check.md (default: $OUT, else benchmarks/results)")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or os.path.join("benchmarks", "results"),
+        help="directory for gpu_check.json and gpu_check.md (default: $OUT, else benchmarks/results)",
+    )
     p.add_argument("--dry-run", action="store_true", help="run on CPU at tiny shapes (checks the script, no GPU)")
-    p.add_argument("--budget", type=float, default=400.0,
-                   help="seconds after which remaining measurements are skipped and recorded as such "
-                        "(each section also has its own limit, SECTION_LIMIT_S)")
-    p.add_argument("--sections", default="env,parity,throughput,schedule,linear,engine,sync,memory",
-                   help="comma-separated subset of env,parity,throughput,schedule,linear,engine,sync,memory")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=400.0,
+        help="seconds after which remaining measurements are skipped and recorded as such "
+        "(each section also has its own limit, SECTION_LIMIT_S)",
+    )
+    p.add_argument(
+        "--sections",
+        default="env,parity,throughput,schedule,linear,engine,sync,memory",
+        help="comma-separated subset of env,parity,throughput,schedule,linear,engine,sync,memory",
+    )
     return p.parse_args(argv)
 
 
@@ -671,8 +886,9 @@ def main(argv=None) -> dict:
     a = parse_args(argv)
     if not a.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU, or pass --dry-run to check the script on CPU")
-    ctx = Ctx(torch.device("cpu") if a.dry_run else torch.device("cuda", torch.cuda.current_device()),
-              a.dry_run, a.budget)
+    ctx = Ctx(
+        torch.device("cpu") if a.dry_run else torch.device("cuda", torch.cuda.current_device()), a.dry_run, a.budget
+    )
     wanted = set(a.sections.split(","))
     res: dict = {}
     for section in (env, parity, throughput, schedule, linear):

@@ -32,8 +32,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE = (1, 64, 8, 64)
-COLLECTIVES = ("all_to_all_single", "batch_isend_irecv", "all_reduce", "all_gather", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "barrier")
+COLLECTIVES = (
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "barrier",
+)
 
 
 class _Timed:
@@ -67,6 +74,7 @@ def _time_collectives(clock: list[float]) -> None:
             if isinstance(out, list):
                 return [_Timed(w, clock) for w in out]
             return None if out is None else _Timed(out, clock)
+
         return timed
 
     for name in COLLECTIVES:
@@ -86,8 +94,9 @@ def _cases(cp):
     seq_len = SHAPE[1] * cp.size
 
     def sdpa(a, b, c):
-        return F.scaled_dot_product_attention(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2),
-                                              is_causal=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=True
+        ).transpose(1, 2)
 
     def hcp_fwd():
         with torch.no_grad():
@@ -120,7 +129,7 @@ def measure(ulysses: int = 1, ring: int = 1, calls: int = 300, repeats: int = 5)
         _time_collectives(clock)
     cp = hcp.init_cp_mesh(ulysses=ulysses, ring=ring, device="cpu")
     cases = _cases(cp)
-    for fn in cases.values():   # warm: the first call of a pattern agrees across ranks and plans
+    for fn in cases.values():  # warm: the first call of a pattern agrees across ranks and plans
         for _ in range(5):
             fn()
     out: dict[str, list[float]] = {}
@@ -153,6 +162,7 @@ def _single_process(calls: int, repeats: int) -> dict[str, list[float]]:
     finally:
         dist.destroy_process_group()
         import shutil
+
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -178,8 +188,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed batches of each case (interleaved)")
     ap.add_argument("--no-mesh", action="store_true", help="only the 1 x 1 figures")
     args = ap.parse_args()
-    _table(f"1 x 1 mesh, q/k/v {list(SHAPE)}, causal, fp32, CPU, 1 thread; per call over {args.calls} calls, "
-           f"{args.repeats} repeats", _single_process(args.calls, args.repeats))
+    _table(
+        f"1 x 1 mesh, q/k/v {list(SHAPE)}, causal, fp32, CPU, 1 thread; per call over {args.calls} calls, "
+        f"{args.repeats} repeats",
+        _single_process(args.calls, args.repeats),
+    )
     if args.no_mesh:
         return
     from hybrid_cp.testing import WorkerPool
@@ -187,8 +200,11 @@ def main() -> None:
     with WorkerPool(4, extra_paths=[str(Path(__file__).parent)]) as pool:
         per_rank = pool.run(measure, ulysses=2, ring=2, calls=args.calls // 3, repeats=args.repeats)
     slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.repeats)] for name in per_rank[0]}
-    _table("2 x 2 gloo mesh, [1, 64, 8, 64] per rank (256 tokens), slowest of 4 ranks; (host): wall minus the "
-           "time inside collectives; sdpa: on the rank's own shard, for scale", slowest)
+    _table(
+        "2 x 2 gloo mesh, [1, 64, 8, 64] per rank (256 tokens), slowest of 4 ranks; (host): wall minus the "
+        "time inside collectives; sdpa: on the rank's own shard, for scale",
+        slowest,
+    )
 
 
 if __name__ == "__main__":

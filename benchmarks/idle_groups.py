@@ -39,7 +39,7 @@ def main() -> None:
         threads = len(os.listdir("/proc/self/task"))
         per = f"{1e3 * min(runs) / n:.3f}" if n else "-"
         print(f"{n:>6} {threads:>7} {min(runs):>14.4f} {statistics.median(runs):>7.4f} {per:>15}")
-        while groups:   # a destroyed group's threads end when its last reference goes
+        while groups:  # a destroyed group's threads end when its last reference goes
             dist.destroy_process_group(groups.pop())
     runs = [idle_cpu(args.seconds) for _ in range(args.repeat)]
     print(f"after destroying them: {len(os.listdir('/proc/self/task'))} threads, idle CPU/s min {min(runs):.4f}")

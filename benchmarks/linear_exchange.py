@@ -41,8 +41,10 @@ def counted(sizes: tuple[int, ...] = (8, 16, 32)) -> str:
     from topology.summary_scan import summary_scan
 
     model = ModelShape.preset("qwen3-next-80b")
-    lines = ["| P | layout | all-gather fwd + bwd (MiB) | scan fwd + bwd, busiest rank (MiB) | scan / all-gather | "
-             "rounds |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| P | layout | all-gather fwd + bwd (MiB) | scan fwd + bwd, busiest rank (MiB) | scan / all-gather | rounds |",
+        "|---|---|---|---|---|---|",
+    ]
     for size in sizes:
         for layout in LAYOUTS:
             lay = layout_of(layout, 1, size, seq_len=4096 * size)
@@ -52,8 +54,10 @@ def counted(sizes: tuple[int, ...] = (8, 16, 32)) -> str:
             scan = linear_layer_bytes(*args, **kw)
             g = gather["linear_state_fwd"] + gather["linear_state_bwd"]
             s = scan["linear_state_fwd"] + scan["linear_state_bwd"]
-            lines.append(f"| {size} | {layout} | {g / 2**20:.0f} | {s / 2**20:.0f} | {s / g:.3f} | "
-                         f"{len(summary_scan(lay, size).rounds)} |")
+            lines.append(
+                f"| {size} | {layout} | {g / 2**20:.0f} | {s / 2**20:.0f} | {s / g:.3f} | "
+                f"{len(summary_scan(lay, size).rounds)} |"
+            )
     return "\n".join(lines)
 
 
@@ -84,7 +88,7 @@ def rank_times(tokens: int, repeat: int, heads: int) -> dict:
         kind = GatedDelta(_stand_in)
         rows = {"gather": [], "scan": []}
         for i in range(repeat + 1):
-            for mode in (("gather", "scan") if i % 2 else ("scan", "gather")):
+            for mode in ("gather", "scan") if i % 2 else ("scan", "gather"):
                 forced = mock.patch("hybrid_cp.engine.recurrence.exchange_kind", lambda *a: mode)
                 hcp.reset_comm_bytes(cp)
                 dist.barrier()
@@ -93,7 +97,7 @@ def rank_times(tokens: int, repeat: int, heads: int) -> dict:
                     linear_scan(cp, lay, kind, xs).square().mean().backward()
                 wall = time.perf_counter() - start
                 sent = hcp.comm_bytes(cp)
-                if i:   # the first repeat warms up
+                if i:  # the first repeat warms up
                     rows[mode].append((wall, sent.get("linear_state_fwd", 0), sent.get("linear_state_bwd", 0)))
         out[layout] = rows
         hcp.destroy_cp_mesh(cp)
@@ -105,23 +109,35 @@ def measured(per_rank: list[dict], ranks: int, heads: int) -> str:
     from topology.layouts import layout_of
     from topology.linear_cost import linear_layer_bytes
 
-    lines = ["| layout | all-gather bytes fwd + bwd, each rank (MiB) | scan, busiest rank (MiB) | scan, all ranks / "
-             "all-gather, all ranks | cost model = counted | all-gather median (ms) | scan / all-gather, min | "
-             "median |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| layout | all-gather bytes fwd + bwd, each rank (MiB) | scan, busiest rank (MiB) | scan, all ranks / "
+        "all-gather, all ranks | cost model = counted | all-gather median (ms) | scan / all-gather, min | "
+        "median |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for layout in LAYOUTS:
         per = {m: [r[layout][m] for r in per_rank] for m in ("gather", "scan")}
         tot = {m: [rows[0][1] + rows[0][2] for rows in per[m]] for m in per}
         lay = layout_of(layout, 1, ranks, seq_len=per_rank[0]["_tokens"])
         numel, trans = heads * DIM * 2 * DIM, heads * DIM * DIM
-        model = [sum(linear_layer_bytes(lay, ranks, 1, numel, transition_numel=trans, rank=r, exchange=m,
-                                        state_bytes=4).values()) for m in ("gather", "scan") for r in range(ranks)]
+        model = [
+            sum(
+                linear_layer_bytes(
+                    lay, ranks, 1, numel, transition_numel=trans, rank=r, exchange=m, state_bytes=4
+                ).values()
+            )
+            for m in ("gather", "scan")
+            for r in range(ranks)
+        ]
         agree = model == tot["gather"] + tot["scan"]
         walls = {m: [max(rows[i][0] for rows in per[m]) for i in range(len(per[m][0]))] for m in per}
         ratio = [s / g for s, g in zip(walls["scan"], walls["gather"])]
-        lines.append(f"| {layout} | {max(tot['gather']) / 2**20:.1f} | {max(tot['scan']) / 2**20:.1f} | "
-                     f"{sum(tot['scan']) / sum(tot['gather']):.3f} | {'yes' if agree else 'NO'} | "
-                     f"{statistics.median(walls['gather']) * 1e3:.1f} | {min(ratio):.2f} | "
-                     f"{statistics.median(ratio):.2f} |")
+        lines.append(
+            f"| {layout} | {max(tot['gather']) / 2**20:.1f} | {max(tot['scan']) / 2**20:.1f} | "
+            f"{sum(tot['scan']) / sum(tot['gather']):.3f} | {'yes' if agree else 'NO'} | "
+            f"{statistics.median(walls['gather']) * 1e3:.1f} | {min(ratio):.2f} | "
+            f"{statistics.median(ratio):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -138,14 +154,15 @@ def main() -> None:
     print(counted())
     before = os.getloadavg()
     with WorkerPool(args.ranks, threads=1, extra_paths=[os.path.dirname(os.path.abspath(__file__))]) as pool:
-        rows = pool.run(rank_times, timeout=3600, tokens=args.tokens, repeat=args.repeat,
-                        heads=args.heads)
+        rows = pool.run(rank_times, timeout=3600, tokens=args.tokens, repeat=args.repeat, heads=args.heads)
     after = os.getloadavg()
     for row in rows:
         row["_tokens"] = args.tokens
-    print(f"\nMeasured: ranks={args.ranks} tokens={args.tokens} heads={args.heads} (dk = dv = {DIM}) "
-          f"repeat={args.repeat}, 1 thread per rank, load average (1 min) {before[0]:.1f} before, {after[0]:.1f} "
-          f"after, {os.cpu_count()} cores\n")
+    print(
+        f"\nMeasured: ranks={args.ranks} tokens={args.tokens} heads={args.heads} (dk = dv = {DIM}) "
+        f"repeat={args.repeat}, 1 thread per rank, load average (1 min) {before[0]:.1f} before, {after[0]:.1f} "
+        f"after, {os.cpu_count()} cores\n"
+    )
     print(measured(rows, args.ranks, args.heads))
 
 

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = ("probe:gdn", "op:gdn", "op:mamba2", "layer:gdn", "layer:mamba2")
 LAYOUTS = ("zigzag", "contiguous")
-CONV = 4   # the blocks' causal conv kernel (Qwen3-Next, Bamba)
+CONV = 4  # the blocks' causal conv kernel (Qwen3-Next, Bamba)
 
 
 def _time(fn) -> tuple[float, float]:
@@ -65,7 +65,7 @@ def _time(fn) -> tuple[float, float]:
 def _local_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The causal depthwise conv of the shard alone (zeros before it), x [B, n, C], weight [C, K]."""
     out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[-1])
-    return out[..., :x.shape[1]].transpose(1, 2)
+    return out[..., : x.shape[1]].transpose(1, 2)
 
 
 def _backward(out: torch.Tensor) -> None:
@@ -84,6 +84,7 @@ def _exchange(cp, lay, state_numel: int, channels: int):
     def run():
         if slots:
             _backward(gather_summaries(cp, state, "bench_state").sum() + gather_summaries(cp, halo, "bench_halo").sum())
+
     return run
 
 
@@ -115,6 +116,7 @@ def _op_gdn(cp, lay, tokens: int, heads: int = 8, dim: int = 128):
 
     def scan():
         _backward(linear_scan(cp, lay, kind, core(lambda t, w: causal_conv(cp, lay, t, w))))
+
     return local, scan, _exchange(cp, lay, heads * dim * 2 * dim, width)
 
 
@@ -141,6 +143,7 @@ def _probe_gdn(cp, lay, tokens: int, heads: int = 8, dim: int = 128):
     def probe():
         out, final, trans, aux = kind.probe(inputs())
         _backward(out + aux.sum() * 0 + final.sum() * 0 + trans.sum() * 0)
+
     return plain, probe, lambda: None
 
 
@@ -154,11 +157,16 @@ def _op_mamba2(cp, lay, tokens: int, heads: int = 16, head_dim: int = 64, state:
     kernel = getattr(modeling_bamba.mamba2_chunk_scan, "__wrapped__", modeling_bamba.mamba2_chunk_scan)
     gen = torch.Generator().manual_seed(0)
     width = heads * head_dim + 2 * state
-    xs = [shard_tokens(t, cp, 1, lay).requires_grad_() for t in (torch.randn(1, tokens, width, generator=gen),
-                                                                torch.randn(1, tokens, heads, generator=gen))]
+    xs = [
+        shard_tokens(t, cp, 1, lay).requires_grad_()
+        for t in (torch.randn(1, tokens, width, generator=gen), torch.randn(1, tokens, heads, generator=gen))
+    ]
     weight = (torch.randn(width, CONV, generator=gen) * 0.5).requires_grad_()
-    params = [(-torch.rand(heads, generator=gen) - 0.2).requires_grad_(), torch.randn(heads).requires_grad_(),
-              torch.randn(heads).requires_grad_()]   # A < 0, D, dt_bias
+    params = [
+        (-torch.rand(heads, generator=gen) - 0.2).requires_grad_(),
+        torch.randn(heads).requires_grad_(),
+        torch.randn(heads).requires_grad_(),
+    ]  # A < 0, D, dt_bias
     kind = Mamba2(kernel, params[0], chunk, params[1], params[2])
 
     def core(conv):
@@ -173,6 +181,7 @@ def _op_mamba2(cp, lay, tokens: int, heads: int = 16, head_dim: int = 64, state:
 
     def scan():
         _backward(linear_scan(cp, lay, kind, core(lambda t, w: causal_conv(cp, lay, t, w))))
+
     return local, scan, _exchange(cp, lay, heads * (1 + head_dim * state), width)
 
 
@@ -182,16 +191,32 @@ def _block(case: str):
         from transformers import Qwen3NextConfig
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-        cfg = Qwen3NextConfig(hidden_size=512, linear_num_key_heads=4, linear_num_value_heads=8,
-                              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=CONV,
-                              num_hidden_layers=1, layer_types=["linear_attention"])
+        cfg = Qwen3NextConfig(
+            hidden_size=512,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=CONV,
+            num_hidden_layers=1,
+            layer_types=["linear_attention"],
+        )
         block = Qwen3NextGatedDeltaNet(cfg, 0)
         return block, 512, 8 * 128 * 256, block.conv_dim
     from transformers import BambaConfig
     from transformers.models.bamba.modeling_bamba import BambaMixer
 
-    cfg = BambaConfig(hidden_size=512, mamba_n_heads=16, mamba_d_head=64, mamba_d_state=256, mamba_n_groups=1,
-                      mamba_expand=2, mamba_chunk_size=256, mamba_d_conv=CONV, num_hidden_layers=1)
+    cfg = BambaConfig(
+        hidden_size=512,
+        mamba_n_heads=16,
+        mamba_d_head=64,
+        mamba_d_state=256,
+        mamba_n_groups=1,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        mamba_d_conv=CONV,
+        num_hidden_layers=1,
+    )
     block = BambaMixer(cfg, 0)
     return block, 512, 16 * (1 + 64 * 256), block.conv_dim
 
@@ -212,6 +237,7 @@ def _layer(cp, lay, tokens: int, case: str):
 
     def scan():
         _backward(routed(h))
+
     return local, scan, _exchange(cp, lay, numel, channels)
 
 
@@ -222,7 +248,7 @@ def rank_times(tokens: int, repeat: int, cases: list[str], flush_denormal: bool 
     import hybrid_cp as hcp
     from topology.layouts import layout_of
 
-    torch.set_flush_denormal(flush_denormal)   # for local and cp alike (docs/linear.md: the probe's subnormals)
+    torch.set_flush_denormal(flush_denormal)  # for local and cp alike (docs/linear.md: the probe's subnormals)
     world, fns = dist.get_world_size(), {}
     meshes = [hcp.init_cp_mesh(1, world, layout=layout) for layout in LAYOUTS]
     for cp, layout in zip(meshes, LAYOUTS):
@@ -246,22 +272,32 @@ def rank_times(tokens: int, repeat: int, cases: list[str], flush_denormal: bool 
 def table(per_rank: list[dict], cases: list[str], ranks: int, tokens: int) -> str:
     """The markdown table of the slowest rank's ratios per repeat, min / median over repeats, by wall
     time and by CPU time (each rank's own, the slowest rank's per repeat)."""
-    lines = [f"| case | layout | local shard ({tokens // ranks} tokens), wall median | cp / local, wall min | "
-             f"median | cp / (local + exchange), wall min | median | cp / (local + exchange), CPU min | median |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| case | layout | local shard ({tokens // ranks} tokens), wall median | cp / local, wall min | "
+        f"median | cp / (local + exchange), wall min | median | cp / (local + exchange), CPU min | median |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for case in cases:
         for layout in LAYOUTS:
             reps = per_rank[0][(case, layout)]
             cells = []
             for clock in (0, 1):
-                worst = [[max(r[(case, layout)][i][j][clock] for r in per_rank) for j in range(3)]
-                         for i in range(len(reps))]
-                cells.append(([c / a for a, c, _ in worst], [c / (a + e) for a, c, e in worst],
-                              statistics.median(a for a, _, _ in worst)))
+                worst = [
+                    [max(r[(case, layout)][i][j][clock] for r in per_rank) for j in range(3)] for i in range(len(reps))
+                ]
+                cells.append(
+                    (
+                        [c / a for a, c, _ in worst],
+                        [c / (a + e) for a, c, e in worst],
+                        statistics.median(a for a, _, _ in worst),
+                    )
+                )
             (plain, full, local), (_, cpu, _) = cells
-            lines.append(f"| {case} | {layout} | {local * 1e3:.0f} ms | {min(plain):.2f} | "
-                         f"{statistics.median(plain):.2f} | {min(full):.2f} | {statistics.median(full):.2f} | "
-                         f"{min(cpu):.2f} | {statistics.median(cpu):.2f} |")
+            lines.append(
+                f"| {case} | {layout} | {local * 1e3:.0f} ms | {min(plain):.2f} | "
+                f"{statistics.median(plain):.2f} | {min(full):.2f} | {statistics.median(full):.2f} | "
+                f"{min(cpu):.2f} | {statistics.median(cpu):.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -271,20 +307,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--flush-denormal", action="store_true",
-                        help="torch.set_flush_denormal(True) on every rank, for local and cp alike: x86 CPUs take "
-                             "microcode traps on subnormal floats, which the probe's decaying transition makes")
+    parser.add_argument(
+        "--flush-denormal",
+        action="store_true",
+        help="torch.set_flush_denormal(True) on every rank, for local and cp alike: x86 CPUs take "
+        "microcode traps on subnormal floats, which the probe's decaying transition makes",
+    )
     args = parser.parse_args()
     from hybrid_cp.testing import WorkerPool
 
     before = os.getloadavg()
     with WorkerPool(args.ranks, threads=1, extra_paths=[os.path.dirname(os.path.abspath(__file__))]) as pool:
-        rows = pool.run(rank_times, timeout=3600, tokens=args.tokens, repeat=args.repeat,
-                        cases=args.cases, flush_denormal=args.flush_denormal)
+        rows = pool.run(
+            rank_times,
+            timeout=3600,
+            tokens=args.tokens,
+            repeat=args.repeat,
+            cases=args.cases,
+            flush_denormal=args.flush_denormal,
+        )
     after = os.getloadavg()
-    print(f"ranks={args.ranks} tokens={args.tokens} repeat={args.repeat}, 1 thread per rank, "
-          f"flush denormals {'on' if args.flush_denormal else 'off'}, "
-          f"load average (1 min) {before[0]:.1f} before, {after[0]:.1f} after, {os.cpu_count()} cores")
+    print(
+        f"ranks={args.ranks} tokens={args.tokens} repeat={args.repeat}, 1 thread per rank, "
+        f"flush denormals {'on' if args.flush_denormal else 'off'}, "
+        f"load average (1 min) {before[0]:.1f} before, {after[0]:.1f} after, {os.cpu_count()} cores"
+    )
     print(table(rows, args.cases, args.ranks, args.tokens))
 
 

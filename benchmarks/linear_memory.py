@@ -38,15 +38,45 @@ from hybrid_cp.training.memory import StorageTracker, mark_stages  # noqa: E402
 # tiny hybrids whose linear layers dominate the activations: a dense MLP (Qwen3.5's text model; Bamba), one
 # linear layer then one attention layer, several recurrence chunks per rank
 CONFIGS: dict[str, tuple[str, dict]] = {
-    "gated_delta": ("qwen3_5_text", dict(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, layer_types=["linear_attention", "full_attention"],
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-        linear_conv_kernel_dim=4, use_cache=False)),
-    "mamba2": ("bamba", dict(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=2,
-        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64, mamba_expand=2, use_cache=False)),
+    "gated_delta": (
+        "qwen3_5_text",
+        dict(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            use_cache=False,
+        ),
+    ),
+    "mamba2": (
+        "bamba",
+        dict(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=64,
+            mamba_expand=2,
+            use_cache=False,
+        ),
+    ),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the stages bracketed (attribute names of the decoder layers' submodules)
@@ -60,8 +90,15 @@ def config(kind: str, **overrides: Any):
     return tiny_config(mtype, **{**cfg, **overrides})
 
 
-def measure(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int = 4096, checkpoint: bool = False,
-            dtype: str = "fp32", **overrides: Any) -> dict:
+def measure(
+    kind: str = "gated_delta",
+    u: int = 2,
+    r: int = 2,
+    seq_len: int = 4096,
+    checkpoint: bool = False,
+    dtype: str = "fp32",
+    **overrides: Any,
+) -> dict:
     """One measured training step (the second) on this rank of a WorkerPool worker: the tiny hybrid under
     `apply_context_parallel` on a (u, r) mesh; bytes (`peak`: all live storage) and the stages' reports."""
     import torch.distributed as dist
@@ -92,8 +129,9 @@ def measure(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int = 40
     return {"rank": dist.get_rank(), "base": base, "peak": tracker.peak, "stages": tracker.report()}
 
 
-def mixer_memory(kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int = 4096, dtype: str = "fp32",
-                 **overrides: Any) -> dict:
+def mixer_memory(
+    kind: str = "gated_delta", u: int = 2, r: int = 2, seq_len: int = 4096, dtype: str = "fp32", **overrides: Any
+) -> dict:
     """One linear mixer of the tiny hybrid alone (layer 0's, routed by `apply_context_parallel`), forward then
     backward, on this rank of a WorkerPool worker: what its forward leaves for backward (`saved`, the output
     excluded), its forward peak above its input and weights, and its backward peak above the level at entry."""
@@ -171,8 +209,9 @@ def rows(pool, kinds, meshes, seq_len: int, dtypes, raw: dict, stored: dict | No
                     if stored is not None:
                         worst = stored[key]["measured"]
                     else:
-                        res = pool.run(measure, kind=kind, u=u, r=r, seq_len=seq_len,
-                                       checkpoint=ckpt, dtype=dtype, timeout=3600)
+                        res = pool.run(
+                            measure, kind=kind, u=u, r=r, seq_len=seq_len, checkpoint=ckpt, dtype=dtype, timeout=3600
+                        )
                         worst = max(res, key=lambda x: x["peak"])
                     est = estimate(kind, u, r, seq_len, ckpt, dtype)
                     raw[key] = {"measured": worst, "estimate": est.to_dict()}
@@ -181,11 +220,23 @@ def rows(pool, kinds, meshes, seq_len: int, dtypes, raw: dict, stored: dict | No
 
                     def tr(key):
                         return mib(st.get(key, {}).get("transient", 0))
+
                     act_m = worst["peak"] - worst["base"]
                     act_e = est.peak - est.persistent["params"] - est.persistent["adam"]
-                    yield [kind, f"u{u} r{r}", dtype, "yes" if ckpt else "no", mib(worst["peak"]), mib(est.peak),
-                           f"{est.peak / worst['peak'] - 1:+.1%}", mib(act_m), mib(act_e), f"{act_e / act_m - 1:+.1%}",
-                           est.peak_phase, f"{tr(mixer)} / {tr(mixer + '.bwd')}"]
+                    yield [
+                        kind,
+                        f"u{u} r{r}",
+                        dtype,
+                        "yes" if ckpt else "no",
+                        mib(worst["peak"]),
+                        mib(est.peak),
+                        f"{est.peak / worst['peak'] - 1:+.1%}",
+                        mib(act_m),
+                        mib(act_e),
+                        f"{act_e / act_m - 1:+.1%}",
+                        est.peak_phase,
+                        f"{tr(mixer)} / {tr(mixer + '.bwd')}",
+                    ]
 
 
 def main(argv=None) -> int:
@@ -205,21 +256,36 @@ def main(argv=None) -> int:
 
     meshes = [tuple(int(x) for x in m.split(",")) for m in args.meshes]
     raw: dict = {}
-    print(f"### One training step of a tiny hybrid, {args.seq_len} tokens, 8 gloo ranks (dp = 8 / (u r)), "
-          "replicated weights, AdamW (exact live storage, MiB per rank, worst rank)\n")
-    header = ["layers", "mesh", "dtype", "checkpointing", "measured peak", "estimate", "error",
-              "measured above weights + Adam", "estimate above weights + Adam", "error", "estimated peak at",
-              "linear mixer fwd / bwd (measured)"]
+    print(
+        f"### One training step of a tiny hybrid, {args.seq_len} tokens, 8 gloo ranks (dp = 8 / (u r)), "
+        "replicated weights, AdamW (exact live storage, MiB per rank, worst rank)\n"
+    )
+    header = [
+        "layers",
+        "mesh",
+        "dtype",
+        "checkpointing",
+        "measured peak",
+        "estimate",
+        "error",
+        "measured above weights + Adam",
+        "estimate above weights + Adam",
+        "error",
+        "estimated peak at",
+        "linear mixer fwd / bwd (measured)",
+    ]
     if args.from_json:
         with open(args.from_json) as f:
             stored = json.load(f)
-        for line in table_lines(header, rows(None, args.kinds, meshes, args.seq_len, args.dtypes, raw, stored),
-                                markdown=True):
+        for line in table_lines(
+            header, rows(None, args.kinds, meshes, args.seq_len, args.dtypes, raw, stored), markdown=True
+        ):
             print(line, flush=True)
     else:
         with WorkerPool(8, extra_paths=[HERE]) as pool:
-            for line in table_lines(header, rows(pool, args.kinds, meshes, args.seq_len, args.dtypes, raw),
-                                    markdown=True):
+            for line in table_lines(
+                header, rows(pool, args.kinds, meshes, args.seq_len, args.dtypes, raw), markdown=True
+            ):
                 print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:

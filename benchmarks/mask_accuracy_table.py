@@ -22,10 +22,15 @@ TENSORS = ("out", "lse", "dq", "dk", "dv")
 def rows(pool: WorkerPool) -> Iterator[list[str]]:
     """One row per mesh and mask kind, as soon as it is measured."""
     for u, r in MESHES:
-        for name, target, cases in (("packed documents", "packed_errors", packed_cases(u, seed=u * 10 + r)),
-                                    ("sliding window", "window_errors", window_cases(u))):
-            measured = [row for rank in pool.run(getattr(parity, target), u=u, r=r, layout="zigzag", cases=cases,
-                                              timeout=600) for row in rank]
+        for name, target, cases in (
+            ("packed documents", "packed_errors", packed_cases(u, seed=u * 10 + r)),
+            ("sliding window", "window_errors", window_cases(u)),
+        ):
+            measured = [
+                row
+                for rank in pool.run(getattr(parity, target), u=u, r=r, layout="zigzag", cases=cases, timeout=600)
+                for row in rank
+            ]
             yield [f"{u} x {r}", name, str(len(cases)), *(f"{max(row[t] for row in measured):.1e}" for t in TENSORS)]
 
 

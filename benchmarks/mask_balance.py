@@ -24,11 +24,15 @@ from topology.traffic import comm_bytes
 
 def rag(passages: int, passage_len: int, query_len: int) -> AttnMask:
     """RAG block attention: each passage sees itself (causal); the query sees every passage and itself."""
-    slices = [(p * passage_len, (p + 1) * passage_len, p * passage_len, (p + 1) * passage_len, None, 0)
-              for p in range(passages)]
+    slices = [
+        (p * passage_len, (p + 1) * passage_len, p * passage_len, (p + 1) * passage_len, None, 0)
+        for p in range(passages)
+    ]
     start = passages * passage_len
-    slices += [(start, start + query_len, 0, start, None, None), (start, start + query_len, start, start + query_len,
-                                                                  None, 0)]
+    slices += [
+        (start, start + query_len, 0, start, None, None),
+        (start, start + query_len, start, start + query_len, None, 0),
+    ]
     return AttnMask.from_slices(start + query_len, slices)
 
 
@@ -79,11 +83,20 @@ def rows():
             for layout in (DenseZigzag(mask.seq_len, 1, ring), balanced):
                 total, lock_step = work_ratios(layout, mask)
                 cells.append(f"{total:.3f} / {lock_step:.3f}")
-            cells += [f"{plan_ms:.0f}", f"{ring_mb(mask.seq_len, ring, mask):.1f} / {ring_mb(mask.seq_len, ring, None):.1f}"]
+            cells += [
+                f"{plan_ms:.0f}",
+                f"{ring_mb(mask.seq_len, ring, mask):.1f} / {ring_mb(mask.seq_len, ring, None):.1f}",
+            ]
             yield cells
 
 
 if __name__ == "__main__":
-    header = ["mask", "r", "zigzag: total / lock-step", "mask-balanced: total / lock-step", "plan ms",
-              "ring MB: mask / causal"]
+    header = [
+        "mask",
+        "r",
+        "zigzag: total / lock-step",
+        "mask-balanced: total / lock-step",
+        "plan ms",
+        "ring MB: mask / causal",
+    ]
     print("\n".join(table_lines(header, list(rows()))))

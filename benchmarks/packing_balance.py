@@ -51,26 +51,50 @@ MIXES = {
 def measure(doc_lens: tuple[int, ...], u: int, r: int, policy: str) -> dict:
     lay = Packed(doc_lens, u, r, policy)
     work = [sum(row) for row in lay.work(causal=True)]
-    segments = [n for j in range(r) for s in range(r) if (t := lay.step(j, s, True)) is not None
-                for _, n, _, _ in t.pairs]
+    segments = [
+        n for j in range(r) for s in range(r) if (t := lay.step(j, s, True)) is not None for _, n, _, _ in t.pairs
+    ]
     cp = u * r
-    return {"imbalance": max(work) / (sum(work) / len(work)), "padding": lay.padding(),
-            "padding_pct": 100 * lay.padding() / lay.padded_len, "segments": max(lay.kernel_calls()),
-            "shortest": min(segments),
-            "per_doc_padded": sum(-(-n // (2 * cp)) * 2 * cp - n for n in doc_lens)}
+    return {
+        "imbalance": max(work) / (sum(work) / len(work)),
+        "padding": lay.padding(),
+        "padding_pct": 100 * lay.padding() / lay.padded_len,
+        "segments": max(lay.kernel_calls()),
+        "shortest": min(segments),
+        "per_doc_padded": sum(-(-n // (2 * cp)) * 2 * cp - n for n in doc_lens),
+    }
 
 
 def table() -> str:
-    header = ["mix", "docs", "u x r", "policy", "busiest/mean work", "padding tokens (%)", "segments per rank",
-              "shortest segment", "per-doc padded (peers)"]
+    header = [
+        "mix",
+        "docs",
+        "u x r",
+        "policy",
+        "busiest/mean work",
+        "padding tokens (%)",
+        "segments per rank",
+        "shortest segment",
+        "per-doc padded (peers)",
+    ]
     rows = []
     for name, mix in MIXES.items():
         for u, r in MESHES:
             for policy in ("balanced", "zigzag", "contiguous"):
                 m = measure(mix, u, r, policy)
-                rows.append([name, len(mix), f"{u} x {r}", policy, m["imbalance"],
-                             f"{m['padding']} ({m['padding_pct']:.2f}%)", m["segments"], m["shortest"],
-                             m["per_doc_padded"]])
+                rows.append(
+                    [
+                        name,
+                        len(mix),
+                        f"{u} x {r}",
+                        policy,
+                        m["imbalance"],
+                        f"{m['padding']} ({m['padding_pct']:.2f}%)",
+                        m["segments"],
+                        m["shortest"],
+                        m["per_doc_padded"],
+                    ]
+                )
     return format_table(header, rows, formats=["", "", "", "", ".4f"], markdown=True)
 
 

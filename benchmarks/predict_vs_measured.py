@@ -22,18 +22,43 @@ import time
 
 from hybrid_cp.cli import measure
 
-HEADER = ["seq_len", "u", "r", "measured median s", "min s", "round medians s", "noise", "predicted s", "error",
-          "probe vs calibration", "load-adjusted predicted s", "error", "load (1 min) per round"]
+HEADER = [
+    "seq_len",
+    "u",
+    "r",
+    "measured median s",
+    "min s",
+    "round medians s",
+    "noise",
+    "predicted s",
+    "error",
+    "probe vs calibration",
+    "load-adjusted predicted s",
+    "error",
+    "load (1 min) per round",
+]
 
 
 def _cells(row: dict) -> list[str]:
     """One case's cells of the markdown table (``-`` where no calibration probe was timed)."""
-    adj = ([f"{row['load_factor']:.2f}x", f"{row['predicted_load_adjusted_s']:.3f}", f"{row['error_load_adjusted']:+.0%}"]
-           if row["load_factor"] else ["-", "-", "-"])
-    return [str(row["seq_len"]), str(row["ulysses"]), str(row["ring"]), f"{row['measured_s']:.3f}",
-            f"{row['measured_min_s']:.3f}", " / ".join(f"{m:.3f}" for m in row["round_medians_s"]),
-            f"{row['noise']:.0%}", f"{row['predicted_s']:.3f}", f"{row['error']:+.0%}", *adj,
-            " / ".join(f"{x:.1f}" for x in row["load_1min"])]
+    adj = (
+        [f"{row['load_factor']:.2f}x", f"{row['predicted_load_adjusted_s']:.3f}", f"{row['error_load_adjusted']:+.0%}"]
+        if row["load_factor"]
+        else ["-", "-", "-"]
+    )
+    return [
+        str(row["seq_len"]),
+        str(row["ulysses"]),
+        str(row["ring"]),
+        f"{row['measured_s']:.3f}",
+        f"{row['measured_min_s']:.3f}",
+        " / ".join(f"{m:.3f}" for m in row["round_medians_s"]),
+        f"{row['noise']:.0%}",
+        f"{row['predicted_s']:.3f}",
+        f"{row['error']:+.0%}",
+        *adj,
+        " / ".join(f"{x:.1f}" for x in row["load_1min"]),
+    ]
 
 
 def main() -> None:
@@ -67,16 +92,31 @@ def main() -> None:
         for rnd in range(a.rounds):
             for n in a.seq_lens:
                 for u, r in splits:
-                    res = pool.run(measure.bench_rank, timeout=3600, ulysses=u, ring=r, seq_len=n,
-                                   heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, causal=True,
-                                   repeats=a.repeats, warmup=1)
+                    res = pool.run(
+                        measure.bench_rank,
+                        timeout=3600,
+                        ulysses=u,
+                        ring=r,
+                        seq_len=n,
+                        heads=a.heads,
+                        kv_heads=a.kv_heads,
+                        head_dim=a.head_dim,
+                        causal=True,
+                        repeats=a.repeats,
+                        warmup=1,
+                    )
                     runs.setdefault((u, r, n), []).append(res[0]["times"])
                     probes.setdefault((u, r, n), []).append(res[0].get("probe_s") or 0.0)
                     loads.setdefault((u, r, n), []).append(os.getloadavg()[0])
-                    summaries[(u, r, n)] = summarize(res, u, r, n, a.heads, a.kv_heads, a.head_dim, True, "float32",
-                                                     1, cluster)
-                    print(f"round {rnd + 1} n={n} u={u} r={r}: " + ", ".join(f"{t:.3f}" for t in res[0]["times"])
-                          + f" (load {loads[(u, r, n)][-1]:.1f})", flush=True)
+                    summaries[(u, r, n)] = summarize(
+                        res, u, r, n, a.heads, a.kv_heads, a.head_dim, True, "float32", 1, cluster
+                    )
+                    print(
+                        f"round {rnd + 1} n={n} u={u} r={r}: "
+                        + ", ".join(f"{t:.3f}" for t in res[0]["times"])
+                        + f" (load {loads[(u, r, n)][-1]:.1f})",
+                        flush=True,
+                    )
     wall = time.perf_counter() - t0
     rows = []
     for (u, r, n), rounds in runs.items():
@@ -86,15 +126,29 @@ def main() -> None:
         pred = summaries[(u, r, n)]["predicted_s"]
         cal_probe = cluster.calibration.probe_s if cluster.calibration is not None else None
         factor = statistics.median(probes[(u, r, n)]) / cal_probe if cal_probe and all(probes[(u, r, n)]) else None
-        rows.append({"ulysses": u, "ring": r, "seq_len": n, "measured_s": med, "measured_min_s": min(flat),
-                     "round_medians_s": meds, "noise": (max(meds) - min(meds)) / med, "predicted_s": pred,
-                     "error": pred / med - 1, "parts": summaries[(u, r, n)]["predicted_parts"],
-                     "load_factor": factor, "predicted_load_adjusted_s": pred * factor if factor else None,
-                     "error_load_adjusted": pred * factor / med - 1 if factor else None,
-                     "load_1min": loads[(u, r, n)]})
-    lines = [f"causal GQA attention fwd+bwd per rank, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, fp32, "
-             f"{a.world} gloo ranks; {a.rounds} rounds x {a.repeats} repeats; prediction from {a.cluster}",
-             ""]
+        rows.append(
+            {
+                "ulysses": u,
+                "ring": r,
+                "seq_len": n,
+                "measured_s": med,
+                "measured_min_s": min(flat),
+                "round_medians_s": meds,
+                "noise": (max(meds) - min(meds)) / med,
+                "predicted_s": pred,
+                "error": pred / med - 1,
+                "parts": summaries[(u, r, n)]["predicted_parts"],
+                "load_factor": factor,
+                "predicted_load_adjusted_s": pred * factor if factor else None,
+                "error_load_adjusted": pred * factor / med - 1 if factor else None,
+                "load_1min": loads[(u, r, n)],
+            }
+        )
+    lines = [
+        f"causal GQA attention fwd+bwd per rank, H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}, fp32, "
+        f"{a.world} gloo ranks; {a.rounds} rounds x {a.repeats} repeats; prediction from {a.cluster}",
+        "",
+    ]
     lines += table_lines(HEADER, (_cells(row) for row in rows), markdown=True)
     lines.append("")
     verdicts = []
@@ -106,20 +160,26 @@ def main() -> None:
         # pairs whose measured difference exceeds both cases' noise must be ordered the same way
         bad = []
         for i, x in enumerate(sub):
-            for y in sub[i + 1:]:
+            for y in sub[i + 1 :]:
                 gap = abs(x["measured_s"] - y["measured_s"]) / min(x["measured_s"], y["measured_s"])
                 if gap > max(x["noise"], y["noise"]) and (x["measured_s"] < y["measured_s"]) != (
-                        x["predicted_s"] < y["predicted_s"]):
+                    x["predicted_s"] < y["predicted_s"]
+                ):
                     bad.append(f"{name(x)} vs {name(y)} ({gap:.0%} apart)")
         worst = max(abs(x["error"]) for x in sub)
         adj = [abs(x["error_load_adjusted"]) for x in sub if x["error_load_adjusted"] is not None]
-        verdicts.append(f"seq_len {n}: measured order {' < '.join(map(name, meas))}; predicted order "
-                        f"{' < '.join(map(name, pred))}; worst error {worst:.0%}"
-                        + (f" (load-adjusted {max(adj):.0%})" if adj else "") + "; pairs ordered wrongly beyond noise: "
-                        f"{', '.join(bad) or 'none'}")
+        verdicts.append(
+            f"seq_len {n}: measured order {' < '.join(map(name, meas))}; predicted order "
+            f"{' < '.join(map(name, pred))}; worst error {worst:.0%}"
+            + (f" (load-adjusted {max(adj):.0%})" if adj else "")
+            + "; pairs ordered wrongly beyond noise: "
+            f"{', '.join(bad) or 'none'}"
+        )
     lines += verdicts
-    lines.append(f"\nwall time {wall:.0f} s; load average (1 min) {load0[0]:.1f} at the start, "
-                 f"{os.getloadavg()[0]:.1f} at the end")
+    lines.append(
+        f"\nwall time {wall:.0f} s; load average (1 min) {load0[0]:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end"
+    )
     text = "\n".join(lines)
     print(text)
     if a.out:

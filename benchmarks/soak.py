@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-TOKENS = 64          # tokens per packed row (16 per rank)
+TOKENS = 64  # tokens per packed row (16 per rank)
 
 
 def _status(field: str) -> int:
@@ -36,12 +36,16 @@ def cache_sizes(cp) -> dict[str, int]:
     from topology import layouts
 
     hist = history(cp)
-    return {"layout perms": layout._perm.cache_info().currsize, "ring plans": ring._plan.cache_info().currsize,
-            "head maps": heads._head_map.cache_info().currsize,
-            "topology layouts": layouts.make_layout.cache_info().currsize,
-            "shard records (dense)": sum(len(v) for v in recorded_lengths(cp).values()),
-            "shard records (packed)": len(layout._RECORDS[cp].packed) if cp in layout._RECORDS else 0,
-            "validation history": len(hist.signatures), "validation fields": len(hist.fields)}
+    return {
+        "layout perms": layout._perm.cache_info().currsize,
+        "ring plans": ring._plan.cache_info().currsize,
+        "head maps": heads._head_map.cache_info().currsize,
+        "topology layouts": layouts.make_layout.cache_info().currsize,
+        "shard records (dense)": sum(len(v) for v in recorded_lengths(cp).values()),
+        "shard records (packed)": len(layout._RECORDS[cp].packed) if cp in layout._RECORDS else 0,
+        "validation history": len(hist.signatures),
+        "validation fields": len(hist.fields),
+    }
 
 
 def _row(step: int, seed: int) -> dict:
@@ -67,7 +71,7 @@ def run_rank(steps: int, every: int, seed: int = 0) -> dict:
     for step in range(1, steps + 1):
         out = model(**hcp.shard_batch(_row(step, seed), cp), use_cache=False)
         out.loss.backward()
-        for p in model.parameters():   # no dp: the cp ranks' gradients are summed as DDP/FSDP2 would average them
+        for p in model.parameters():  # no dp: the cp ranks' gradients are summed as DDP/FSDP2 would average them
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=cp.cp_group)
                 p.grad /= cp.size
@@ -75,8 +79,15 @@ def run_rank(steps: int, every: int, seed: int = 0) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.item())
         if step % every == 0 or step == steps:
-            samples.append({"step": step, "rss_kib": _status("VmRSS"), "threads": _status("Threads"),
-                            "groups": len(dist.distributed_c10d._world.pg_map), **cache_sizes(cp)})
+            samples.append(
+                {
+                    "step": step,
+                    "rss_kib": _status("VmRSS"),
+                    "threads": _status("Threads"),
+                    "groups": len(dist.distributed_c10d._world.pg_map),
+                    **cache_sizes(cp),
+                }
+            )
     hcp.destroy_cp_mesh(cp)
     return {"losses": losses, "samples": samples}
 
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{s['step']:4d} " + " ".join(f"{s[k]:>22d}" for k in keys))
     for rank, res in enumerate(long):
         print(f"rank {rank}: RSS slope after step 200: {rss_slope(res['samples'], 200):+.1f} KiB per 1,000 steps")
-    same = all(res["losses"][:a.short] == ref["losses"] for res, ref in zip(long, short))
+    same = all(res["losses"][: a.short] == ref["losses"] for res, ref in zip(long, short))
     print(f"losses of the first {a.short} steps equal those of a {a.short}-step run: {same}")
 
 

@@ -59,24 +59,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", help="one JSONL record per run (HCP_RECORD_TOLERANCES)")
     parser.add_argument("--top", type=int, default=10, help="how many of the tightest checks to print")
     parser.add_argument("--all", action="store_true", help="print every check")
-    parser.add_argument("--per-function", action="store_true",
-                        help="the tightest check of each test function (its parametrizations together) only")
+    parser.add_argument(
+        "--per-function",
+        action="store_true",
+        help="the tightest check of each test function (its parametrizations together) only",
+    )
     args = parser.parse_args(argv)
     checks, runs = load(args.files)
     worst = {key: min(pairs, key=lambda pair: margin(*pair)) for key, pairs in checks.items()}
-    rows = sorted(((key, value, bound, margin(value, bound)) for key, (value, bound) in worst.items()),
-                  key=lambda row: (row[3], row[0]))
+    rows = sorted(
+        ((key, value, bound, margin(value, bound)) for key, (value, bound) in worst.items()),
+        key=lambda row: (row[3], row[0]),
+    )
     shown = rows
     if args.per_function:
         seen: set = set()
         shown = [row for row in rows if not (row[0][0].split("[")[0] in seen or seen.add(row[0][0].split("[")[0]))]
-    table(shown if args.all else shown[:args.top], "every check" if args.all else f"the {args.top} tightest margins")
+    table(shown if args.all else shown[: args.top], "every check" if args.all else f"the {args.top} tightest margins")
     tight = [row for row in rows if row[3] < REQUIRED_MARGIN]
     partial = sum(len(pairs) < len(runs) for pairs in checks.values())
     shared = [key for key in runs[0] if all(key in run for run in runs[1:])]
     same = sum(all(run[key] == runs[0][key] for run in runs[1:]) for key in shared)
-    print(f"\n{len(checks)} checks in {len(args.files)} runs ({partial} not recorded in every run); of the {len(shared)} "
-          f"recorded in every run, {same} gave bitwise the same figure in every run")
+    print(
+        f"\n{len(checks)} checks in {len(args.files)} runs ({partial} not recorded in every run); of the {len(shared)} "
+        f"recorded in every run, {same} gave bitwise the same figure in every run"
+    )
     if tight:
         table(tight, f"{len(tight)} checks with a margin under {REQUIRED_MARGIN:g}x")
         return 1

@@ -55,13 +55,15 @@ def _measure(u: int, r: int, calls: int) -> dict:
     out = {"check: before (all-gather, every call)": timed(old_check)}
     for mode in ("always", True, "debug"):
         cp.validate = mode
-        out[f"check: validate={mode!r}"] = timed(lambda: agree_across_ranks(cp, sig, names, None, "bench",
-                                                                            (("q", q), ("k", k), ("v", v))))
+        out[f"check: validate={mode!r}"] = timed(
+            lambda: agree_across_ranks(cp, sig, names, None, "bench", (("q", q), ("k", k), ("v", v)))
+        )
     for mode in (False, "always", True, "debug"):
         cp.validate = mode
         with torch.no_grad():
             out[f"attention fwd: validate={mode!r}"] = timed(
-                lambda: hcp.attention(q, k, v, cp, causal=True, seq_len=seq))
+                lambda: hcp.attention(q, k, v, cp, causal=True, seq_len=seq)
+            )
     return out
 
 

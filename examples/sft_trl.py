@@ -76,9 +76,18 @@ def load(name: str):
     if name != "tiny":
         return AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16), AutoTokenizer.from_pretrained(name)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         pad_token_id=0, eos_token_id=0, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
     return AutoModelForCausalLM.from_config(config), byte_tokenizer()
 
 
@@ -89,18 +98,37 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     model, tokenizer = load(a.model)
     gpu = torch.cuda.is_available()
-    args = SFTConfig(output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=1,
-                     gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=1, logging_steps=1,
-                     max_length=a.max_length, packing=True, bf16=gpu, use_cpu=not gpu, report_to=[],
-                     save_strategy="no", disable_tqdm=True, gradient_checkpointing=gpu)
+    args = SFTConfig(
+        output_dir=a.output_dir,
+        max_steps=a.steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        warmup_steps=1,
+        logging_steps=1,
+        max_length=a.max_length,
+        packing=True,
+        bf16=gpu,
+        use_cpu=not gpu,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        gradient_checkpointing=gpu,
+    )
     data = Dataset.from_list(documents(a.documents, 4 * a.max_length))
-    trainer = CPSFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(8)),
-                           processing_class=tokenizer,
-                           ulysses=degree(a.ulysses), ring=degree(a.ring),  # CP: 2/4 the degrees (or "auto")
-                           fsdp2=a.fsdp2)
-    trainer.train()                                                          # CP: 3/4 launch with torchrun
+    trainer = CPSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data.select(range(8)),
+        processing_class=tokenizer,
+        ulysses=degree(a.ulysses),
+        ring=degree(a.ring),  # CP: 2/4 the degrees (or "auto")
+        fsdp2=a.fsdp2,
+    )
+    trainer.train()  # CP: 3/4 launch with torchrun
     metrics = trainer.evaluate()
-    trainer.save_model()                                                     # CP: 4/4 an ordinary HF checkpoint
+    trainer.save_model()  # CP: 4/4 an ordinary HF checkpoint
     if trainer.is_world_process_zero():
         cp = trainer.cp
         print(f"mesh: ulysses={cp.ulysses_size} ring={cp.ring_size} dp={cp.dp_size}")

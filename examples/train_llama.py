@@ -51,30 +51,65 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ulysses", type=int, default=None,
-                   help="ulysses degree (intra-node all-to-all); default: GPUs/processes per node, at most the heads")
+    p.add_argument(
+        "--ulysses",
+        type=int,
+        default=None,
+        help="ulysses degree (intra-node all-to-all); default: GPUs/processes per node, at most the heads",
+    )
     p.add_argument("--ring", type=int, default=None, help="ring degree (across nodes); default: the rest of the world")
     p.add_argument("--seq-len", type=int, default=16384, help="tokens per sequence (default 16384)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     p.add_argument("--batch", type=int, default=1, help="sequences per dp replica and step (default 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                   help="compute dtype (bf16: FSDP2 mixed precision, fp32 master weights and gradient reduction)")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="fp32",
+        help="compute dtype (bf16: FSDP2 mixed precision, fp32 master weights and gradient reduction)",
+    )
     p.add_argument("--checkpoint-activations", action="store_true", help="recompute each decoder layer in backward")
-    p.add_argument("--tiled-loss", type=int, nargs="?", const=0, default=None, metavar="TOKENS",
-                   help="loss from the final hidden states in chunks of TOKENS tokens (default chunk: 256 MiB of fp32 "
-                        "logits), never the full [tokens, vocab] logits (hcp.lm_loss)")
-    p.add_argument("--head-chunks", type=int, default=1, metavar="K",
-                   help="run each attention module's heads in K chunks from the Q/K/V projections on (less attention "
-                        "memory; each chunk is recomputed in backward)")
-    p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
-                   help="run each MLP over chunks of TOKENS tokens with recomputation (hcp.tile_mlp; 0: off)")
-    p.add_argument("--offload-checkpoints", action="store_true",
-                   help="keep each checkpointed layer's input in host memory (hcp.offload_checkpoints; needs "
-                        "--checkpoint-activations)")
-    p.add_argument("--tiled-norm", type=int, default=0, metavar="TOKENS",
-                   help="run each RMSNorm over chunks of TOKENS tokens with recomputation (hcp.tile_norm; 0: off)")
-    p.add_argument("--no-fsdp", action="store_true", help="replicate the weights and average gradients instead of FSDP2")
+    p.add_argument(
+        "--tiled-loss",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="TOKENS",
+        help="loss from the final hidden states in chunks of TOKENS tokens (default chunk: 256 MiB of fp32 "
+        "logits), never the full [tokens, vocab] logits (hcp.lm_loss)",
+    )
+    p.add_argument(
+        "--head-chunks",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run each attention module's heads in K chunks from the Q/K/V projections on (less attention "
+        "memory; each chunk is recomputed in backward)",
+    )
+    p.add_argument(
+        "--tiled-mlp",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="run each MLP over chunks of TOKENS tokens with recomputation (hcp.tile_mlp; 0: off)",
+    )
+    p.add_argument(
+        "--offload-checkpoints",
+        action="store_true",
+        help="keep each checkpointed layer's input in host memory (hcp.offload_checkpoints; needs "
+        "--checkpoint-activations)",
+    )
+    p.add_argument(
+        "--tiled-norm",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="run each RMSNorm over chunks of TOKENS tokens with recomputation (hcp.tile_norm; 0: off)",
+    )
+    p.add_argument(
+        "--no-fsdp", action="store_true", help="replicate the weights and average gradients instead of FSDP2"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
     p.add_argument("--hidden", type=int, default=256)
@@ -83,8 +118,12 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps (default 0)")
-    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
-                   help="learning rate after the warmup: constant, or cosine down to lr/10 at --steps")
+    p.add_argument(
+        "--schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="learning rate after the warmup: constant, or cosine down to lr/10 at --steps",
+    )
     add_checkpoint_args(p)
     args = p.parse_args(argv)
     if args.resume and not args.save_dir:
@@ -98,20 +137,37 @@ def parse_args(argv=None):
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints and restarts")
-    g.add_argument("--save-dir", default=None, metavar="DIR",
-                   help="write sharded checkpoints to DIR/step-NNNNNNNN (a folder every rank sees)")
-    g.add_argument("--save-every", type=int, default=0, metavar="K",
-                   help="checkpoint every K optimizer steps and after the last (0: only after the last)")
+    g.add_argument(
+        "--save-dir",
+        default=None,
+        metavar="DIR",
+        help="write sharded checkpoints to DIR/step-NNNNNNNN (a folder every rank sees)",
+    )
+    g.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="checkpoint every K optimizer steps and after the last (0: only after the last)",
+    )
     g.add_argument("--keep", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --save-dir if there is one, else start "
-                        "fresh (the same command line for the first launch and every torchrun restart)")
-    g.add_argument("--metrics", default=None, metavar="FILE",
-                   help='rank 0 appends one JSON object per optimizer step: {"step", "loss", "lr", "time"}')
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --save-dir if there is one, else start "
+        "fresh (the same command line for the first launch and every torchrun restart)",
+    )
+    g.add_argument(
+        "--metrics",
+        default=None,
+        metavar="FILE",
+        help='rank 0 appends one JSON object per optimizer step: {"step", "loss", "lr", "time"}',
+    )
 
 
 def lr_schedule(opt: torch.optim.Optimizer, args) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup then constant or cosine; part of the checkpoint (resume continues the curve)."""
+
     def factor(step: int) -> float:
         if step < args.warmup:
             return (step + 1) / args.warmup
@@ -119,13 +175,16 @@ def lr_schedule(opt: torch.optim.Optimizer, args) -> torch.optim.lr_scheduler.La
             return 1.0
         progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def replica_batch(corpus: torch.Tensor, step: int, args, cp) -> dict:
     """This dp replica's full sequences at optimizer step `step`: one window per global sample index."""
-    parts = [sample_batch(corpus, i, 1, args.seq_len, args.seed)["input_ids"]
-             for i in replica_samples(step, args.batch * cp.dp_size, cp)]
+    parts = [
+        sample_batch(corpus, i, 1, args.seq_len, args.seed)["input_ids"]
+        for i in replica_samples(step, args.batch * cp.dp_size, cp)
+    ]
     ids = torch.cat(parts)
     return {"input_ids": ids, "labels": ids}
 
@@ -134,14 +193,17 @@ def resume(args, model, opt, scheduler, cp) -> int:
     """The optimizer steps already done: those of the newest checkpoint with --resume, else 0."""
     if not args.resume:
         return 0
-    os.makedirs(args.save_dir, exist_ok=True)   # a first run: load_checkpoint refuses a folder that does not exist
+    os.makedirs(args.save_dir, exist_ok=True)  # a first run: load_checkpoint refuses a folder that does not exist
     info = load_checkpoint(args.save_dir, model, opt, cp, scheduler=scheduler, global_batch=args.batch * cp.dp_size)
     start = info.step if info is not None else 0
     if dist.get_rank() == 0:
         if info is not None:
-            print(f"resumed from {info.path} (step {info.step}, written on dp={info.dp} ulysses={info.ulysses} "
-                  f"ring={info.ring})", flush=True)
-        if args.metrics and os.path.exists(args.metrics):   # the steps after `start` are trained again
+            print(
+                f"resumed from {info.path} (step {info.step}, written on dp={info.dp} ulysses={info.ulysses} "
+                f"ring={info.ring})",
+                flush=True,
+            )
+        if args.metrics and os.path.exists(args.metrics):  # the steps after `start` are trained again
             with open(args.metrics) as f:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
             with open(args.metrics, "w") as f:
@@ -153,18 +215,31 @@ def after_step(args, done: int, value: float, lr: float, model, opt, scheduler, 
     """Metrics line (rank 0) and, every --save-every steps and after the last, a checkpoint."""
     if args.metrics and dist.get_rank() == 0:
         with open(args.metrics, "a") as f:
-            f.write(json.dumps({"step": done, "loss": value, "lr": lr,
-                                "time": time.time()}) + "\n")
+            f.write(json.dumps({"step": done, "loss": value, "lr": lr, "time": time.time()}) + "\n")
     if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
-        save_checkpoint(args.save_dir, done, model, opt, cp, scheduler=scheduler,
-                        global_batch=args.batch * cp.dp_size, keep=args.keep)
+        save_checkpoint(
+            args.save_dir,
+            done,
+            model,
+            opt,
+            cp,
+            scheduler=scheduler,
+            global_batch=args.batch * cp.dp_size,
+            keep=args.keep,
+        )
 
 
 def setup(args):
     """Process group from torchrun's environment (or a 1-process group when run directly)."""
     if "RANK" not in os.environ:  # plain `python examples/train_llama.py`: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29517"),
+        )
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         sys.exit("--device cuda was asked for but CUDA is not available")
@@ -176,15 +251,22 @@ def setup(args):
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     timeout = datetime.timedelta(minutes=10)
-    store = restart_store(timeout)   # torchrun restarts on one node: a store prefix per attempt
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
-                            **({"device_id": device} if use_cuda else {}),
-                            **({"store": store, "rank": int(os.environ["RANK"]),
-                                "world_size": int(os.environ["WORLD_SIZE"])} if store is not None else {}))
+    store = restart_store(timeout)  # torchrun restarts on one node: a store prefix per attempt
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        timeout=timeout,
+        **({"device_id": device} if use_cuda else {}),
+        **(
+            {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+            if store is not None
+            else {}
+        ),
+    )
     world = dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ulysses = args.ulysses or max(d for d in range(1, min(per_node, args.heads) + 1)
-                                  if per_node % d == 0 and args.heads % d == 0)
+    ulysses = args.ulysses or max(
+        d for d in range(1, min(per_node, args.heads) + 1) if per_node % d == 0 and args.heads % d == 0
+    )
     ring = args.ring or world // ulysses
     return device, ulysses, ring
 
@@ -192,27 +274,35 @@ def setup(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device, ulysses, ring = setup(args)
-    cp = hcp.init_cp_mesh(ulysses=ulysses, ring=ring, device=device)           # CP: the mesh
+    cp = hcp.init_cp_mesh(ulysses=ulysses, ring=ring, device=device)  # CP: the mesh
     rank0 = dist.get_rank() == 0
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len,
-                         rope_theta=500000.0, attention_dropout=0.0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len,
+        rope_theta=500000.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     with torch.device(device):
         model = LlamaForCausalLM(config).float()
     model.train()
     if args.checkpoint_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    apply_context_parallel(model, cp, head_chunks=args.head_chunks)            # CP: attention -> hcp.attention
+    apply_context_parallel(model, cp, head_chunks=args.head_chunks)  # CP: attention -> hcp.attention
     if args.tiled_mlp:
-        hcp.tile_mlp(model, args.tiled_mlp)                                    # MLP one token chunk at a time
+        hcp.tile_mlp(model, args.tiled_mlp)  # MLP one token chunk at a time
     if args.tiled_norm:
-        hcp.tile_norm(model, args.tiled_norm)                                  # RMSNorm one token chunk at a time
+        hcp.tile_norm(model, args.tiled_norm)  # RMSNorm one token chunk at a time
     if args.offload_checkpoints:
-        hcp.offload_checkpoints(model)                                         # layer inputs in host memory
+        hcp.offload_checkpoints(model)  # layer inputs in host memory
     if args.no_fsdp:
         model.to(DTYPES[args.dtype])
     else:
@@ -221,18 +311,21 @@ def main(argv=None) -> int:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
-        shard_model(model, cp, **kwargs)                                       # CP: FSDP2 over dp x cp
+        shard_model(model, cp, **kwargs)  # CP: FSDP2 over dp x cp
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = lr_schedule(opt, args)
-    start = resume(args, model, opt, scheduler, cp)                            # --resume: the newest checkpoint
+    start = resume(args, model, opt, scheduler, cp)  # --resume: the newest checkpoint
     corpus = stdlib_corpus()
     n_params = sum(p.numel() for p in model.parameters())
     if rank0:
-        print(f"{cp} world={dist.get_world_size()} params={n_params / 1e6:.2f}M seq_len={args.seq_len} "
-              f"batch={args.batch}/replica dtype={args.dtype} fsdp={not args.no_fsdp} "
-              f"checkpoint_activations={args.checkpoint_activations} "
-              f"tiled_loss={args.tiled_loss is not None} tiled_mlp={args.tiled_mlp or 'off'} head_chunks={args.head_chunks} "
-              f"offload_checkpoints={args.offload_checkpoints} tiled_norm={args.tiled_norm or 'off'}", flush=True)
+        print(
+            f"{cp} world={dist.get_world_size()} params={n_params / 1e6:.2f}M seq_len={args.seq_len} "
+            f"batch={args.batch}/replica dtype={args.dtype} fsdp={not args.no_fsdp} "
+            f"checkpoint_activations={args.checkpoint_activations} "
+            f"tiled_loss={args.tiled_loss is not None} tiled_mlp={args.tiled_mlp or 'off'} head_chunks={args.head_chunks} "
+            f"offload_checkpoints={args.offload_checkpoints} tiled_norm={args.tiled_norm or 'off'}",
+            flush=True,
+        )
 
     progress = contextlib.nullcontext()
     bar = None
@@ -248,9 +341,9 @@ def main(argv=None) -> int:
     with progress:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
-            full = replica_batch(corpus, step, args, cp)                       # defined by the global step
-            local = shard_batch(full, cp)                                      # CP: shift labels, shard
-            if args.tiled_loss is not None:                                    # no [tokens, vocab] logits
+            full = replica_batch(corpus, step, args, cp)  # defined by the global step
+            local = shard_batch(full, cp)  # CP: shift labels, shard
+            if args.tiled_loss is not None:  # no [tokens, vocab] logits
                 loss = hcp.lm_loss(model, local, cp, chunk_tokens=args.tiled_loss or None, include_dp=True)
             else:
                 logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
@@ -258,7 +351,7 @@ def main(argv=None) -> int:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if args.no_fsdp:
-                average_gradients(model)   # = DDP's average; exact with hcp.cross_entropy's convention
+                average_gradients(model)  # = DDP's average; exact with hcp.cross_entropy's convention
             if args.clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             lr = scheduler.get_last_lr()[0]

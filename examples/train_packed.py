@@ -40,8 +40,9 @@ from hybrid_cp.training.loss import cross_entropy
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nprocs", type=int, default=4,
-                   help="without torchrun: start this many local gloo processes (default 4)")
+    p.add_argument(
+        "--nprocs", type=int, default=4, help="without torchrun: start this many local gloo processes (default 4)"
+    )
     p.add_argument("--ulysses", type=int, default=2, help="ulysses degree (default 2)")
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: world // ulysses)")
     p.add_argument("--row-tokens", type=int, default=768, help="tokens per packed row (default 768)")
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------------ data
 
+
 def sample_documents(corpus: torch.Tensor, step: int, row_tokens: int, mean_doc: int, seed: int) -> list[torch.Tensor]:
     """Documents of random (lognormal) lengths, cut from random places of the corpus, that fill one row.
 
@@ -69,7 +71,7 @@ def sample_documents(corpus: torch.Tensor, step: int, row_tokens: int, mean_doc:
             n = int(torch.randint(1, 4, (1,), generator=g))
         n = min(n, row_tokens - used)
         start = int(torch.randint(0, corpus.numel() - n, (1,), generator=g))
-        docs.append(corpus[start:start + n])
+        docs.append(corpus[start : start + n])
         used += n
     return docs
 
@@ -87,6 +89,7 @@ def flatten_documents(docs: list[torch.Tensor], separator_id: int = -100) -> dic
 
 # ---------------------------------------------------------------------------------------- training
 
+
 def train_cp(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> list[float]:
     """The context-parallel run: every rank of the mesh takes its shard of each packed row."""
     world = dist.get_world_size()
@@ -102,11 +105,16 @@ def train_cp(args: argparse.Namespace, device: torch.device, rows: list[dict]) -
     losses = []
     for step, row in enumerate(rows):
         t0 = time.perf_counter()
-        local = shard_batch(row, cp)       # shard + shift labels per document; adds cu_seq_lens_q/k, max_length_q/k
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                       cu_seq_lens_q=local["cu_seq_lens_q"], cu_seq_lens_k=local["cu_seq_lens_k"],
-                       max_length_q=local["max_length_q"], max_length_k=local["max_length_k"]).logits
-        loss = cross_entropy(logits, local["labels"], cp)   # token mean over the whole row
+        local = shard_batch(row, cp)  # shard + shift labels per document; adds cu_seq_lens_q/k, max_length_q/k
+        logits = model(
+            input_ids=local["input_ids"],
+            position_ids=local["position_ids"],
+            cu_seq_lens_q=local["cu_seq_lens_q"],
+            cu_seq_lens_k=local["cu_seq_lens_k"],
+            max_length_q=local["max_length_q"],
+            max_length_k=local["max_length_k"],
+        ).logits
+        loss = cross_entropy(logits, local["labels"], cp)  # token mean over the whole row
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.no_fsdp:
@@ -115,8 +123,11 @@ def train_cp(args: argparse.Namespace, device: torch.device, rows: list[dict]) -
         losses.append(loss.item())
         if dist.get_rank() == 0:
             lens = (row["position_ids"][0] == 0).sum().item()
-            print(f"  [cp] step {step + 1}/{len(rows)}  docs={lens:3d}  loss {losses[-1]:.5f}  "
-                  f"({time.perf_counter() - t0:.2f} s)", flush=True)
+            print(
+                f"  [cp] step {step + 1}/{len(rows)}  docs={lens:3d}  loss {losses[-1]:.5f}  "
+                f"({time.perf_counter() - t0:.2f} s)",
+                flush=True,
+            )
     return losses
 
 
@@ -131,7 +142,7 @@ def train_reference(args: argparse.Namespace, rows: list[dict]) -> list[float]:
         total, count = 0.0, 0
         for a, b in zip(starts, starts[1:]):
             logits = model(input_ids=row["input_ids"][:, a:b], position_ids=torch.arange(b - a)[None]).logits
-            targets = row["labels"][0, a + 1:b]
+            targets = row["labels"][0, a + 1 : b]
             total = total + F.cross_entropy(logits[0, :-1], targets, ignore_index=-100, reduction="sum")
             count += int((targets != -100).sum())
         loss = total / max(count, 1)
@@ -144,17 +155,24 @@ def train_reference(args: argparse.Namespace, rows: list[dict]) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     """Body of every rank (torchrun or --nprocs); returns the exit code."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5),
-                            init_method=os.environ.get("HCP_INIT_METHOD"))  # None under torchrun: env://
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(minutes=5),
+        init_method=os.environ.get("HCP_INIT_METHOD"),
+    )  # None under torchrun: env://
     try:
         corpus = stdlib_corpus(1 << 20)
-        rows = [flatten_documents(sample_documents(corpus, s, args.row_tokens, args.mean_doc, args.seed))
-                for s in range(args.steps)]
+        rows = [
+            flatten_documents(sample_documents(corpus, s, args.row_tokens, args.mean_doc, args.seed))
+            for s in range(args.steps)
+        ]
         t0 = time.perf_counter()
         cp_losses = train_cp(args, device, rows)
         cp_time = time.perf_counter() - t0
@@ -162,8 +180,10 @@ def run(args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             t0 = time.perf_counter()
             ref = train_reference(args, rows)
-            print(f"\nstep  cp loss     1-process per-document loss   |diff|   (cp {cp_time:.1f} s, "
-                  f"reference {time.perf_counter() - t0:.1f} s)")
+            print(
+                f"\nstep  cp loss     1-process per-document loss   |diff|   (cp {cp_time:.1f} s, "
+                f"reference {time.perf_counter() - t0:.1f} s)"
+            )
             for i, (a, b) in enumerate(zip(cp_losses, ref)):
                 print(f"{i + 1:4d}  {a:.6f}    {b:.6f}                      {abs(a - b):.1e}")
             worst = max(abs(a - b) for a, b in zip(cp_losses, ref))
@@ -177,8 +197,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _spawned(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      HCP_INIT_METHOD=f"{init_method}?rank={rank}&world_size={world}")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        HCP_INIT_METHOD=f"{init_method}?rank={rank}&world_size={world}",
+    )
     code = run(args)
     if code:
         sys.exit(code)

@@ -46,5 +46,13 @@ class NonFiniteError(CPError, ValueError):
     """validate="debug" only: NaN or inf in a rank's q, k or v (the message names rank and tensor)."""
 
 
-__all__ = ["CPError", "ConfigError", "ShapeError", "InputTypeError", "InconsistentRanksError", "SetupError",
-           "CommTimeoutError", "NonFiniteError"]
+__all__ = [
+    "CPError",
+    "ConfigError",
+    "ShapeError",
+    "InputTypeError",
+    "InconsistentRanksError",
+    "SetupError",
+    "CommTimeoutError",
+    "NonFiniteError",
+]

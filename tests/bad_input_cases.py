@@ -25,21 +25,21 @@ import hybrid_cp as hcp
 from hybrid_cp.engine.layout import forget_shards
 
 _STATE: dict = {}
-_ERRORS: list[tuple[float, float]] = []   # (error, tol) of each `near` in the current case (reported with its outcome)
-TIMEOUT_S = 6.0   # the campaign meshes' group timeout
+_ERRORS: list[tuple[float, float]] = []  # (error, tol) of each `near` in the current case (reported with its outcome)
+TIMEOUT_S = 6.0  # the campaign meshes' group timeout
 
 
 def _meshes() -> dict:
     """The campaign's meshes, built once per worker (every rank builds them in the same order)."""
     if not _STATE:
-        short = datetime.timedelta(seconds=TIMEOUT_S)   # a case that leaves ranks waiting fails, it does not hang
+        short = datetime.timedelta(seconds=TIMEOUT_S)  # a case that leaves ranks waiting fails, it does not hang
         _STATE["M"] = hcp.init_cp_mesh(2, 2, timeout=short)
         _STATE["A"] = hcp.init_cp_mesh(2, 2, validate="always", timeout=short)
         _STATE["C"] = hcp.init_cp_mesh(1, 4, layout="contiguous", validate="always", timeout=short)
         _STATE["D"] = hcp.init_cp_mesh(2, 2)
         hcp.destroy_cp_mesh(_STATE["D"])
-        _STATE["sync"] = dist.new_group(backend="gloo")   # the harness's own: no case uses it
-        tiny()   # imports transformers' models once, so that no case's time holds it
+        _STATE["sync"] = dist.new_group(backend="gloo")  # the harness's own: no case uses it
+        tiny()  # imports transformers' models once, so that no case's time holds it
     return _STATE
 
 
@@ -76,8 +76,18 @@ def near(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert err <= tol, f"error {err:.3g} > {tol:g}"
 
 
-def attend(cp, n: int, *, causal: bool = True, cu=None, dtype=torch.float64, h: int = 4, hkv: int | None = None,
-           tol: float = 1e-10, **kwargs) -> None:
+def attend(
+    cp,
+    n: int,
+    *,
+    causal: bool = True,
+    cu=None,
+    dtype=torch.float64,
+    h: int = 4,
+    hkv: int | None = None,
+    tol: float = 1e-10,
+    **kwargs,
+) -> None:
     """Shard, attend, unshard and compare with `ref` (a legal input must give the right result)."""
     q, k, v = qkv(n, h, hkv, dtype=dtype)
     ql, kl, vl = (hcp.shard(x, cp, cu_seqlens=cu) for x in (q, k, v))
@@ -124,22 +134,37 @@ def fault_save(where: str) -> None:
     finally:
         setattr(target, name, original)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # "skipping partial checkpoint ...step-00000002.tmp"
+        warnings.simplefilter("ignore")  # "skipping partial checkpoint ...step-00000002.tmp"
         info = hcp.load_checkpoint(d, model, opt, cp)
     assert info is not None and info.step == 1, info
 
 
 def namespace(fresh_meshes: list) -> dict:
-    def fresh(u: int, r: int, timeout_s: float = TIMEOUT_S, **kwargs):   # 2 s timed out once at load ~105
+    def fresh(u: int, r: int, timeout_s: float = TIMEOUT_S, **kwargs):  # 2 s timed out once at load ~105
         cp = hcp.init_cp_mesh(u, r, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         fresh_meshes.append(cp)
         return cp
 
     import numpy as np
 
-    return dict(hcp=hcp, torch=torch, F=F, np=np, math=math, rank=dist.get_rank(), qkv=qkv, ref=ref, near=near,
-                attend=attend, tiny=tiny, folder=folder, fresh=fresh, fault_save=fault_save, os=os, **{k: v for k, v in _meshes().items()
-                                                                                   if k != "sync"})
+    return dict(
+        hcp=hcp,
+        torch=torch,
+        F=F,
+        np=np,
+        math=math,
+        rank=dist.get_rank(),
+        qkv=qkv,
+        ref=ref,
+        near=near,
+        attend=attend,
+        tiny=tiny,
+        folder=folder,
+        fresh=fresh,
+        fault_save=fault_save,
+        os=os,
+        **{k: v for k, v in _meshes().items() if k != "sync"},
+    )
 
 
 class _Logged(logging.Handler):
@@ -156,9 +181,9 @@ class _Logged(logging.Handler):
 def _outcome(code: str) -> dict:
     """Run one case's code; what it ended in."""
     made: list = []
-    for cp in (_STATE["M"], _STATE["A"], _STATE["C"]):   # rows other cases sharded would make guesses right
+    for cp in (_STATE["M"], _STATE["A"], _STATE["C"]):  # rows other cases sharded would make guesses right
         forget_shards(cp)
-    torch.manual_seed(0)   # the same "random" tensors on every rank
+    torch.manual_seed(0)  # the same "random" tensors on every rank
     _ERRORS.clear()
     logged = _Logged()
     logging.getLogger("hybrid_cp").addHandler(logged)
@@ -167,8 +192,7 @@ def _outcome(code: str) -> dict:
         exec(compile(code, "<case>", "exec"), namespace(made))
         result = {"raised": None, "message": ""}
     except BaseException as exc:  # noqa: BLE001 (graded, including AssertionError of a wrong result)
-        result = {"raised": type(exc).__name__, "message": str(exc)[:600],
-                  "typed": isinstance(exc, hcp.CPError)}
+        result = {"raised": type(exc).__name__, "message": str(exc)[:600], "typed": isinstance(exc, hcp.CPError)}
     result["seconds"] = round(time.perf_counter() - start, 2)
     logging.getLogger("hybrid_cp").removeHandler(logged)
     result["warnings"] = logged.messages

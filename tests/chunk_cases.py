@@ -31,16 +31,27 @@ def chunk_cases(u: int, pick: int = 0) -> list[dict]:
     every mesh, each other one on every third mesh (`pick`: the mesh's index), to keep the suite fast."""
     heads = [(8, 2), (8, 1), (4, 4)] if u <= 4 else [(8, 2), (8, 1)]
     docs = [30, 1, 90, 7, 50]  # documents shorter and longer than C
-    cases = [dict(n=61, causal=True, chunk=16), dict(n=61, causal=False, chunk=7),
-             dict(n=128, causal=True, chunk=3), dict(docs=docs, causal=True, chunk=16),
-             dict(n=96, causal=True, chunk=1), dict(n=61, causal=True, chunk=1000),
-             dict(n=100, causal=True, chunk=40, window=9), dict(n=100, causal=False, chunk=20, window=(3, 5)),
-             dict(docs=docs, causal=False, chunk=25),
-             dict(docs=docs, causal=True, chunk=8, window=5),
-             dict(n=80, causal=True, chunk=12, head_chunks=2), dict(docs=docs, causal=True, chunk=10, head_chunks=2),
-             dict(n=96, causal=True, chunk=16, dtype="fp32"), dict(docs=docs, causal=False, chunk=9, dtype="fp32")]
-    return [dict(c, h=heads[i % len(heads)][0], hkv=heads[i % len(heads)][1], d=8, seed=i)
-            for i, c in enumerate(cases) if i < 4 or (i + pick) % 3 == 0]
+    cases = [
+        dict(n=61, causal=True, chunk=16),
+        dict(n=61, causal=False, chunk=7),
+        dict(n=128, causal=True, chunk=3),
+        dict(docs=docs, causal=True, chunk=16),
+        dict(n=96, causal=True, chunk=1),
+        dict(n=61, causal=True, chunk=1000),
+        dict(n=100, causal=True, chunk=40, window=9),
+        dict(n=100, causal=False, chunk=20, window=(3, 5)),
+        dict(docs=docs, causal=False, chunk=25),
+        dict(docs=docs, causal=True, chunk=8, window=5),
+        dict(n=80, causal=True, chunk=12, head_chunks=2),
+        dict(docs=docs, causal=True, chunk=10, head_chunks=2),
+        dict(n=96, causal=True, chunk=16, dtype="fp32"),
+        dict(docs=docs, causal=False, chunk=9, dtype="fp32"),
+    ]
+    return [
+        dict(c, h=heads[i % len(heads)][0], hkv=heads[i % len(heads)][1], d=8, seed=i)
+        for i, c in enumerate(cases)
+        if i < 4 or (i + pick) % 3 == 0
+    ]
 
 
 def _run_case(cp: hcp.CPMesh, c: dict) -> dict:
@@ -62,26 +73,46 @@ def _run_case(cp: hcp.CPMesh, c: dict) -> dict:
     shard_kw = {"cu_seqlens": cu} if packed else {}
     hcp.reset_comm_bytes(cp)
     ql, kl, vl = (hcp.shard(x.to(dtype), cp, **shard_kw).requires_grad_() for x in (q, k, v))
-    out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, window=window, chunk_size=chunk, return_lse=True,
-                             head_chunks=c.get("head_chunks", 1), **kw)
+    out, lse = hcp.attention(
+        ql,
+        kl,
+        vl,
+        cp,
+        causal=causal,
+        window=window,
+        chunk_size=chunk,
+        return_lse=True,
+        head_chunks=c.get("head_chunks", 1),
+        **kw,
+    )
     (out * hcp.shard(dout.to(dtype), cp, **shard_kw)).sum().backward()
     lay = hcp.engine.layout.row_layout(cp, **kw)
     real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
     keep = torch.nonzero(real).flatten()
     # relative to max(|ref|, 1): with C = 1 the exact dq and dk are 0 and only round-off remains
-    err = {name: _rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **shard_kw).index_select(dim, keep),
-                      floor=1.0)
-           for name, dim, rf, gt in zip(["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref,
-                                        (out.detach(), lse, ql.grad, kl.grad, vl.grad))}
+    err = {
+        name: _rel(
+            gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **shard_kw).index_select(dim, keep), floor=1.0
+        )
+        for name, dim, rf, gt in zip(
+            ["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref, (out.detach(), lse, ql.grad, kl.grad, vl.grad)
+        )
+    }
     halo = block_plan(lay, cp.ring_rank, causal, q.device, lay.effective_window(causal, window), chunk).halo
-    return {**err, "bytes": hcp.comm_bytes(cp), "halo": halo, "ring_rank": cp.ring_rank,
-            "ulysses_rank": cp.ulysses_rank}
+    return {
+        **err,
+        "bytes": hcp.comm_bytes(cp),
+        "halo": halo,
+        "ring_rank": cp.ring_rank,
+        "ulysses_rank": cp.ulysses_rank,
+    }
 
 
 def chunk_errors(u: int, r: int, layouts: tuple[str, ...] = ("zigzag",), pick: int = 0) -> list[dict]:
     """The chunk cases on the (u, r) mesh of each layout: errors, bytes sent, whether the plan is a halo."""
-    return [{**c, "layout": layout, **_run_case(mesh(u, r, layout), c)}
-            for layout in layouts for c in chunk_cases(u, pick)]
+    return [
+        {**c, "layout": layout, **_run_case(mesh(u, r, layout), c)} for layout in layouts for c in chunk_cases(u, pick)
+    ]
 
 
 def chunk_refusals(u: int, r: int) -> dict:

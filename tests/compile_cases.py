@@ -44,8 +44,17 @@ class TinyModel(nn.Module):
         q = self.q(x).view(b, s, HEADS, HEAD_DIM)
         k = self.k(x).view(b, s, KV_HEADS, HEAD_DIM)
         v = self.v(x).view(b, s, KV_HEADS, HEAD_DIM)
-        a = hcp.attention(q, k, v, self.cp, causal=True, window=self.window, cu_seqlens=cu_seqlens,
-                          seq_len=None if cu_seqlens is not None else self.seq_len, chunk_size=self.chunk_size)
+        a = hcp.attention(
+            q,
+            k,
+            v,
+            self.cp,
+            causal=True,
+            window=self.window,
+            cu_seqlens=cu_seqlens,
+            seq_len=None if cu_seqlens is not None else self.seq_len,
+            chunk_size=self.chunk_size,
+        )
         x = x + self.o(a.reshape(b, s, HEADS * HEAD_DIM))
         x = x + self.down(F.gelu(self.up(x)))
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), reduction="sum")
@@ -87,8 +96,16 @@ def compiled_twins(make, backend: str, fullgraph: bool = True):
     return eager, model, counter, torch.compile(model, backend=counter, fullgraph=fullgraph)
 
 
-def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: bool = False, window=None,
-           seq_len: int = 64, chunk_size: int | None = None) -> dict | None:
+def parity(
+    u: int,
+    r: int,
+    backend: str = "aot_eager",
+    steps: int = 3,
+    packed: bool = False,
+    window=None,
+    seq_len: int = 64,
+    chunk_size: int | None = None,
+) -> dict | None:
     """Compile the tiny model (fullgraph) and run `steps` steps with new data against eager: loss and
     gradient errors per step, compiles, graph breaks, whether the custom op is in the graph, and
     timings (first compiled step = compile time; later steps: compiled vs eager)."""
@@ -111,17 +128,28 @@ def parity(u: int, r: int, backend: str = "aot_eager", steps: int = 3, packed: b
             loss.backward()
             t2 = time.perf_counter()
             g_ref, g = _grads(eager), _grads(model)
-            lay = row_layout(cp, local_len=ids.shape[1], seq_len=None if packed else seq_len, cu_seqlens=cu,
-                             causal=True)
+            lay = row_layout(
+                cp, local_len=ids.shape[1], seq_len=None if packed else seq_len, cu_seqlens=cu, causal=True
+            )
             halo = block_plan(lay, cp.ring_rank, True, ids.device, lay.effective_window(True, window), chunk_size).halo
-            rows.append({"loss": _rel(loss.detach(), ref.detach()), "halo": halo,
-                         "grads": max(_rel(g[n], g_ref[n]) for n in g_ref),
-                         "eager_s": t1 - t0, "compiled_s": t2 - t1})
+            rows.append(
+                {
+                    "loss": _rel(loss.detach(), ref.detach()),
+                    "halo": halo,
+                    "grads": max(_rel(g[n], g_ref[n]) for n in g_ref),
+                    "eager_s": t1 - t0,
+                    "compiled_s": t2 - t1,
+                }
+            )
             eager.zero_grad()
             model.zero_grad()
     ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
-    return {"steps": rows, "frames": counter.frame_count, "graph_breaks": dict(counters["graph_break"]),
-            "op_in_graph": any("hybrid_cp.attention_fwd" in o for o in ops)}
+    return {
+        "steps": rows,
+        "frames": counter.frame_count,
+        "graph_breaks": dict(counters["graph_break"]),
+        "op_in_graph": any("hybrid_cp.attention_fwd" in o for o in ops),
+    }
 
 
 def validation(u: int, r: int) -> str | None:
@@ -162,8 +190,10 @@ def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3, head_ch
     if cp.dp_rank != 0:
         return None
     eager, model, counter, compiled = compiled_twins(
-        lambda: apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp, head_chunks=head_chunks), backend,
-        fullgraph=False)
+        lambda: apply_context_parallel(tiny_model(hkv=2, num_hidden_layers=1), cp, head_chunks=head_chunks),
+        backend,
+        fullgraph=False,
+    )
     rows = []
     seq_len = 64
     for step in range(steps):
@@ -177,15 +207,24 @@ def hf_llama(u: int, r: int, backend: str = "aot_eager", steps: int = 3, head_ch
             loss.backward()
             losses.append(loss.detach())
         g_ref, g_c = _grads(eager), _grads(model)
-        rows.append({"loss": _rel(losses[1], losses[0]), "grads": max(_rel(g_c[n], g_ref[n]) for n in g_ref),
-                     "frames": counter.frame_count})
+        rows.append(
+            {
+                "loss": _rel(losses[1], losses[0]),
+                "grads": max(_rel(g_c[n], g_ref[n]) for n in g_ref),
+                "frames": counter.frame_count,
+            }
+        )
         eager.zero_grad()
         model.zero_grad()
     graphs = [[str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in counter.graphs]
     breaks = {str(k).splitlines()[0]: v for k, v in counters["graph_break"].items()}
-    return {"steps": rows, "frames": counter.frame_count, "graph_breaks": breaks,
-            "graph_sizes": [len(g) for g in graphs],
-            "attention_ops": [sum("hybrid_cp.attention_fwd" in o for o in g) for g in graphs]}
+    return {
+        "steps": rows,
+        "frames": counter.frame_count,
+        "graph_breaks": breaks,
+        "graph_sizes": [len(g) for g in graphs],
+        "attention_ops": [sum("hybrid_cp.attention_fwd" in o for o in g) for g in graphs],
+    }
 
 
 def opcheck(u: int, r: int, packed: bool = False) -> dict | None:
@@ -248,10 +287,10 @@ def argument_kinds(u: int, r: int) -> dict | None:
     q = torch.randn(1, 16, HEADS, HEAD_DIM, generator=g)
     k, v = (torch.randn(1, 16, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
     kernel = get_kernel("math", q.device, q.dtype, HEAD_DIM)
-    calls = {"kernel object": lambda q, k, v: hcp.attention(q, k, v, cp, causal=True, seq_len=16 * cp.size,
-                                                            backend=kernel),
-             "cu_seqlens list": lambda q, k, v: hcp.attention(q, k, v, cp, causal=True,
-                                                              cu_seqlens=[0, 10, 16 * cp.size])}
+    calls = {
+        "kernel object": lambda q, k, v: hcp.attention(q, k, v, cp, causal=True, seq_len=16 * cp.size, backend=kernel),
+        "cu_seqlens list": lambda q, k, v: hcp.attention(q, k, v, cp, causal=True, cu_seqlens=[0, 10, 16 * cp.size]),
+    }
     errors = {}
     for name, f in calls.items():
         torch._dynamo.reset()

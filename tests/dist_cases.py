@@ -14,15 +14,15 @@ import hybrid_cp as hcp
 # The parity runs, the fp64 references and the mesh cache live in hybrid_cp.testing.parity (the benchmarks
 # run them too); re-exported here under the names the case modules import.
 from hybrid_cp.testing.parity import (  # noqa: F401 (re-exported)
-           DTYPES,
-           MESH_CACHE,
-           attention_errors,
-           masked_reference,
-           mesh,
-           packed_errors,
-           reference,
-           visibility,
-           window_errors,
+    DTYPES,
+    MESH_CACHE,
+    attention_errors,
+    masked_reference,
+    mesh,
+    packed_errors,
+    reference,
+    visibility,
+    window_errors,
 )
 from hybrid_cp.testing.parity import random_inputs as _inputs
 from hybrid_cp.testing.parity import rel as _rel
@@ -40,10 +40,13 @@ def unshard_roundtrip(u: int, r: int, layout: str, n: int) -> dict:
     mine = torch.zeros(n, dtype=torch.float64)
     mine[pos[pos < n]] = 1.0
     expected_local = torch.where((pos < n).view(1, -1, 1), x.detach().index_select(1, pos.clamp_max(n - 1)), 0.0)
-    return {"equal": torch.equal(back.detach(), x.detach()), "shape": tuple(back.shape),
-            "local_ok": torch.equal(local.detach(), expected_local),
-            # each rank's gradient is the full gradient at its own tokens (summing over ranks gives w)
-            "grad_ok": torch.equal(x.grad, w * mine.view(1, -1, 1))}
+    return {
+        "equal": torch.equal(back.detach(), x.detach()),
+        "shape": tuple(back.shape),
+        "local_ok": torch.equal(local.detach(), expected_local),
+        # each rank's gradient is the full gradient at its own tokens (summing over ranks gives w)
+        "grad_ok": torch.equal(x.grad, w * mine.view(1, -1, 1)),
+    }
 
 
 def comm_bytes_case(u: int, r: int, layout: str, b: int, n: int, h: int, hkv: int, d: int, causal: bool) -> dict:
@@ -103,9 +106,12 @@ def callable_backend(u: int, n: int, causal: bool) -> dict:
     ql, kl, vl = (hcp.shard(x.float(), cp).requires_grad_() for x in (q, k, v))
     out = hcp.attention(ql, kl, vl, cp, causal=causal, backend=local_attn)
     (out * hcp.shard(dout.float(), cp)).sum().backward()
-    return {name: _rel(g, hcp.shard(rf, cp)) for name, g, rf in
-            zip(["out", "dq", "dk", "dv"], [out.detach(), ql.grad, kl.grad, vl.grad],
-                [ref[0], ref[2], ref[3], ref[4]])}
+    return {
+        name: _rel(g, hcp.shard(rf, cp))
+        for name, g, rf in zip(
+            ["out", "dq", "dk", "dv"], [out.detach(), ql.grad, kl.grad, vl.grad], [ref[0], ref[2], ref[3], ref[4]]
+        )
+    }
 
 
 def destroyed_mesh(u: int, r: int) -> dict:
@@ -127,14 +133,17 @@ def destroyed_mesh(u: int, r: int) -> dict:
     q = torch.randn(1, 8, 4, 8)
     hcp.attention(q, q[:, :, :2], q[:, :, :2], cp, causal=True, seq_len=8 * cp.size)
     first = fsdp_step(cp)
-    groups = [weakref.ref(getattr(cp, name)) for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group",
-                                                         "dp_cp_group", "check_group")]
+    groups = [
+        weakref.ref(getattr(cp, name))
+        for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group", "dp_cp_group", "check_group")
+    ]
     hcp.destroy_cp_mesh(cp)
     gc.collect()
     out = {"alive": sum(ref() is not None for ref in groups)}
-    for name, use in {"attention": lambda: hcp.attention(q, q[:, :, :2], q[:, :, :2], cp, causal=True),
-                      "loss": lambda: hcp.cross_entropy(torch.randn(1, 8, 5), torch.zeros(1, 8, dtype=torch.long),
-                                                        cp)}.items():
+    for name, use in {
+        "attention": lambda: hcp.attention(q, q[:, :, :2], q[:, :, :2], cp, causal=True),
+        "loss": lambda: hcp.cross_entropy(torch.randn(1, 8, 5), torch.zeros(1, 8, dtype=torch.long), cp),
+    }.items():
         try:
             use()
             out[name] = "no error"
@@ -151,22 +160,29 @@ def mesh_errors() -> dict:
     import types
 
     out = {}
-    for name, kwargs in {"not_divisor": dict(ulysses=3, ring=1), "bad_dp": dict(ulysses=2, ring=2, dp=3),
-                         "zero": dict(ulysses=0, ring=2), "layout": dict(ulysses=2, ring=1, layout="spiral")}.items():
+    for name, kwargs in {
+        "not_divisor": dict(ulysses=3, ring=1),
+        "bad_dp": dict(ulysses=2, ring=2, dp=3),
+        "zero": dict(ulysses=0, ring=2),
+        "layout": dict(ulysses=2, ring=1, layout="spiral"),
+    }.items():
         try:
             hcp.init_cp_mesh(**kwargs)
             out[name] = "no error"
         except ValueError as exc:
             out[name] = str(exc)
     cp = hcp.init_cp_mesh(plan=types.SimpleNamespace(ulysses=2, ring=2, dp=2))
-    out["plan"] = (cp.ulysses_size, cp.ring_size, cp.dp_size, cp.size,
-                   [p for p in cp.device_mesh.mesh_dim_names])
+    out["plan"] = (cp.ulysses_size, cp.ring_size, cp.dp_size, cp.size, [p for p in cp.device_mesh.mesh_dim_names])
     out["ranks"] = (dist.get_rank(), cp.dp_rank, cp.ring_rank, cp.ulysses_rank, cp.ring_next, cp.ring_prev)
     import topology
 
-    best = topology.plan(topology.Cluster.preset("cpu", gpus_per_node=8),
-                         topology.ModelShape(heads=8, kv_heads=2, head_dim=64, hidden=512, layers=2),
-                         seq_len=65536, world_size=8, dp=1).best
+    best = topology.plan(
+        topology.Cluster.preset("cpu", gpus_per_node=8),
+        topology.ModelShape(heads=8, kv_heads=2, head_dim=64, hidden=512, layers=2),
+        seq_len=65536,
+        world_size=8,
+        dp=1,
+    ).best
     planned = hcp.init_cp_mesh(plan=best)
     out["planned"] = ((best.ulysses, best.ring, best.dp), (planned.ulysses_size, planned.ring_size, planned.dp_size))
     hcp.destroy_cp_mesh(cp)
@@ -177,7 +193,9 @@ def mesh_errors() -> dict:
 # ---- packed documents ---------------------------------------------------------------------------
 
 
-def assert_errors(rows_per_rank, limit: float = 1e-5, tensors=("out", "lse", "dq", "dk", "dv"), label: str = "") -> None:
+def assert_errors(
+    rows_per_rank, limit: float = 1e-5, tensors=("out", "lse", "dq", "dk", "dv"), label: str = ""
+) -> None:
     """Every rank's every case has relative errors <= limit in every tensor (each figure recorded by
     tests/tolerance.py as 'label rank R case I tensor')."""
     for rank, rows in enumerate(rows_per_rank):
@@ -195,8 +213,7 @@ def hidden_length_case() -> dict:
     ql, kl, vl = (hcp.shard(x.float(), cp) for x in (q, k, v))
     hcp.shard(torch.zeros(1, 1000, 3), cp)
     out = {}
-    for name, call in (("attention", lambda: hcp.attention(ql, kl, vl, cp)),
-                       ("unshard", lambda: hcp.unshard(ql, cp))):
+    for name, call in (("attention", lambda: hcp.attention(ql, kl, vl, cp)), ("unshard", lambda: hcp.unshard(ql, cp))):
         try:
             call()
             out[name] = "no error"

@@ -18,7 +18,7 @@ from topology.schedule import Degree
 
 # per step: documents of the GLOBAL batch (C = 24 tokens per rank: 70 and 50 need 4 ranks, 40 and 33 two)
 STEPS = [[70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5], [50, 30, 12, 3, 24, 8, 17, 6, 1, 26]]
-SPLITS = {1: (1, 1), 2: (1, 2), 4: (2, 2)}   # ring-only, and ulysses x ring
+SPLITS = {1: (1, 1), 2: (1, 2), 4: (2, 2)}  # ring-only, and ulysses x ring
 C = 24
 
 
@@ -59,8 +59,10 @@ def _step(model, meshes, sched, docs) -> tuple[torch.Tensor, int]:
                 (model(**inputs).logits.sum() * 0).backward()
             idle += 1
             continue
-        row = {"input_ids": torch.cat([docs[d] for d in mb.docs])[None],
-               "cu_seq_lens_q": torch.tensor(mb.cu_seqlens, dtype=torch.int32)}
+        row = {
+            "input_ids": torch.cat([docs[d] for d in mb.docs])[None],
+            "cu_seq_lens_q": torch.tensor(mb.cu_seqlens, dtype=torch.int32),
+        }
         with use_mesh(model, mb.cp):
             local = shard_batch(row, mb.cp)
             logits = model(**{k: v for k, v in local.items() if k not in ("labels", "shift_labels")}).logits
@@ -75,15 +77,22 @@ SPLITS8 = {**SPLITS, 8: (2, 4)}
 STEPS8 = [[150, 70, 9, 1, 23, 4, 40, 2, 14, 33, 11, 20, 5, 60, 18, 7], [180, 50, 30, 12, 3, 24, 8, 17, 6, 1, 26, 44]]
 
 
-def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bool = False,
-                     eight: bool = False, kind: str = "llama", head_chunks: int = 1, resync: bool = False) -> dict:
+def dynamic_training(
+    checkpoint: bool = False,
+    fsdp: bool = False,
+    flat_cost: bool = False,
+    eight: bool = False,
+    kind: str = "llama",
+    head_chunks: int = 1,
+    resync: bool = False,
+) -> dict:
     """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step (`fsdp`: the
     model sharded by FSDP2 over the family's shared all-ranks mesh; `flat_cost`: degrees priced alike, so
     idle blocks are not doubled and idle ranks run placeholders; `kind`: `_model`'s; `head_chunks`: chunks of
     heads inside hcp.attention, which reads the call's mesh; `resync`: after each SGD step the model takes the
     reference's parameters, so that every step compares gradients at the same point: the round-off of that step,
     not two fp32 trajectories drifting apart in a sharp tiny model)."""
-    splits = SPLITS8 if eight else SPLITS   # eight: the 8-rank pool, degrees 1/2/4/8
+    splits = SPLITS8 if eight else SPLITS  # eight: the 8-rank pool, degrees 1/2/4/8
     cost = [Degree(k, u, r) for k, (u, r) in splits.items()] if flat_cost else None
     meshes = hcp.init_cp_meshes(sorted(splits), splits=splits, cost=cost)
     model = apply_context_parallel(_model(kind), meshes.mesh(1), head_chunks=head_chunks, chunk_projections=False)
@@ -94,7 +103,7 @@ def dynamic_training(checkpoint: bool = False, fsdp: bool = False, flat_cost: bo
     ref = _model(kind)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     out = {"loss": [], "grad": [], "degrees": [], "microbatches": [], "idle": 0}
-    steps = STEPS8 if eight else STEPS + ([[50, 40, 3]] if flat_cost else [])   # 3rd: rank 3 idle once
+    steps = STEPS8 if eight else STEPS + ([[50, 40, 3]] if flat_cost else [])  # 3rd: rank 3 idle once
     for step, lengths in enumerate(steps):
         docs = _docs(step, lengths, ref.config.vocab_size)
         sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
@@ -131,8 +140,9 @@ def gated_delta_on_groups(kernel: str = "naive") -> dict:
     rows = []
     for step, lengths in enumerate(STEPS):
         sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
-        rows += [(mb.cp, tuple(sched.lengths[d] for d in mb.docs)) for mb in hcp.micro_batches(sched, meshes)
-                 if not mb.idle]
+        rows += [
+            (mb.cp, tuple(sched.lengths[d] for d in mb.docs)) for mb in hcp.micro_batches(sched, meshes) if not mb.idle
+        ]
     rows += [(meshes.mesh(k), docs) for k in sorted(SPLITS) for docs in [(3,), (5,), (2, 9, 1), (13, 5, 40)]]
     out, bytes_off = {}, []
     for cp, docs in rows:
@@ -168,16 +178,27 @@ def family_shape() -> dict:
     """The family's meshes: their splits, the aligned cp blocks, and the shared all-ranks group."""
     meshes = hcp.init_cp_meshes(splits=SPLITS)
     me = dist.get_rank()
-    out = {k: {"split": (m.ulysses_size, m.ring_size), "cp_rank": m.rank, "block": me // k,
-               "shared_world": m.dp_cp_group is meshes.mesh(1).dp_cp_group} for k, m in meshes.meshes.items()}
+    out = {
+        k: {
+            "split": (m.ulysses_size, m.ring_size),
+            "cp_rank": m.rank,
+            "block": me // k,
+            "shared_world": m.dp_cp_group is meshes.mesh(1).dp_cp_group,
+        }
+        for k, m in meshes.meshes.items()
+    }
     chunked = apply_context_parallel(tiny_model("llama"), meshes.mesh(1))
-    chunked.config.attention_chunk_size = 8   # as Llama 4's chunked layers
-    models = {"head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2),
-              "engine_head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2,
-                                                           chunk_projections=False),
-              "attention_chunks": chunked, "gated_delta": apply_context_parallel(_model("qwen3_next"), meshes.mesh(1)),
-              "short_conv": apply_context_parallel(tiny_model("lfm2", 2, generic=True, **MORE["lfm2"]), meshes.mesh(1))}
-    for name, model in models.items():   # module chunks cut heads for the patch-time mesh: refused before a forward
+    chunked.config.attention_chunk_size = 8  # as Llama 4's chunked layers
+    models = {
+        "head_chunks": apply_context_parallel(tiny_model("llama"), meshes.mesh(1), head_chunks=2),
+        "engine_head_chunks": apply_context_parallel(
+            tiny_model("llama"), meshes.mesh(1), head_chunks=2, chunk_projections=False
+        ),
+        "attention_chunks": chunked,
+        "gated_delta": apply_context_parallel(_model("qwen3_next"), meshes.mesh(1)),
+        "short_conv": apply_context_parallel(tiny_model("lfm2", 2, generic=True, **MORE["lfm2"]), meshes.mesh(1)),
+    }
+    for name, model in models.items():  # module chunks cut heads for the patch-time mesh: refused before a forward
         try:
             with use_mesh(model, meshes.mesh(2)):
                 pass

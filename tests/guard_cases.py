@@ -21,7 +21,7 @@ def packed_row_without_boundaries(u: int, r: int) -> str:
         model = apply_context_parallel(tiny_model("jamba", 2, generic=True, **MORE["jamba"]), cp)
     try:
         model(**{k: local[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")})
-    except Exception as exc:   # the test asserts the type and the message
+    except Exception as exc:  # the test asserts the type and the message
         return f"{type(exc).__name__}: {exc}"
     return "nothing raised"
 
@@ -37,6 +37,6 @@ def packed_row_refused(u: int, r: int, kinds: list[str]) -> dict:
         try:
             model(**{k: local[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")})
             out[kind] = "nothing raised"
-        except Exception as exc:   # the test asserts the type and the message
+        except Exception as exc:  # the test asserts the type and the message
             out[kind] = f"{type(exc).__name__}: {exc}"
     return out

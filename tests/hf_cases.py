@@ -23,16 +23,19 @@ import torch
 
 STEPS = 4
 ACCUMULATION = 2
-PACKED_BATCH = 3   # documents flattened into one packed row
+PACKED_BATCH = 3  # documents flattened into one packed row
 # AdamW turns a gradient entry that is zero in exact arithmetic but rounding noise in fp32 (seen: one embedding
 # row in the TRL packing case, 1e-4 apart after 4 steps) into a step of lr * g / (|g| + eps), large next to the
 # noise; eps 1e-6 instead of 1e-8 keeps such steps below the weights' tolerance (both runs use the same optimizer)
 ADAM_EPS = 1e-6
 # dynamic_cp's tokens per rank: documents of 9..40 tokens run on 1 (<= 16), 2 (17..32) or 4 ranks (33..40)
 DYNAMIC_C = 16
-MIXED = ["sliding_attention", "full_attention"]   # one layer of each kind
-WINDOWED = {"mistral": dict(sliding_window=8), "gemma3_text": dict(sliding_window=8, layer_types=MIXED),
-            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2, layer_types=MIXED)}
+MIXED = ["sliding_attention", "full_attention"]  # one layer of each kind
+WINDOWED = {
+    "mistral": dict(sliding_window=8),
+    "gemma3_text": dict(sliding_window=8, layer_types=MIXED),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2, layer_types=MIXED),
+}
 
 
 def model_for(name: str, cache: bool = True):
@@ -61,8 +64,8 @@ def pad_collate(features: list[dict]) -> dict:
     ids = torch.zeros(len(features), total, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, f in enumerate(features):
-        ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[i, :len(f["input_ids"])] = 1
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[i, : len(f["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -75,18 +78,37 @@ def collator(kind: str):
 def training_args(out: str, accumulation: int, batch: int, eval_batch: int = 1, **extra):
     from transformers import TrainingArguments
 
-    base = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=eval_batch,
-                gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=5e-3, logging_steps=1,
-                max_grad_norm=0.5, warmup_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                adam_epsilon=ADAM_EPS, disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
+    base = dict(
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=eval_batch,
+        gradient_accumulation_steps=accumulation,
+        max_steps=STEPS,
+        learning_rate=5e-3,
+        logging_steps=1,
+        max_grad_norm=0.5,
+        warmup_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        adam_epsilon=ADAM_EPS,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
     base.update(extra)
     return TrainingArguments(**base)
 
 
 def history(trainer) -> dict:
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
-            "lr": [h["learning_rate"] for h in logs], "cp_comm_bytes": [h.get("cp_comm_bytes") for h in logs]}
+    return {
+        "loss": [h["loss"] for h in logs],
+        "grad_norm": [h["grad_norm"] for h in logs],
+        "lr": [h["learning_rate"] for h in logs],
+        "cp_comm_bytes": [h.get("cp_comm_bytes") for h in logs],
+    }
 
 
 def counted_bytes(trainer) -> int:
@@ -118,14 +140,21 @@ def run_case(case: str, role: str, out: str) -> dict:
     # the reference needs per-document attention: stock transformers with use_cache=True attends across the
     # documents of a position-ids-only packed row (docs/training.md); our trainer does not, whatever the setting
     model = model_for(name.split("+")[0], cache=role == "cp")
-    extra = dict(gradient_checkpointing=True) if name.endswith("+gc") else {}   # layers recomputed in backward
-    common = dict(model=model, args=training_args(out, accumulation, batch, 1 if role == "cp" else dp, **extra), train_dataset=data,
-                  eval_dataset=evaluation, data_collator=collator(kind))
+    extra = dict(gradient_checkpointing=True) if name.endswith("+gc") else {}  # layers recomputed in backward
+    common = dict(
+        model=model,
+        args=training_args(out, accumulation, batch, 1 if role == "cp" else dp, **extra),
+        train_dataset=data,
+        eval_dataset=evaluation,
+        data_collator=collator(kind),
+    )
     degrees: list = []
     if role == "cp" and "+dyn" in name:
         import hybrid_cp as hcp
 
-        trainer = CPTrainer(**common, dynamic_cp=hcp.DynamicCP(tokens_per_rank=DYNAMIC_C), fsdp2=name.endswith("+fsdp2"))
+        trainer = CPTrainer(
+            **common, dynamic_cp=hcp.DynamicCP(tokens_per_rank=DYNAMIC_C), fsdp2=name.endswith("+fsdp2")
+        )
         _record_degrees(trainer, degrees)
     elif role == "cp":
         trainer = CPTrainer(**common, ulysses=u, ring=r, fsdp2=name.endswith("+fsdp2"))
@@ -139,9 +168,9 @@ def run_case(case: str, role: str, out: str) -> dict:
         result["counted_bytes"] = counted_bytes(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     result["weights"] = full_weights(trainer.model)
-    if name.endswith("+fsdp2"):   # the full checkpoint gathered from the shards (tests: from_pretrained, one process)
+    if name.endswith("+fsdp2"):  # the full checkpoint gathered from the shards (tests: from_pretrained, one process)
         trainer.save_model(os.path.join(os.environ["HF_CASES_OUT"], f"saved-{case.replace(':', '_')}"))
-        result["deferred"] = deferred[0]   # micro-batches whose reduce-scatter waited for the window's last one
+        result["deferred"] = deferred[0]  # micro-batches whose reduce-scatter waited for the window's last one
     return result
 
 
@@ -153,8 +182,13 @@ def _record_degrees(trainer, out: list) -> None:
     def recorded(batches):
         result = inner(batches)
         sched = trainer.cp_schedule
-        out.append((sorted({g.degree for mb in sched.microbatches for g in mb.groups if g.docs}),
-                    len(sched.microbatches), sum(not g.docs for mb in sched.microbatches for g in mb.groups)))
+        out.append(
+            (
+                sorted({g.degree for mb in sched.microbatches for g in mb.groups if g.docs}),
+                len(sched.microbatches),
+                sum(not g.docs for mb in sched.microbatches for g in mb.groups),
+            )
+        )
         return result
 
     trainer._dynamic_step = recorded
@@ -174,8 +208,9 @@ def _count_calls(obj, name: str) -> list[int]:
 
 def full_weights(model) -> dict:
     """The whole weights on every rank (FSDP2's DTensors gathered: a collective, called on all ranks)."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -202,11 +237,11 @@ def direct_case() -> dict:
         want = ref(**batch).loss
         want.backward()
         stock_cached = copy.deepcopy(base)
-        stock_cached.config.use_cache = True   # the stock pitfall: a packed row attends across its documents
+        stock_cached.config.use_cache = True  # the stock pitfall: a packed row attends across its documents
         with torch.no_grad():
             pitfall = _rel(stock_cached(**batch).loss, want.detach())
         model = copy.deepcopy(base)
-        model.config.use_cache = True          # the default config: ours is per-document whatever the setting
+        model.config.use_cache = True  # the default config: ours is per-document whatever the setting
         model = apply_context_parallel(model, cp)
         got = model(**hcp.shard_batch(batch, cp)).loss
         got.backward()
@@ -216,7 +251,7 @@ def direct_case() -> dict:
             dist.all_reduce(g, group=cp.cp_group)
             worst = max(worst, _rel(g / cp.size, q.grad))
         out[kind] = {"forward": _rel(got.detach(), want.detach()), "backward": worst, "stock_use_cache": pitfall}
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):   # fp32 weights, bf16 autocast
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 weights, bf16 autocast
             ref32, model32 = copy.deepcopy(ref).float(), copy.deepcopy(model).float()
             out[kind]["autocast_bf16"] = _rel(model32(**hcp.shard_batch(batch, cp)).loss, ref32(**batch).loss)
     hcp.destroy_cp_mesh(cp)
@@ -226,7 +261,7 @@ def direct_case() -> dict:
 def _refusal(fn) -> tuple[str, str]:
     try:
         fn()
-    except Exception as exc:   # the test asserts the type and the message on every rank
+    except Exception as exc:  # the test asserts the type and the message on every rank
         return type(exc).__name__, str(exc)
     return "nothing raised", ""
 
@@ -244,9 +279,10 @@ def errors_case() -> dict:
             args = training_args(tmp, 2, 1, **{k: v for k, v in extra.items() if k in _ARGS})
             kwargs = {k: v for k, v in extra.items() if k not in _ARGS}
             kwargs.setdefault("train_dataset", data)
-            made = CPTrainer(model=model_for("llama"), args=args, data_collator=pad_collate, ulysses=u, ring=r,
-                             **kwargs)
-            if resume:   # a checkpoint folder without the sharded model and optimizer (as save_only_model writes)
+            made = CPTrainer(
+                model=model_for("llama"), args=args, data_collator=pad_collate, ulysses=u, ring=r, **kwargs
+            )
+            if resume:  # a checkpoint folder without the sharded model and optimizer (as save_only_model writes)
                 made.train(resume_from_checkpoint=tmp)
 
     class Stream(torch.utils.data.IterableDataset):
@@ -267,9 +303,10 @@ def errors_case() -> dict:
         "compute_metrics": lambda: trainer(compute_metrics=lambda p: {}),
         "train_dataset": lambda: trainer(train_dataset=Stream()),
         "ulysses": lambda: trainer(u=3, r=1),
-        "dynamic_cp": lambda: trainer(dynamic_cp=hcp.DynamicCP(tokens_per_rank=16)),   # and ulysses=2, ring=2
-        "labels": lambda: model(input_ids=dense["input_ids"], position_ids=dense["position_ids"],
-                                labels=dense["labels"]),
+        "dynamic_cp": lambda: trainer(dynamic_cp=hcp.DynamicCP(tokens_per_rank=16)),  # and ulysses=2, ring=2
+        "labels": lambda: model(
+            input_ids=dense["input_ids"], position_ids=dense["position_ids"], labels=dense["labels"]
+        ),
         "cu_seq_lens_q": lambda: model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]),
     }
     out = {name: _refusal(fn) for name, fn in cases.items()}
@@ -295,8 +332,15 @@ def auto_case() -> dict:
     try:
         for name, ring in (("both", "auto"), ("ring=2", 2)):
             with tempfile.TemporaryDirectory() as tmp:
-                trainer = CPTrainer(model=model_for("llama"), args=training_args(tmp, 2, 1), train_dataset=rows(4, 1),
-                                    data_collator=pad_collate, ulysses="auto", ring=ring, cp_seq_len=4096)
+                trainer = CPTrainer(
+                    model=model_for("llama"),
+                    args=training_args(tmp, 2, 1),
+                    train_dataset=rows(4, 1),
+                    data_collator=pad_collate,
+                    ulysses="auto",
+                    ring=ring,
+                    cp_seq_len=4096,
+                )
             cp = trainer.cp
             out[name] = (cp.ulysses_size, cp.ring_size, cp.dp_size, [m for m in records if "planner" in m])
             records.clear()
@@ -320,15 +364,24 @@ def mesh_case() -> dict:
         cp = cp_mesh_from_device_mesh(mesh, u)
         out[(dp, cp_size, u)] = {
             "accelerate_cp": dist.get_process_group_ranks(mesh["cp"].get_group()),
-            "cp": dist.get_process_group_ranks(cp.cp_group), "ulysses": dist.get_process_group_ranks(cp.ulysses_group),
-            "ring": dist.get_process_group_ranks(cp.ring_group), "degrees": (cp.ulysses_size, cp.ring_size, cp.dp_size)}
+            "cp": dist.get_process_group_ranks(cp.cp_group),
+            "ulysses": dist.get_process_group_ranks(cp.ulysses_group),
+            "ring": dist.get_process_group_ranks(cp.ring_group),
+            "degrees": (cp.ulysses_size, cp.ring_size, cp.dp_size),
+        }
     outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp_shard"))
     out["strided"] = _refusal(lambda: cp_mesh_from_device_mesh(outer, 2))
     return out
 
 
-_ARGS = ("label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "fsdp_config",
-         "load_best_model_at_end")
+_ARGS = (
+    "label_smoothing_factor",
+    "train_sampling_strategy",
+    "average_tokens_across_devices",
+    "fsdp",
+    "fsdp_config",
+    "load_best_model_at_end",
+)
 CHECKS = {"direct": direct_case, "errors": errors_case, "auto": auto_case, "mesh": mesh_case}
 
 
@@ -345,8 +398,15 @@ def run_resume(case: str, role: str, out: str) -> dict:
     result = {}
     for run in ("full", "resumed"):
         args = training_args(out, ACCUMULATION, batch, save_strategy="steps", save_steps=2)
-        trainer = CPTrainer(model=model_for("llama"), args=args, train_dataset=data, data_collator=collator(kind),
-                            ulysses=int(u), ring=int(r), fsdp2=fsdp2)
+        trainer = CPTrainer(
+            model=model_for("llama"),
+            args=args,
+            train_dataset=data,
+            data_collator=collator(kind),
+            ulysses=int(u),
+            ring=int(r),
+            fsdp2=fsdp2,
+        )
         trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if run == "resumed" else None)
         result[run] = history(trainer)
         result[run]["weights"] = full_weights(trainer.model)
@@ -377,15 +437,34 @@ def run_sft(case: str, role: str, out: str) -> dict:
     batch = 1 if kind == "packing" else PACKED_BATCH
     accumulation = ACCUMULATION if role == "cp" else ACCUMULATION * dp
     data = Dataset.from_list(rows(STEPS * ACCUMULATION * 2 * batch * 3, seed=3))
-    args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=1 if role == "cp"
-                     else dp, gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=5e-3,
-                     logging_steps=1, max_grad_norm=0.5, warmup_steps=1, adam_epsilon=ADAM_EPS,
-                     save_strategy="no", report_to=[],
-                     use_cpu=True, seed=0, disable_tqdm=True, max_length=96 if kind == "packing" else None,
-                     packing=kind == "packing",
-                     padding_free=kind == "padding_free", bf16=False)
-    common = dict(model=model_for("llama", cache=role == "cp"), args=args, train_dataset=data,
-                  eval_dataset=Dataset.from_list(rows(8, seed=4)), processing_class=byte_tokenizer())
+    args = SFTConfig(
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=1 if role == "cp" else dp,
+        gradient_accumulation_steps=accumulation,
+        max_steps=STEPS,
+        learning_rate=5e-3,
+        logging_steps=1,
+        max_grad_norm=0.5,
+        warmup_steps=1,
+        adam_epsilon=ADAM_EPS,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        max_length=96 if kind == "packing" else None,
+        packing=kind == "packing",
+        padding_free=kind == "padding_free",
+        bf16=False,
+    )
+    common = dict(
+        model=model_for("llama", cache=role == "cp"),
+        args=args,
+        train_dataset=data,
+        eval_dataset=Dataset.from_list(rows(8, seed=4)),
+        processing_class=byte_tokenizer(),
+    )
     trainer = CPSFTTrainer(**common, ulysses=u, ring=r) if role == "cp" else SFTTrainer(**common)
     trainer.train()
     result = history(trainer)
@@ -402,11 +481,11 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     checks = [c for c in cases if c in CHECKS]
-    if checks:   # every rank's answers, gathered to rank 0
+    if checks:  # every rank's answers, gathered to rank 0
         import torch.distributed as dist
         from accelerate import PartialState
 
-        PartialState(cpu=True)   # the process group, set up as the Trainer's arguments do
+        PartialState(cpu=True)  # the process group, set up as the Trainer's arguments do
         mine = {name: CHECKS[name]() for name in checks}
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
@@ -420,8 +499,13 @@ def main(argv: list[str]) -> None:
         runner = {"sft": run_sft, "resume": run_resume}.get(case.split(":")[0].split("+")[0], run_case)
         result = runner(case, role, os.path.join(out, f"work-{role}-{case.replace(':', '_')}"))  # shared by ranks
         if rank == 0:
-            torch.save(result, os.path.join(out, f"{role}-{case.replace(':', '_')}"
-                                                 f"{'_dp' + os.environ['HF_CASES_DP'] if role == 'ref' else ''}.pt"))
+            torch.save(
+                result,
+                os.path.join(
+                    out,
+                    f"{role}-{case.replace(':', '_')}{'_dp' + os.environ['HF_CASES_DP'] if role == 'ref' else ''}.pt",
+                ),
+            )
 
 
 if __name__ == "__main__":

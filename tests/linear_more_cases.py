@@ -25,8 +25,9 @@ from topology.linear_cost import linear_layer_bytes
 DIMS = dict(c=6, width=4, n_state=5, heads=3, dk=4, dv=5)
 
 
-def naive_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                         return_last_state=False, **_):
+def naive_selective_scan(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False, **_
+):
     """Mamba-1's selective scan token by token in the inputs' dtype (mamba_ssm's `selective_scan_fn`
     layout: u, delta [B, D, n], A [D, N], B, C [B, N, n]); S_t = exp(dt_t A) S_{t-1} + dt_t u_t B_t."""
     dt = delta if delta_bias is None else delta + delta_bias[:, None]
@@ -64,17 +65,36 @@ def _inputs(seed: int, b: int, n: int) -> dict:
     def rnd(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
-    return {"conv": ([rnd(b, n, d["c"]) for _ in range(3)], [rnd(d["c"], d["width"], scale=0.5), rnd(d["c"])],
-                     rnd(b, n, d["c"])),
-            "mamba": ([rnd(b, n, d["c"]), rnd(b, n, d["c"]), rnd(b, n, d["n_state"]), rnd(b, n, d["n_state"])],
-                      [rnd(d["c"], d["width"], scale=0.5), rnd(d["c"]),
-                       -torch.rand(d["c"], d["n_state"], generator=gen, dtype=torch.float64) - 0.2, rnd(d["c"]),
-                       rnd(d["c"], scale=0.5)], rnd(b, n, d["c"])),
-            "lightning": ([rnd(b, n, d["heads"], d["dk"], scale=0.5), rnd(b, n, d["heads"], d["dk"], scale=0.5),
-                           rnd(b, n, d["heads"], d["dv"])], [], rnd(b, n, d["heads"], d["dv"]))}
+    return {
+        "conv": (
+            [rnd(b, n, d["c"]) for _ in range(3)],
+            [rnd(d["c"], d["width"], scale=0.5), rnd(d["c"])],
+            rnd(b, n, d["c"]),
+        ),
+        "mamba": (
+            [rnd(b, n, d["c"]), rnd(b, n, d["c"]), rnd(b, n, d["n_state"]), rnd(b, n, d["n_state"])],
+            [
+                rnd(d["c"], d["width"], scale=0.5),
+                rnd(d["c"]),
+                -torch.rand(d["c"], d["n_state"], generator=gen, dtype=torch.float64) - 0.2,
+                rnd(d["c"]),
+                rnd(d["c"], scale=0.5),
+            ],
+            rnd(b, n, d["c"]),
+        ),
+        "lightning": (
+            [
+                rnd(b, n, d["heads"], d["dk"], scale=0.5),
+                rnd(b, n, d["heads"], d["dk"], scale=0.5),
+                rnd(b, n, d["heads"], d["dv"]),
+            ],
+            [],
+            rnd(b, n, d["heads"], d["dv"]),
+        ),
+    }
 
 
-SLOPE = torch.tensor([0.5, 0.1, 0.02], dtype=torch.float64)   # per head: fast, medium, slow decay
+SLOPE = torch.tensor([0.5, 0.1, 0.02], dtype=torch.float64)  # per head: fast, medium, slow decay
 
 
 def _short_conv(conv, bgate, cgate, x, w, bias):
@@ -98,8 +118,15 @@ def _ops(cp, lay, dtype: torch.dtype, block: int):
         return causal_conv(cp, lay, t, w, bias)
 
     def ref_scan(x, dt, bmat, cmat, A, D, dt_bias):
-        out = naive_selective_scan(*(t.transpose(1, 2) for t in (x, dt)), A, bmat.transpose(1, 2),
-                                   cmat.transpose(1, 2), D=D, delta_bias=dt_bias, delta_softplus=True)
+        out = naive_selective_scan(
+            *(t.transpose(1, 2) for t in (x, dt)),
+            A,
+            bmat.transpose(1, 2),
+            cmat.transpose(1, 2),
+            D=D,
+            delta_bias=dt_bias,
+            delta_softplus=True,
+        )
         return out.transpose(1, 2)
 
     def cp_scan(x, dt, bmat, cmat, A, D, dt_bias):
@@ -107,10 +134,14 @@ def _ops(cp, lay, dtype: torch.dtype, block: int):
         return linear_scan(cp, lay, kind, (x, dt, bmat, cmat))
 
     kind = Lightning(SLOPE.to(dtype), block)
-    return {"conv": (lambda *a: _short_conv(ref_conv, *a), lambda *a: _short_conv(cp_conv, *a)),
-            "mamba": (lambda *a: _mamba(ref_conv, ref_scan, *a), lambda *a: _mamba(cp_conv, cp_scan, *a)),
-            "lightning": (lambda q, k, v: naive_lightning(q, k, v, SLOPE)[0],
-                          lambda q, k, v: linear_scan(cp, lay, kind, (q, k, v)))}
+    return {
+        "conv": (lambda *a: _short_conv(ref_conv, *a), lambda *a: _short_conv(cp_conv, *a)),
+        "mamba": (lambda *a: _mamba(ref_conv, ref_scan, *a), lambda *a: _mamba(cp_conv, cp_scan, *a)),
+        "lightning": (
+            lambda q, k, v: naive_lightning(q, k, v, SLOPE)[0],
+            lambda q, k, v: linear_scan(cp, lay, kind, (q, k, v)),
+        ),
+    }
 
 
 def kinds_parity(u: int, r: int, cases: list[tuple[str, tuple[int, ...] | None, str]]) -> list[dict]:
@@ -140,21 +171,32 @@ def kinds_case(cp, layout: str, docs: tuple[int, ...] | None, precision: str, n:
     out = {}
     for name, (ref_fn, cp_fn) in _ops(cp, lay, dtype, 4).items():
         seq, params, dout = _inputs(41 + n, b, n)[name]
-        want = _grads(lambda *a: _per_document(lambda *t: ref_fn(*t, *a[len(seq):]), a[:len(seq)], docs),
-                      seq + params, dout)
+        want = _grads(
+            lambda *a: _per_document(lambda *t: ref_fn(*t, *a[len(seq) :]), a[: len(seq)], docs), seq + params, dout
+        )
         hcp.reset_comm_bytes(cp)
         local = [shard_tokens(x.to(dtype), cp, 1, lay) for x in seq]
         got = _grads(cp_fn, local + [p.to(dtype) for p in params], shard_tokens(dout.to(dtype), cp, 1, lay))
         sent = {k: v for k, v in hcp.comm_bytes(cp).items() if v}
-        for t in got[1 + len(seq):]:   # parameter gradients are partial sums over this rank's rows
+        for t in got[1 + len(seq) :]:  # parameter gradients are partial sums over this rank's rows
             torch.distributed.all_reduce(t, group=cp.cp_group)
-        errs = _errors(cp, lay, got[:1 + len(seq)], want[:1 + len(seq)])
-        errs += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(got[1 + len(seq):],
-                                                                                      want[1 + len(seq):])]
+        errs = _errors(cp, lay, got[: 1 + len(seq)], want[: 1 + len(seq)])
+        errs += [
+            ((a.double() - e).abs().max() / e.abs().max()).item()
+            for a, e in zip(got[1 + len(seq) :], want[1 + len(seq) :])
+        ]
         halo = (d["width"] - 1, d["c"]) if name != "lightning" else (0, 0)
-        predicted = linear_layer_bytes(lay, cp.size, b, state[name], *halo, size, size, rank=cp.rank,
-                                       transition_numel={"conv": 0, "mamba": state["mamba"] // 2,
-                                                         "lightning": d["heads"]}[name])
+        predicted = linear_layer_bytes(
+            lay,
+            cp.size,
+            b,
+            state[name],
+            *halo,
+            size,
+            size,
+            rank=cp.rank,
+            transition_numel={"conv": 0, "mamba": state["mamba"] // 2, "lightning": d["heads"]}[name],
+        )
         out[name] = {"errors": errs, "bytes": (sent, predicted)}
     return out
 
@@ -163,40 +205,100 @@ def kinds_case(cp, layout: str, docs: tuple[int, ...] | None, precision: str, n:
 
 # tiny configurations: every layer kind once, runs of the tests' rows span several lightning blocks; layer 0 of
 # MiniMax is the lightning one (its decay rate shrinks to ~0 at the last layer)
-MORE = {"lfm2": dict(layer_types=["conv", "full_attention"], conv_bias=True),
-        "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1, conv_bias=True),
-        "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
-                      mamba_d_state=8, mamba_dt_rank=4, initializer_range=0.2),
-        "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4, initializer_range=0.2),
-        # #32: mixers identical to routed ones (Qwen3.5's Gated DeltaNet, Bamba's Mamba2, LFM2's short convolution)
-        "qwen3_5_moe_text": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                 linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-                                 linear_value_head_dim=8, initializer_range=0.2),
-        "lara_mini": dict(num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"], sliding_window=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-                          linear_value_head_dim=8, initializer_range=0.2),
-        "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
-                                 mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=4, initializer_range=0.2),
-        "lfm3": dict(layer_types=["conv", "full_attention"], conv_bias=True),
-        # KDA (per-channel decay) next to MLA, a dense then an MoE MLP; Ling's safe gate (lower bound) is its default
-        "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
-                            linear_num_heads=4, linear_head_dim=8, num_key_value_heads=4, initializer_range=0.2),
-        "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
-                               num_key_value_heads=4, initializer_range=0.2),
-        "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2),
-        # two hybrid layers share one attention block (tied weights), each with its own LoRA adapters; rotary on;
-        # heads x head dim = the attention width 2 x hidden, as the adapters' outputs (Zamba2's own sizes)
-        "zamba2": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=4, layers_block_type=["linear_attention", "hybrid"] * 2, num_mem_blocks=1,
-                       use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True, n_mamba_heads=8,
-                       mamba_d_state=8, mamba_ngroups=2, chunk_size=4, initializer_range=0.2),
-        "mamba2": dict(num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8, n_groups=2, chunk_size=4,
-                       initializer_range=0.2),
-        "mamba": dict(state_size=8, time_step_rank=4, initializer_range=0.2),
-        "falcon_mamba": dict(state_size=8, time_step_rank=4, initializer_range=0.2)}
+MORE = {
+    "lfm2": dict(layer_types=["conv", "full_attention"], conv_bias=True),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1, conv_bias=True),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
+        mamba_d_state=8,
+        mamba_dt_rank=4,
+        initializer_range=0.2,
+    ),
+    "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4, initializer_range=0.2),
+    # #32: mixers identical to routed ones (Qwen3.5's Gated DeltaNet, Bamba's Mamba2, LFM2's short convolution)
+    "qwen3_5_moe_text": dict(
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        initializer_range=0.2,
+    ),
+    "lara_mini": dict(
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "sliding_attention"],
+        sliding_window=16,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        initializer_range=0.2,
+    ),
+    "granitemoehybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=4,
+        initializer_range=0.2,
+    ),
+    "lfm3": dict(layer_types=["conv", "full_attention"], conv_bias=True),
+    # KDA (per-channel decay) next to MLA, a dense then an MoE MLP; Ling's safe gate (lower bound) is its default
+    "kimi_linear": dict(
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        linear_num_heads=4,
+        linear_head_dim=8,
+        num_key_value_heads=4,
+        initializer_range=0.2,
+    ),
+    "bailing_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_key_value_heads=4,
+        initializer_range=0.2,
+    ),
+    "olmo_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        initializer_range=0.2,
+    ),
+    # two hybrid layers share one attention block (tied weights), each with its own LoRA adapters; rotary on;
+    # heads x head dim = the attention width 2 x hidden, as the adapters' outputs (Zamba2's own sizes)
+    "zamba2": dict(
+        num_hidden_layers=4,
+        head_dim=32,
+        num_key_value_heads=4,
+        layers_block_type=["linear_attention", "hybrid"] * 2,
+        num_mem_blocks=1,
+        use_shared_attention_adapter=True,
+        adapter_rank=8,
+        use_mem_rope=True,
+        n_mamba_heads=8,
+        mamba_d_state=8,
+        mamba_ngroups=2,
+        chunk_size=4,
+        initializer_range=0.2,
+    ),
+    "mamba2": dict(
+        num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8, n_groups=2, chunk_size=4, initializer_range=0.2
+    ),
+    "mamba": dict(state_size=8, time_step_rank=4, initializer_range=0.2),
+    "falcon_mamba": dict(state_size=8, time_step_rank=4, initializer_range=0.2),
+}
 
 
-def more_parity(u: int, r: int, kinds: list[str], fsdp: bool = False, routed: bool = True,
-                checkpoint: bool = False) -> dict:
+def more_parity(
+    u: int, r: int, kinds: list[str], fsdp: bool = False, routed: bool = True, checkpoint: bool = False
+) -> dict:
     """train_cases.model_parity (right-padded dense rows: logits, loss, every gradient) per family; `routed`
     False: the control, the mixers left to run over this rank's shard as if it were the whole sequence;
     `checkpoint`: under activation checkpointing."""
@@ -204,8 +306,10 @@ def more_parity(u: int, r: int, kinds: list[str], fsdp: bool = False, routed: bo
 
     off = mock.patch("hybrid_cp.integrations.transformers.route_linear_layers", lambda model, cp: 0)
     with contextlib.nullcontext() if routed else off:
-        return {kind: model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=MORE[kind], checkpoint=checkpoint)
-                for kind in kinds}
+        return {
+            kind: model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=MORE[kind], checkpoint=checkpoint)
+            for kind in kinds
+        }
 
 
 def more_packed_parity(u: int, r: int, kinds: list[str], doc_lens: tuple = (9, 1, 23, 4, 61, 2, 14)) -> dict:
@@ -221,8 +325,12 @@ def more_packed_parity(u: int, r: int, kinds: list[str], doc_lens: tuple = (9, 1
     for kind in kinds:
         ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **MORE[kind]), batch, doc_lens)
         model = apply_context_parallel(tiny_model(kind, 2, generic=True, **MORE[kind]), cp)
-        logits = model(**{k: local[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                                                "max_length_q", "max_length_k")}).logits
+        logits = model(
+            **{
+                k: local[k]
+                for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+            }
+        ).logits
         loss = hcp.cross_entropy(logits, local["labels"], cp)
         loss.backward()
         average_gradients(model)

@@ -27,10 +27,12 @@ def step_masks() -> list[hcp.AttnMask]:
     """One mask per step over the same row length, with different slice counts (so the encoded masks differ
     in length as well as in values)."""
     m = hcp.AttnMask
-    return [m.documents([0, 40, 43, SEQ]),
-            m.shared_prefix(40, [15, 30, 7, 36]),
-            m.prefix_lm([0, 60, SEQ], [25, 0]),
-            m.blocks([0] * 20 + [1] * 16 + [0] * 30 + [2] * 24 + [0] * 38)]
+    return [
+        m.documents([0, 40, 43, SEQ]),
+        m.shared_prefix(40, [15, 30, 7, 36]),
+        m.prefix_lm([0, 60, SEQ], [25, 0]),
+        m.blocks([0] * 20 + [1] * 16 + [0] * 30 + [2] * 24 + [0] * 38),
+    ]
 
 
 class MaskModel(nn.Module):
@@ -65,13 +67,20 @@ def _batch(cp: hcp.CPMesh, step: int, mask: hcp.AttnMask):
     local = hcp.shard(ids, cp, mask=mask), hcp.shard(labels, cp, mask=mask)
     from torch._dynamo import mark_dynamic
 
-    for x in local:   # each mask's layout has its own local length (whole documents are kept whole): dynamic
+    for x in local:  # each mask's layout has its own local length (whole documents are kept whole): dynamic
         mark_dynamic(x, 1)
     return local
 
 
-def parity(u: int, r: int, backend: str = "aot_eager", window=None, softcap: float | None = None,  # noqa: PLR0913 (case knobs)
-           sinks: bool = False, plain: bool = False) -> dict | None:
+def parity(
+    u: int,
+    r: int,
+    backend: str = "aot_eager",
+    window=None,
+    softcap: float | None = None,  # noqa: PLR0913 (case knobs)
+    sinks: bool = False,
+    plain: bool = False,
+) -> dict | None:
     """Compile the masked model (fullgraph; error_on_recompile unless `plain`) and run one step per `step_masks()`
     mask against eager: loss and gradient errors per step, compiled frames, graph breaks, whether the custom op is
     in the graph. `plain`: the masks as `topology.masks.AttnMask` (no `encoded` tensor)."""
@@ -84,7 +93,7 @@ def parity(u: int, r: int, backend: str = "aot_eager", window=None, softcap: flo
         return None
     eager, model, counter, compiled = compiled_twins(lambda: MaskModel(cp, window, softcap, sinks), backend)
     rows = []
-    masks = step_masks()   # built after dynamo loaded: their encodings' lengths are marked dynamic
+    masks = step_masks()  # built after dynamo loaded: their encodings' lengths are marked dynamic
     if plain:
         masks = [RangeMask(m.seq_len, m.slices) for m in masks]
     with torch._dynamo.config.patch(error_on_recompile=not plain):
@@ -95,13 +104,22 @@ def parity(u: int, r: int, backend: str = "aot_eager", window=None, softcap: flo
             loss = compiled(ids, labels, mask)
             loss.backward()
             g_ref = {n: p.grad for n, p in eager.named_parameters()}
-            rows.append({"loss": _rel(loss.detach(), ref.detach()), "slices": len(mask.slices),
-                         "grads": max(_rel(p.grad, g_ref[n]) for n, p in model.named_parameters())})
+            rows.append(
+                {
+                    "loss": _rel(loss.detach(), ref.detach()),
+                    "slices": len(mask.slices),
+                    "grads": max(_rel(p.grad, g_ref[n]) for n, p in model.named_parameters()),
+                }
+            )
             eager.zero_grad()
             model.zero_grad()
     ops = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
-    return {"steps": rows, "frames": counter.frame_count, "graph_breaks": dict(counters["graph_break"]),
-            "op_in_graph": any("hybrid_cp.attention_fwd" in o for o in ops)}
+    return {
+        "steps": rows,
+        "frames": counter.frame_count,
+        "graph_breaks": dict(counters["graph_break"]),
+        "op_in_graph": any("hybrid_cp.attention_fwd" in o for o in ops),
+    }
 
 
 def opcheck(u: int, r: int) -> dict | None:
@@ -129,7 +147,7 @@ def opcheck(u: int, r: int) -> dict | None:
     return {"fwd": fwd, "bwd": bwd}
 
 
-_REF = {"out": 0, "dq": 2, "dk": 3, "dv": 4}   # masked_reference's (out, lse, dq, dk, dv)
+_REF = {"out": 0, "dq": 2, "dk": 3, "dv": 4}  # masked_reference's (out, lse, dq, dk, dv)
 
 
 def head_chunk_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
@@ -147,8 +165,18 @@ def head_chunk_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         got = {}
         for chunks in (1, c["head_chunks"]):
             ql, kl, vl = (hcp.shard(x.to(dtype), cp, mask=mask).requires_grad_() for x in (q, k, v))
-            out, lse = hcp.attention(ql, kl, vl, cp, mask=mask, window=window, softcap=softcap, return_lse=True,
-                                     head_chunks=chunks, overlap=c.get("overlap", False) and chunks > 1)
+            out, lse = hcp.attention(
+                ql,
+                kl,
+                vl,
+                cp,
+                mask=mask,
+                window=window,
+                softcap=softcap,
+                return_lse=True,
+                head_chunks=chunks,
+                overlap=c.get("overlap", False) and chunks > 1,
+            )
             (out * dl).sum().backward()
             got[chunks] = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
         one, many = got[1], got[c["head_chunks"]]
@@ -157,8 +185,9 @@ def head_chunk_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         for name in ("out", "dq", "dk", "dv"):
             row[f"{name} vs one chunk"] = rel(many[name], one[name], floor=1.0)
             row[f"{name} vs fp64"] = rel(hcp.unshard(many[name], cp, mask=mask), ref[_REF[name]], floor=1.0)
-        row["lse vs one chunk"] = rel(torch.where(finite, many["lse"], 0.0), torch.where(finite, one["lse"], 0.0),
-                                      floor=1.0)
+        row["lse vs one chunk"] = rel(
+            torch.where(finite, many["lse"], 0.0), torch.where(finite, one["lse"], 0.0), floor=1.0
+        )
         row["lse -inf match"] = bool(torch.equal(torch.isneginf(many["lse"]), torch.isneginf(one["lse"])))
         results.append(row)
     return results

@@ -42,8 +42,8 @@ def tree_reference(model, batch: dict, prompt: int = PROMPT, completions: tuple 
     ids, labels = batch["input_ids"][0], batch["shift_labels"][0]
     total, count, start = 0.0, 0, prompt
     for i, n in enumerate(completions):
-        row = torch.cat([ids[:prompt], ids[start:start + n]])
-        want = torch.cat([labels[:prompt] if i == 0 else torch.full((prompt,), -100), labels[start:start + n]])
+        row = torch.cat([ids[:prompt], ids[start : start + n]])
+        want = torch.cat([labels[:prompt] if i == 0 else torch.full((prompt,), -100), labels[start : start + n]])
         logits = model(input_ids=row[None], position_ids=torch.arange(prompt + n)[None]).logits[0]
         total = total + F.cross_entropy(logits, want, ignore_index=-100, reduction="sum")
         count += int((want != -100).sum())
@@ -75,9 +75,16 @@ def tree_model_parity(u: int, r: int, tiled_loss: bool = False) -> dict:
     average_gradients(model)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
     grad, worst, vs_largest = _grad_errors(grads, ref_grads)
-    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad, "worst_param": worst,
-            "grad_vs_largest": vs_largest, "missing": sorted(set(ref_grads) ^ set(grads)), "cp_loss": loss.item(),
-            "leak": _leak(batch, ref_grads), "carried": local[MASK_KEY] is mask}
+    return {
+        "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        "grad": grad,
+        "worst_param": worst,
+        "grad_vs_largest": vs_largest,
+        "missing": sorted(set(ref_grads) ^ set(grads)),
+        "cp_loss": loss.item(),
+        "leak": _leak(batch, ref_grads),
+        "carried": local[MASK_KEY] is mask,
+    }
 
 
 def tree_model_refusals(u: int, r: int) -> dict:
@@ -101,7 +108,7 @@ def tree_model_refusals(u: int, r: int) -> dict:
     other = hcp.AttnMask.shared_prefix(PROMPT + 1, [n - 1 if i == 0 else n for i, n in enumerate(COMPLETIONS)])
     attempt("other_mask_on_rank0", **{**local, MASK_KEY: other if cp.rank == 0 else mask})
     bidirectional = tiny_model("llama")
-    bidirectional.config.is_causal = False   # transformers then composes a bidirectional mask we do not read
+    bidirectional.config.is_causal = False  # transformers then composes a bidirectional mask we do not read
     bidirectional = apply_context_parallel(bidirectional, cp)
     dense = hcp.shard_batch({"input_ids": batch["input_ids"][:, :32]}, cp)
     try:
@@ -109,7 +116,7 @@ def tree_model_refusals(u: int, r: int) -> dict:
         out["bidirectional_config"] = ("no error", "")
     except ValueError as exc:
         out["bidirectional_config"] = (type(exc).__name__, str(exc))
-    out["bidirectional_config_with_mask"] = tuple(bidirectional(**local).logits.shape)   # the AttnMask decides
+    out["bidirectional_config_with_mask"] = tuple(bidirectional(**local).logits.shape)  # the AttnMask decides
     out["ok_after"] = tuple(model(**local).logits.shape)
     out["cp_rank"] = cp.rank
     return out

@@ -16,8 +16,17 @@ from hybrid_cp.training.loss import cross_entropy
 from hybrid_cp.training.tiled import lm_loss, tile_mlp, tiled_cross_entropy
 
 
-def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool = False, reduction: str = "mean",
-                      chunk: int = 5, bias: bool = True, empty: bool = False) -> dict:
+def tiled_loss_parity(
+    u: int,
+    r: int,
+    s: int = 37,
+    b: int = 2,
+    include_dp: bool = False,
+    reduction: str = "mean",
+    chunk: int = 5,
+    bias: bool = True,
+    empty: bool = False,
+) -> dict:
     """tiled_cross_entropy on this rank's shard vs hcp.cross_entropy of the same shard's full logits:
     loss value and the gradients of hidden, weight and bias."""
     cp = mesh(u, r)
@@ -27,7 +36,7 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
     bvec = torch.randn(50, generator=g, dtype=torch.float64) if bias else None
     ids = torch.randint(0, 50, (b, s), generator=g)
     mask = torch.ones(b, s, dtype=torch.long)
-    mask[1, s // 2:] = 0
+    mask[1, s // 2 :] = 0
     if empty:
         mask[:] = 0
     local = shard_batch({"input_ids": ids, "labels": ids, "attention_mask": mask}, cp, ignore_index=-5)
@@ -38,17 +47,20 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
         w = weight.clone().requires_grad_()
         bb = bvec.clone().requires_grad_() if bias else None
         if tiled:
-            loss = tiled_cross_entropy(h, w, local["labels"], cp, -5, reduction, include_dp=include_dp, bias=bb,
-                                       chunk_tokens=chunk)
+            loss = tiled_cross_entropy(
+                h, w, local["labels"], cp, -5, reduction, include_dp=include_dp, bias=bb, chunk_tokens=chunk
+            )
         else:
             loss = cross_entropy(F.linear(h, w, bb), local["labels"], cp, -5, reduction, include_dp=include_dp)
         loss.backward()
         return loss.detach(), h.grad, w.grad, (bb.grad if bias else None)
 
     ref, got = run(False), run(True)
-    errs = {"loss": abs(got[0].item() - ref[0].item()) / max(abs(ref[0].item()), 1e-30),
-            "hidden": _rel(got[1], ref[1]) if ref[1].abs().max() > 0 else got[1].abs().max().item(),
-            "weight": _rel(got[2], ref[2]) if ref[2].abs().max() > 0 else got[2].abs().max().item()}
+    errs = {
+        "loss": abs(got[0].item() - ref[0].item()) / max(abs(ref[0].item()), 1e-30),
+        "hidden": _rel(got[1], ref[1]) if ref[1].abs().max() > 0 else got[1].abs().max().item(),
+        "weight": _rel(got[2], ref[2]) if ref[2].abs().max() > 0 else got[2].abs().max().item(),
+    }
     if bias:
         errs["bias"] = _rel(got[3], ref[3]) if ref[3].abs().max() > 0 else got[3].abs().max().item()
     errs["finite"] = bool(torch.isfinite(got[0]).item())
@@ -56,18 +68,35 @@ def tiled_loss_parity(u: int, r: int, s: int = 37, b: int = 2, include_dp: bool 
     return errs
 
 
-def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_loss: bool = True,
-                       mlp_chunk: int | None = 7, checkpoint: bool = False, s: int = 100, b: int = 2,
-                       head_chunks: int = 1, heads: int = 4, chunk_projections: bool = True, kind: str = "llama",
-                       overlap: bool = True, offload: bool = False, norm_chunk: int | None = None) -> dict:
+def tiled_model_parity(
+    u: int,
+    r: int,
+    hkv: int = 2,
+    fsdp: bool = False,
+    tiled_loss: bool = True,
+    mlp_chunk: int | None = 7,
+    checkpoint: bool = False,
+    s: int = 100,
+    b: int = 2,
+    head_chunks: int = 1,
+    heads: int = 4,
+    chunk_projections: bool = True,
+    kind: str = "llama",
+    overlap: bool = True,
+    offload: bool = False,
+    norm_chunk: int | None = None,
+) -> dict:
     """A tiny model under CP with lm_loss(tiled), tile_mlp and head_chunks (`overlap`: the head-chunk
     pipeline's schedule) vs the plain single-process run."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad=True)
     _, ref_loss, ref_grads = reference(tiny_model(kind, hkv, num_attention_heads=heads), batch)
-    model = apply_context_parallel(tiny_model(kind, hkv, num_attention_heads=heads), cp, overlap=overlap,
-                                   **({"head_chunks": head_chunks, "chunk_projections": chunk_projections}
-                                      if head_chunks != 1 else {}))
+    model = apply_context_parallel(
+        tiny_model(kind, hkv, num_attention_heads=heads),
+        cp,
+        overlap=overlap,
+        **({"head_chunks": head_chunks, "chunk_projections": chunk_projections} if head_chunks != 1 else {}),
+    )
     if mlp_chunk:
         tile_mlp(model, mlp_chunk)
     if norm_chunk:
@@ -79,8 +108,11 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
     if fsdp:
         shard_model(model, cp)
     widths = set()  # query heads x head_dim each q projection produced (forward and recomputation)
-    hooks = [m.register_forward_hook(lambda mod, a, out: widths.add(out.shape[-1]))
-             for name, m in model.named_modules() if name.endswith("q_proj")]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out: widths.add(out.shape[-1]))
+        for name, m in model.named_modules()
+        if name.endswith("q_proj")
+    ]
     local = shard_batch(batch, cp)
     loss = lm_loss(model, local, cp, tiled=tiled_loss, chunk_tokens=9)
     loss.backward()
@@ -91,8 +123,13 @@ def tiled_model_parity(u: int, r: int, hkv: int = 2, fsdp: bool = False, tiled_l
     grads = {n: _full_grad(p) for n, p in model.named_parameters()}
     errs = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
     worst = max(errs, key=errs.get)
-    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": errs[worst],
-            "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads)), "q_widths": sorted(widths)}
+    return {
+        "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        "grad": errs[worst],
+        "worst_param": worst,
+        "missing": sorted(set(ref_grads) ^ set(grads)),
+        "q_widths": sorted(widths),
+    }
 
 
 def module_chunks_refuse_other_structure(u: int, r: int) -> str | None:
@@ -100,7 +137,7 @@ def module_chunks_refuse_other_structure(u: int, r: int) -> str | None:
     the result) cannot run module-level chunks: the first forward raises, on every rank."""
     cp = mesh(u, r)
     model = tiny_model("llama", 2, num_attention_heads=8)
-    cls = type(model.model.layers[0].self_attn)   # patched in place: a subclass would be refused by the model guard
+    cls = type(model.model.layers[0].self_attn)  # patched in place: a subclass would be refused by the model guard
     base = cls.forward
 
     def doubled(self, *args, **kwargs):
@@ -145,9 +182,21 @@ def measure_step(**kwargs) -> dict:
     return measure(**kwargs)
 
 
-def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (2, 4), causal: bool = True,
-                     s: int = 96, b: int = 2, d: int = 16, return_lse: bool = False, overlap: bool = True,
-                     cu_seqlens: list | None = None, window: int | None = None) -> dict:
+def headchunk_parity(
+    u: int,
+    r: int,
+    h: int = 8,
+    hkv: int = 2,
+    chunks: tuple = (2, 4),
+    causal: bool = True,
+    s: int = 96,
+    b: int = 2,
+    d: int = 16,
+    return_lse: bool = False,
+    overlap: bool = True,
+    cu_seqlens: list | None = None,
+    window: int | None = None,
+) -> dict:
     """hcp.attention with head_chunks=k vs head_chunks=1 on the same shards: out (lse) and dq/dk/dv, and the
     bytes each sent."""
     cp = mesh(u, r)
@@ -179,8 +228,9 @@ def headchunk_parity(u: int, r: int, h: int = 8, hkv: int = 2, chunks: tuple = (
     return rows
 
 
-def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: bool = True,
-                             keep: bool | None = None) -> dict:
+def attention_forward_counts(
+    u: int, r: int, head_chunks: int = 2, checkpoint: bool = True, keep: bool | None = None
+) -> dict:
     """Attention forwards per layer in one training step with module-level head chunks (the ring forwards
     of a step divided by those of one forward pass without gradients), and the largest gradient
     difference to the same step with keep_attention_output=False (recomputed attention)."""
@@ -199,8 +249,12 @@ def attention_forward_counts(u: int, r: int, head_chunks: int = 2, checkpoint: b
     modulechunk.stage_forward = counted
     try:
         for keep_output in (keep, False):
-            model = apply_context_parallel(tiny_model("llama", 2, num_attention_heads=8), cp, head_chunks=head_chunks,
-                                           keep_attention_output=keep_output)
+            model = apply_context_parallel(
+                tiny_model("llama", 2, num_attention_heads=8),
+                cp,
+                head_chunks=head_chunks,
+                keep_attention_output=keep_output,
+            )
             if checkpoint:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             calls[0] = 0

@@ -25,15 +25,24 @@ from hybrid_cp.training.batch import shard_batch
 COEF = 1.0
 # the hybrids' linear-layer sizes of their parity tests
 CONFIGS = {**HYBRIDS, **MORE}
-PACKED_KEYS = ("input_ids", "position_ids", "labels", "shift_labels", "cu_seq_lens_q", "cu_seq_lens_k",
-               "max_length_q", "max_length_k")
+PACKED_KEYS = (
+    "input_ids",
+    "position_ids",
+    "labels",
+    "shift_labels",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
 
 
 def moe_model(kind: str):
     """The family's tiny model (hybrids: the linear-layer sizes of their parity tests) with the coefficient 1."""
     extra = CONFIGS.get(kind, {})
-    model = tiny_model(kind, 2 if kind in HYBRIDS or kind in MORE else None, generic=True, output_router_logits=True,
-                       **extra)
+    model = tiny_model(
+        kind, 2 if kind in HYBRIDS or kind in MORE else None, generic=True, output_router_logits=True, **extra
+    )
     setattr(model, aux_settings(model)[0], COEF)
     return model
 
@@ -52,8 +61,11 @@ def dense_reference(model, batch):
     ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
     loss = ce + COEF * out.aux_loss
     loss.backward()
-    return loss.detach(), out.aux_loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                  if p.grad is not None}
+    return (
+        loss.detach(),
+        out.aux_loss.detach(),
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    )
 
 
 def packed_reference(model, batch, doc_lens):
@@ -62,7 +74,7 @@ def packed_reference(model, batch, doc_lens):
     (the router acts per token, so its logits are the same in both)."""
     total, count, start, layers = 0.0, 0, 0, []
     for n in doc_lens:
-        ids, labels = batch["input_ids"][:, start:start + n], batch["labels"][0, start + 1:start + n]
+        ids, labels = batch["input_ids"][:, start : start + n], batch["labels"][0, start + 1 : start + n]
         out = model(input_ids=ids, position_ids=torch.arange(n)[None], output_router_logits=True)
         total = total + F.cross_entropy(out.logits[0, :-1], labels, ignore_index=-100, reduction="sum")
         count += int((labels != -100).sum())
@@ -80,12 +92,16 @@ def _errors(model, out, ref) -> dict:
     average_gradients(model)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
     grad, worst, vs_largest = _grad_errors(grads, ref_grads)
-    shard_aux = _family_loss(model, out.router_logits).item()   # what one rank's model computed on its own
-    return {"loss": abs(out.loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-            "aux": abs(out.aux_loss.item() - ref_aux.item()) / abs(ref_aux.item()),
-            "shard_aux": abs(shard_aux - ref_aux.item()) / abs(ref_aux.item()),
-            "grad": grad, "worst_param": worst, "grad_vs_largest": vs_largest,
-            "missing": sorted(set(ref_grads) ^ set(grads))}
+    shard_aux = _family_loss(model, out.router_logits).item()  # what one rank's model computed on its own
+    return {
+        "loss": abs(out.loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        "aux": abs(out.aux_loss.item() - ref_aux.item()) / abs(ref_aux.item()),
+        "shard_aux": abs(shard_aux - ref_aux.item()) / abs(ref_aux.item()),
+        "grad": grad,
+        "worst_param": worst,
+        "grad_vs_largest": vs_largest,
+        "missing": sorted(set(ref_grads) ^ set(grads)),
+    }
 
 
 def aux_parity(u: int, r: int, kinds: list[str], packed: bool = False) -> dict:

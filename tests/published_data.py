@@ -15,8 +15,16 @@ from topology.cluster import Cluster
 from topology.cost import estimate
 from topology.model_shape import ModelShape
 
-__all__ = ["Case", "Explanation", "cases", "table", "explanations", "explanation_table", "modelscope_relative",
-           "modelscope_with"]
+__all__ = [
+    "Case",
+    "Explanation",
+    "cases",
+    "table",
+    "explanations",
+    "explanation_table",
+    "modelscope_relative",
+    "modelscope_with",
+]
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,16 @@ MODELSCOPE_PUBLISHED = {sp: t / MODELSCOPE_SECONDS[1] for sp, t in MODELSCOPE_SE
 MODELSCOPE_DOC_TOKENS, MODELSCOPE_DOCS = 9000, 4  # documents per packed row (one row per SP group and micro-step)
 
 
-def modelscope_with(*, fixed_layer_us: float = 0.0, a2a_latency_us: float = 0.0, head_call_us: float = 0.0,
-                    ring_efficiency: float = 1.0, doc_tokens: int = MODELSCOPE_DOC_TOKENS,
-                    docs: int = MODELSCOPE_DOCS, **acc: float) -> dict[int, float]:
+def modelscope_with(
+    *,
+    fixed_layer_us: float = 0.0,
+    a2a_latency_us: float = 0.0,
+    head_call_us: float = 0.0,
+    ring_efficiency: float = 1.0,
+    doc_tokens: int = MODELSCOPE_DOC_TOKENS,
+    docs: int = MODELSCOPE_DOCS,
+    **acc: float,
+) -> dict[int, float]:
     """Training time of SP = 2, 4, 8 relative to SP = 1 for the same tokens (the published ratios' form).
 
     dp = 8 / SP, so a larger SP runs more micro-steps of fewer tokens per rank: the ratio is
@@ -313,12 +328,15 @@ def prime_rl_ring_efficiency(target: float = PRIME_RL_PUBLISHED[(4, "ring")]) ->
 
 def ring_flash_attn_step_overhead_us() -> tuple[float, float]:
     """Per-step cost (us) reproducing ring-flash-attn's forward (93.6%) and forward+backward (85.9%) gaps."""
+
     def eff(x: float, backward: bool) -> float:
         base = Cluster.preset("dgx-h100")
-        acc = base.accelerator.model_copy(update={"attention_efficiency": 208.0 / base.accelerator.peak_tflops,
-                                                  "ring_step_overhead_us": x})
-        h800 = base.model_copy(update={"accelerator": acc, "intra_node": base.intra_node.model_copy(
-            update={"bandwidth_gb_s": 200.0})})
+        acc = base.accelerator.model_copy(
+            update={"attention_efficiency": 208.0 / base.accelerator.peak_tflops, "ring_step_overhead_us": x}
+        )
+        h800 = base.model_copy(
+            update={"accelerator": acc, "intra_node": base.intra_node.model_copy(update={"bandwidth_gb_s": 200.0})}
+        )
         model = ModelShape(heads=5, head_dim=128, layers=1)
         single = estimate(h800, model, 65536, 1, 1, backward=backward)
         ring = estimate(h800, model, 65536, 1, 8, backward=backward)
@@ -331,10 +349,15 @@ def ring_flash_attn_step_overhead_us() -> tuple[float, float]:
 
 def ulysses_7b_efficiency(target: float = 165.5) -> float:
     """Attention efficiency of A100 that makes the Ulysses 7B 131K case reach ``target`` TFLOP/s per GPU."""
+
     def tf(x: float) -> float:
-        cluster, model = _with_acc(Cluster.preset("dgx-a100", nodes=8), attention_efficiency=x), ModelShape.preset("llama2-7b")
+        cluster, model = (
+            _with_acc(Cluster.preset("dgx-a100", nodes=8), attention_efficiency=x),
+            ModelShape.preset("llama2-7b"),
+        )
         e = estimate(cluster, model, 131072, 8, 1, dp=8)
         return e.model_flops / e.time_s / e.cp / 1e12
+
     return _solve(lambda x: tf(x) - target, 0.05, 1.0)
 
 
@@ -354,8 +377,7 @@ def modelscope_kernel_efficiency() -> tuple[float, float]:
     """The per-kernel-call cost (us) reproducing u2r4's 3.42x, and the efficiency it implies for one
     u2r4 ring-step kernel (useful time / (useful time + call cost))."""
     call = _modelscope_solve("kernel_call_overhead_us", 8, 0.0, 1e6)
-    e = estimate(Cluster.preset("dgx-a100"), MODELSCOPE_MODEL, MODELSCOPE_DOC_TOKENS, 2, 4, dp=1,
-                 batch=MODELSCOPE_DOCS)
+    e = estimate(Cluster.preset("dgx-a100"), MODELSCOPE_MODEL, MODELSCOPE_DOC_TOKENS, 2, 4, dp=1, batch=MODELSCOPE_DOCS)
     per_call = e.attention_s / (2 * 4)  # r forward + r backward calls, mean
     return call, per_call / (per_call + call * 1e-6)
 
@@ -411,7 +433,9 @@ def _ms_step_explanation() -> Explanation:
     step = modelscope_step_overhead_us()
     with_step = modelscope_with(ring_step_overhead_us=step)
     return Explanation(
-        _MODELSCOPE_CASE, measured + "; solved for u2r4", "per-ring-step fixed cost",
+        _MODELSCOPE_CASE,
+        measured + "; solved for u2r4",
+        "per-ring-step fixed cost",
         f"{step / 1e3:.2f} ms per forward step (x2 backward; 6 step units per layer at r=2, 12 at r=4)",
         f"{_fmt_x(with_step)}; ordering kept: {_kept(with_step)}; u2 has no ring step, so it stays at "
         f"{with_step[2]:.2f}x (measured 1.23x), and u2r2 comes out {with_step[4]:.2f}x (1.92x): the slowdown "
@@ -423,8 +447,13 @@ def _ms_solved_for_u2r4(what: str, term: str, value: float, shown: str, tail) ->
     """A single extra term solved for u2r4's speedup: its value, and the speedups the model then gives
     (`tail(speedups)` says what they show)."""
     speedups = modelscope_with(**{term: value})
-    return Explanation(_MODELSCOPE_CASE, "same; solved for u2r4", what, shown,
-                       f"{_fmt_x(speedups)}; ordering kept: {_kept(speedups)}{tail(speedups)}")
+    return Explanation(
+        _MODELSCOPE_CASE,
+        "same; solved for u2r4",
+        what,
+        shown,
+        f"{_fmt_x(speedups)}; ordering kept: {_kept(speedups)}{tail(speedups)}",
+    )
 
 
 def _ms_single_term_explanations() -> list[Explanation]:
@@ -433,19 +462,37 @@ def _ms_single_term_explanations() -> list[Explanation]:
     ring_eff = modelscope_ring_efficiency()
     head = modelscope_head_call_us()
     terms = [  # (what, the term, its value, the value in words, what the speedups then show)
-        ("kernel efficiency vs block size (fixed cost per kernel call)", "kernel_call_overhead_us", call,
-         f"{call / 1e3:.2f} ms per call, i.e. a u2r4 ring-step kernel at {eff:.0%} of the single-GPU kernel's rate",
-         lambda _: "; SP=1 and u2 pay it too (one call each way), u2 and u2r2 stay short, and a kernel at this "
-                   "efficiency is not plausible for calls of ~9K packed rows x 8 heads"),
-        ("kernel efficiency of the ring path (prime-rl's explanation)", "ring_efficiency", ring_eff,
-         f"{ring_eff:.2f} of the single-GPU kernel rate",
-         lambda x: f" (by {x[8] / x[4] - 1:.0%}); u2r2 and u2r4 pay it on the same share of the layer, so it makes "
-                   "them equal, unlike the measurement (1.92x vs 3.42x): here the ring cost grows with r, unlike "
-                   "prime-rl's"),
-        ("efficiency vs heads per call (cost per query head and call)", "head_call_us", head,
-         f"{head / 1e3:.2f} ms per head and call (8 heads per call at u=2)",
-         lambda _: "; u2 halves the heads per call and doubles the ranks, so it leaves u2 where it was: it cannot "
-                   "give u2's 1.23x"),
+        (
+            "kernel efficiency vs block size (fixed cost per kernel call)",
+            "kernel_call_overhead_us",
+            call,
+            f"{call / 1e3:.2f} ms per call, i.e. a u2r4 ring-step kernel at {eff:.0%} of the single-GPU kernel's rate",
+            lambda _: (
+                "; SP=1 and u2 pay it too (one call each way), u2 and u2r2 stay short, and a kernel at this "
+                "efficiency is not plausible for calls of ~9K packed rows x 8 heads"
+            ),
+        ),
+        (
+            "kernel efficiency of the ring path (prime-rl's explanation)",
+            "ring_efficiency",
+            ring_eff,
+            f"{ring_eff:.2f} of the single-GPU kernel rate",
+            lambda x: (
+                f" (by {x[8] / x[4] - 1:.0%}); u2r2 and u2r4 pay it on the same share of the layer, so it makes "
+                "them equal, unlike the measurement (1.92x vs 3.42x): here the ring cost grows with r, unlike "
+                "prime-rl's"
+            ),
+        ),
+        (
+            "efficiency vs heads per call (cost per query head and call)",
+            "head_call_us",
+            head,
+            f"{head / 1e3:.2f} ms per head and call (8 heads per call at u=2)",
+            lambda _: (
+                "; u2 halves the heads per call and doubles the ranks, so it leaves u2 where it was: it cannot "
+                "give u2's 1.23x"
+            ),
+        ),
     ]
     return [_ms_solved_for_u2r4(*term) for term in terms]
 
@@ -456,7 +503,9 @@ def _ms_a2a_explanation() -> Explanation:
     lat2, step2 = modelscope_a2a_and_step()
     with_lat_step = modelscope_with(a2a_latency_us=lat2, ring_step_overhead_us=step2)
     return Explanation(
-        _MODELSCOPE_CASE, "u2 1.23x (no ring); solved for u2", "all-to-all latency (= a fixed cost per SP attention call)",
+        _MODELSCOPE_CASE,
+        "u2 1.23x (no ring); solved for u2",
+        "all-to-all latency (= a fixed cost per SP attention call)",
         f"{lat / 1e3:.2f} ms per all-to-all, {4 * lat / 1e3:.1f} ms per layer (model: "
         f"{modelscope_a2a_model_ms():.2f} ms per layer with the bytes)",
         f"{_fmt_x(with_lat)}; ordering kept: {_kept(with_lat)}; every split here has u=2, so it adds the same "
@@ -470,7 +519,8 @@ def _ms_fixed_explanation() -> Explanation:
     with_fixed = modelscope_with(fixed_layer_us=fixed)
     layers = MODELSCOPE_MODEL.layers
     return Explanation(
-        _MODELSCOPE_CASE, "u2 1.23x, u2r2 1.92x, u2r4 3.42x; solved for u2r4",
+        _MODELSCOPE_CASE,
+        "u2 1.23x, u2r2 1.92x, u2r4 3.42x; solved for u2r4",
         "fixed cost per layer and micro-step at every split, SP=1 included "
         "(outside section 4.1: time that does not shrink with a rank's tokens)",
         f"{fixed / 1e3:.1f} ms per layer ({fixed * layers / 1e6:.2f} s per {layers}-layer micro-step)",
@@ -487,7 +537,8 @@ def _ms_pair_explanation() -> Explanation:
     ring_share = (with_pair[8] - with_fixed_only[8]) / (with_pair[8] - modelscope_relative()[8])
     layers = MODELSCOPE_MODEL.layers
     return Explanation(
-        _MODELSCOPE_CASE, "u2 1.23x and u2r4 3.42x; u2r2 left as the check",
+        _MODELSCOPE_CASE,
+        "u2 1.23x and u2r4 3.42x; u2r2 left as the check",
         "the pair: fixed cost per layer and micro-step (from u2) + per-ring-step fixed cost (from u2r4)",
         f"{fixed2 / 1e3:.1f} ms per layer ({fixed2 * layers / 1e6:.2f} s per micro-step) + "
         f"{step3 / 1e3:.2f} ms per forward step",
@@ -500,8 +551,13 @@ def _ms_pair_explanation() -> Explanation:
 
 def modelscope_explanations() -> list[Explanation]:
     """The ms-swift rows of :func:`explanations`: one calibrated term each, then the pair that fits."""
-    return [_ms_step_explanation(), *_ms_single_term_explanations(),
-            _ms_a2a_explanation(), _ms_fixed_explanation(), _ms_pair_explanation()]
+    return [
+        _ms_step_explanation(),
+        *_ms_single_term_explanations(),
+        _ms_a2a_explanation(),
+        _ms_fixed_explanation(),
+        _ms_pair_explanation(),
+    ]
 
 
 def modelscope_a2a_model_ms() -> float:
@@ -524,21 +580,25 @@ def explanations() -> list[Explanation]:
     eff7b = ulysses_7b_efficiency()
     return [
         Explanation(
-            "prime-rl 8xH200 64K (GLM-4.5-Air, FA3)", "ring cp=4 32% slower than cp=1 (model today: 1.7%)",
-            "per-ring-step fixed cost", f"{step / 1e3:.2f} ms per forward step (x2 backward; 12 step units per layer)",
+            "prime-rl 8xH200 64K (GLM-4.5-Air, FA3)",
+            "ring cp=4 32% slower than cp=1 (model today: 1.7%)",
+            "per-ring-step fixed cost",
+            f"{step / 1e3:.2f} ms per forward step (x2 backward; 12 step units per layer)",
             f"{fmt(with_step)}; Ulysses beats ring at cp=2 and cp=4: {'yes' if order(with_step) else 'NO'}; but ring "
             f"cp=2 comes out {with_step[(2, 'ring')]:+.0%} (measured -29%): a cost per step grows with r, the measured "
             "gap does not, so a per-step cost alone does not explain prime-rl",
         ),
         Explanation(
-            "prime-rl 8xH200 64K (GLM-4.5-Air, FA3)", "same gap",
+            "prime-rl 8xH200 64K (GLM-4.5-Air, FA3)",
+            "same gap",
             "kernel efficiency vs block size (fixed cost per kernel call)",
             f"{call / 1e3:.2f} ms per call, i.e. a cp=4 ring-step kernel at {eff:.0%} of the single-GPU kernel's rate",
             f"{fmt(with_call)}; ordering kept: {'yes' if order(with_call) else 'NO'}; this also slows cp=1 and "
             "Ulysses (one call each per layer), so it needs a larger value than the per-step term",
         ),
         Explanation(
-            "prime-rl 8xH200 64K (GLM-4.5-Air, FA3)", "ring cp=2 29% and cp=4 32% slower than cp=1",
+            "prime-rl 8xH200 64K (GLM-4.5-Air, FA3)",
+            "ring cp=2 29% and cp=4 32% slower than cp=1",
             "kernel efficiency of the ring path (every ring-step kernel at a fraction of the one-GPU rate)",
             f"{ring_eff:.2f} of the single-GPU kernel rate",
             f"{fmt(with_eff)}; ordering kept: {'yes' if order(with_eff) else 'NO'}; one factor reproduces both ring rows "
@@ -547,15 +607,19 @@ def explanations() -> list[Explanation]:
             "slow), not like a cost per step or per byte",
         ),
         Explanation(
-            "ring-flash-attn 8xH800 zigzag 64K", "fwd 93.6%, fwd+bwd 85.9% of ideal",
-            "per-ring-step fixed cost", f"{rf_fwd:.0f} us from the forward gap, {rf_both:.0f} us from fwd+bwd",
+            "ring-flash-attn 8xH800 zigzag 64K",
+            "fwd 93.6%, fwd+bwd 85.9% of ideal",
+            "per-ring-step fixed cost",
+            f"{rf_fwd:.0f} us from the forward gap, {rf_both:.0f} us from fwd+bwd",
             "with the merge traffic priced separately the forward gap needs less than the preset's 30 us, and the "
             "fwd+bwd gap needs more: a backward ring step costs more than the model's 2 forward step units (two "
             "exchanges and an fp32 dK/dV accumulation per step)",
         ),
         Explanation(
-            "DeepSpeed-Ulysses 7B 131K, 64 A100", "165.5 TFLOP/s per GPU",
-            "attention kernel efficiency (long blocks)", f"{eff7b:.2f} of A100 peak (preset: 0.55)",
+            "DeepSpeed-Ulysses 7B 131K, 64 A100",
+            "165.5 TFLOP/s per GPU",
+            "attention kernel efficiency (long blocks)",
+            f"{eff7b:.2f} of A100 peak (preset: 0.55)",
             "a Ulysses-only split has no ring steps, so only the kernel rate moves it; the 256-GPU drop is outside a "
             "per-layer CP model (ZeRO-3 gathers)",
         ),

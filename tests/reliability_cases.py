@@ -27,6 +27,7 @@ def mesh(u: int, r: int, layout: str = "zigzag", validate="always") -> hcp.CPMes
 
 # ----------------------------------------------------------------------------- fault injection
 
+
 class _FaultyKernel:
     """The math kernel, except that on the victim rank it dies (os._exit) or raises, in forward or
     backward, once armed: a fault in the middle of hcp.attention, after the first collectives."""
@@ -58,8 +59,19 @@ class _FaultyKernel:
         return getattr(self.__dict__["inner"], item)
 
 
-def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase: str, kind: str, victim: int,
-                 timeout_s: float, results, head_chunks: int = 1) -> None:
+def fault_worker(
+    rank: int,
+    world: int,
+    init_method: str,
+    u: int,
+    r: int,
+    phase: str,
+    kind: str,
+    victim: int,
+    timeout_s: float,
+    results,
+    head_chunks: int = 1,
+) -> None:
     """One rank of a fault scenario: one call (forward, backward) with the victim's kernel armed, or
     (kind "deviate") after one agreed call, the victim alone calling with another mask, which the
     default validation (validate=True) does not check on the other ranks; every rank reports
@@ -69,8 +81,9 @@ def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase:
         # A patient store (processes start slowly on a loaded machine), a short collective timeout.
         store = dist.FileStore(init_method.removeprefix("file://"), world)
         store.set_timeout(datetime.timedelta(seconds=90))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=90))  # only the barriers use it
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90)
+        )  # only the barriers use it
         cp = hcp.init_cp_mesh(u, r, timeout=datetime.timedelta(seconds=timeout_s))
         dist.barrier()
         kernel = _FaultyKernel()
@@ -102,21 +115,35 @@ def fault_worker(rank: int, world: int, init_method: str, u: int, r: int, phase:
 
 # ----------------------------------------------------------------------------- error catalogue
 
+
 def run_examples(examples: list[dict]) -> list[dict]:
     """Run each docs/errors.md example on every rank; report what each raised."""
     import hybrid_cp.errors as errors
 
     out = []
     for ex in examples:
-        env = {"hcp": hcp, "torch": torch, "dist": dist, "mesh": mesh, "rank": dist.get_rank(),
-               "datetime": datetime, "math": math}
+        env = {
+            "hcp": hcp,
+            "torch": torch,
+            "dist": dist,
+            "mesh": mesh,
+            "rank": dist.get_rank(),
+            "datetime": datetime,
+            "math": math,
+        }
         try:
             exec(compile(ex["code"], f"<errors.md: {ex['name']}>", "exec"), env)
             out.append({"name": ex["name"], "raised": None, "message": ""})
         except Exception as exc:  # noqa: BLE001
             expected = getattr(errors, ex["name"])
-            out.append({"name": ex["name"], "raised": type(exc).__name__, "ok": isinstance(exc, expected),
-                        "message": str(exc)[:300]})
+            out.append(
+                {
+                    "name": ex["name"],
+                    "raised": type(exc).__name__,
+                    "ok": isinstance(exc, expected),
+                    "message": str(exc)[:300],
+                }
+            )
     return out
 
 
@@ -125,8 +152,10 @@ def group_timeouts(seconds: float | None) -> dict:
     t = None if seconds is None else datetime.timedelta(seconds=seconds)
     cp = hcp.init_cp_mesh(2, 2, timeout=t)
     dev = torch.device("cpu")
-    got = {name: getattr(cp, name)._get_backend(dev).options._timeout.total_seconds()
-           for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group", "check_group")}
+    got = {
+        name: getattr(cp, name)._get_backend(dev).options._timeout.total_seconds()
+        for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group", "check_group")
+    }
     default = hcp.engine.mesh.default_timeout().total_seconds()
     hcp.destroy_cp_mesh(cp)
     return {"groups": got, "default": default}
@@ -190,6 +219,7 @@ def nonfinite_debug(u: int, r: int, bad_rank: int, tensor: str) -> str:
 
 # ----------------------------------------------------------------------------- numerics
 
+
 def _ref_fp64(q, k, v, causal: bool, scale: float):
     """fp64 attention on the full sequence (masked scores filled with -inf)."""
     h = q.shape[2]
@@ -222,8 +252,9 @@ def numerics_extremes(u: int, r: int) -> dict:
             out, *_, keep = _run_cp(cp, q, k, v, causal, scale, torch.float32)
             ref = hcp.shard(_ref_fp64(q, k, v, causal, scale), cp)
             # the error budget: the same fp32 inputs on one device, through the math kernel
-            one = get_kernel("math", q.device, torch.float32, d).forward(q.float(), k.float(), v.float(),
-                                                                          causal=causal, scale=scale)[0]
+            one = get_kernel("math", q.device, torch.float32, d).forward(
+                q.float(), k.float(), v.float(), causal=causal, scale=scale
+            )[0]
             base = (hcp.shard(one.double(), cp) - ref).abs().index_select(1, keep).max().item()
             res[f"scale={scale:g} causal={causal}"] = (out.double() - ref).abs().index_select(1, keep).max().item()
             res[f"base scale={scale:g} causal={causal}"] = base
@@ -236,9 +267,10 @@ def numerics_extremes(u: int, r: int) -> dict:
         for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
             q, k, v = (torch.randn(1, n, h, d, generator=g, dtype=torch.float64) * 3 for _ in range(3))
             out, *_, keep = _run_cp(cp, q, k, v, causal, None, dt)
-            ref = hcp.shard(_ref_fp64(q.to(dt), k.to(dt), v.to(dt), causal, d ** -0.5), cp)
-            res[f"{name} causal={causal}"] = ((out.double() - ref).abs().index_select(1, keep).max() /
-                                              ref.abs().max()).item()
+            ref = hcp.shard(_ref_fp64(q.to(dt), k.to(dt), v.to(dt), causal, d**-0.5), cp)
+            res[f"{name} causal={causal}"] = (
+                (out.double() - ref).abs().index_select(1, keep).max() / ref.abs().max()
+            ).item()
             res[f"{name} finite causal={causal}"] = bool(torch.isfinite(out).all())
     return res
 
@@ -265,10 +297,15 @@ def nan_confinement(u: int, r: int, tensor: str, causal: bool, where: str = "all
         seen = rows >= t if causal else torch.ones(n, dtype=torch.bool)
         expect[seen, heads] = True
     extra_rows = int((got.any(-1) & ~expect.any(-1)).sum())
-    return {"exact": torch.equal(got, expect), "nan_rows": int(got.any(-1).sum()), "extra_rows": extra_rows,
-            "block_rows": n // (2 * cp.ring_size) if cp.layout == "zigzag" else n // cp.ring_size,
-            "expected_rows": int(expect.any(-1).sum()), "extra": int((got & ~expect).sum()),
-            "missing": int((expect & ~got).sum())}
+    return {
+        "exact": torch.equal(got, expect),
+        "nan_rows": int(got.any(-1).sum()),
+        "extra_rows": extra_rows,
+        "block_rows": n // (2 * cp.ring_size) if cp.layout == "zigzag" else n // cp.ring_size,
+        "expected_rows": int(expect.any(-1).sum()),
+        "extra": int((got & ~expect).sum()),
+        "missing": int((expect & ~got).sum()),
+    }
 
 
 def nan_confinements(u: int, r: int, combos: list) -> list[dict]:
@@ -298,6 +335,7 @@ def determinism(u: int, r: int, layout: str, packed: bool, window) -> bool:
 
 
 # ----------------------------------------------------------------------------- loud configuration
+
 
 def mesh_logs(local_world_size: int) -> list[tuple[str, str]]:
     """The hybrid_cp log records of one init_cp_mesh(4, 2) with LOCAL_WORLD_SIZE set as given."""
@@ -386,13 +424,14 @@ def fuzz_case(c: dict) -> dict:
     ukw = {"cu_seqlens": cu} if packed else {"seq_len": n}
     full_out = hcp.unshard(out.detach().double(), cp, **ukw)
     full_dq = hcp.unshard(ql.grad.double(), cp, **ukw)
-    ref = masked_reference(q.to(dtype), k.to(dtype), v.to(dtype), dout, d ** -0.5, visibility(lens, causal, window))
+    ref = masked_reference(q.to(dtype), k.to(dtype), v.to(dtype), dout, d**-0.5, visibility(lens, causal, window))
     # relative to max(norm, 1): dq is exactly 0 for rows that see one key (a 1-token row), only round-off remains
     rel = lambda a, b: (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1.0)).item()  # noqa: E731
     return {"raised": None, "out": rel(full_out, ref[0]), "dq": rel(full_dq, ref[2])}
 
 
 # ----------------------------------------------------------------------------- faults in save_checkpoint
+
 
 def checkpoint_kill_worker(rank: int, world: int, init_method: str, folder: str, timeout_s: float, results) -> None:
     """One rank of "rank 0 killed in save_checkpoint right after the rename": steps 1 and 2 of a replicated
@@ -405,8 +444,9 @@ def checkpoint_kill_worker(rank: int, world: int, init_method: str, folder: str,
         store = dist.FileStore(init_method.removeprefix("file://"), world)
         store.set_timeout(datetime.timedelta(seconds=90))
         # the checkpoint's collectives run on the default group: its timeout is the one the survivors wait out
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         cp = hcp.init_cp_mesh(2, 2)
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4).double()
@@ -419,7 +459,8 @@ def checkpoint_kill_worker(rank: int, world: int, init_method: str, folder: str,
 
             def publish_then_die(tmp, final):
                 publish(tmp, final)
-                os._exit(9)   # killed after the rename, before the broadcast that tells the others
+                os._exit(9)  # killed after the rename, before the broadcast that tells the others
+
             ckpt._publish = publish_then_die
         t0 = time.monotonic()
         try:

@@ -20,31 +20,59 @@ from train_cases import VOCAB, _full_grad, _rel, make_batch, packed_row
 from hybrid_cp.integrations.transformers import apply_context_parallel
 from hybrid_cp.training.batch import shard_batch, shift_labels
 
-THRESHOLD = 64   # original_max_position_embeddings (longrope, yarn, llama3), max_position_embeddings (dynamic)
-DENSE_LEN = 96   # zigzag on (2, 2): one rank holds positions 24..47 only, below THRESHOLD
-DOC_LENS = (70, 9, 1, 23, 4, 21)   # one document past THRESHOLD, the others below it
+THRESHOLD = 64  # original_max_position_embeddings (longrope, yarn, llama3), max_position_embeddings (dynamic)
+DENSE_LEN = 96  # zigzag on (2, 2): one rank holds positions 24..47 only, below THRESHOLD
+DOC_LENS = (70, 9, 1, 23, 4, 21)  # one document past THRESHOLD, the others below it
 _THETA = dict(rope_theta=10000.0)
-_HALF = 8   # rotary pairs of the tiny head dim 16
+_HALF = 8  # rotary pairs of the tiny head dim 16
 # rope type -> (model type, configuration overrides): Phi-3 is the issue's case (longrope checkpoints such as
 # Phi-3-128k), Llama's rotary takes every other type
 ROPE_TYPES = {
     "default": ("llama", dict(rope_parameters=dict(rope_type="default", **_THETA))),
     "linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0, **_THETA))),
-    "dynamic": ("llama", dict(max_position_embeddings=THRESHOLD,
-                              rope_parameters=dict(rope_type="dynamic", factor=2.0, **_THETA))),
-    "yarn": ("llama", dict(max_position_embeddings=4 * THRESHOLD,
-                           rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=THRESHOLD,
-                                                **_THETA))),
-    "longrope": ("phi3", dict(max_position_embeddings=4 * THRESHOLD, original_max_position_embeddings=THRESHOLD,
-                              rope_parameters=dict(rope_type="longrope", factor=4.0,
-                                                   original_max_position_embeddings=THRESHOLD,
-                                                   short_factor=[1.0 + 0.1 * i for i in range(_HALF)],
-                                                   long_factor=[1.0 + 0.5 * i for i in range(_HALF)], **_THETA))),
-    "llama3": ("llama", dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                  high_freq_factor=4.0, original_max_position_embeddings=THRESHOLD,
-                                                  **_THETA))),
-    "proportional": ("llama", dict(rope_parameters=dict(rope_type="proportional", partial_rotary_factor=0.5,
-                                                        **_THETA))),
+    "dynamic": (
+        "llama",
+        dict(max_position_embeddings=THRESHOLD, rope_parameters=dict(rope_type="dynamic", factor=2.0, **_THETA)),
+    ),
+    "yarn": (
+        "llama",
+        dict(
+            max_position_embeddings=4 * THRESHOLD,
+            rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=THRESHOLD, **_THETA),
+        ),
+    ),
+    "longrope": (
+        "phi3",
+        dict(
+            max_position_embeddings=4 * THRESHOLD,
+            original_max_position_embeddings=THRESHOLD,
+            rope_parameters=dict(
+                rope_type="longrope",
+                factor=4.0,
+                original_max_position_embeddings=THRESHOLD,
+                short_factor=[1.0 + 0.1 * i for i in range(_HALF)],
+                long_factor=[1.0 + 0.5 * i for i in range(_HALF)],
+                **_THETA,
+            ),
+        ),
+    ),
+    "llama3": (
+        "llama",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=THRESHOLD,
+                **_THETA,
+            )
+        ),
+    ),
+    "proportional": (
+        "llama",
+        dict(rope_parameters=dict(rope_type="proportional", partial_rotary_factor=0.5, **_THETA)),
+    ),
 }
 
 
@@ -93,8 +121,9 @@ def dense_errors(cp, rope_type: str, s: int = DENSE_LEN, b: int = 2, pad: bool =
 
     model = apply_context_parallel(rope_model(rope_type), cp)
     local = shard_batch(batch, cp)
-    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                   attention_mask=local.get("attention_mask")).logits
+    logits = model(
+        input_ids=local["input_ids"], position_ids=local["position_ids"], attention_mask=local.get("attention_mask")
+    ).logits
     loss = _cp_step(model, logits, local["labels"], cp)
     grad, where = _worst(_grads(model), _grads(ref))
     return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad, "worst_param": where}
@@ -108,8 +137,8 @@ def _document_reference(model, batch: dict, doc_lens) -> tuple[torch.Tensor, dic
     total, count = 0.0, 0
     for i in sorted(range(len(doc_lens)), key=lambda i: doc_lens[i]):
         a, n = starts[i], doc_lens[i]
-        logits = model(input_ids=batch["input_ids"][:, a:a + n], position_ids=torch.arange(n)[None]).logits
-        labels = batch["labels"][0, a + 1:a + n]
+        logits = model(input_ids=batch["input_ids"][:, a : a + n], position_ids=torch.arange(n)[None]).logits
+        labels = batch["labels"][0, a + 1 : a + n]
         total = total + F.cross_entropy(logits[0, :-1], labels, ignore_index=-100, reduction="sum")
         count += int((labels != -100).sum())
     loss = total / count
@@ -138,9 +167,14 @@ def packed_errors(cp, rope_type: str, doc_lens=DOC_LENS, stock: bool = False) ->
     ref_loss, ref_grads = _document_reference(rope_model(rope_type), batch, doc_lens)
     model = apply_context_parallel(rope_model(rope_type), cp)
     local = shard_batch(batch, cp)
-    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                   cu_seq_lens_q=local["cu_seq_lens_q"], cu_seq_lens_k=local["cu_seq_lens_k"],
-                   max_length_q=local["max_length_q"], max_length_k=local["max_length_k"]).logits
+    logits = model(
+        input_ids=local["input_ids"],
+        position_ids=local["position_ids"],
+        cu_seq_lens_q=local["cu_seq_lens_q"],
+        cu_seq_lens_k=local["cu_seq_lens_k"],
+        max_length_q=local["max_length_q"],
+        max_length_k=local["max_length_k"],
+    ).logits
     loss = _cp_step(model, logits, local["labels"], cp)
     grad, where = _worst(_grads(model), ref_grads)
     out = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad, "worst_param": where}
@@ -149,8 +183,14 @@ def packed_errors(cp, rope_type: str, doc_lens=DOC_LENS, stock: bool = False) ->
     return out
 
 
-def rope_table(u: int, r: int, layouts=("zigzag", "contiguous", "packed"), rope_types=None,
-               stock: bool = False, routed: bool = True) -> dict:
+def rope_table(
+    u: int,
+    r: int,
+    layouts=("zigzag", "contiguous", "packed"),
+    rope_types=None,
+    stock: bool = False,
+    routed: bool = True,
+) -> dict:
     """{(rope type, layout): errors} for one mesh shape; 'packed' runs a packed row on the zigzag mesh (with
     `stock`, also transformers' own packed row against the per-document reference). `routed` False: the
     control, every rotary left to see its own shard's positions only."""

@@ -46,8 +46,11 @@ def test_bf16_error_within_single_device_error(pool, u, r):
 
 
 def test_fp64_math_backend_is_exact(pool):
-    cases = [dict(b=1, n=300, h=8, hkv=2, d=32, causal=c, dtype="fp64", backend=be)
-             for c in (True, False) for be in ("math", "auto")]
+    cases = [
+        dict(b=1, n=300, h=8, hkv=2, d=32, causal=c, dtype="fp64", backend=be)
+        for c in (True, False)
+        for be in ("math", "auto")
+    ]
     _check(pool.run(dist_cases.attention_errors, u=2, r=4, layout="zigzag", cases=cases), FP64)
 
 
@@ -58,22 +61,26 @@ def test_plain_callable_local_attention(pool, u, causal):
         all_within(errs, FP32, f"rank {rank}")
 
 
-@pytest.mark.parametrize("u,r,layout,n", [(2, 2, "zigzag", 1000), (4, 2, "zigzag", 37), (1, 8, "contiguous", 1001),
-                                          (8, 1, "zigzag", 8)])
+@pytest.mark.parametrize(
+    "u,r,layout,n", [(2, 2, "zigzag", 1000), (4, 2, "zigzag", 37), (1, 8, "contiguous", 1001), (8, 1, "zigzag", 8)]
+)
 def test_shard_unshard_roundtrip(pool, u, r, layout, n):
     for res in pool.run(dist_cases.unshard_roundtrip, u=u, r=r, layout=layout, n=n):
         assert res == {"equal": True, "shape": (2, n, 3), "local_ok": True, "grad_ok": True}, res
 
 
-@pytest.mark.parametrize("which,expect", [
-    ("one_rank_length", "local length: 8 on cp rank 1"),
-    ("one_rank_heads", "rejected their hcp.attention inputs"),
-    ("one_rank_dtype", "rejected their hcp.attention inputs"),
-    ("one_rank_causal", "causal: "),
-    ("all_backend", "is not a registered attention kernel"),
-    ("all_stride", "contiguous()"),
-    ("all_too_many_ulysses", "ulysses"),
-])
+@pytest.mark.parametrize(
+    "which,expect",
+    [
+        ("one_rank_length", "local length: 8 on cp rank 1"),
+        ("one_rank_heads", "rejected their hcp.attention inputs"),
+        ("one_rank_dtype", "rejected their hcp.attention inputs"),
+        ("one_rank_causal", "causal: "),
+        ("all_backend", "is not a registered attention kernel"),
+        ("all_stride", "contiguous()"),
+        ("all_too_many_ulysses", "ulysses"),
+    ],
+)
 def test_bad_inputs_raise_on_every_rank(pool, which, expect):
     messages = pool.run(dist_cases.bad_input, u=2, r=2, which=which, timeout=60)
     assert all(m != "no error" for m in messages), messages

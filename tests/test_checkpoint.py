@@ -27,12 +27,33 @@ from hybrid_cp.training import checkpoint as ckpt
 
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.e2e   # starts its own torchrun processes
+pytestmark = pytest.mark.e2e  # starts its own torchrun processes
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 8, 3
-MODEL = ["--device", "cpu", "--seq-len", "64", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-         "--steps", str(STEPS), "--warmup", "2", "--schedule", "cosine", "--lr", "3e-3", "--resume"]
+MODEL = [
+    "--device",
+    "cpu",
+    "--seq-len",
+    "64",
+    "--hidden",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--steps",
+    str(STEPS),
+    "--warmup",
+    "2",
+    "--schedule",
+    "cosine",
+    "--lr",
+    "3e-3",
+    "--resume",
+]
 # relative loss differences after a resume: on the same mesh the issue's bound (the same fp32 arithmetic: worst 0,
 # bitwise); on another mesh fp32 round-off of other reduction orders (worst 9.6e-8, 100x)
 SAME_MESH, OTHER_MESH = 1e-6, 1e-5
@@ -41,12 +62,32 @@ SAME_MESH, OTHER_MESH = 1e-6, 1e-5
 def _launch(folder: Path, name: str, nproc: int, ulysses: int, ring: int, batch: int, *extra: str) -> subprocess.Popen:
     """torchrun of the example on `nproc` local gloo processes, writing folder/name (checkpoints) and name.jsonl."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *extra,
-           str(ROOT / "examples" / "train_llama.py"), *MODEL, "--ulysses", str(ulysses), "--ring", str(ring),
-           "--batch", str(batch), "--save-dir", str(folder / name), "--save-every", str(EVERY),
-           "--metrics", str(folder / f"{name}.jsonl")]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)   # its own process group: one killpg ends all of it
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *extra,
+        str(ROOT / "examples" / "train_llama.py"),
+        *MODEL,
+        "--ulysses",
+        str(ulysses),
+        "--ring",
+        str(ring),
+        "--batch",
+        str(batch),
+        "--save-dir",
+        str(folder / name),
+        "--save-every",
+        str(EVERY),
+        "--metrics",
+        str(folder / f"{name}.jsonl"),
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )  # its own process group: one killpg ends all of it
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -103,14 +144,14 @@ def _kill_after_checkpoint(proc: subprocess.Popen, checkpoint: Path, record: dic
     than the rest of this short run, which would then end before the kill."""
     pid = None
     while pid is None and proc.poll() is None:
-        for parent in [proc.pid, *_proc_children(proc.pid)]:   # torchrun's agent starts the workers
+        for parent in [proc.pid, *_proc_children(proc.pid)]:  # torchrun's agent starts the workers
             pid = pid or _worker_pids(parent).get(1)
         time.sleep(0.005)
     _wait_for(checkpoint, proc)
     if pid is not None and proc.poll() is None:
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:   # the worker had already ended: the test reports that no kill happened
+        except ProcessLookupError:  # the worker had already ended: the test reports that no kill happened
             return
         record["killed_at"] = time.time()
 
@@ -127,11 +168,14 @@ def runs(tmp_path_factory):
     half the batch per replica)."""
     folder = tmp_path_factory.mktemp("ckpt")
     t0 = time.monotonic()
-    procs = {"ref": _launch(folder, "ref", 4, 2, 2, 2),
-             "restart": _launch(folder, "restart", 4, 2, 2, 2, "--max-restarts", "1")}
+    procs = {
+        "ref": _launch(folder, "ref", 4, 2, 2, 2),
+        "restart": _launch(folder, "restart", 4, 2, 2, 2, "--max-restarts", "1"),
+    }
     record: dict = {}
-    killer = threading.Thread(target=_kill_after_checkpoint,
-                              args=(procs["restart"], folder / "restart" / "step-00000003", record))
+    killer = threading.Thread(
+        target=_kill_after_checkpoint, args=(procs["restart"], folder / "restart" / "step-00000003", record)
+    )
     killer.start()
     try:
         _wait_for(folder / "ref" / "step-00000003", procs["ref"])
@@ -158,7 +202,9 @@ def test_resume_on_another_mesh_and_world_size(runs):
     ref = runs["losses"]["ref"]
     assert sorted(ref) == list(range(1, STEPS + 1))
     for name, note in (("other_mesh", "dp=1 ulysses=2 ring=2"), ("other_dp", "dp=1 ulysses=2 ring=2")):
-        assert f"resumed from {runs['folder'] / name / 'step-00000003'} (step 3, written on {note})" in runs["out"][name]
+        assert (
+            f"resumed from {runs['folder'] / name / 'step-00000003'} (step 3, written on {note})" in runs["out"][name]
+        )
         assert sorted(runs["losses"][name]) == list(range(4, STEPS + 1))
         err = _max_rel(runs["losses"][name], ref, 3)
         within(err, OTHER_MESH, f"{name} loss after resume")
@@ -168,24 +214,27 @@ def test_resume_on_another_mesh_and_world_size(runs):
 def test_restart_after_sigkill_resumes_with_the_same_losses(runs):
     out, record = runs["out"]["restart"], runs["record"]
     assert "killed_at" in record, "the watcher found no worker to kill"
-    resumed = re.findall(r"resumed from \S+ \(step (\d+),", out)   # anywhere: a progress bar may share the line
-    assert len(resumed) == 1, out[-4000:]   # the first attempt started fresh, the restart resumed
+    resumed = re.findall(r"resumed from \S+ \(step (\d+),", out)  # anywhere: a progress bar may share the line
+    assert len(resumed) == 1, out[-4000:]  # the first attempt started fresh, the restart resumed
     step = int(resumed[0])
     assert step in range(EVERY, STEPS, EVERY), resumed
     losses = runs["losses"]["restart"]
-    assert sorted(losses) == list(range(1, STEPS + 1))   # the re-done steps replaced, not appended
+    assert sorted(losses) == list(range(1, STEPS + 1))  # the re-done steps replaced, not appended
     err = _max_rel(losses, runs["losses"]["ref"], step)
     within(err, SAME_MESH, "loss after restart")
     to_resume = _times(runs["folder"] / "restart.jsonl")[step + 1] - record["killed_at"]
     assert 0 < to_resume < 200
     kept = sorted(p.name for p in (runs["folder"] / "restart").iterdir())
     assert kept == ["step-00000003", "step-00000006", "step-00000008"], kept
-    print(f"\nrestart: resumed from step {step}, max relative loss difference {err:.2e} "
-          f"(bit-identical: {err == 0.0}), kill -> first step after resume {to_resume:.1f} s; "
-          f"all runs {runs['wall']:.1f} s")
+    print(
+        f"\nrestart: resumed from step {step}, max relative loss difference {err:.2e} "
+        f"(bit-identical: {err == 0.0}), kill -> first step after resume {to_resume:.1f} s; "
+        f"all runs {runs['wall']:.1f} s"
+    )
 
 
 # ---------------------------------------------------------------- one process: the atomic save, lookup, pruning
+
 
 def _state(seed: int):
     torch.manual_seed(seed)
@@ -210,10 +259,11 @@ def test_kill_between_write_and_rename_leaves_the_older_checkpoint(tmp_path, mon
 
     def killed(tmp, final):
         raise KeyboardInterrupt("killed between the write and the rename")
+
     monkeypatch.setattr(ckpt, "_publish", killed)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(tmp_path, 2, model, opt, CP1, scheduler=sched, global_batch=4)
-    assert (tmp_path / "step-00000002.tmp" / ckpt.MARKER).is_file()   # fully written, never published
+    assert (tmp_path / "step-00000002.tmp" / ckpt.MARKER).is_file()  # fully written, never published
     fresh, fresh_opt, fresh_sched = _state(1)
     with pytest.warns(UserWarning, match="step-00000002.tmp"):
         info = ckpt.load_checkpoint(tmp_path, fresh, fresh_opt, CP1, scheduler=fresh_sched, global_batch=4)
@@ -230,27 +280,35 @@ def _corrupt(folder: Path, how: str) -> None:
         (folder / ckpt.MARKER).unlink()
     elif how == "garbage marker":
         (folder / ckpt.MARKER).write_text("{not json")
-    else:   # a truncated shard: the file's size no longer matches the marker
+    else:  # a truncated shard: the file's size no longer matches the marker
         shard = next(folder.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:10])
 
 
-@pytest.mark.parametrize("how,why", [("no marker", "no hybrid_cp_checkpoint.json"),
-                                     ("garbage marker", "unreadable"), ("truncated", r"\S+\.distcp is missing or has 10 bytes")])
+@pytest.mark.parametrize(
+    "how,why",
+    [
+        ("no marker", "no hybrid_cp_checkpoint.json"),
+        ("garbage marker", "unreadable"),
+        ("truncated", r"\S+\.distcp is missing or has 10 bytes"),
+    ],
+)
 def test_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path, how, why):
     model, opt, _ = _state(0)
     for step in (3, 5):
         ckpt.save_checkpoint(tmp_path, step, model, opt, CP1)
     _corrupt(tmp_path / "step-00000005", how)
-    with pytest.warns(UserWarning, match=f"skipping corrupt checkpoint {re.escape(str(tmp_path / 'step-00000005'))}: {why}"):
+    with pytest.warns(
+        UserWarning, match=f"skipping corrupt checkpoint {re.escape(str(tmp_path / 'step-00000005'))}: {why}"
+    ):
         assert ckpt.latest_checkpoint(tmp_path).step == 3
     assert ckpt.latest_checkpoint(tmp_path / "absent") is None
 
 
 def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
     model, opt, _ = _state(0)
-    (tmp_path / "step-00000001.tmp").mkdir()   # left by an interrupted save
-    (tmp_path / "notes").mkdir()                # not ours: never touched
+    (tmp_path / "step-00000001.tmp").mkdir()  # left by an interrupted save
+    (tmp_path / "notes").mkdir()  # not ours: never touched
     for step in (2, 4, 6, 8):
         ckpt.save_checkpoint(tmp_path, step, model, opt, CP1, keep=2, extra={"run": "a"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-00000006", "step-00000008"]
@@ -287,13 +345,13 @@ def test_restart_store_gives_each_torchrun_attempt_its_own_keys(monkeypatch):
 
     for key in ("TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE", "TORCHELASTIC_MAX_RESTARTS"):
         monkeypatch.delenv(key, raising=False)
-    assert ckpt.restart_store() is None   # not under torchrun
+    assert ckpt.restart_store() is None  # not under torchrun
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     monkeypatch.setenv("RANK", "0")
     with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        assert ckpt.restart_store() is None   # several nodes: the agents' restart counts may differ
+        assert ckpt.restart_store() is None  # several nodes: the agents' restart counts may differ
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=20))
     monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -30,9 +30,23 @@ def _predicted_bytes(row: dict, u: int, r: int) -> dict[str, int]:
         cu = [0]
         for m in row["docs"]:
             cu.append(cu[-1] + m)
-    return topology.comm_bytes(row["h"], row["hkv"], row["d"], n, 1, u, r, 4 if row.get("dtype") == "fp32" else 8,
-                               row["layout"], ulysses_rank=row["ulysses_rank"], cu_seqlens=cu, causal=row["causal"],
-                               window=row.get("window"), ring_rank=row["ring_rank"], chunk_size=row["chunk"])
+    return topology.comm_bytes(
+        row["h"],
+        row["hkv"],
+        row["d"],
+        n,
+        1,
+        u,
+        r,
+        4 if row.get("dtype") == "fp32" else 8,
+        row["layout"],
+        ulysses_rank=row["ulysses_rank"],
+        cu_seqlens=cu,
+        causal=row["causal"],
+        window=row.get("window"),
+        ring_rank=row["ring_rank"],
+        chunk_size=row["chunk"],
+    )
 
 
 @pytest.mark.parametrize("u,r", MESHES)
@@ -42,8 +56,12 @@ def test_chunked_matches_single_device(pool, u, r):
     fp64 = [[row for row in rank if row.get("dtype") != "fp32"] for rank in rows]
     assert_errors(fp64, FP64, ("out", "dq", "dk", "dv"), "fp64")
     # head chunks keep lse in fp32 on its way home (hybrid_cp/engine/headchunk.py), as without chunk_size
-    assert_errors([[row for row in rank if row.get("head_chunks", 1) == 1] for rank in fp64], FP64, ("lse",),
-                  "fp64 no head chunks")
+    assert_errors(
+        [[row for row in rank if row.get("head_chunks", 1) == 1] for rank in fp64],
+        FP64,
+        ("lse",),
+        "fp64 no head chunks",
+    )
     assert_errors(fp64, LSE_IN_FP32, ("lse",), "fp64")
     assert_errors([[row for row in rank if row.get("dtype") == "fp32"] for rank in rows], FP32, label="fp32")
     for rank in rows:

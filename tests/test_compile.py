@@ -18,7 +18,7 @@ pytest.importorskip("torch._dynamo")
 # aot_eager runs eager's ops: the errors are 0.0; this only absorbs a reordered fp32 sum (module head chunks, eager
 # at a graph break: worst 1.2e-7, 8.6x)
 EXACT = 1e-6
-INDUCTOR = 1e-5   # Inductor's fused fp32 kernels reorder sums against eager: worst 5.3e-7 (grads), 19x
+INDUCTOR = 1e-5  # Inductor's fused fp32 kernels reorder sums against eager: worst 5.3e-7 (grads), 19x
 
 
 def _steps_within(rank: int, steps: list[dict], tol: float) -> None:
@@ -36,7 +36,7 @@ def _mine(rows):
 
 def _check_parity(rows, tol, halo=None):
     for rank, row in enumerate(_mine(rows)):
-        assert row["frames"] == 1, (rank, row["frames"])          # one compile for 3 steps of new data
+        assert row["frames"] == 1, (rank, row["frames"])  # one compile for 3 steps of new data
         assert row["graph_breaks"] == {}, (rank, row["graph_breaks"])
         assert row["op_in_graph"], rank
         _steps_within(rank, row["steps"], tol)
@@ -93,9 +93,9 @@ def test_transformers_llama_compiles(pool):
     for rank, row in enumerate(_mine(pool.run(compile_cases.hf_llama, u=2, r=2))):
         _steps_within(rank, row["steps"], EXACT)
         with_op = [i for i, n in enumerate(row["attention_ops"]) if n]
-        assert len(with_op) == 1 and row["attention_ops"][with_op[0]] == 1, (rank, row)   # compiled once
-        assert row["graph_sizes"][with_op[0]] == max(row["graph_sizes"]), (rank, row)      # the body, whole
-        assert row["steps"][-1]["frames"] == row["steps"][0]["frames"], (rank, row)        # no recompiles
+        assert len(with_op) == 1 and row["attention_ops"][with_op[0]] == 1, (rank, row)  # compiled once
+        assert row["graph_sizes"][with_op[0]] == max(row["graph_sizes"]), (rank, row)  # the body, whole
+        assert row["steps"][-1]["frames"] == row["steps"][0]["frames"], (rank, row)  # no recompiles
 
 
 def test_transformers_llama_with_module_head_chunks_compiles(pool):
@@ -104,7 +104,7 @@ def test_transformers_llama_with_module_head_chunks_compiles(pool):
     pytest.importorskip("transformers")
     for rank, row in enumerate(_mine(pool.run(compile_cases.hf_llama, u=2, r=2, head_chunks=2))):
         _steps_within(rank, row["steps"], EXACT)
-        assert not any(row["attention_ops"]), (rank, row)   # no compiled attention op: the pipeline is eager
+        assert not any(row["attention_ops"]), (rank, row)  # no compiled attention op: the pipeline is eager
         assert row["steps"][-1]["frames"] == row["steps"][0]["frames"], (rank, row)
 
 

@@ -19,7 +19,7 @@ def test_readme_test_command_is_what_ci_runs():
     command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv") and "pytest" in line)
     ci = (ROOT / ".ci" / "run").read_text()
     for step in command.split(" && "):
-        step = step.replace("pip install ", "pip install -q ")   # CI installs quietly
+        step = step.replace("pip install ", "pip install -q ")  # CI installs quietly
         if not step.startswith(". .venv"):
             assert step in ci, f"the README's test step {step!r} is not in .ci/run"
 
@@ -45,8 +45,13 @@ def test_public_functions_say_what_their_arguments_are():
     `mkdocs build --strict` checks that they match the signatures)."""
     import inspect
 
-    bare = [name for name in hybrid_cp.__all__ if inspect.isfunction(obj := getattr(hybrid_cp, name))
-            and inspect.signature(obj).parameters and "Args:" not in (inspect.getdoc(obj) or "")]
+    bare = [
+        name
+        for name in hybrid_cp.__all__
+        if inspect.isfunction(obj := getattr(hybrid_cp, name))
+        and inspect.signature(obj).parameters
+        and "Args:" not in (inspect.getdoc(obj) or "")
+    ]
     assert not bare, f"add an Args: section to the docstrings of {bare}"
 
 

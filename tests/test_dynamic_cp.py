@@ -21,35 +21,55 @@ def pool4():
 
 def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
     for rank, res in enumerate(pool4.run(dynamic_cases.family_shape)):
-        refused = res.pop("head_chunks")   # module-level head chunks cut heads for the patch-time mesh's ulysses
+        refused = res.pop("head_chunks")  # module-level head chunks cut heads for the patch-time mesh's ulysses
         assert "module chunks" in refused and "chunk_projections=False" in refused, refused
         assert res.pop("engine_head_chunks") == "no error" and res.pop("attention_chunks") == "no error"
-        assert res.pop("gated_delta") == "no error"   # verified below (fp64 on the schedule's groups, Qwen3.5)
-        refused = res.pop("short_conv")   # LFM2's short convolutions: not run on mixed degrees
+        assert res.pop("gated_delta") == "no error"  # verified below (fp64 on the schedule's groups, Qwen3.5)
+        refused = res.pop("short_conv")  # LFM2's short convolutions: not run on mixed degrees
         assert "Lfm2ShortConv" in refused and "not verified with dynamic degrees" in refused, refused
         assert sorted(res) == [1, 2, 4]
         assert res[2]["split"] == (1, 2) and res[4]["split"] == (2, 2)
         for k, m in res.items():
-            assert m["block"] == rank // k and m["cp_rank"] == rank % k   # cp groups are aligned blocks
+            assert m["block"] == rank // k and m["cp_rank"] == rank % k  # cp groups are aligned blocks
             assert m["shared_world"]
 
 
-@pytest.mark.parametrize("checkpoint,fsdp,flat_cost,kind,head_chunks", [
-    (False, False, False, "llama", 1), (True, False, False, "llama", 2), (False, True, True, "llama", 1),
-    (False, False, False, "gemma3", 1), (False, False, False, "llama4_text", 1), (False, False, False, "bamba", 1)],
-    ids=["plain", "checkpointed-head-chunks", "fsdp2-with-idle-ranks", "gemma3-sliding-windows",
-         "llama4-chunked-layers", "bamba-mamba2-hybrid"])
+@pytest.mark.parametrize(
+    "checkpoint,fsdp,flat_cost,kind,head_chunks",
+    [
+        (False, False, False, "llama", 1),
+        (True, False, False, "llama", 2),
+        (False, True, True, "llama", 1),
+        (False, False, False, "gemma3", 1),
+        (False, False, False, "llama4_text", 1),
+        (False, False, False, "bamba", 1),
+    ],
+    ids=[
+        "plain",
+        "checkpointed-head-chunks",
+        "fsdp2-with-idle-ranks",
+        "gemma3-sliding-windows",
+        "llama4-chunked-layers",
+        "bamba-mamba2-hybrid",
+    ],
+)
 def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost, kind, head_chunks):
-    rows = pool4.run(dynamic_cases.dynamic_training, checkpoint=checkpoint, fsdp=fsdp, flat_cost=flat_cost, kind=kind,
-                     head_chunks=head_chunks)
+    rows = pool4.run(
+        dynamic_cases.dynamic_training,
+        checkpoint=checkpoint,
+        fsdp=fsdp,
+        flat_cost=flat_cost,
+        kind=kind,
+        head_chunks=head_chunks,
+    )
     for rank, res in enumerate(rows):
-        assert all(len(d) >= 2 and 4 in d for d in res["degrees"]), res   # really mixed degrees
+        assert all(len(d) >= 2 and 4 in d for d in res["degrees"]), res  # really mixed degrees
         # fp32: reduction order only. Worst seen: loss 1.4e-7 (bamba), gradient 2.9e-5 (bamba's Mamba2 in_proj: its
         # chunked scan sums a document's chunks in another order when the document sits on 1, 2 or 4 ranks; the
         # attention-only models 2.7e-6, gemma3), one run each of llama4 (5.7e-7), head chunks (4.7e-7), bamba
         within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)
         within(max(res["grad"]), 1e-4, f"rank {rank} grad", res)
-    assert (sum(res["idle"] for res in rows) > 0) == flat_cost   # placeholders ran where ranks were idle
+    assert (sum(res["idle"] for res in rows) > 0) == flat_cost  # placeholders ran where ranks were idle
 
 
 # fp64 round-off of the Gated DeltaNet recurrence and convolution against one device: worst 7.4e-16 (d conv weight,
@@ -62,7 +82,7 @@ def test_gated_delta_exact_on_the_schedules_groups_fp64(pool4):
     rows of short ones on 1 and 2, documents shorter than their group and starting mid-row): the recurrence and
     the convolution in fp64 equal one device, forward and every input's gradient."""
     for rank, res in enumerate(pool4.run(dynamic_cases.gated_delta_on_groups)):
-        assert not res["bytes_off"], res["bytes_off"]   # the bytes sent are the cost model's, case by case
+        assert not res["bytes_off"], res["bytes_off"]  # the bytes sent are the cost model's, case by case
         assert sorted(res["worst"]) == [1, 2, 4], res
         for degree, errs in res["worst"].items():
             for name, err in errs.items():
@@ -84,7 +104,7 @@ GDN_GRAD = 2e-4
 def test_qwen3_5_mixed_degrees_train_like_one_process(pool4):
     """Tiny Qwen3.5 (a Gated DeltaNet layer, a gated-attention layer) on mixed degrees 1/2/4 vs one process."""
     for rank, res in enumerate(pool4.run(dynamic_cases.dynamic_training, kind="qwen3_5_text", resync=True)):
-        assert all(d == [1, 2, 4] for d in res["degrees"]), res   # really mixed degrees
+        assert all(d == [1, 2, 4] for d in res["degrees"]), res  # really mixed degrees
         within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)
         within(max(res["grad"]), GDN_GRAD, f"rank {rank} grad", res)
 
@@ -101,5 +121,5 @@ def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool, kind, fsdp):
     rows = pool.run(dynamic_cases.dynamic_training, eight=True, kind=kind, fsdp=fsdp)
     for rank, res in enumerate(rows):
         assert all(8 in d and 1 in d for d in res["degrees"]), res
-        within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)   # fp32 reduction order only
+        within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)  # fp32 reduction order only
         within(max(res["grad"]), 1e-4, f"rank {rank} grad", res)

@@ -13,21 +13,32 @@ from topology.layouts import make_layout
 def block_work(layout, u, r, n, causal=True):
     return make_layout(layout, u, r, seq_len=n).work(causal)
 
+
 STAGES = ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")
 
 
-@pytest.mark.parametrize("u,r,h,hkv,n,causal", [
-    (4, 2, 8, 2, 1000, True), (2, 4, 8, 8, 512, False), (8, 1, 8, 1, 256, True),
-    (4, 1, 10, 2, 300, False), (1, 8, 8, 2, 256, True), (2, 2, 6, 3, 100, True)])
+@pytest.mark.parametrize(
+    "u,r,h,hkv,n,causal",
+    [
+        (4, 2, 8, 2, 1000, True),
+        (2, 4, 8, 8, 512, False),
+        (8, 1, 8, 1, 256, True),
+        (4, 1, 10, 2, 300, False),
+        (1, 8, 8, 2, 256, True),
+        (2, 2, 6, 3, 100, True),
+    ],
+)
 def test_counted_bytes_equal_cost_model(pool, u, r, h, hkv, n, causal):
-    per_rank = pool.run(dist_cases.comm_bytes_case, u=u, r=r, layout="zigzag", b=2, n=n, h=h, hkv=hkv,
-                        d=16, causal=causal)
+    per_rank = pool.run(
+        dist_cases.comm_bytes_case, u=u, r=r, layout="zigzag", b=2, n=n, h=h, hkv=hkv, d=16, causal=causal
+    )
     for res in per_rank:
         want = topology.comm_bytes(h, hkv, 16, n, 2, u, r, 4, ulysses_rank=res["ulysses_rank"])
         got = {s: res["total"].get(s, 0) for s in STAGES}
         assert got == {s: want[s] for s in STAGES}, (res["ulysses_rank"], got, want)
-        assert {s: res["fwd"].get(s, 0) for s in ("ulysses_fwd", "ring_fwd")} == \
-            {s: want[s] for s in ("ulysses_fwd", "ring_fwd")}
+        assert {s: res["fwd"].get(s, 0) for s in ("ulysses_fwd", "ring_fwd")} == {
+            s: want[s] for s in ("ulysses_fwd", "ring_fwd")
+        }
 
 
 @pytest.mark.parametrize("u,r", [(1, 2), (2, 2), (4, 2), (1, 8), (2, 4), (1, 16), (8, 8)])

@@ -23,8 +23,14 @@ def examples() -> list[dict]:
     for m in re.finditer(r"```python raises=(\w+)([^\n]*)\n(.*?)```", DOC.read_text(), re.S):
         flags = m.group(2).split()
         own = [f.split("=", 1)[1] for f in flags if f.startswith("own=")]
-        out.append({"name": m.group(1), "own": own[0] if own else None, "code": m.group(3),
-                    "where": "local" if "local" in flags else "faults" if "faults" in flags else "pool"})
+        out.append(
+            {
+                "name": m.group(1),
+                "own": own[0] if own else None,
+                "code": m.group(3),
+                "where": "local" if "local" in flags else "faults" if "faults" in flags else "pool",
+            }
+        )
     return out
 
 

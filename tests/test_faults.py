@@ -21,8 +21,8 @@ WORLD = 4
 TIMEOUT_S = 5.0
 MARGIN_S = 25.0  # the machine is shared and loaded; measured times are reported in the test output
 CHECKPOINT_TIMEOUT_S = 15.0  # the default group's timeout in the checkpoint fault: every collective of the run uses it,
-                             # so shorter ones (5 s) timed out in the set-up on a loaded machine
-TRAINER_TIMEOUT_S = 15.0   # the Trainer's ddp_timeout in the evaluation stall: the default group's and the mesh's
+# so shorter ones (5 s) timed out in the set-up on a loaded machine
+TRAINER_TIMEOUT_S = 15.0  # the Trainer's ddp_timeout in the evaluation stall: the default group's and the mesh's
 MESHES = {"ring": (1, 4), "ulysses": (4, 1), "hybrid": (2, 2), "chunked": (2, 2)}  # chunked: head_chunks=2
 
 
@@ -47,8 +47,24 @@ def run_scenarios(scenarios: list[tuple[str, str, str]], victim: int = 1) -> dic
         init_method, folder = local_rendezvous()
         folders.append(folder)
         for rank in range(WORLD):
-            p = ctx.Process(target=_target, args=(rank, WORLD, init_method, u, r, sc[1], sc[2], victim, TIMEOUT_S,
-                                                  results, tag, 2 if sc[0] == "chunked" else 1), daemon=True)
+            p = ctx.Process(
+                target=_target,
+                args=(
+                    rank,
+                    WORLD,
+                    init_method,
+                    u,
+                    r,
+                    sc[1],
+                    sc[2],
+                    victim,
+                    TIMEOUT_S,
+                    results,
+                    tag,
+                    2 if sc[0] == "chunked" else 1,
+                ),
+                daemon=True,
+            )
             p.start()
             procs.append((sc, rank, p))
     reports: dict = {sc: {} for sc in scenarios}
@@ -80,8 +96,9 @@ def _target(rank, world, init_method, u, r, phase, kind, victim, timeout_s, resu
         def put(self, item):
             results.put((tag,) + tuple(item))
 
-    reliability_cases.fault_worker(rank, world, init_method, u, r, phase, kind, victim, timeout_s, _Tagged(),
-                                   head_chunks)
+    reliability_cases.fault_worker(
+        rank, world, init_method, u, r, phase, kind, victim, timeout_s, _Tagged(), head_chunks
+    )
 
 
 def _check(reports: dict, victim: int = 1) -> None:
@@ -99,8 +116,7 @@ def _check(reports: dict, victim: int = 1) -> None:
             err, msg, secs = by_rank.get(victim, ("never reported", "", -1))
             assert err == "CommTimeoutError" and "validate=True" in msg, (err, msg)
             assert 0 <= secs <= TIMEOUT_S + MARGIN_S, secs
-        lines.append(f"{mesh:8s} {phase:8s} {kind:5s} " +
-                     " ".join(f"r{rk}:{by_rank[rk][2]:.1f}s" for rk in survivors))
+        lines.append(f"{mesh:8s} {phase:8s} {kind:5s} " + " ".join(f"r{rk}:{by_rank[rk][2]:.1f}s" for rk in survivors))
     print("\n".join(lines))
 
 
@@ -109,9 +125,12 @@ def test_lost_rank_every_mesh_forward_and_backward():
     killed/raised alone, and one rank calling differently after the default validation has learned
     to skip the call): the process start-up dominates, so running them concurrently keeps the wall
     time down."""
-    _check(run_scenarios([(m, phase, kind) for kind in ("kill", "raise") for m in MESHES
-                          for phase in ("forward", "backward")] +
-                         [(m, "forward", "deviate") for m in MESHES if m != "chunked"]))
+    _check(
+        run_scenarios(
+            [(m, phase, kind) for kind in ("kill", "raise") for m in MESHES for phase in ("forward", "backward")]
+            + [(m, "forward", "deviate") for m in MESHES if m != "chunked"]
+        )
+    )
 
 
 @pytest.mark.e2e
@@ -129,8 +148,10 @@ def test_rank0_killed_after_the_rename_leaves_the_new_checkpoint_complete(tmp_pa
     ctx = _ctx()
     results = ctx.Queue()
     init_method, rdzv = local_rendezvous()
-    procs = [ctx.Process(target=_checkpoint_target, args=(rank, init_method, str(tmp_path), results), daemon=True)
-             for rank in range(WORLD)]
+    procs = [
+        ctx.Process(target=_checkpoint_target, args=(rank, init_method, str(tmp_path), results), daemon=True)
+        for rank in range(WORLD)
+    ]
     for p in procs:
         p.start()
     reports = {}
@@ -144,7 +165,7 @@ def test_rank0_killed_after_the_rename_leaves_the_new_checkpoint_complete(tmp_pa
             if p.is_alive():
                 p.kill()
         shutil.rmtree(rdzv, ignore_errors=True)
-    assert 0 not in reports, reports[0]   # killed before it could report
+    assert 0 not in reports, reports[0]  # killed before it could report
     for rank in range(1, WORLD):
         kind, msg, secs, _ = reports[rank]
         assert kind == "CommTimeoutError" and "rank 0 did not report" in msg, (rank, kind, msg)
@@ -175,13 +196,31 @@ def _stall_during_evaluation(tmp_path, where: str) -> dict:
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
+    )
     for name in ("WORLD_SIZE", "RANK"):
         env.pop(name, None)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(WORLD), os.path.join(here, "trainer_fault_case.py"), str(tmp_path), where,
-                          str(TRAINER_TIMEOUT_S)], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(WORLD),
+            os.path.join(here, "trainer_fault_case.py"),
+            str(tmp_path),
+            where,
+            str(TRAINER_TIMEOUT_S),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     reports = {}
     for rank in range(WORLD):
         path = tmp_path / f"rank{rank}.json"
@@ -200,9 +239,8 @@ def test_a_rank_stalled_during_the_trainers_evaluation(tmp_path, where):
     reports = _stall_during_evaluation(tmp_path, where)
     for rank, rep in reports.items():
         assert rep["kind"] == "CommTimeoutError", (rank, rep)
-        limit = TRAINER_TIMEOUT_S + MARGIN_S + (2 * TRAINER_TIMEOUT_S if rank == 2 else 0)   # rank 2 slept 2x
+        limit = TRAINER_TIMEOUT_S + MARGIN_S + (2 * TRAINER_TIMEOUT_S if rank == 2 else 0)  # rank 2 slept 2x
         assert 0 <= rep["secs"] <= limit, (rank, rep)
     where_waited = {"forward": "count of label tokens", "gather": "evaluation's loss gather"}[where]
     assert all(where_waited in reports[r]["msg"] for r in (0, 1, 3)), reports
     print(" ".join(f"r{r}:{rep['secs']:.1f}s" for r, rep in reports.items()))
-

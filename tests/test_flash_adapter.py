@@ -52,6 +52,7 @@ def _same(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
 
 # ---- what every fake computes: the math kernel, dense [B, S, H, D] or varlen [total, H, D] --------------------------
 
+
 def _segments(cu_q, cu_k, max_q, max_k) -> list[tuple[int, int, int, int]]:
     """Check the varlen arguments the way flash-attn needs them and return the (q, k) row ranges."""
     assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32, (cu_q.dtype, cu_k.dtype)
@@ -84,8 +85,16 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_q=None, 
         assert q.dim() == 3 and lse.shape == (q.shape[1], q.shape[0]), "varlen lse is [H, total_q]"
         grads = (torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v))
         for qa, qb, ka, kb in _segments(cu_q, cu_k, max_q, max_k):
-            g = _M.backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], out[None, qa:qb],
-                            lse[None, :, qa:qb], causal=causal, scale=softmax_scale)
+            g = _M.backward(
+                dout[None, qa:qb],
+                q[None, qa:qb],
+                k[None, ka:kb],
+                v[None, ka:kb],
+                out[None, qa:qb],
+                lse[None, :, qa:qb],
+                causal=causal,
+                scale=softmax_scale,
+            )
             grads[0][qa:qb] = g[0][0]
             grads[1][ka:kb] += g[1][0]
             grads[2][ka:kb] += g[2][0]
@@ -107,14 +116,31 @@ def _custom_op(name: str, mutates=()):
 
 # ---- flash-attn 2.5 (dense only: see the module docstring) ---------------------------------------------------------
 
+
 def fa25():
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
         _neutral(dropout_p, window_size, alibi_slopes=alibi_slopes, return_softmax=return_softmax)
         out, lse = _fwd(q, k, v, softmax_scale, causal)
         return out, q, k, v, out, lse, None, None
 
-    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                             window_size, alibi_slopes, deterministic, rng_state=None):
+    def _flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
         _neutral(dropout_p, window_size, alibi_slopes=alibi_slopes, rng_state=rng_state)
         _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
         return dq, dk, dv, None
@@ -124,15 +150,34 @@ def fa25():
 
 # ---- flash-attn 2.6 -------------------------------------------------------------------------------------------------
 
+
 def _fa26_dense():
-    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                            return_softmax):
+    def _flash_attn_forward(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax
+    ):
         _neutral(dropout_p, window_size, softcap, alibi_slopes, return_softmax=return_softmax)
         out, lse = _fwd(q, k, v, softmax_scale, causal)
         return out, q, k, v, out, lse, None, None
 
-    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                             window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+    def _flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
         _neutral(dropout_p, window_size, softcap, alibi_slopes, rng_state=rng_state)
         _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
         return dq, dk, dv, None
@@ -140,204 +185,561 @@ def _fa26_dense():
     return _flash_attn_forward, _flash_attn_backward
 
 
-def _fa26_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          deterministic, rng_state=None):
+def _fa26_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     _neutral(dropout_p, window_size, softcap, alibi_slopes, rng_state=rng_state)
-    _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k)
+    _bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        softmax_scale,
+        causal,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
     return dq, dk, dv, None
 
 
 def fa260():
-    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax,
-                                   block_table):
+    def _flash_attn_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+        block_table,
+    ):
         _neutral(dropout_p, window_size, softcap, alibi_slopes, return_softmax=return_softmax, block_table=block_table)
         out, lse = _fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return out, q, k, v, out, lse, None, None
 
     fwd, bwd = _fa26_dense()
-    return types.SimpleNamespace(_flash_attn_forward=fwd, _flash_attn_backward=bwd,
-                                 _flash_attn_varlen_forward=_flash_attn_varlen_forward,
-                                 _flash_attn_varlen_backward=_fa26_varlen_backward)
+    return types.SimpleNamespace(
+        _flash_attn_forward=fwd,
+        _flash_attn_backward=bwd,
+        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
+        _flash_attn_varlen_backward=_fa26_varlen_backward,
+    )
 
 
 def fa263():
-    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                   return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
-        _neutral(dropout_p, window_size, softcap, alibi_slopes, return_softmax=return_softmax, block_table=block_table,
-                 leftpad_k=leftpad_k, seqused_k=seqused_k)
+    def _flash_attn_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+        block_table=None,
+        leftpad_k=None,
+        seqused_k=None,
+    ):
+        _neutral(
+            dropout_p,
+            window_size,
+            softcap,
+            alibi_slopes,
+            return_softmax=return_softmax,
+            block_table=block_table,
+            leftpad_k=leftpad_k,
+            seqused_k=seqused_k,
+        )
         out, lse = _fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return out, q, k, v, out, lse, None, None
 
     fwd, bwd = _fa26_dense()
-    return types.SimpleNamespace(_flash_attn_forward=fwd, _flash_attn_backward=bwd,
-                                 _flash_attn_varlen_forward=_flash_attn_varlen_forward,
-                                 _flash_attn_varlen_backward=_fa26_varlen_backward)
+    return types.SimpleNamespace(
+        _flash_attn_forward=fwd,
+        _flash_attn_backward=bwd,
+        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
+        _flash_attn_varlen_backward=_fa26_varlen_backward,
+    )
 
 
 # ---- flash-attn 2.7 / 2.8: custom ops, window_size_left/right, 4 outputs ---------------------------------------------
+
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(0)
 
 
 @_custom_op("fa27_forward")
-def _fa27_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
-                  causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-                  alibi_slopes: Optional[torch.Tensor], return_softmax: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fa27_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _neutral(dropout_p, (window_size_left, window_size_right), softcap, alibi_slopes, return_softmax=return_softmax)
     out, lse = _fwd(q, k, v, softmax_scale, causal)
     return out, lse, _empty(q), _empty(lse)
 
 
 @_custom_op("fa27_backward", mutates=("dq", "dk", "dv"))
-def _fa27_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
-                   dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
-                   window_size_left: int, window_size_right: int, softcap: float,
-                   alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                   rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _fa27_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     _neutral(dropout_p, (window_size_left, window_size_right), softcap, alibi_slopes, rng_state=rng_state)
     _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
     return _empty(softmax_lse)
 
 
 @_custom_op("fa270_varlen_forward")
-def _fa270_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-                          softmax_scale: float, causal: bool, window_size_left: int = -1,
-                          window_size_right: int = -1, softcap: float = 0.0,
-                          alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
-                          block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
-                          seqused_k: Optional[torch.Tensor] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _neutral(dropout_p, (window_size_left, window_size_right), softcap, alibi_slopes, return_softmax=return_softmax,
-             block_table=block_table, leftpad_k=leftpad_k, seqused_k=seqused_k)
+def _fa270_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _neutral(
+        dropout_p,
+        (window_size_left, window_size_right),
+        softcap,
+        alibi_slopes,
+        return_softmax=return_softmax,
+        block_table=block_table,
+        leftpad_k=leftpad_k,
+        seqused_k=seqused_k,
+    )
     out, lse = _fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return out, lse, _empty(q), _empty(lse)
 
 
 @_custom_op("fa270_varlen_backward", mutates=("dq", "dk", "dv"))
-def _fa270_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
-                           dk: Optional[torch.Tensor], dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-                           softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
-                           softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                           rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _fa270_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     _neutral(dropout_p, (window_size_left, window_size_right), softcap, alibi_slopes, rng_state=rng_state)
-    _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k)
+    _bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        softmax_scale,
+        causal,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
     return _empty(softmax_lse)
 
 
 @_custom_op("fa274_varlen_forward")
-def _fa274_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-                          softmax_scale: float, causal: bool, window_size_left: int = -1,
-                          window_size_right: int = -1, softcap: float = 0.0,
-                          alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
-                          block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
-                          seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _neutral(dropout_p, (window_size_left, window_size_right), softcap, alibi_slopes, return_softmax=return_softmax,
-             block_table=block_table, leftpad_k=leftpad_k, seqused_k=seqused_k, zero_tensors=zero_tensors)
+def _fa274_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _neutral(
+        dropout_p,
+        (window_size_left, window_size_right),
+        softcap,
+        alibi_slopes,
+        return_softmax=return_softmax,
+        block_table=block_table,
+        leftpad_k=leftpad_k,
+        seqused_k=seqused_k,
+        zero_tensors=zero_tensors,
+    )
     out, lse = _fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return out, lse, _empty(q), _empty(lse)
 
 
 @_custom_op("fa274_varlen_backward", mutates=("dq", "dk", "dv"))
-def _fa274_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
-                           dk: Optional[torch.Tensor], dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-                           softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
-                           softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                           rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
-    _neutral(dropout_p, (window_size_left, window_size_right), softcap, alibi_slopes, rng_state=rng_state,
-             zero_tensors=zero_tensors)
-    _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k)
+def _fa274_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> torch.Tensor:
+    _neutral(
+        dropout_p,
+        (window_size_left, window_size_right),
+        softcap,
+        alibi_slopes,
+        rng_state=rng_state,
+        zero_tensors=zero_tensors,
+    )
+    _bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        softmax_scale,
+        causal,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
     return _empty(softmax_lse)
 
 
 def fa270():
-    return types.SimpleNamespace(_flash_attn_forward=_fa27_forward, _flash_attn_backward=_fa27_backward,
-                                 _flash_attn_varlen_forward=_fa270_varlen_forward,
-                                 _flash_attn_varlen_backward=_fa270_varlen_backward)
+    return types.SimpleNamespace(
+        _flash_attn_forward=_fa27_forward,
+        _flash_attn_backward=_fa27_backward,
+        _flash_attn_varlen_forward=_fa270_varlen_forward,
+        _flash_attn_varlen_backward=_fa270_varlen_backward,
+    )
 
 
 def fa274():
-    return types.SimpleNamespace(_flash_attn_forward=_fa27_forward, _flash_attn_backward=_fa27_backward,
-                                 _flash_attn_varlen_forward=_fa274_varlen_forward,
-                                 _flash_attn_varlen_backward=_fa274_varlen_backward)
+    return types.SimpleNamespace(
+        _flash_attn_forward=_fa27_forward,
+        _flash_attn_backward=_fa27_backward,
+        _flash_attn_varlen_forward=_fa274_varlen_forward,
+        _flash_attn_varlen_backward=_fa274_varlen_backward,
+    )
 
 
 # ---- flash-attn 3: one entry point for dense and varlen ------------------------------------------------------------
 
+
 def fa3_2025():
-    def _flash_attn_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new,
-                            seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx,
-                            leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), attention_chunk=0,
-                            softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, num_splits=1,
-                            pack_gqa=None, sm_margin=0):
-        _neutral(window=window_size, softcap=softcap, k_new=k_new, v_new=v_new, qv=qv, out=out,
-                 cu_seqlens_k_new=cu_seqlens_k_new, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table,
-                 kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k, rotary_cos=rotary_cos, q_descale=q_descale)
+    def _flash_attn_forward(
+        q,
+        k,
+        v,
+        k_new,
+        v_new,
+        qv,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        cu_seqlens_k_new,
+        seqused_q,
+        seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        page_table,
+        kv_batch_idx,
+        leftpad_k,
+        rotary_cos,
+        rotary_sin,
+        seqlens_rotary,
+        q_descale,
+        k_descale,
+        v_descale,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        attention_chunk=0,
+        softcap=0.0,
+        rotary_interleaved=True,
+        scheduler_metadata=None,
+        num_splits=1,
+        pack_gqa=None,
+        sm_margin=0,
+    ):
+        _neutral(
+            window=window_size,
+            softcap=softcap,
+            k_new=k_new,
+            v_new=v_new,
+            qv=qv,
+            out=out,
+            cu_seqlens_k_new=cu_seqlens_k_new,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
+            page_table=page_table,
+            kv_batch_idx=kv_batch_idx,
+            leftpad_k=leftpad_k,
+            rotary_cos=rotary_cos,
+            q_descale=q_descale,
+        )
         out, lse = _fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return out, lse, None, None
 
-    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
-                             max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
-                             softcap=0.0, deterministic=False, sm_margin=0):
+    def _flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        sequed_q,
+        sequed_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dq,
+        dk,
+        dv,
+        softmax_scale,
+        causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        deterministic=False,
+        sm_margin=0,
+    ):
         _neutral(window=window_size, softcap=softcap, sequed_q=sequed_q, sequed_k=sequed_k)
-        _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k)
+        _bwd(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            dq,
+            dk,
+            dv,
+            softmax_scale,
+            causal,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        )
 
     return types.SimpleNamespace(_flash_attn_forward=_flash_attn_forward, _flash_attn_backward=_flash_attn_backward)
 
 
 @_custom_op("fa3_forward")
-def _fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: Optional[torch.Tensor] = None,
-                 v_new: Optional[torch.Tensor] = None, qv: Optional[torch.Tensor] = None,
-                 out_: Optional[torch.Tensor] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
-                 cu_seqlens_k: Optional[torch.Tensor] = None, cu_seqlens_k_new: Optional[torch.Tensor] = None,
-                 seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
-                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                 page_table: Optional[torch.Tensor] = None, kv_batch_idx: Optional[torch.Tensor] = None,
-                 leftpad_k: Optional[torch.Tensor] = None, rotary_cos: Optional[torch.Tensor] = None,
-                 rotary_sin: Optional[torch.Tensor] = None, seqlens_rotary: Optional[torch.Tensor] = None,
-                 q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
-                 v_descale: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
-                 causal: bool = False, window_size_left: int = -1, window_size_right: int = -1,
-                 attention_chunk: int = 0, softcap: float = 0.0, rotary_interleaved: bool = True,
-                 scheduler_metadata: Optional[torch.Tensor] = None, num_splits: int = 1,
-                 pack_gqa: Optional[bool] = None, sm_margin: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _neutral(window=(window_size_left, window_size_right), softcap=softcap, k_new=k_new, out_=out_,
-             page_table=page_table, seqused_k=seqused_k, leftpad_k=leftpad_k)
+def _fa3_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+    qv: Optional[torch.Tensor] = None,
+    out_: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    page_table: Optional[torch.Tensor] = None,
+    kv_batch_idx: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    seqlens_rotary: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    scheduler_metadata: Optional[torch.Tensor] = None,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    sm_margin: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _neutral(
+        window=(window_size_left, window_size_right),
+        softcap=softcap,
+        k_new=k_new,
+        out_=out_,
+        page_table=page_table,
+        seqused_k=seqused_k,
+        leftpad_k=leftpad_k,
+    )
     out, lse = _fwd(q, k, v, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return out, lse, _empty(q), _empty(lse)
 
 
 @_custom_op("fa3_backward", mutates=("dq", "dk", "dv"))
-def _fa3_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  softmax_lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
-                  cu_seqlens_k: Optional[torch.Tensor] = None, sequed_q: Optional[torch.Tensor] = None,
-                  sequed_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-                  max_seqlen_k: Optional[int] = None, dq: Optional[torch.Tensor] = None,
-                  dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
-                  softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
-                  window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False,
-                  sm_margin: int = 0) -> torch.Tensor:
+def _fa3_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    sequed_q: Optional[torch.Tensor] = None,
+    sequed_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    dq: Optional[torch.Tensor] = None,
+    dk: Optional[torch.Tensor] = None,
+    dv: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    is_causal: bool = False,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    sm_margin: int = 0,
+) -> torch.Tensor:
     _neutral(window=(window_size_left, window_size_right), softcap=softcap, sequed_q=sequed_q, sequed_k=sequed_k)
-    _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal, cu_seqlens_q, cu_seqlens_k,
-         max_seqlen_q, max_seqlen_k)
+    _bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        softmax_scale,
+        is_causal,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
     return _empty(softmax_lse)
 
 
@@ -364,7 +766,9 @@ def test_adapter_matches_math_kernel(monkeypatch, make, version, causal):
     _same(out, ref_out, "out")
     _same(lse, ref_lse, "lse")
     grads = kern.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, _M.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25)):
+    for name, got, want in zip(
+        ("dq", "dk", "dv"), grads, _M.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25)
+    ):
         _same(got, want, name)
 
 
@@ -383,10 +787,14 @@ def _varlen(seg_q: list[int], seg_k: list[int], heads: int, kv_heads: int, seed:
 
 
 @pytest.mark.parametrize("make,version", VARLEN, ids=VARLEN_IDS)
-@pytest.mark.parametrize("causal,seg_q,seg_k", [
-    (True, [5, 1, 17, 3, 8], [5, 1, 17, 3, 8]),       # causal segments are square
-    (False, [5, 1, 17, 3, 8], [9, 4, 2, 1, 12]),      # non-causal: a segment's queries and keys differ
-], ids=["causal", "noncausal"])
+@pytest.mark.parametrize(
+    "causal,seg_q,seg_k",
+    [
+        (True, [5, 1, 17, 3, 8], [5, 1, 17, 3, 8]),  # causal segments are square
+        (False, [5, 1, 17, 3, 8], [9, 4, 2, 1, 12]),  # non-causal: a segment's queries and keys differ
+    ],
+    ids=["causal", "noncausal"],
+)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
 def test_varlen_adapter_matches_math_kernel(monkeypatch, make, version, causal, seg_q, seg_k, heads, kv_heads):
     monkeypatch.setattr(flash, "_flash_module", lambda: (make(), version))
@@ -416,9 +824,11 @@ def test_flash_unavailable_is_a_clear_reason(monkeypatch):
 def _recording(fn, seen: list):
     """`fn` called by keyword, recording the soft-cap it is given and handing the fake 0.0 (the fakes compute
     plain attention); `flash._parameters` reads the real signature through `_init_fn`."""
+
     def call(**kwargs):
         seen.append(kwargs["softcap"])
         return fn(**{**kwargs, "softcap": 0.0})
+
     call._init_fn = getattr(fn, "_init_fn", None) or inspect.unwrap(fn)
     return call
 

@@ -31,6 +31,7 @@ CUDA = torch.device("cuda", 0)
 
 # ---- binding a call to the real schema, and the real operator's shape function on meta ---------------------------
 
+
 def _type_ok(type_name: str, value) -> bool:
     optional = type_name.startswith("Optional[")
     base = type_name[9:-1] if optional else type_name
@@ -78,8 +79,9 @@ def _meta(name: str, x):
 def meta_shapes(op: str, args: tuple, kwargs: dict) -> list:
     schema = getattr(torch.ops.aten, op).default._schema
     positional = [a.name for a in schema.arguments if not a.kwarg_only]
-    res = getattr(torch.ops.aten, op).default(*(_meta(n, x) for n, x in zip(positional, args)),
-                                               **{n: _meta(n, x) for n, x in kwargs.items()})
+    res = getattr(torch.ops.aten, op).default(
+        *(_meta(n, x) for n, x in zip(positional, args)), **{n: _meta(n, x) for n, x in kwargs.items()}
+    )
     return [tuple(r.shape) if isinstance(r, torch.Tensor) else None for r in res]
 
 
@@ -145,8 +147,15 @@ def fake_flash_backward(*args, **kwargs):
         assert lse.shape == (t[1].shape[1], t[1].shape[0]), "varlen lse is [H, total_q]"
         dq, dk, dv = torch.empty_like(t[1]), torch.zeros_like(t[2]), torch.zeros_like(t[3])
         for qa, qb, ka, kb in _segments(b["cum_seq_q"], b["cum_seq_k"], b["max_q"], b["max_k"]):
-            g = _M.backward(t[0][None, qa:qb], t[1][None, qa:qb], t[2][None, ka:kb], t[3][None, ka:kb],
-                            t[4][None, qa:qb], lse[None, :, qa:qb], **kw)
+            g = _M.backward(
+                t[0][None, qa:qb],
+                t[1][None, qa:qb],
+                t[2][None, ka:kb],
+                t[3][None, ka:kb],
+                t[4][None, qa:qb],
+                lse[None, :, qa:qb],
+                **kw,
+            )
             dq[qa:qb] = g[0][0]
             dk[ka:kb] += g[1][0]
             dv[ka:kb] += g[2][0]
@@ -166,8 +175,17 @@ def fake_cudnn_forward(*args, **kwargs):
     assert b["attn_bias"] is None and b["compute_log_sumexp"] is True and b["dropout_p"] == 0.0
     # cuDNN's causal mask is top-left: the math kernel's tril on the [Sq, Sk] scores is exactly that
     out, lse = _M.forward(_bshd(q), _bshd(k), _bshd(v), causal=b["is_causal"], scale=b["scale"])
-    res = (_bshd(out), lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], torch.zeros(1, dtype=torch.int64),
-           torch.zeros(1, dtype=torch.int64), None)
+    res = (
+        _bshd(out),
+        lse.unsqueeze(-1),
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        torch.zeros(1, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+        None,
+    )
     check_against_meta("_scaled_dot_product_cudnn_attention", args, kwargs, res, 2)
     return res
 
@@ -176,52 +194,135 @@ def fake_cudnn_backward(*args, **kwargs):
     b = bind("_scaled_dot_product_cudnn_attention_backward", args, kwargs)
     CALLS.append(("_scaled_dot_product_cudnn_attention_backward", b))
     q, k, v, lse = b["query"], b["key"], b["value"], b["logsumexp"]
-    assert b["attn_bias"] is None and b["cum_seq_q"] is None and b["cum_seq_k"] is None, \
+    assert b["attn_bias"] is None and b["cum_seq_q"] is None and b["cum_seq_k"] is None, (
         "a defined attn_bias/cum_seq tensor switches cuDNN to its bias/nested path"
+    )
     assert (b["max_q"], b["max_k"]) == (q.shape[2], k.shape[2]), "cuDNN's dense backward uses max_q/max_k as Sq/Sk"
     assert lse.shape == (*q.shape[:3], 1) and lse.is_contiguous() and lse.dtype == torch.float32
     assert q.shape[1] == k.shape[1] == v.shape[1]
-    grads = _M.backward(_bshd(b["grad_out"]), _bshd(q), _bshd(k), _bshd(v), _bshd(b["out"]), lse[..., 0],
-                        causal=b["is_causal"], scale=b["scale"])
+    grads = _M.backward(
+        _bshd(b["grad_out"]),
+        _bshd(q),
+        _bshd(k),
+        _bshd(v),
+        _bshd(b["out"]),
+        lse[..., 0],
+        causal=b["is_causal"],
+        scale=b["scale"],
+    )
     res = tuple(_bshd(g) for g in grads)
     check_against_meta("_scaled_dot_product_cudnn_attention_backward", args, kwargs, res, 3)
     return res
 
 
-FAKE_OPS = {"_flash_attention_forward": fake_flash_forward, "_flash_attention_backward": fake_flash_backward,
-            "_scaled_dot_product_cudnn_attention": fake_cudnn_forward,
-            "_scaled_dot_product_cudnn_attention_backward": fake_cudnn_backward}
+FAKE_OPS = {
+    "_flash_attention_forward": fake_flash_forward,
+    "_flash_attention_backward": fake_flash_backward,
+    "_scaled_dot_product_cudnn_attention": fake_cudnn_forward,
+    "_scaled_dot_product_cudnn_attention_backward": fake_cudnn_backward,
+}
 
 
 # ---- FA4: the parameter names of flash_attn.cute.interface (4.0.0b36) -------------------------------------------------
 
+
 def fa4_module(returns: int):
-    def _flash_attn_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-                        max_seqlen_q=None, max_seqlen_k=None, page_table=None, softmax_scale=None, causal=False,
-                        softcap=None, window_size_left=None, window_size_right=None, learnable_sink=None,
-                        m_block_size=128, n_block_size=128, num_threads=384, num_splits=1, pack_gqa=None,
-                        _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None,
-                        cu_total_m_blocks=None, cu_total_n_blocks=None, return_lse=False, out=None, lse=None,
-                        aux_tensors=None):
+    def _flash_attn_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        seqused_q=None,
+        seqused_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        page_table=None,
+        softmax_scale=None,
+        causal=False,
+        softcap=None,
+        window_size_left=None,
+        window_size_right=None,
+        learnable_sink=None,
+        m_block_size=128,
+        n_block_size=128,
+        num_threads=384,
+        num_splits=1,
+        pack_gqa=None,
+        _arch=None,
+        score_mod=None,
+        mask_mod=None,
+        block_sparse_tensors=None,
+        cu_total_m_blocks=None,
+        cu_total_n_blocks=None,
+        return_lse=False,
+        out=None,
+        lse=None,
+        aux_tensors=None,
+    ):
         assert cu_seqlens_q is None and window_size_left is None and window_size_right is None
         assert softcap is None or isinstance(softcap, float)
         assert q.dim() == 4 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-        o, l = _M.forward(q, k, v, causal=False, scale=softmax_scale, window=(-1, 0) if causal else None,
-                          softcap=softcap)
+        o, l = _M.forward(
+            q, k, v, causal=False, scale=softmax_scale, window=(-1, 0) if causal else None, softcap=softcap
+        )
         return (o, l if return_lse else None, None, None, None)[:returns]
 
-    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
-                        window_size_left=None, window_size_right=None, m_block_size=64, n_block_size=128,
-                        num_threads=256, pack_gqa=False, num_stages_Q=2, num_stages_dO=2, SdP_swapAB=False,
-                        dKV_swapAB=False, dQ_swapAB=False, AtomLayoutMSdP=2, AtomLayoutNdKV=2, AtomLayoutMdQ=2,
-                        V_in_regs=False, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-                        max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None, dk=None, dv=None,
-                        score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
-                        block_sparse_tensors=None):
+    def _flash_attn_bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        softmax_scale=None,
+        causal=False,
+        softcap=0.0,
+        window_size_left=None,
+        window_size_right=None,
+        m_block_size=64,
+        n_block_size=128,
+        num_threads=256,
+        pack_gqa=False,
+        num_stages_Q=2,
+        num_stages_dO=2,
+        SdP_swapAB=False,
+        dKV_swapAB=False,
+        dQ_swapAB=False,
+        AtomLayoutMSdP=2,
+        AtomLayoutNdKV=2,
+        AtomLayoutMdQ=2,
+        V_in_regs=False,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        seqused_q=None,
+        seqused_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        deterministic=False,
+        dq=None,
+        dk=None,
+        dv=None,
+        score_mod=None,
+        score_mod_bwd=None,
+        mask_mod=None,
+        aux_tensors=None,
+        block_sparse_tensors=None,
+    ):
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
         assert out.dtype == q.dtype == dout.dtype and isinstance(softcap, float)
-        return _M.backward(dout, q, k, v, out, lse, causal=False, scale=softmax_scale,
-                           window=(-1, 0) if causal else None, softcap=softcap or None)
+        return _M.backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            causal=False,
+            scale=softmax_scale,
+            window=(-1, 0) if causal else None,
+            softcap=softcap or None,
+        )
 
     return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd, _flash_attn_bwd=_flash_attn_bwd)
 
@@ -272,33 +373,43 @@ def _assert_matches_math(kern, q, k, v, dout, **kw):
     # the backward gets a non-contiguous lse view, as the ring passes it
     lse_view = torch.cat([lse, lse], 2)[:, :, : q.shape[1]]
     grads = kern.backward(dout, q, k, v, out, lse_view, scale=0.25, **kw)
-    for name, got, want, like in zip(("dq", "dk", "dv"), grads, _M.backward(dout, q, k, v, out, lse, scale=0.25, **kw),
-                                     (q, k, v)):
+    for name, got, want, like in zip(
+        ("dq", "dk", "dv"), grads, _M.backward(dout, q, k, v, out, lse, scale=0.25, **kw), (q, k, v)
+    ):
         assert got.shape == like.shape
         _close(got, want, name, rtol=1e-5, atol=1e-5)
 
 
 # ---- the adapters against the schemas ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kern", ADAPTERS, ids=IDS)
-@pytest.mark.parametrize("sq,sk,causal,h,hkv", [(200, 136, False, 8, 2), (72, 264, False, 8, 2),
-                                                 (200, 200, True, 8, 2), (33, 33, True, 4, 4)],
-                         ids=["rect-2CxC-gqa", "rect-Cx2C-gqa", "causal-200-gqa", "causal-33-mha"])
+@pytest.mark.parametrize(
+    "sq,sk,causal,h,hkv",
+    [(200, 136, False, 8, 2), (72, 264, False, 8, 2), (200, 200, True, 8, 2), (33, 33, True, 4, 4)],
+    ids=["rect-2CxC-gqa", "rect-Cx2C-gqa", "causal-200-gqa", "causal-33-mha"],
+)
 def test_dense_blocks_match_math(fake_ops, kern, sq, sk, causal, h, hkv):
     q, k, v, dout = _dense(2, sq, sk, h, hkv)
     q = torch.cat([q, q], 1)[:, :sq]  # a non-contiguous row slice, as the ring takes it
     _assert_matches_math(kern, q, k, v, dout, causal=causal)
-    ops = {"torch-flash": ["_flash_attention_forward", "_flash_attention_backward"],
-           "cudnn": ["_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"],
-           "fa4": []}[kern.name]
+    ops = {
+        "torch-flash": ["_flash_attention_forward", "_flash_attention_backward"],
+        "cudnn": ["_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"],
+        "fa4": [],
+    }[kern.name]
     assert [name for name, _ in fake_ops] == ops
 
 
 @pytest.mark.parametrize("kern", ADAPTERS, ids=IDS)
-@pytest.mark.parametrize("causal,seg_q,seg_k", [
-    (True, [37, 130, 61], [37, 130, 61]),
-    (False, [37, 130, 61], [50, 20, 90]),
-], ids=["causal", "noncausal"])
+@pytest.mark.parametrize(
+    "causal,seg_q,seg_k",
+    [
+        (True, [37, 130, 61], [37, 130, 61]),
+        (False, [37, 130, 61], [50, 20, 90]),
+    ],
+    ids=["causal", "noncausal"],
+)
 def test_varlen_matches_math(fake_ops, kern, causal, seg_q, seg_k):
     q, k, v, dout, kw = _varlen(seg_q, seg_k, 8, 2)
     _assert_matches_math(kern, q, k, v, dout, causal=causal, **kw)
@@ -307,8 +418,9 @@ def test_varlen_matches_math(fake_ops, kern, causal, seg_q, seg_k):
         assert fake_ops[0][1]["cum_seq_q"] is kw["cu_seqlens_q"] and fake_ops[0][1]["max_q"] == 130
 
 
-@pytest.mark.parametrize("window,sq,sk,causal", [((40, 0), 200, 200, True), ((30, 20), 150, 200, False),
-                                                 ((-1, 5), 120, 100, False)])
+@pytest.mark.parametrize(
+    "window,sq,sk,causal", [((40, 0), 200, 200, True), ((30, 20), 150, 200, False), ((-1, 5), 120, 100, False)]
+)
 def test_torch_flash_windows(fake_ops, window, sq, sk, causal):
     q, k, v, dout = _dense(2, sq, sk, 8, 2)
     _assert_matches_math(torch_flash.TorchFlashKernel(), q, k, v, dout, causal=causal, window=window)
@@ -348,8 +460,9 @@ def test_sdpa_windows_are_cpu_only_for_auto_and_the_self_test():
     sdpa = kernels.SDPAKernel()
     assert kernels.takes_keyword_on(sdpa, "window", torch.device("cpu"))
     assert not kernels.takes_keyword_on(sdpa, "window", CUDA) and kernels.takes_keyword_on(sdpa, "cu_seqlens_q", CUDA)
-    name, skipped = kernels.select_kernel(["sdpa", "math"], {"sdpa": sdpa, "math": MathKernel()}, CUDA,
-                                          torch.float32, 64, needs=("window",))
+    name, skipped = kernels.select_kernel(
+        ["sdpa", "math"], {"sdpa": sdpa, "math": MathKernel()}, CUDA, torch.float32, 64, needs=("window",)
+    )
     assert name == "math" and "window" in skipped[0][1]
 
 
@@ -367,8 +480,9 @@ def test_adapters_run_the_real_operators_on_meta():
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=130, max_seqlen_k=90)
     out, lse = torch_flash.TorchFlashKernel().forward(tq, tk, tk, causal=False, scale=0.1, window=(30, 20), **kw)
     assert out.shape == tq.shape and lse.shape == (1, 8, 228)
-    grads = torch_flash.TorchFlashKernel().backward(out, tq, tk, tk, out, lse, causal=False, scale=0.1,
-                                                    window=(30, 20), **kw)
+    grads = torch_flash.TorchFlashKernel().backward(
+        out, tq, tk, tk, out, lse, causal=False, scale=0.1, window=(30, 20), **kw
+    )
     assert [g.shape for g in grads] == [tq.shape, tk.shape, tk.shape]
 
 
@@ -383,8 +497,9 @@ def test_supports_reasons(monkeypatch):
     for mod in (torch_flash, cudnn, fa4):
         monkeypatch.setattr(mod, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(fa4, "_fa4_module", lambda: None)
-    assert "flash-attn-4 is not installed (pip install 'hybrid-cp[fa4]')" == \
-        fa4.FA4Kernel().supports(CUDA, torch.bfloat16, 128)
+    assert "flash-attn-4 is not installed (pip install 'hybrid-cp[fa4]')" == fa4.FA4Kernel().supports(
+        CUDA, torch.bfloat16, 128
+    )
     monkeypatch.setattr(fa4, "_fa4_module", lambda: fa4_module(5))
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(cudnn, "_cudnn_version", lambda: 91500)
@@ -425,6 +540,7 @@ def test_flash_attn_backward_is_deterministic_when_asked(monkeypatch):
 
 # ---- the self-test and "auto" on CUDA --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kern", ADAPTERS, ids=IDS)
 def test_self_test_passes_the_adapters(fake_ops, kern):
     kernels.self_test(kern, torch.device("cpu"), torch.float32, 8)
@@ -433,6 +549,7 @@ def test_self_test_passes_the_adapters(fake_ops, kern):
 
 class _WrongCausal(MathKernel):
     """Forgets the causal mask."""
+
     name = "wrong-causal"
 
     def forward(self, q, k, v, *, causal, scale, **kw):
@@ -446,8 +563,17 @@ class _WrongLse(MathKernel):
     name = "wrong-lse"
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, **kw):
-        return super().backward(dout, q, k, v, out, lse.contiguous().view(lse.shape[0], lse.shape[2], lse.shape[1])
-                                .transpose(1, 2), causal=causal, scale=scale, **kw)  # reads lse in the wrong layout
+        return super().backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous().view(lse.shape[0], lse.shape[2], lse.shape[1]).transpose(1, 2),
+            causal=causal,
+            scale=scale,
+            **kw,
+        )  # reads lse in the wrong layout
 
 
 @pytest.mark.parametrize("bad,match", [(_WrongCausal(), "merged split blocks"), (_WrongLse(), "relative error")])
@@ -490,9 +616,14 @@ def test_select_kernel_order_reasons_and_needs():
 
 
 def test_auto_on_cuda_picks_tests_once_caches_and_logs_once(monkeypatch, caplog):
-    fakes = {"fa4": _Fake("fa4", "flash-attn-4 is not installed (pip install 'hybrid-cp[fa4]')"),
-             "flash": _Fake("flash", "flash-attn is not installed"), "cudnn": _Fake("cudnn"),
-             "torch-flash": _Fake("torch-flash"), "sdpa": _Fake("sdpa"), "math": MathKernel()}
+    fakes = {
+        "fa4": _Fake("fa4", "flash-attn-4 is not installed (pip install 'hybrid-cp[fa4]')"),
+        "flash": _Fake("flash", "flash-attn is not installed"),
+        "cudnn": _Fake("cudnn"),
+        "torch-flash": _Fake("torch-flash"),
+        "sdpa": _Fake("sdpa"),
+        "math": MathKernel(),
+    }
     for name, kern in fakes.items():
         monkeypatch.setitem(registry._REGISTRY, name, kern)
     monkeypatch.setattr(registry, "_AUTO", {})
@@ -541,6 +672,7 @@ def test_auto_on_cpu_is_unchanged(caplog):
 
 # ---- benchmarks/gpu_check.py: its CPU-independent parts (the GPU run itself is not possible here) -------------------
 
+
 def test_gpu_check_writes_json_and_markdown(tmp_path, monkeypatch):
     import importlib.util
     import json
@@ -557,15 +689,40 @@ def test_gpu_check_writes_json_and_markdown(tmp_path, monkeypatch):
     assert a.out == os.path.join("benchmarks", "results") and not a.dry_run
     monkeypatch.setenv("OUT", str(tmp_path / "o"))
     assert gc.parse_args([]).out == str(tmp_path / "o") and gc.parse_args(["--dry-run"]).dry_run
-    res = {"env": {"gpu": "X", "supports_bf16": {"fa4": "not installed", "cudnn": "yes"}},
-           "parity": [{"kernel": "cudnn", "dtype": "bfloat16", "D": 128, "case": "merged", "out": 4e-3, "lse": 1e-5,
-                       "dq": 8e-3, "dk": 7e-3, "dv": 5e-3, "pass": True},
-                      {"kernel": "fa4", "dtype": "bfloat16", "D": 128, "skipped": "flash-attn-4 | not installed"},
-                      {"kernel": "torch-flash", "dtype": "float16", "D": 64, "error": "RuntimeError: boom"}],
-           "throughput": [{"kernel": "cudnn", "tokens": 8192, "block": "full", "fwd_tflops_best": 512.3,
-                           "fwd_tflops_median": 500.1, "bwd_tflops_best": 401.0, "bwd_tflops_median": 399.0}],
-           "schedule": [{"kernel": "cudnn", "tokens_per_block": 32768, "r": 8, "fwd_efficiency": 0.97}],
-           "sync": [{"check": "ring", "result": "no host sync"}], "seconds": {"parity": 1.0}, "_mesh": object()}
+    res = {
+        "env": {"gpu": "X", "supports_bf16": {"fa4": "not installed", "cudnn": "yes"}},
+        "parity": [
+            {
+                "kernel": "cudnn",
+                "dtype": "bfloat16",
+                "D": 128,
+                "case": "merged",
+                "out": 4e-3,
+                "lse": 1e-5,
+                "dq": 8e-3,
+                "dk": 7e-3,
+                "dv": 5e-3,
+                "pass": True,
+            },
+            {"kernel": "fa4", "dtype": "bfloat16", "D": 128, "skipped": "flash-attn-4 | not installed"},
+            {"kernel": "torch-flash", "dtype": "float16", "D": 64, "error": "RuntimeError: boom"},
+        ],
+        "throughput": [
+            {
+                "kernel": "cudnn",
+                "tokens": 8192,
+                "block": "full",
+                "fwd_tflops_best": 512.3,
+                "fwd_tflops_median": 500.1,
+                "bwd_tflops_best": 401.0,
+                "bwd_tflops_median": 399.0,
+            }
+        ],
+        "schedule": [{"kernel": "cudnn", "tokens_per_block": 32768, "r": 8, "fwd_efficiency": 0.97}],
+        "sync": [{"check": "ring", "result": "no host sync"}],
+        "seconds": {"parity": 1.0},
+        "_mesh": object(),
+    }
     jp, mp = gc.write(res, str(tmp_path / "w"))
     assert "_mesh" not in json.load(open(jp))
     md = open(mp).read()
@@ -589,8 +746,17 @@ def test_fa4_passes_softcap_forward_and_backward(fake_ops):
 def test_variant_capabilities_of_each_kernel():
     """softcap: math, flash, fa4; a value head dim != q/k's: math only (the others are refused, not guessed)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    every = {k.name: k for k in (MathKernel(), kernels.SDPAKernel(), flash.FlashAttnKernel(),
-                                 torch_flash.TorchFlashKernel(), cudnn.CuDNNKernel(), fa4.FA4Kernel())}
+    every = {
+        k.name: k
+        for k in (
+            MathKernel(),
+            kernels.SDPAKernel(),
+            flash.FlashAttnKernel(),
+            torch_flash.TorchFlashKernel(),
+            cudnn.CuDNNKernel(),
+            fa4.FA4Kernel(),
+        )
+    }
     assert sorted(n for n, k in every.items() if kernels.takes_keyword(k, "softcap")) == ["fa4", "flash", "math"]
     for device in (cpu, cuda):
         assert [n for n, k in every.items() if kernels.can_on(k, "value_head_dim", device)] == ["math"]
@@ -601,6 +767,7 @@ def test_variant_capabilities_of_each_kernel():
 
 class _IgnoresSoftcap(MathKernel):
     """Takes the soft-cap keyword but computes plain attention: what the soft-cap self-test must catch."""
+
     name = "ignores-softcap"
 
     def forward(self, q, k, v, *, causal, scale, softcap=None, **kw):
@@ -612,7 +779,7 @@ class _IgnoresSoftcap(MathKernel):
 
 def test_self_test_checks_the_softcap_only_when_a_call_needs_it(fake_ops):
     cpu = torch.device("cpu")
-    selftest.self_test(_IgnoresSoftcap(), cpu, torch.float32, 16)   # no soft-cap asked: passes
+    selftest.self_test(_IgnoresSoftcap(), cpu, torch.float32, 16)  # no soft-cap asked: passes
     with pytest.raises(AssertionError, match="softcap 1 causal"):
         selftest.self_test(_IgnoresSoftcap(), cpu, torch.float32, 16, needs=("softcap",))
-    selftest.self_test(fa4.FA4Kernel(), cpu, torch.float32, 16, needs=("softcap",))   # passes it on
+    selftest.self_test(fa4.FA4Kernel(), cpu, torch.float32, 16, needs=("softcap",))  # passes it on

@@ -23,24 +23,28 @@ from tolerance import within
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.e2e   # starts its own torchrun processes
+pytestmark = pytest.mark.e2e  # starts its own torchrun processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MESHES = [(2, 2), (1, 4), (2, 1)]   # (ulysses, ring) on 4 ranks: dp = 1, 1, 2
+MESHES = [(2, 2), (1, 4), (2, 1)]  # (ulysses, ring) on 4 ranks: dp = 1, 1, 2
 KINDS = ["dense", "packed"]
-CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + ["mistral:packed:2:2",
-                                                                            "sft:packing:2:2", "sft:padding_free:2:1",
-                                                                            "llama+gc:packed:1:4",
-                                                                            "gemma3_text:packed:2:2", "qwen2:packed:2:2"]
-FSDP2 = ["llama+fsdp2:packed:2:2", "llama+fsdp2:dense:2:1"]   # CPTrainer(fsdp2=True); reference: the plain llama's
+CP_CASES = [f"llama:{kind}:{u}:{r}" for kind in KINDS for u, r in MESHES] + [
+    "mistral:packed:2:2",
+    "sft:packing:2:2",
+    "sft:padding_free:2:1",
+    "llama+gc:packed:1:4",
+    "gemma3_text:packed:2:2",
+    "qwen2:packed:2:2",
+]
+FSDP2 = ["llama+fsdp2:packed:2:2", "llama+fsdp2:dense:2:1"]  # CPTrainer(fsdp2=True); reference: the plain llama's
 CP_CASES += FSDP2
 # CPTrainer(dynamic_cp=DynamicCP(tokens_per_rank=16)): documents of 9..40 tokens on degrees 1, 2 and 4 (u x r in the
 # name is 1 x 1: dp = world, so the reference is the stock Trainer reading the same global batch on one process)
 DYNAMIC = ["llama+dyn:packed:1:1", "llama+dyn+fsdp2:dense:1:1"]
 CP_CASES += DYNAMIC
 CHECKS = ["direct", "errors", "auto", "mesh"]
-RESUME = ["resume:packed:2:2", "resume+fsdp2:packed:2:2"]   # the second: CPTrainer(fsdp2=True), DCP checkpoints
+RESUME = ["resume:packed:2:2", "resume+fsdp2:packed:2:2"]  # the second: CPTrainer(fsdp2=True), DCP checkpoints
 
 
 def _dp(u: int, r: int) -> int:
@@ -49,13 +53,26 @@ def _dp(u: int, r: int) -> int:
 
 def _ref(case: str) -> str:
     """The stock reference's name of a cp CASE (FSDP2 changes nothing in the arithmetic)."""
-    return f"{case.rsplit(':', 2)[0].replace('+fsdp2', '').replace('+dyn', '')}:1:1:{_dp(*map(int, case.split(':')[2:]))}"
+    return (
+        f"{case.rsplit(':', 2)[0].replace('+fsdp2', '').replace('+dyn', '')}:1:1:{_dp(*map(int, case.split(':')[2:]))}"
+    )
 
 
 REF_CASES = sorted({_ref(c) for c in CP_CASES})
-REFUSED = {"label_smoothing_factor", "train_sampling_strategy", "average_tokens_across_devices", "fsdp", "compute_metrics",
-           "train_dataset", "ulysses", "dynamic_cp", "labels", "cu_seq_lens_q", "load_best_model_at_end",
-           "resume_from_checkpoint"}
+REFUSED = {
+    "label_smoothing_factor",
+    "train_sampling_strategy",
+    "average_tokens_across_devices",
+    "fsdp",
+    "compute_metrics",
+    "train_dataset",
+    "ulysses",
+    "dynamic_cp",
+    "labels",
+    "cu_seq_lens_q",
+    "load_best_model_at_end",
+    "resume_from_checkpoint",
+}
 
 
 def _env() -> dict:
@@ -69,11 +86,29 @@ def _env() -> dict:
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf"))
     script = os.path.join(HERE, "hf_cases.py")
-    cp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           script, out, "cp", *CHECKS, *CP_CASES, *RESUME], env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    ref = subprocess.run([sys.executable, script, out, "ref", *REF_CASES], env=_env(), capture_output=True,
-                         text=True, timeout=600)
+    cp = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            script,
+            out,
+            "cp",
+            *CHECKS,
+            *CP_CASES,
+            *RESUME,
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ref = subprocess.run(
+        [sys.executable, script, out, "ref", *REF_CASES], env=_env(), capture_output=True, text=True, timeout=600
+    )
     cp_log = cp.communicate(timeout=600)[0]
     assert ref.returncode == 0, ref.stdout[-4000:] + ref.stderr[-4000:]
     assert cp.returncode == 0, cp_log[-8000:]
@@ -134,7 +169,7 @@ def test_dynamic_cp_runs_mixed_degrees_and_counts_their_bytes(results, case):
     steps = got["degrees"]
     assert len(steps) == 4 and all(len(degrees) >= 2 for degrees, _, _ in steps), steps
     assert set().union(*(d for d, _, _ in steps)) == {1, 2, 4}, steps
-    assert any(count != 2 for _, count, _ in steps), steps   # micro-batches come from the schedule
+    assert any(count != 2 for _, count, _ in steps), steps  # micro-batches come from the schedule
     assert all(b > 0 for b in got["cp_comm_bytes"]) and sum(got["cp_comm_bytes"]) == got["counted_bytes"], got
 
 
@@ -151,7 +186,7 @@ def test_model_loss_is_the_global_token_mean(results, kind):
         within(got["backward"], 1e-10, f"rank {i} backward", got)
         # fp32 weights under bf16 autocast (Trainer bf16=True): bf16 round-off (worst 6.7e-6)
         within(got["autocast_bf16"], 2e-2, f"rank {i} autocast_bf16", got)
-    if kind == "packed":   # the pitfall our classes do not inherit: stock with use_cache=True mixes documents
+    if kind == "packed":  # the pitfall our classes do not inherit: stock with use_cache=True mixes documents
         assert got["stock_use_cache"] > 1e-3, got
 
 
@@ -170,9 +205,9 @@ def test_resume_from_checkpoint_continues_with_the_same_losses(results, case):
     """Bitwise: the resumed run reloads weights, optimizer state, schedule and RNG exactly (with fsdp2 the sharded
     model and optimizer through DCP; without the optimizer state step 4's loss differs by 1.6e-3 relative)."""
     got = _load(results, "cp-" + case.replace(":", "_"))
-    assert got["full"]["sharded"] == ("fsdp2" in case)   # the DCP folder in checkpoint-2 only with fsdp2
+    assert got["full"]["sharded"] == ("fsdp2" in case)  # the DCP folder in checkpoint-2 only with fsdp2
     assert len(got["full"]["loss"]) == 4
-    assert got["resumed"]["loss"] == got["full"]["loss"]   # steps 1-2 from the checkpoint's state, 3-4 trained again
+    assert got["resumed"]["loss"] == got["full"]["loss"]  # steps 1-2 from the checkpoint's state, 3-4 trained again
     assert got["resumed"]["grad_norm"] == got["full"]["grad_norm"]
     for k, w in got["full"]["weights"].items():
         assert torch.equal(got["resumed"]["weights"][k], w), k
@@ -202,7 +237,7 @@ def test_fsdp2_save_model_is_a_full_checkpoint(results, case):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(results, "saved-" + case.replace(":", "_")))
     got = _load(results, "cp-" + case.replace(":", "_"))
     trained = got["weights"]
-    assert got["deferred"] == 4 * (2 - 1)   # 4 steps of accumulation 2: the first micro-batch's reduction deferred
+    assert got["deferred"] == 4 * (2 - 1)  # 4 steps of accumulation 2: the first micro-batch's reduction deferred
     assert model.state_dict().keys() == trained.keys()
     for k, w in model.state_dict().items():
         assert torch.equal(w, trained[k]), k
@@ -212,7 +247,7 @@ def test_auto_split_comes_from_the_planner_and_is_logged(results):
     for rank in _load(results, "checks"):
         both, ring2 = rank["auto"]["both"], rank["auto"]["ring=2"]
         assert both[0] * both[1] * both[2] == 4 and ring2[1] == 2 and ring2[0] * ring2[2] == 2
-        assert both[:3] == _load(results, "checks")[0]["auto"]["both"][:3]   # every rank chose the same
+        assert both[:3] == _load(results, "checks")[0]["auto"]["both"][:3]  # every rank chose the same
         for u, r, dp, lines in (both, ring2):
             assert len(lines) == 1 and f"ulysses={u} ring={r} dp={dp}" in lines[0] and "fastest feasible" in lines[0]
 
@@ -224,7 +259,7 @@ def test_mesh_from_accelerate_device_mesh(results):
             assert groups["cp"] == groups["accelerate_cp"]
             assert groups["degrees"] == (u, cp_size // u, dp)
             first = rank - rank % u
-            assert groups["ulysses"] == list(range(first, first + u))   # consecutive ranks
+            assert groups["ulysses"] == list(range(first, first + u))  # consecutive ranks
             assert len(groups["ring"]) == cp_size // u and rank in groups["ring"]
         assert got["strided"][0] == "ConfigError" and "consecutive" in got["strided"][1]
 
@@ -247,9 +282,25 @@ def _run_into(out: str) -> None:
     """The cases' torchrun and references once into `out` (the torchrun's output in out/cp.log)."""
     script = os.path.join(HERE, "hf_cases.py")
     with open(os.path.join(out, "cp.log"), "w") as log:
-        cp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                               script, out, "cp", *CHECKS, *CP_CASES, *RESUME], env=_env(), stdout=log,
-                              stderr=subprocess.STDOUT)
+        cp = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "4",
+                script,
+                out,
+                "cp",
+                *CHECKS,
+                *CP_CASES,
+                *RESUME,
+            ],
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         ref = subprocess.run([sys.executable, script, out, "ref", *REF_CASES], env=_env(), capture_output=True)
         if cp.wait() or ref.returncode:
             raise SystemExit(f"a run failed (see {out}/cp.log): {ref.stderr[-2000:]!r}")
@@ -265,10 +316,12 @@ def _print_figures(out: str) -> None:
         want = _load(out, "ref-" + _ref(case).rsplit(":", 1)[0].replace(":", "_") + f"_dp{_dp(int(u), int(r))}")
         element = max((_rel(got["weights"][k], want["weights"][k]), k) for k in want["weights"])
         norm = max(_rel_norm(got["weights"][k], want["weights"][k]) for k in want["weights"])
-        print(f"{case:26s} loss {_rel(got['loss'], want['loss']):.2e}  grad_norm "
-              f"{_rel(got['grad_norm'], want['grad_norm']):.2e}  eval {_rel(got['eval_loss'], want['eval_loss']):.2e}"
-              f"  weights: element {element[0]:.2e} ({element[1]}), norm {norm:.2e}")
+        print(
+            f"{case:26s} loss {_rel(got['loss'], want['loss']):.2e}  grad_norm "
+            f"{_rel(got['grad_norm'], want['grad_norm']):.2e}  eval {_rel(got['eval_loss'], want['eval_loss']):.2e}"
+            f"  weights: element {element[0]:.2e} ({element[1]}), norm {norm:.2e}"
+        )
 
 
-if __name__ == "__main__":   # the figures the tests above bound
+if __name__ == "__main__":  # the figures the tests above bound
     _print_figures(sys.argv[1] if len(sys.argv) > 1 else "hf_trainer_figures")

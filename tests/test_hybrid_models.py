@@ -42,8 +42,9 @@ def test_qwen3_next_packed_row_matches_per_document_reference(pool):
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_qwen3_5_step_matches_one_process(pool, packed):
     # Qwen3.5's text model: the same rule, separate q|k|v, z, b, a projections
-    rows = pool.run(linear_cases.hybrid_packed_parity if packed else linear_cases.hybrid_parity, u=2, r=2,
-                    kind="qwen3_5_text")
+    rows = pool.run(
+        linear_cases.hybrid_packed_parity if packed else linear_cases.hybrid_parity, u=2, r=2, kind="qwen3_5_text"
+    )
     # packed: the fp32 chunked kernel rounds Qwen3.5's dt_bias gradient (a sum over every token) differently
     # when a document's pieces are cut elsewhere; over four document sets it differs from the per-document
     # reference by 1.1e-5 to 1.1e-4, with scan_plan's merged runs as without them (7.0e-5 here before);
@@ -76,8 +77,11 @@ def test_mamba2_hybrid_step_matches_one_process(pool, kind, u, r, fsdp):
         _step_within(row, f"rank {rank}")
 
 
-@pytest.mark.parametrize("kind,extra", [("bamba", {}), ("nemotron_h", {}), ("falcon_h1", {"mamba_rms_norm": True})],
-                         ids=["bamba", "nemotron_h", "falcon_h1_gated_norm"])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [("bamba", {}), ("nemotron_h", {}), ("falcon_h1", {"mamba_rms_norm": True})],
+    ids=["bamba", "nemotron_h", "falcon_h1_gated_norm"],
+)
 def test_mamba2_hybrid_packed_row_matches_per_document_reference(pool, kind, extra):
     # Falcon-H1 with its optional gated RMSNorm (the dense runs above take its default, silu(gate) only)
     for rank, row in enumerate(pool.run(linear_cases.hybrid_packed_parity, u=2, r=2, kind=kind, extra=extra)):

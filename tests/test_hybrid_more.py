@@ -67,7 +67,6 @@ def test_routed_mixers_refuse_a_cache_before_any_collective(model_type):
     model = build(tiny_config(model_type), "meta")
     assert route_linear_layers(model, mesh_description(2, 2)) >= 1
     routed = [m for m in model.modules() if type(m.__dict__.get("forward")).__name__.endswith("Forward")]
-    for module in routed:   # the mixer and, for Jamba, its decoder layer
+    for module in routed:  # the mixer and, for Jamba, its decoder layer
         with pytest.raises(ConfigError, match="received a cache"):
             module.forward(torch.zeros(1, 4, 64, device="meta"), cache=object())
-

@@ -30,18 +30,35 @@ def _unwrapped(fn):
 
 def _gdn_reference():
     from transformers.models.qwen3_next import modeling_qwen3_next
+
     return _unwrapped(modeling_qwen3_next.torch_chunk_gated_delta_rule)
 
 
 def _ssd_reference():
     from transformers.models.bamba import modeling_bamba
+
     return _unwrapped(modeling_bamba.mamba2_chunk_scan)
 
 
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                               allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                               chunk_indices=None, cp_context=None, **kwargs):
+def fla_chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    state_v_first=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    chunk_indices=None,
+    cp_context=None,
+    **kwargs,
+):
     """fla's signature and checks (q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], initial_state
     [N, HV, K, V]); computes with transformers' torch function, which has the same default scale K^-0.5."""
     b, t, h, dk = q.shape
@@ -51,16 +68,48 @@ def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     assert initial_state is None or initial_state.shape == (b, hv, dk, dv), initial_state.shape
     assert scale is None and cu_seqlens is None and cp_context is None and not kwargs
     assert not (use_beta_sigmoid_in_kernel or allow_neg_eigval or state_v_first)
-    CALLS.append(("fla", {"v": tuple(v.shape), "initial_state": None if initial_state is None else
-                          tuple(initial_state.shape), "output_final_state": output_final_state,
-                          "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}))
-    return _gdn_reference()(q, k, v, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    CALLS.append(
+        (
+            "fla",
+            {
+                "v": tuple(v.shape),
+                "initial_state": None if initial_state is None else tuple(initial_state.shape),
+                "output_final_state": output_final_state,
+                "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+            },
+        )
+    )
+    return _gdn_reference()(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
 
 
-def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                              return_final_states=False, return_varlen_states=False, state_dtype=None):
+def mamba_chunk_scan_combined(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    return_varlen_states=False,
+    state_dtype=None,
+):
     """mamba_ssm's signature and the asserts of its forward; computes with transformers' torch function."""
     b, t, h, p = x.shape
     ng, n = B.shape[2:]
@@ -69,17 +118,39 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     assert dt_bias is None or dt_bias.shape == (h,)
     assert z is None and initial_states is None and seq_idx is None and cu_seqlens is None
     assert not return_varlen_states and state_dtype is None
-    CALLS.append(("mamba_ssm", {"chunk_size": chunk_size, "dt_softplus": dt_softplus, "dt_limit": tuple(dt_limit),
-                                "return_final_states": return_final_states, "D": D is not None,
-                                "dt_bias": dt_bias is not None}))
-    return _ssd_reference()(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                            dt_limit=dt_limit, return_final_states=return_final_states)
+    CALLS.append(
+        (
+            "mamba_ssm",
+            {
+                "chunk_size": chunk_size,
+                "dt_softplus": dt_softplus,
+                "dt_limit": tuple(dt_limit),
+                "return_final_states": return_final_states,
+                "D": D is not None,
+                "dt_bias": dt_bias is not None,
+            },
+        )
+    )
+    return _ssd_reference()(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=D,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        return_final_states=return_final_states,
+    )
 
 
 CALLS: list = []
-_PACKAGES = {"fla.ops.gated_delta_rule": ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule, "0.5.2"),
-             "mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined", mamba_chunk_scan_combined,
-                                                   "2.3.2.post1")}
+_PACKAGES = {
+    "fla.ops.gated_delta_rule": ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule, "0.5.2"),
+    "mamba_ssm.ops.triton.ssd_combined": ("mamba_chunk_scan_combined", mamba_chunk_scan_combined, "2.3.2.post1"),
+}
 
 
 def _install(monkeypatch, present: bool = True, fla_version: str | None = None) -> None:
@@ -112,7 +183,7 @@ def mixers():
     `kind(device)` needs none)."""
     gdn = next(m for m in tiny_model("qwen3_next").modules() if type(m).__name__ in L.GATED_DELTANET_CLASSES)
     ssd = next(m for m in tiny_model("bamba").modules() if type(m).__name__ in L.MAMBA2_CLASSES)
-    ssd.chunk_size = 8   # runs of 13 tokens cross a chunk (the default 256 pads them to 256: slow on CPU)
+    ssd.chunk_size = 8  # runs of 13 tokens cross a chunk (the default 256 pads them to 256: slow on CPU)
     fwd = {"gdn": L._GatedDeltaNetForward(gdn, None), "ssd": L._Mamba2Forward(ssd, None)}
     return gdn, ssd, fwd
 
@@ -127,7 +198,7 @@ def test_cuda_tensors_get_fla_and_mamba_ssm_cpu_the_reference(kernels, mixers):
 
 def test_reference_when_not_importable_or_forced(kernels, mixers):
     _, _, fwd = mixers
-    kernels.delenv(L.KERNEL_ENV)   # the default: the verified torch kernels, also on CUDA
+    kernels.delenv(L.KERNEL_ENV)  # the default: the verified torch kernels, also on CUDA
     assert fwd["gdn"].kind(CUDA).kernel is _gdn_reference()
     assert fwd["ssd"].kind(CUDA).kernel is _ssd_reference()
     kernels.setenv(L.KERNEL_ENV, "torch")
@@ -136,7 +207,7 @@ def test_reference_when_not_importable_or_forced(kernels, mixers):
     kernels.setenv(L.KERNEL_ENV, "fla")
     with pytest.raises(ConfigError, match="HYBRID_CP_LINEAR_KERNEL='fla'"):
         fwd["gdn"].kind(CPU)
-    with pytest.raises(ConfigError, match="HYBRID_CP_LINEAR_KERNEL='fla'"):   # also when routing, before a forward
+    with pytest.raises(ConfigError, match="HYBRID_CP_LINEAR_KERNEL='fla'"):  # also when routing, before a forward
         L.route_linear_layers(torch.nn.Linear(1, 1), None)
     kernels.setenv(L.KERNEL_ENV, "auto")
     _install(kernels, present=False)
@@ -148,7 +219,7 @@ def test_reference_when_not_importable_or_forced(kernels, mixers):
 
 def test_fla_before_native_gva_is_refused(kernels, mixers):
     _, _, fwd = mixers
-    _install(kernels, fla_version="0.4.2")   # q, k and v needed one head count: Qwen3-Next's would be wrong
+    _install(kernels, fla_version="0.4.2")  # q, k and v needed one head count: Qwen3-Next's would be wrong
     with pytest.raises(ConfigError, match=r"fla 0\.4\.2 .* from fla 0\.5\.0 on.*HYBRID_CP_LINEAR_KERNEL=torch"):
         fwd["gdn"].kind(CUDA)
     kernels.setenv(L.KERNEL_ENV, "torch")
@@ -158,10 +229,10 @@ def test_fla_before_native_gva_is_refused(kernels, mixers):
 
 def test_a_broken_package_raises_instead_of_falling_back(kernels, mixers):
     _, _, fwd = mixers
-    kernels.delattr(sys.modules["fla.ops.gated_delta_rule"], "chunk_gated_delta_rule")   # importable, but broken
+    kernels.delattr(sys.modules["fla.ops.gated_delta_rule"], "chunk_gated_delta_rule")  # importable, but broken
     with pytest.raises(AttributeError, match="chunk_gated_delta_rule"):
         fwd["gdn"].kind(CUDA)
-    assert fwd["gdn"].kind(CPU).kernel is _gdn_reference()   # CPU never asks for it
+    assert fwd["gdn"].kind(CPU).kernel is _gdn_reference()  # CPU never asks for it
 
 
 def _grads(fn, inputs):
@@ -188,14 +259,15 @@ def test_gated_delta_through_fla_signature_is_the_reference_bitwise(kernels, mix
     v = torch.randn(b, n, hv, dv, generator=g)
     decay, beta = -F.softplus(torch.randn(b, n, hv, generator=g)), torch.rand(b, n, hv, generator=g)
     inputs = (q, k, v, decay, beta)
-    for final in (False, True):   # a run that starts its document: exports its state or not
+    for final in (False, True):  # a run that starts its document: exports its state or not
         _assert_bitwise(lambda kind, xs: kind.plain(xs, final), inputs, fwd["gdn"])
-    _assert_bitwise(lambda kind, xs: kind.probe(xs), inputs, fwd["gdn"])   # a continuing run
+    _assert_bitwise(lambda kind, xs: kind.probe(xs), inputs, fwd["gdn"])  # a continuing run
     shared = {"use_qk_l2norm_in_kernel": True}
     assert [c for _, c in CALLS] == [
         {"v": (b, n, hv, dv), "initial_state": None, "output_final_state": False, **shared},
         {"v": (b, n, hv, dv), "initial_state": None, "output_final_state": True, **shared},
-        {"v": (b, n, hv, dv + dk), "initial_state": (b, hv, dk, dv + dk), "output_final_state": True, **shared}]
+        {"v": (b, n, hv, dv + dk), "initial_state": (b, hv, dk, dv + dk), "output_final_state": True, **shared},
+    ]
 
 
 def test_mamba2_through_mamba_ssm_signature_is_the_reference_bitwise(kernels, mixers):
@@ -208,8 +280,13 @@ def test_mamba2_through_mamba_ssm_signature_is_the_reference_bitwise(kernels, mi
     for final in (False, True):
         _assert_bitwise(lambda kind, xs: kind.plain(xs, final), inputs, fwd["ssd"])
     _assert_bitwise(lambda kind, xs: kind.probe(xs), inputs, fwd["ssd"])
-    shared = {"chunk_size": ssd.chunk_size, "dt_softplus": True, "dt_limit": tuple(ssd.time_step_limit), "D": True,
-              "dt_bias": True}
+    shared = {
+        "chunk_size": ssd.chunk_size,
+        "dt_softplus": True,
+        "dt_limit": tuple(ssd.time_step_limit),
+        "D": True,
+        "dt_bias": True,
+    }
     assert [c for _, c in CALLS] == [{**shared, "return_final_states": f} for f in (False, True, True)]
 
 
@@ -236,14 +313,20 @@ def scan_through_standins(u: int, r: int) -> dict:
     ssd = L._Mamba2Forward(ssd_module, cp)
     g = torch.Generator().manual_seed(4)
     m = gdn.module
-    gdn_in = [torch.randn(1, 23, m.num_k_heads, m.head_k_dim, generator=g),
-              torch.randn(1, 23, m.num_k_heads, m.head_k_dim, generator=g),
-              torch.randn(1, 23, m.num_v_heads, m.head_v_dim, generator=g),
-              -F.softplus(torch.randn(1, 23, m.num_v_heads, generator=g)), torch.rand(1, 23, m.num_v_heads, generator=g)]
+    gdn_in = [
+        torch.randn(1, 23, m.num_k_heads, m.head_k_dim, generator=g),
+        torch.randn(1, 23, m.num_k_heads, m.head_k_dim, generator=g),
+        torch.randn(1, 23, m.num_v_heads, m.head_v_dim, generator=g),
+        -F.softplus(torch.randn(1, 23, m.num_v_heads, generator=g)),
+        torch.rand(1, 23, m.num_v_heads, generator=g),
+    ]
     s = ssd.module
-    ssd_in = [torch.randn(1, 23, s.num_heads, s.head_dim, generator=g), torch.randn(1, 23, s.num_heads, generator=g),
-              torch.randn(1, 23, s.n_groups, s.ssm_state_size, generator=g),
-              torch.randn(1, 23, s.n_groups, s.ssm_state_size, generator=g)]
+    ssd_in = [
+        torch.randn(1, 23, s.num_heads, s.head_dim, generator=g),
+        torch.randn(1, 23, s.num_heads, generator=g),
+        torch.randn(1, 23, s.n_groups, s.ssm_state_size, generator=g),
+        torch.randn(1, 23, s.n_groups, s.ssm_state_size, generator=g),
+    ]
     try:
         L.cuda_kernel.cache_clear()
         CALLS.clear()
@@ -252,8 +335,9 @@ def scan_through_standins(u: int, r: int) -> dict:
         same = {}
         for name, fwd, inputs in (("gdn", gdn, gdn_in), ("ssd", ssd, ssd_in)):
             local = [shard_tokens(x, cp, 1, lay) for x in inputs]
-            (go, gg), (ro, rg) = (_grads(lambda xs: [linear_scan(cp, lay, fwd.kind(dev), xs)], local)
-                                  for dev in (CUDA, CPU))
+            (go, gg), (ro, rg) = (
+                _grads(lambda xs: [linear_scan(cp, lay, fwd.kind(dev), xs)], local) for dev in (CUDA, CPU)
+            )
             same[name] = all(torch.equal(a, b) for a, b in zip(go + gg, ro + rg))
         return {"same": same, "calls": [(who, c) for who, c in CALLS]}
     finally:
@@ -264,7 +348,7 @@ def scan_through_standins(u: int, r: int) -> dict:
 def test_linear_scan_across_ranks_through_standins_is_the_reference_bitwise(pool):
     rows = pool.run(scan_through_standins, u=1, r=2)
     assert all(row["same"] == {"gdn": True, "ssd": True} for row in rows), [row["same"] for row in rows]
-    for row in rows:   # zigzag on a ring of 2: every rank has a probed (continuing) run and an exporting one
+    for row in rows:  # zigzag on a ring of 2: every rank has a probed (continuing) run and an exporting one
         fla = [c for who, c in row["calls"] if who == "fla"]
         assert any(c["initial_state"] is not None and c["output_final_state"] for c in fla), fla
         assert all((c["initial_state"] is None) or c["initial_state"][-1] == c["v"][-1] for c in fla), fla
@@ -285,9 +369,13 @@ def test_gpu_check_compares_the_dispatched_kernels(kernels):
     spec.loader.exec_module(gc)
     found = gc._linear_kernels(gc.Ctx(CPU, False, 1.0))
     assert [(f, k) for f, _, k, _ in found] == [("gdn", fla_chunk_gated_delta_rule), ("ssd", mamba_chunk_scan_combined)]
-    assert [w for _, w, _, _ in found] == ["fla.chunk_gated_delta_rule 0.5.2",
-                                           "mamba_ssm.mamba_chunk_scan_combined 2.3.2.post1"]
+    assert [w for _, w, _, _ in found] == [
+        "fla.chunk_gated_delta_rule 0.5.2",
+        "mamba_ssm.mamba_chunk_scan_combined 2.3.2.post1",
+    ]
     _install(kernels, present=False)
     L.cuda_kernel.cache_clear()
     assert [(w, k) for _, w, k, _ in gc._linear_kernels(gc.Ctx(CPU, False, 1.0))] == [
-        ("fla not installed", None), ("mamba_ssm not installed", None)]
+        ("fla not installed", None),
+        ("mamba_ssm not installed", None),
+    ]

@@ -35,16 +35,29 @@ def _masks() -> list[tuple[str, hcp.AttnMask, object]]:
         ("shared-prefix-window", m.shared_prefix(40, [15, 30, 7, 28]), 12),
         ("full-row-window", m.from_slices(118, [(0, 118, 0, 118, None, None)]), (6, 4)),
         # rows 0-9 and 100-109 see nothing; rows 60-79 read only keys 0-19 (far away on a ring)
-        ("sparse", m.from_slices(110, [(10, 60, 10, 60, None, 0), (60, 80, 0, 20, None, None),
-                                       (80, 100, 30, 100, -5, 5)]), None),
+        (
+            "sparse",
+            m.from_slices(110, [(10, 60, 10, 60, None, 0), (60, 80, 0, 20, None, None), (80, 100, 30, 100, -5, 5)]),
+            None,
+        ),
     ]
 
 
 def _cases(u: int) -> list[dict]:
     heads = [(8, 2), (8, 8), (8, 1)]
-    return [dict(name=name, mask=mask, window=window, h=heads[i % 3][0], hkv=heads[i % 3][1], d=8, seed=i,
-                 softcap=30.0 if name == "images" else None)
-            for i, (name, mask, window) in enumerate(_masks())]
+    return [
+        dict(
+            name=name,
+            mask=mask,
+            window=window,
+            h=heads[i % 3][0],
+            hkv=heads[i % 3][1],
+            d=8,
+            seed=i,
+            softcap=30.0 if name == "images" else None,
+        )
+        for i, (name, mask, window) in enumerate(_masks())
+    ]
 
 
 def _check(rows_per_rank, cases: list[dict], limit: float, label: str) -> None:
@@ -56,9 +69,20 @@ def _check(rows_per_rank, cases: list[dict], limit: float, label: str) -> None:
             assert row["empty_match"], f"{label} {row['name']}: lse is not -inf exactly at the rows that see no key"
             assert row["positions_match"], f"{label} {row['name']}: hcp.positions(cp, mask=m) is not the token index"
             mask, u, r = case["mask"], *label_mesh(label)
-            want = topology.comm_bytes(case["h"], case["hkv"], case["d"], mask.seq_len, 1, u, r,
-                                       8 if case.get("dtype") == "fp64" else 4, mask=mask, window=case["window"],
-                                       ulysses_rank=row["ulysses_rank"], ring_rank=row["ring_rank"])
+            want = topology.comm_bytes(
+                case["h"],
+                case["hkv"],
+                case["d"],
+                mask.seq_len,
+                1,
+                u,
+                r,
+                8 if case.get("dtype") == "fp64" else 4,
+                mask=mask,
+                window=case["window"],
+                ulysses_rank=row["ulysses_rank"],
+                ring_rank=row["ring_rank"],
+            )
             got = {s: row["bytes"].get(s, 0) for s in want}
             assert got == want, (label, case["name"], got, want)
 
@@ -75,7 +99,7 @@ def test_mask_matches_dense_reference(pool, u, r):
     rows = pool.run(parity.mask_errors, u=u, r=r, cases=cases)
     _check(rows, cases, FP32, f"mask u={u} r={r}")
     empty = sum(row["empty_rows"] for rank in rows for row in rank)
-    assert empty > 0   # the sparse mask's empty rows reached some rank
+    assert empty > 0  # the sparse mask's empty rows reached some rank
 
 
 def test_mask_fp64_is_exact(pool):
@@ -90,7 +114,8 @@ def test_an_int_window_drops_only_earlier_keys():
     images = [0] * 5 + [1] * 6 + [0] * 9
     assert hcp.AttnMask.blocks(images).windowed(4) == hcp.AttnMask.blocks(images, window=4)
     assert hcp.AttnMask.documents([0, 7, 20]).windowed(4) == hcp.AttnMask.documents([0, 7, 20], window=4)
-    assert hcp.AttnMask.documents([0, 20], causal=False).windowed((2, 3)) == \
-        hcp.AttnMask.documents([0, 20], causal=False, window=(2, 3))
+    assert hcp.AttnMask.documents([0, 20], causal=False).windowed((2, 3)) == hcp.AttnMask.documents(
+        [0, 20], causal=False, window=(2, 3)
+    )
     with pytest.raises(hcp.ConfigError, match="window"):
         hcp.AttnMask.documents([0, 20]).windowed(0)

@@ -32,10 +32,10 @@ def _mine(rows):
 
 def _check_parity(rows) -> None:
     for rank, row in enumerate(_mine(rows)):
-        assert row["frames"] == 1, (rank, row["frames"])          # one compile for four masks
+        assert row["frames"] == 1, (rank, row["frames"])  # one compile for four masks
         assert row["graph_breaks"] == {}, (rank, row["graph_breaks"])
         assert row["op_in_graph"], rank
-        assert len({s["slices"] for s in row["steps"]}) > 1, row   # the masks differ in slice count too
+        assert len({s["slices"] for s in row["steps"]}) > 1, row  # the masks differ in slice count too
         for s, step in enumerate(row["steps"]):
             within(step["loss"], EXACT, f"rank {rank} step {s} loss", step)
             within(step["grads"], EXACT, f"rank {rank} step {s} grads", step)
@@ -45,10 +45,15 @@ def test_encoded_mask_round_trips():
     """decode(encode(m)) == m for every builder (the open bands' sentinels come back as None), for hcp's and
     topology's AttnMask alike; the spec's op arguments carry the encoding and give the mask back."""
     m = hcp.AttnMask
-    masks = [m.documents([0, 40, 43, 120]), m.documents([0, 50, 121], causal=False, window=(5, 3)),
-             m.blocks([0] * 20 + [1] * 16 + [0] * 30), m.prefix_lm([0, 60, 125], [25, 0]),
-             m.shared_prefix(40, [15, 30, 7, 28]).windowed(12),
-             m.from_slices(110, [(10, 60, 10, 60, None, 0), (80, 100, 30, 100, -5, 5)]), m.from_slices(5, [])]
+    masks = [
+        m.documents([0, 40, 43, 120]),
+        m.documents([0, 50, 121], causal=False, window=(5, 3)),
+        m.blocks([0] * 20 + [1] * 16 + [0] * 30),
+        m.prefix_lm([0, 60, 125], [25, 0]),
+        m.shared_prefix(40, [15, 30, 7, 28]).windowed(12),
+        m.from_slices(110, [(10, 60, 10, 60, None, 0), (80, 100, 30, 100, -5, 5)]),
+        m.from_slices(5, []),
+    ]
     for mask in masks:
         assert mask.encoded.dtype == torch.int64 and mask.encoded.shape == (1 + 6 * len(mask.slices),)
         assert decode_mask(mask.encoded) == mask
@@ -91,13 +96,32 @@ def test_masked_ops_pass_opcheck(pool):
 
 def _head_chunk_cases() -> list[dict]:
     m = hcp.AttnMask
-    masks = [("documents", m.documents([0, 40, 43, 120]), None, None),
-             ("shared-prefix-window-softcap", m.shared_prefix(40, [15, 30, 7, 28]), 12, 30.0),
-             ("sparse", m.from_slices(110, [(10, 60, 10, 60, None, 0), (60, 80, 0, 20, None, None),
-                                            (80, 100, 30, 100, -5, 5)]), None, None)]
-    return [dict(name=name, mask=mask, window=window, softcap=softcap, h=8, hkv=2, d=8, seed=i,
-                 head_chunks=2, overlap=overlap)
-            for i, (name, mask, window, softcap) in enumerate(masks) for overlap in (False, True)]
+    masks = [
+        ("documents", m.documents([0, 40, 43, 120]), None, None),
+        ("shared-prefix-window-softcap", m.shared_prefix(40, [15, 30, 7, 28]), 12, 30.0),
+        (
+            "sparse",
+            m.from_slices(110, [(10, 60, 10, 60, None, 0), (60, 80, 0, 20, None, None), (80, 100, 30, 100, -5, 5)]),
+            None,
+            None,
+        ),
+    ]
+    return [
+        dict(
+            name=name,
+            mask=mask,
+            window=window,
+            softcap=softcap,
+            h=8,
+            hkv=2,
+            d=8,
+            seed=i,
+            head_chunks=2,
+            overlap=overlap,
+        )
+        for i, (name, mask, window, softcap) in enumerate(masks)
+        for overlap in (False, True)
+    ]
 
 
 @pytest.mark.parametrize("u,r", [(2, 2), (1, 4)])

@@ -22,8 +22,9 @@ LOSS = 1e-5
 GRAD = 1e-4
 
 
-@pytest.mark.parametrize("u,r,tiled_loss", [(2, 2, False), (1, 4, False), (2, 2, True)],
-                         ids=["2x2", "1x4", "2x2-lm_loss"])
+@pytest.mark.parametrize(
+    "u,r,tiled_loss", [(2, 2, False), (1, 4, False), (2, 2, True)], ids=["2x2", "1x4", "2x2-lm_loss"]
+)
 def test_shared_prefix_llama_step_matches_per_completion_reference(pool, u, r, tiled_loss):
     # tiled_loss: hcp.lm_loss(model, shard, cp) must hand the mask to the model as model(**shard) does
     rows = pool.run(mask_model_cases.tree_model_parity, u=u, r=r, tiled_loss=tiled_loss)
@@ -41,7 +42,7 @@ def test_masked_model_calls_that_cannot_be_exact_raise(pool):
     for row in rows:
         assert row["ok_after"][1] > 0
         for case in ("mask_4d", "mask_4d_with_mask", "wrong_type", "padding_with_mask"):
-            assert row[case][0] == "ConfigError", (case, row[case])   # each rank's own check, the same everywhere
+            assert row[case][0] == "ConfigError", (case, row[case])  # each rank's own check, the same everywhere
         assert "prepared 4-D mask" in row["mask_4d"][1], row["mask_4d"]
         assert "drop ['attention_mask']" in row["mask_4d_with_mask"][1], row["mask_4d_with_mask"]
         assert "must be an hcp.AttnMask" in row["wrong_type"][1], row["wrong_type"]
@@ -57,9 +58,21 @@ def test_masked_model_calls_that_cannot_be_exact_raise(pool):
 def _described_mesh(u: int, r: int, rank: int = 0) -> CPMesh:
     """A mesh description without process groups: shard_batch does no communication."""
     ring_rank, ulysses_rank = divmod(rank, u)
-    return CPMesh(ulysses_size=u, ring_size=r, dp_size=1, layout="zigzag", device=torch.device("cpu"),
-                  device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
-                  ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=0)
+    return CPMesh(
+        ulysses_size=u,
+        ring_size=r,
+        dp_size=1,
+        layout="zigzag",
+        device=torch.device("cpu"),
+        device_mesh=None,
+        ulysses_group=None,
+        ring_group=None,
+        ring_group_bwd=None,
+        cp_group=None,
+        ulysses_rank=ulysses_rank,
+        ring_rank=ring_rank,
+        dp_rank=0,
+    )
 
 
 _MASK = hcp.AttnMask.shared_prefix(6, [3, 1, 4])
@@ -81,12 +94,12 @@ def test_masked_shard_batch_keeps_positions_and_targets(u, r):
         assert out[MASK_KEY] is _MASK and out["labels"] is out["shift_labels"]
         real = out["input_ids"][0] >= 0
         assert out["input_ids"].shape == (2, row_layout(cp, mask=_MASK).local_len)
-        index = out["input_ids"][0, real] - 10   # the tokens' indices in the row
+        index = out["input_ids"][0, real] - 10  # the tokens' indices in the row
         seen[index] += 1
         assert torch.equal(out["position_ids"][0, real], _POS[0, index])
         assert torch.equal(out["labels"][:, real], _TARGETS[:, index])
         assert bool((out["labels"][:, ~real] == -100).all())
-    assert bool((seen == 1).all())   # every token on exactly one rank
+    assert bool((seen == 1).all())  # every token on exactly one rank
 
 
 def test_masked_shard_batch_default_positions_are_token_indices():
@@ -94,23 +107,47 @@ def test_masked_shard_batch_default_positions_are_token_indices():
     out = hcp.shard_batch({"input_ids": _IDS[:1]}, cp, mask=_MASK, pad_token_id=-1)
     real = out["input_ids"][0] >= 0
     assert torch.equal(out["position_ids"][0, real], out["input_ids"][0, real] - 10)
-    assert "labels" not in out and "shift_labels" not in out   # no targets given: none made up
+    assert "labels" not in out and "shift_labels" not in out  # no targets given: none made up
 
 
-@pytest.mark.parametrize("batch,kwargs,error,match", [
-    ({"input_ids": _IDS, "labels": _IDS}, {}, ConfigError, r"last prompt token has no single next token"),
-    ({"input_ids": _IDS}, {}, None, None),
-    ({"input_ids": _IDS, "labels": _TARGETS}, {"shift": False}, None, None),
-    ({"input_ids": _IDS, "shift_labels": _TARGETS, "attention_mask": torch.ones(2, 14, dtype=torch.long)}, {},
-     ConfigError, r"takes no batch\['attention_mask'\]"),
-    ({"input_ids": _IDS[:1], "shift_labels": _TARGETS[:1], "cu_seq_lens_q": [0, 6, 14]}, {}, ConfigError,
-     r"replaces packed-document boundaries"),
-    ({"input_ids": _IDS[:, :13], "shift_labels": _TARGETS[:, :13]}, {}, ShapeError, r"mask describes a row of 14"),
-    ({"input_ids": _IDS, "shift_labels": _TARGETS, "position_ids": _POS.float()}, {}, ConfigError, "integers"),
-    ({"input_ids": _IDS, "shift_labels": _TARGETS}, {"mask": [(0, 14, 0, 14, None, 0)]}, InputTypeError,
-     "must be an hcp.AttnMask"),
-], ids=["labels-to-shift", "no-labels", "labels-already-targets", "attention-mask", "packed", "length",
-        "float-positions", "mask-type"])
+@pytest.mark.parametrize(
+    "batch,kwargs,error,match",
+    [
+        ({"input_ids": _IDS, "labels": _IDS}, {}, ConfigError, r"last prompt token has no single next token"),
+        ({"input_ids": _IDS}, {}, None, None),
+        ({"input_ids": _IDS, "labels": _TARGETS}, {"shift": False}, None, None),
+        (
+            {"input_ids": _IDS, "shift_labels": _TARGETS, "attention_mask": torch.ones(2, 14, dtype=torch.long)},
+            {},
+            ConfigError,
+            r"takes no batch\['attention_mask'\]",
+        ),
+        (
+            {"input_ids": _IDS[:1], "shift_labels": _TARGETS[:1], "cu_seq_lens_q": [0, 6, 14]},
+            {},
+            ConfigError,
+            r"replaces packed-document boundaries",
+        ),
+        ({"input_ids": _IDS[:, :13], "shift_labels": _TARGETS[:, :13]}, {}, ShapeError, r"mask describes a row of 14"),
+        ({"input_ids": _IDS, "shift_labels": _TARGETS, "position_ids": _POS.float()}, {}, ConfigError, "integers"),
+        (
+            {"input_ids": _IDS, "shift_labels": _TARGETS},
+            {"mask": [(0, 14, 0, 14, None, 0)]},
+            InputTypeError,
+            "must be an hcp.AttnMask",
+        ),
+    ],
+    ids=[
+        "labels-to-shift",
+        "no-labels",
+        "labels-already-targets",
+        "attention-mask",
+        "packed",
+        "length",
+        "float-positions",
+        "mask-type",
+    ],
+)
 def test_masked_shard_batch_refusals(batch, kwargs, error, match):
     kwargs = {"mask": _MASK, **kwargs}
     if error is None:
@@ -130,13 +167,19 @@ def test_transformers_mask_interface_reads_only_what_the_call_carries():
     from hybrid_cp.integrations.mask_interface import UnreadMask, transformers_mask
 
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
-    for read in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(4),
-                 mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
-                 mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos)):
+    for read in (
+        mu.causal_mask_function,
+        mu.sliding_window_causal_mask_function(4),
+        mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
+        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
+    ):
         assert transformers_mask(mask_function=read, batch_size=1) is None, read
     blocks = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.tensor([[-1, 0, 0, -1]])))
-    for unread, part in ((blocks, "blockwise_overlay"), (mu.bidirectional_mask_function, "bidirectional_mask_function"),
-                         (mu.sliding_window_bidirectional_mask_function(3), "bidirectional")):
+    for unread, part in (
+        (blocks, "blockwise_overlay"),
+        (mu.bidirectional_mask_function, "bidirectional_mask_function"),
+        (mu.sliding_window_bidirectional_mask_function(3), "bidirectional"),
+    ):
         got = transformers_mask(mask_function=unread)
         assert isinstance(got, UnreadMask) and part in got.describe(), (part, got)
 
@@ -151,27 +194,42 @@ def test_transformers_mask_interface_under_torch_compile():
 
     from hybrid_cp.integrations.mask_interface import _COMPOSES_EXTRA, UnreadMask, note_model, transformers_mask
 
-    note_model(LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                            num_attention_heads=2, num_key_value_heads=2)))
+    note_model(
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=16,
+                hidden_size=8,
+                intermediate_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+            )
+        )
+    )
     assert _COMPOSES_EXTRA[LlamaConfig] is False
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
     llama, gemma = LlamaConfig(), GemmaConfig()
 
     def packed(p):
-        return mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, p),
-                            mu.packed_sequence_mask_function(p))
+        return mu.and_masks(
+            mu.remap_positions_for_packed_sequence(mu.causal_mask_function, p), mu.packed_sequence_mask_function(p)
+        )
 
     def blocks(p):
         return mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(p - 1))
 
-    cases = [(lambda p: mu.causal_mask_function, True, llama, None),
-             (lambda p: mu.sliding_window_causal_mask_function(4), True, gemma, None),
-             (packed, False, llama, None), (packed, False, gemma, "and_mask"), (blocks, False, llama, "or_mask"),
-             (lambda p: mu.bidirectional_mask_function, False, llama, "bidirectional")]
+    cases = [
+        (lambda p: mu.causal_mask_function, True, llama, None),
+        (lambda p: mu.sliding_window_causal_mask_function(4), True, gemma, None),
+        (packed, False, llama, None),
+        (packed, False, gemma, "and_mask"),
+        (blocks, False, llama, "or_mask"),
+        (lambda p: mu.bidirectional_mask_function, False, llama, "bidirectional"),
+    ]
     for build, skip, config, unread in cases:
         got = {}
 
-        def traced(p, build=build, skip=skip, config=config, got=got):   # the function built while tracing
+        def traced(p, build=build, skip=skip, config=config, got=got):  # the function built while tracing
             got["mask"] = transformers_mask(mask_function=build(p), allow_is_causal_skip=skip, config=config)
             return p + 1
 

@@ -20,8 +20,7 @@ def dense_of(n: int, slices) -> np.ndarray:
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     out = np.zeros((n, n), dtype=int)
     for qa, qb, ka, kb, lo, hi in slices:
-        out += ((i >= qa) & (i < qb) & (j >= ka) & (j < kb) & (lo is None or j - i >= lo)
-                & (hi is None or j - i <= hi))
+        out += (i >= qa) & (i < qb) & (j >= ka) & (j < kb) & (lo is None or j - i >= lo) & (hi is None or j - i <= hi)
     return out
 
 
@@ -33,8 +32,14 @@ def band_values():
 def raw_slice(draw, n=N):
     qa = draw(st.integers(0, n - 1))
     ka = draw(st.integers(0, n - 1))
-    return (qa, draw(st.integers(qa + 1, n)), ka, draw(st.integers(ka + 1, n)), draw(band_values()),
-            draw(band_values()))
+    return (
+        qa,
+        draw(st.integers(qa + 1, n)),
+        ka,
+        draw(st.integers(ka + 1, n)),
+        draw(band_values()),
+        draw(band_values()),
+    )
 
 
 @st.composite
@@ -81,8 +86,14 @@ def test_count_clip_and_visible_keys_match_the_definition(slices, qa, qn, ka, kn
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 12), st.integers(1, 12), st.integers(0, 12), st.integers(1, 12),
-       st.integers(-15, 15), st.integers(-15, 15))
+@given(
+    st.integers(0, 12),
+    st.integers(1, 12),
+    st.integers(0, 12),
+    st.integers(1, 12),
+    st.integers(-15, 15),
+    st.integers(-15, 15),
+)
 def test_band_cells_is_the_dense_count(qa, nq, ka, nk, lo, hi):
     assert band_cells(qa, qa + nq, ka, ka + nk, lo, hi) == dense_of(30, [(qa, qa + nq, ka, ka + nk, lo, hi)]).sum()
 
@@ -91,8 +102,9 @@ def test_band_cells_is_the_dense_count(qa, nq, ka, nk, lo, hi):
 @given(st.lists(raw_slice(), min_size=2, max_size=6))
 # found by hypothesis in a full run: two trimmed slices equal up to a None band against an int band made the
 # canonical sort compare None with an int (TypeError instead of the named error)
-@example(slices=[(0, 1, 0, 1, None, None), (0, 1, 0, 1, None, None), (20, 22, 0, 9, -13, None),
-                 (20, 22, 7, 9, None, None)])
+@example(
+    slices=[(0, 1, 0, 1, None, None), (0, 1, 0, 1, None, None), (20, 22, 0, 9, -13, None), (20, 22, 7, 9, None, None)]
+)
 def test_slices_sharing_a_cell_are_refused(slices):
     slices = [s for s in slices if s[4] is None or s[5] is None or s[4] <= s[5]]
     if (dense_of(N, slices) > 1).any():
@@ -147,8 +159,11 @@ def test_documents_of_one_document_is_causal_attention():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6), st.booleans(),
-       st.one_of(st.none(), st.integers(1, 6)))
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6),
+    st.booleans(),
+    st.one_of(st.none(), st.integers(1, 6)),
+)
 def test_blocks(runs, causal, window):
     window = window if causal else None
     ids, next_id = [], 1
@@ -159,7 +174,9 @@ def test_blocks(runs, causal, window):
     m = AttnMask.blocks(ids, causal=causal, window=window)
     arr = np.array(ids)
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-    want = np.ones((n, n), dtype=bool) if not causal else (j <= i) | ((arr[:, None] == arr[None, :]) & (arr[:, None] > 0))
+    want = (
+        np.ones((n, n), dtype=bool) if not causal else (j <= i) | ((arr[:, None] == arr[None, :]) & (arr[:, None] > 0))
+    )
     if window is not None:  # transformers: AND(sliding window, OR(causal, block))
         want &= i - j < window
     assert (dense_of(n, m.slices) == want).all()
@@ -195,24 +212,27 @@ def test_components_of_documents_are_the_documents():
     assert AttnMask.documents([0, 3, 7, 12]).components() == ((0, 3), (3, 7), (7, 12))
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda M: M.from_slices(0, []), r"n=0 must be an int >= 1"),
-    (lambda M: M.from_slices(4, [(0, 5, 0, 4, None, 0)]), r"slices\[0\]=.*0 <= q_start < q_end <= n"),
-    (lambda M: M.from_slices(4, [(0, 4, 0, 4, 2, 1)]), r"lo=2 > hi=1"),
-    (lambda M: M.from_slices(4, [(0, 4, 0, 4)]), r"must be \(q_start, q_end, k_start, k_end, lo, hi\)"),
-    (lambda M: M.from_slices(4, [(0, 4.0, 0, 4, None, 0)]), r"slices\[0\].q_end=4.0 must be an int"),
-    (lambda M: M.documents([1, 4]), r"cu_seqlens=\[1, 4\] must start at 0"),
-    (lambda M: M.documents([0, 4], window=0), r"window=0 with causal=True"),
-    (lambda M: M.documents([0, 4], chunk_size=0), r"chunk_size=0 must be an int >= 1"),
-    (lambda M: M.blocks([1, 1, 0, 1]), r"id 1 starts a second block at token 3"),
-    (lambda M: M.blocks(["a"]), r"block_ids\[0\]='a' must be an int"),
-    (lambda M: M.blocks([0, 1], window=0), r"window=0 must be an int >= 1"),
-    (lambda M: M.blocks([0, 1], causal=False, window=4), r"window=4 with causal=False"),
-    (lambda M: M.prefix_lm([0, 4], [5]), r"prefix_lens\[0\]=5 exceeds document 0's length 4"),
-    (lambda M: M.prefix_lm([0, 4], [1, 1]), r"prefix_lens has 2 entries but cu_seqlens holds 1"),
-    (lambda M: M.shared_prefix(0, [3]), r"prompt_len=0 must be an int >= 1"),
-    (lambda M: M.shared_prefix(3, [2, 0]), r"completion_lens\[1\]=0 must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda M: M.from_slices(0, []), r"n=0 must be an int >= 1"),
+        (lambda M: M.from_slices(4, [(0, 5, 0, 4, None, 0)]), r"slices\[0\]=.*0 <= q_start < q_end <= n"),
+        (lambda M: M.from_slices(4, [(0, 4, 0, 4, 2, 1)]), r"lo=2 > hi=1"),
+        (lambda M: M.from_slices(4, [(0, 4, 0, 4)]), r"must be \(q_start, q_end, k_start, k_end, lo, hi\)"),
+        (lambda M: M.from_slices(4, [(0, 4.0, 0, 4, None, 0)]), r"slices\[0\].q_end=4.0 must be an int"),
+        (lambda M: M.documents([1, 4]), r"cu_seqlens=\[1, 4\] must start at 0"),
+        (lambda M: M.documents([0, 4], window=0), r"window=0 with causal=True"),
+        (lambda M: M.documents([0, 4], chunk_size=0), r"chunk_size=0 must be an int >= 1"),
+        (lambda M: M.blocks([1, 1, 0, 1]), r"id 1 starts a second block at token 3"),
+        (lambda M: M.blocks(["a"]), r"block_ids\[0\]='a' must be an int"),
+        (lambda M: M.blocks([0, 1], window=0), r"window=0 must be an int >= 1"),
+        (lambda M: M.blocks([0, 1], causal=False, window=4), r"window=4 with causal=False"),
+        (lambda M: M.prefix_lm([0, 4], [5]), r"prefix_lens\[0\]=5 exceeds document 0's length 4"),
+        (lambda M: M.prefix_lm([0, 4], [1, 1]), r"prefix_lens has 2 entries but cu_seqlens holds 1"),
+        (lambda M: M.shared_prefix(0, [3]), r"prompt_len=0 must be an int >= 1"),
+        (lambda M: M.shared_prefix(3, [2, 0]), r"completion_lens\[1\]=0 must be an int >= 1"),
+    ],
+)
 def test_bad_inputs_raise_config_error_naming_the_argument(build, match):
     with pytest.raises(ConfigError, match=match):
         build(hcp.AttnMask)
@@ -266,7 +286,7 @@ def replay(layout, mask) -> np.ndarray:
     for j in range(layout.ring):
         rows = np.full(layout.block_len, -1)
         for row, tok, count in layout.row_runs(j):
-            rows[row:row + count] = np.arange(tok, tok + count)
+            rows[row : row + count] = np.arange(tok, tok + count)
         tokens.append(rows)
     out = np.zeros((n, n), dtype=int)
     for j in range(layout.ring):
@@ -291,8 +311,12 @@ def mask_and_docs(draw):
         lens = draw(lengths())
         causal = draw(st.booleans())
         width = draw(st.one_of(st.none(), st.integers(1, 5)))
-        mask = AttnMask.documents(cumulative(lens), causal, None if width is None else (width if causal else (width, 1)),
-                                  draw(st.one_of(st.none(), st.integers(1, 4))))
+        mask = AttnMask.documents(
+            cumulative(lens),
+            causal,
+            None if width is None else (width if causal else (width, 1)),
+            draw(st.one_of(st.none(), st.integers(1, 4))),
+        )
     elif kind == "blocks":
         runs = draw(st.lists(st.tuples(st.booleans(), st.integers(1, 5)), min_size=1, max_size=6))
         mask = AttnMask.blocks([b * (t + 1) for t, (b, n) in enumerate(runs) for _ in range(n)])
@@ -313,14 +337,20 @@ def test_plan_computes_every_visible_cell_exactly_once(case, mesh):
     dense = dense_of(mask.seq_len, mask.slices)
     for layout in layouts_of(mask, doc_lens, *mesh):
         assert (replay(layout, mask) == dense).all(), layout
-        work = sum(t.work() for j in range(layout.ring) for s in range(layout.ring)
-                   for t in layout.mask_tasks(j, s, mask))
+        work = sum(
+            t.work() for j in range(layout.ring) for s in range(layout.ring) for t in layout.mask_tasks(j, s, mask)
+        )
         assert work == mask.cells() == dense.sum(), layout
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths(), st.booleans(), st.one_of(st.none(), st.integers(1, 5)), st.one_of(st.none(), st.integers(1, 4)),
-       st.sampled_from(MESHES))
+@given(
+    lengths(),
+    st.booleans(),
+    st.one_of(st.none(), st.integers(1, 5)),
+    st.one_of(st.none(), st.integers(1, 4)),
+    st.sampled_from(MESHES),
+)
 def test_documents_mask_plans_the_same_work_and_rows_as_the_layouts_own_plan(lens, causal, width, chunk, mesh):
     """The mask path reproduces today's plan for what today's options express: per rank and step,
     the same visible cells and the same key rows read (what the ring sends)."""
@@ -329,12 +359,16 @@ def test_documents_mask_plans_the_same_work_and_rows_as_the_layouts_own_plan(len
     window = None if width is None else (width if causal else (width, 1))
     mask = AttnMask.documents(cumulative(lens), causal, window, chunk)
     one_document = AttnMask.documents([0, sum(lens)], causal, window, chunk)
-    for layout, m in ((Packed(tuple(lens), *mesh), mask), (DenseZigzag(sum(lens), *mesh), one_document),
-                      (DenseContiguous(sum(lens), *mesh), one_document)):
+    for layout, m in (
+        (Packed(tuple(lens), *mesh), mask),
+        (DenseZigzag(sum(lens), *mesh), one_document),
+        (DenseContiguous(sum(lens), *mesh), one_document),
+    ):
         for j in range(layout.ring):
             for s in range(layout.ring):
-                assert sum(t.work() for t in layout.mask_tasks(j, s, m)) == \
-                    sum(t.work() for t in layout.tasks(j, s, causal, window, chunk))
+                assert sum(t.work() for t in layout.mask_tasks(j, s, m)) == sum(
+                    t.work() for t in layout.tasks(j, s, causal, window, chunk)
+                )
                 rows = {a + x for t in layout.mask_tasks(j, s, m) for _, _, a, n in t.pairs for x in range(n)}
                 assert rows == {a + x for a, n in layout.needed_rows(j, s, causal, window, chunk) for x in range(n)}
 
@@ -347,19 +381,25 @@ def research_mixes() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from mask_balance import images, rag, short_documents
 
-    return {"tree": AttnMask.shared_prefix(400, [50] * 8), "rag": rag(10, 70, 100),
-            "images": AttnMask.blocks(images(12, 26, 40, 13)),
-            "sliding": AttnMask.blocks(images(12, 26, 40, 13), window=102),
-            "prefix-LM": AttnMask.prefix_lm([0, 800], [600]), "documents": short_documents(800, 5, 40)}
+    return {
+        "tree": AttnMask.shared_prefix(400, [50] * 8),
+        "rag": rag(10, 70, 100),
+        "images": AttnMask.blocks(images(12, 26, 40, 13)),
+        "sliding": AttnMask.blocks(images(12, 26, 40, 13), window=102),
+        "prefix-LM": AttnMask.prefix_lm([0, 800], [600]),
+        "documents": short_documents(800, 5, 40),
+    }
 
 
 # busiest/mean work summed over ring steps; worst seen on (u, r) in (1, 4), (2, 4), (1, 8), bound 1 + 3x its excess:
-LOCK_STEP_BOUNDS = {"tree": 1.09,  # worst 1.028 (r=8)
-                    "rag": 1.24,  # worst 1.079 (r=8: 12-token chunks; 1.032 at 8000 tokens)
-                    "images": 1.05,  # worst 1.014
-                    "sliding": 1.18,  # worst 1.059
-                    "prefix-LM": 1.03,  # worst 1.010
-                    "documents": 1.04}  # worst 1.012 (whole documents, no ring rows)
+LOCK_STEP_BOUNDS = {
+    "tree": 1.09,  # worst 1.028 (r=8)
+    "rag": 1.24,  # worst 1.079 (r=8: 12-token chunks; 1.032 at 8000 tokens)
+    "images": 1.05,  # worst 1.014
+    "sliding": 1.18,  # worst 1.059
+    "prefix-LM": 1.03,  # worst 1.010
+    "documents": 1.04,
+}  # worst 1.012 (whole documents, no ring rows)
 
 
 @pytest.mark.parametrize("name", sorted(LOCK_STEP_BOUNDS))
@@ -404,8 +444,10 @@ def test_mask_balanced_placement_is_deterministic_across_processes():
     from topology.mask_layout import place
 
     root = Path(__file__).resolve().parents[1]
-    code = ("from topology.masks import AttnMask; from topology.mask_layout import place; "
-            "print(place(AttnMask.shared_prefix(400, [50] * 8), 8, 8))")
+    code = (
+        "from topology.masks import AttnMask; from topology.mask_layout import place; "
+        "print(place(AttnMask.shared_prefix(400, [50] * 8), 8, 8))"
+    )
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(root))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == str(place(AttnMask.shared_prefix(400, [50] * 8), 8, 8))

@@ -22,13 +22,13 @@ def test_mesh_validation_and_plan(pool):
         assert res["plan"] == (2, 2, 2, 4, ["dp", "ring", "ulysses"])
         g, dp, ring, uly, nxt, prv = res["ranks"]
         assert g == rank and g == (dp * 2 + ring) * 2 + uly  # ulysses innermost
-        assert nxt == prv == dp * 4 + (1 - ring) * 2 + uly   # the other ring rank (ring = 2)
-        assert res["planned"][0] == res["planned"][1]        # a topology plan builds its mesh
+        assert nxt == prv == dp * 4 + (1 - ring) * 2 + uly  # the other ring rank (ring = 2)
+        assert res["planned"][0] == res["planned"][1]  # a topology plan builds its mesh
 
 
 def test_destroyed_mesh_frees_its_groups_and_refuses_use(pool):
     for res in pool.run(dist_cases.destroyed_mesh, u=2, r=2):
-        assert res["alive"] == 0 and res["fsdp_again"], res    # nothing holds the groups; a new mesh trains
+        assert res["alive"] == 0 and res["fsdp_again"], res  # nothing holds the groups; a new mesh trains
         for use in ("attention", "loss"):
             assert "destroyed by hcp.destroy_cp_mesh" in res[use], res
 
@@ -41,8 +41,11 @@ FP64, FP32 = 1e-12, 1e-5
 MERGE_RTOL, MERGE_ATOL = 1e-5, 1e-8
 
 
-@pytest.mark.parametrize("kernel,dtype,tol", [(MathKernel(), torch.float64, FP64), (MathKernel(), torch.float32, FP32),
-                                              (SDPAKernel(), torch.float32, FP32)], ids=["math64", "math32", "sdpa32"])
+@pytest.mark.parametrize(
+    "kernel,dtype,tol",
+    [(MathKernel(), torch.float64, FP64), (MathKernel(), torch.float32, FP32), (SDPAKernel(), torch.float32, FP32)],
+    ids=["math64", "math32", "sdpa32"],
+)
 @pytest.mark.parametrize("hkv", [4, 2, 1])
 @pytest.mark.parametrize("causal", [True, False])
 def test_kernel_forward_backward(kernel, dtype, tol, hkv, causal):
@@ -69,8 +72,7 @@ def test_merge_is_safe_for_rows_without_keys():
     within(allclose_ratio(out[0, 0, 0], torch.tensor([1.0, 2.0]), MERGE_RTOL, MERGE_ATOL), 1.0, "one block out")
     assert lse[0, 0, 0] == 0.5
     # merging two halves equals attention over the union
-    merge_(out, lse, torch.tensor([[[[3.0, 0.0]], [[5.0, 5.0]], [[1.0, 0.0]]]]),
-           torch.tensor([[[0.5, 2.0, 1.0]]]))
+    merge_(out, lse, torch.tensor([[[[3.0, 0.0]], [[5.0, 5.0]], [[1.0, 0.0]]]]), torch.tensor([[[0.5, 2.0, 1.0]]]))
     within(allclose_ratio(out[0, 0, 0], torch.tensor([2.0, 1.0]), MERGE_RTOL, MERGE_ATOL), 1.0, "two blocks out")
     within(allclose_ratio(lse[0, 0, 0], torch.tensor(0.5 + math.log(2)), MERGE_RTOL, MERGE_ATOL), 1.0, "two blocks lse")
     within(allclose_ratio(out[0, 1, 0], torch.tensor([5.0, 5.0]), MERGE_RTOL, MERGE_ATOL), 1.0, "empty then one out")

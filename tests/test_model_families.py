@@ -45,7 +45,12 @@ def walk() -> dict[str, tuple[str, str]]:
 
 # model types whose causal-LM class is a verified family's model: AutoModelForCausalLM on a Llama4Config
 # builds the text-only Llama4ForCausalLM (config.model_type 'llama4_text')
-BUILDS_VERIFIED = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "gpt-sw3": "gpt2", "qwen3_5_moe": "qwen3_5_moe_text"}
+BUILDS_VERIFIED = {
+    "llama4": "llama4_text",
+    "qwen3_5": "qwen3_5_text",
+    "gpt-sw3": "gpt2",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 
 
 def test_walk_accepts_exactly_the_verified_families():
@@ -53,8 +58,11 @@ def test_walk_accepts_exactly_the_verified_families():
     accepted = {t for t, (status, _) in rows.items() if status == "exact"}
     # an older transformers may not have every verified family
     # vision-language families (Gemma 3) are verified on image_row's rows: tests/test_vision_masks.py
-    verified = (set(VERIFIED_FAMILIES) | set(VISION_LANGUAGE_FAMILIES)
-                | {t for t, v in BUILDS_VERIFIED.items() if v in VERIFIED_FAMILIES}) & set(rows)
+    verified = (
+        set(VERIFIED_FAMILIES)
+        | set(VISION_LANGUAGE_FAMILIES)
+        | {t for t, v in BUILDS_VERIFIED.items() if v in VERIFIED_FAMILIES}
+    ) & set(rows)
     assert accepted == verified, accepted ^ verified
     refused = {t: msg for t, (status, msg) in rows.items() if status == "refused"}
     assert all(msg.startswith(GUARD) for msg in refused.values()), refused
@@ -68,7 +76,7 @@ REFUSED = [
     ("deepseek_v32", {}, "DeepseekV32Indexer"),
     ("recurrent_gemma", {}, "conv_1d"),
     ("xlstm", {}, "xLSTM"),
-    ("deepseek_v3", {"output_router_logits": True}, "output_router_logits"),   # no aux loss: tests/test_moe_aux.py
+    ("deepseek_v3", {"output_router_logits": True}, "output_router_logits"),  # no aux loss: tests/test_moe_aux.py
     ("bloom", {}, "attention registry"),
     ("glm4_moe", {"output_router_logits": True}, "output_router_logits"),
     ("llama", {"attention_dropout": 0.1}, "attention_dropout"),
@@ -78,7 +86,7 @@ REFUSED = [
     ("seed_oss", {"residual_dropout": 0.1}, "residual_dropout=0.1"),
     ("opt", {"layerdrop": 0.1}, "layerdrop=0.1"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
-    ("phimoe", {}, "sparsemixer"),   # random routing in training mode: no CP step equals the single-process one
+    ("phimoe", {}, "sparsemixer"),  # random routing in training mode: no CP step equals the single-process one
 ]
 
 
@@ -115,7 +123,7 @@ def test_media_tensors_are_refused_by_name_not_sliced():
     with pytest.raises(ShapeError, match=r"batch\['pixel_values'\] .* holds media"):
         shard_batch(batch, cp)
     batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "token_type_ids": torch.zeros(2, 16, dtype=torch.long)}
-    assert shard_batch(batch, cp)["token_type_ids"].shape == (2, 4)   # per-token tensors are still sharded
+    assert shard_batch(batch, cp)["token_type_ids"].shape == (2, 4)  # per-token tensors are still sharded
 
 
 def _attention_modules(model_type: str, **overrides) -> dict:
@@ -126,11 +134,14 @@ def _attention_modules(model_type: str, **overrides) -> dict:
     return {name: m for name, m in model.named_modules() if name.endswith("self_attn")}
 
 
-@pytest.mark.parametrize("model_type,overrides,flag", [
-    ("gemma4_text", {}, "store_full_length_kv"),   # stores its K/V for the KV-sharing layers after it
-    ("gemma3n_text", {}, "store_full_length_kv"),
-    ("zamba2", {"use_shared_attention_adapter": True}, "linear_q_adapter_list"),   # LoRA adapters on q/k/v
-])
+@pytest.mark.parametrize(
+    "model_type,overrides,flag",
+    [
+        ("gemma4_text", {}, "store_full_length_kv"),  # stores its K/V for the KV-sharing layers after it
+        ("gemma3n_text", {}, "store_full_length_kv"),
+        ("zamba2", {"use_shared_attention_adapter": True}, "linear_q_adapter_list"),  # LoRA adapters on q/k/v
+    ],
+)
 def test_module_head_chunks_skip_layers_that_use_whole_heads(model_type, overrides, flag):
     """Module-level head chunks cut q/k/v to a chunk's heads: a layer that stores its K/V for later layers would
     store one chunk's, adapters would add full-width outputs to cut projections. Those keep engine chunks."""
@@ -139,8 +150,12 @@ def test_module_head_chunks_skip_layers_that_use_whole_heads(model_type, overrid
     cp = mesh_description(2, 2)
     modules = _attention_modules(model_type, **overrides)
     special = [m for m in modules.values() if getattr(m, flag, False)]
-    plain = [m for m in modules.values() if not any(getattr(m, f, False) for f in (flag, "is_kv_shared_layer"))
-             and not hasattr(m, "linear_q_adapter_list")]   # reuse layers (KV sharing) also keep whole heads
+    plain = [
+        m
+        for m in modules.values()
+        if not any(getattr(m, f, False) for f in (flag, "is_kv_shared_layer"))
+        and not hasattr(m, "linear_q_adapter_list")
+    ]  # reuse layers (KV sharing) also keep whole heads
     assert special, f"no {flag} layer in the {model_type} test model"
     assert not any(_chunk_module(m, cp, 2) for m in special)
     assert all("forward" not in m.__dict__ for m in special)
@@ -160,11 +175,28 @@ def _window(model_type: str) -> dict:
 
 # hybrid families have their own parity tests (tests/test_hybrid_models.py: linear-layer sizes of their own,
 # logits within 1e-4 since the chunked fp32 recurrence rounds differently on other chunk boundaries)
-HYBRID_FAMILIES = {"qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1",
-                   "lfm2", "lfm2_moe", "jamba", "minimax"}   # the last four: tests/test_hybrid_more.py
+HYBRID_FAMILIES = {
+    "qwen3_next",
+    "qwen3_5_text",
+    "bamba",
+    "nemotron_h",
+    "falcon_h1",
+    "lfm2",
+    "lfm2_moe",
+    "jamba",
+    "minimax",
+}  # the last four: tests/test_hybrid_more.py
 # hybrids of #32 whose mixers are ones already routed (their configurations: linear_more_cases.MORE), tested below
-NEW_HYBRIDS = ("qwen3_5_moe_text", "lara_mini", "granitemoehybrid", "lfm3", "olmo_hybrid", "zamba2", "kimi_linear",
-               "bailing_hybrid")
+NEW_HYBRIDS = (
+    "qwen3_5_moe_text",
+    "lara_mini",
+    "granitemoehybrid",
+    "lfm3",
+    "olmo_hybrid",
+    "zamba2",
+    "kimi_linear",
+    "bailing_hybrid",
+)
 # pure state-space models: dense rows (their models call the blocks without the packed row's boundaries, so packed
 # rows raise in the routed mixer)
 PURE_SSM = ("mamba2", "mamba", "falcon_mamba")
@@ -189,24 +221,49 @@ def _assert_parity(name: str, rank: int, row: dict) -> None:
 def test_verified_family_matches_single_process(pool, model_type):
     if model_type not in walk():
         pytest.skip(f"model_type {model_type!r} is not in the installed transformers")
-    rows = pool.run(train_cases.model_parity, u=2, r=2, kind=model_type, hkv=None, s=100, pad=True,
-                    config=_window(model_type), generic=True, exclude=ZERO_GRADIENTS.get(model_type, ()))
+    rows = pool.run(
+        train_cases.model_parity,
+        u=2,
+        r=2,
+        kind=model_type,
+        hkv=None,
+        s=100,
+        pad=True,
+        config=_window(model_type),
+        generic=True,
+        exclude=ZERO_GRADIENTS.get(model_type, ()),
+    )
     for rank, row in enumerate(rows):
         _assert_parity(model_type, rank, row)
 
 
 # families verified in this wave (#32): also packed rows on (2, 2) and both on a ring of four, one pool task per mesh
-NEW_FAMILIES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen", "seed_oss", "ernie4_5_moe", "afmoe", "laguna",
-                "gemma4_text", "gemma4_unified_text", "gemma3n_text", "dory")
+NEW_FAMILIES = (
+    "gpt2",
+    "opt",
+    "gpt_bigcode",
+    "gptj",
+    "codegen",
+    "seed_oss",
+    "ernie4_5_moe",
+    "afmoe",
+    "laguna",
+    "gemma4_text",
+    "gemma4_unified_text",
+    "gemma3n_text",
+    "dory",
+)
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda m: f"u{m[0]}r{m[1]}")
 def test_new_families_dense_and_packed(pool, mesh):
     kinds = [t for t in NEW_FAMILIES if t in walk()]
     runs = [dict(name=f"{t} packed", kind=t, packed=True, exclude=ZERO_GRADIENTS.get(t, ())) for t in kinds]
-    if mesh != (2, 2):   # (2, 2) dense: test_verified_family_matches_single_process
-        runs += [dict(name=t, kind=t, hkv=None, generic=True, config=_window(t), exclude=ZERO_GRADIENTS.get(t, ()))
-                 for t in kinds]
+    if mesh != (2, 2):  # (2, 2) dense: test_verified_family_matches_single_process
+        runs += [
+            dict(name=t, kind=t, hkv=None, generic=True, config=_window(t), exclude=ZERO_GRADIENTS.get(t, ()))
+            for t in kinds
+        ]
     for rank, row in enumerate(pool.run(train_cases.family_runs, u=mesh[0], r=mesh[1], runs=runs)):
         assert len(row) == len(runs)
         for name, errors in row.items():
@@ -229,13 +286,20 @@ def test_refused_families_raise_on_every_rank_before_any_collective(pool):
 # task per mesh
 VARIANT_RUNS = {
     (1, 4): [dict(name=t, kind=t, hkv=None, generic=True) for t in ("gpt_oss", "gemma2", "deepseek_v3", "llama4_text")]
-    + [dict(name="llama4_text packed, head chunks (chunked layers in hcp.attention)", kind="llama4_text",
-            packed=True, head_chunks=2)],
-    (2, 2): [dict(name="llama4_text packed", kind="llama4_text", packed=True),
-             dict(name="gpt_oss packed, head chunks (in hcp.attention: sinks)", kind="gpt_oss", packed=True,
-                  head_chunks=2),
-             dict(name="gpt_oss fsdp", kind="gpt_oss", hkv=None, generic=True, fsdp=True),
-             dict(name="gemma2 packed, module head chunks", kind="gemma2", packed=True, head_chunks=2)],
+    + [
+        dict(
+            name="llama4_text packed, head chunks (chunked layers in hcp.attention)",
+            kind="llama4_text",
+            packed=True,
+            head_chunks=2,
+        )
+    ],
+    (2, 2): [
+        dict(name="llama4_text packed", kind="llama4_text", packed=True),
+        dict(name="gpt_oss packed, head chunks (in hcp.attention: sinks)", kind="gpt_oss", packed=True, head_chunks=2),
+        dict(name="gpt_oss fsdp", kind="gpt_oss", hkv=None, generic=True, fsdp=True),
+        dict(name="gemma2 packed, module head chunks", kind="gemma2", packed=True, head_chunks=2),
+    ],
 }
 
 
@@ -252,14 +316,22 @@ def test_attention_variant_families_match_single_process(pool, mesh):
             assert errors.get("leak") is None or errors["leak"] > 1e3 * TOL, (name, errors)
 
 
-
 # (mesh, fsdp, packed): dense on three meshes and under FSDP2, packed rows on two
-HYBRID_RUNS = [((2, 2), False, False), ((1, 4), False, False), ((4, 1), False, False), ((2, 2), True, False),
-               ((2, 2), False, True), ((1, 4), False, True)]
+HYBRID_RUNS = [
+    ((2, 2), False, False),
+    ((1, 4), False, False),
+    ((4, 1), False, False),
+    ((2, 2), True, False),
+    ((2, 2), False, True),
+    ((1, 4), False, True),
+]
 
 
-@pytest.mark.parametrize("mesh,fsdp,packed", HYBRID_RUNS,
-                         ids=[f"u{m[0]}r{m[1]}{'-fsdp' if f else ''}{'-packed' if p else ''}" for m, f, p in HYBRID_RUNS])
+@pytest.mark.parametrize(
+    "mesh,fsdp,packed",
+    HYBRID_RUNS,
+    ids=[f"u{m[0]}r{m[1]}{'-fsdp' if f else ''}{'-packed' if p else ''}" for m, f, p in HYBRID_RUNS],
+)
 def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
     """One step against the single-process model (packed: each document on its own). The Gated DeltaNet families
     run transformers' fp32 chunked kernel, which rounds a sum over every token (the decay gate's gradients)

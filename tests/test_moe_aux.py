@@ -20,9 +20,29 @@ from hybrid_cp.testing import families  # noqa: E402
 
 # the verified families whose transformers model adds the Switch load-balancing loss (21 in transformers 5.24; flint
 # too, but its verified configuration has no MoE layer: its MoE block is refused by the module guard)
-AUX_FAMILIES = ("ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-                "granitemoeshared", "jamba", "jetmoe", "laguna", "lara_mini", "mellum", "minimax", "minimax_m2",
-                "minimax_m3_vl_text", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next")
+AUX_FAMILIES = (
+    "ernie4_5_moe",
+    "flex_olmo",
+    "gpt_oss",
+    "granitemoe",
+    "granitemoe_swa",
+    "granitemoehybrid",
+    "granitemoeshared",
+    "jamba",
+    "jetmoe",
+    "laguna",
+    "lara_mini",
+    "mellum",
+    "minimax",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "mixtral",
+    "olmoe",
+    "qwen2_moe",
+    "qwen3_5_moe_text",
+    "qwen3_moe",
+    "qwen3_next",
+)
 # verified MoE families whose transformers model computes no auxiliary loss: output_router_logits stays refused
 NO_AUX = ("deepseek_v3", "glm4_moe", "afmoe", "hy_v3")
 # fp32 round-off against one process (the statistics are summed in another order, the loss is the model's cross
@@ -43,8 +63,9 @@ def test_the_formula_is_every_aux_familys_function():
     for kind in _installed(AUX_FAMILIES):
         model = families.build(families.tiny_config(kind), "meta")
         assert aux_settings(model)[0], (kind, aux_settings(model))
-    assert not matches_family(lambda logits, e, k, mask: switch_loss(*router_statistics(logits, e, k, torch.ones(
-        logits[0].shape[0])), e))   # ignores the padding mask
+    assert not matches_family(
+        lambda logits, e, k, mask: switch_loss(*router_statistics(logits, e, k, torch.ones(logits[0].shape[0])), e)
+    )  # ignores the padding mask
     assert not matches_family(lambda logits, e, k: 0.0)
 
 
@@ -57,7 +78,7 @@ def test_families_without_an_aux_loss_refuse_output_router_logits(kind):
         apply_context_parallel(model, _fake_mesh(2, 2, 0))
     model = apply_context_parallel(families.build(families.tiny_config(kind), "meta"), _fake_mesh(2, 2, 0))
     with pytest.raises(ConfigError, match="output_router_logits=True: .* computes no load-balancing loss"):
-        model(input_ids=torch.zeros(1, 8, dtype=torch.long), output_router_logits=True)   # before any collective
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long), output_router_logits=True)  # before any collective
 
 
 # one family of each shape in the default run (Mixtral-like, JetMoe's coefficient name, a Gated DeltaNet hybrid):
@@ -71,7 +92,7 @@ IDS = [f"u{m[0]}r{m[1]}-{'packed' if p else 'dense'}" for m, p in RUNS]
 
 
 def _check(pool, mesh, packed, kinds):
-    for kind in kinds:   # one pool task per family: minutes each on a loaded 2-core machine
+    for kind in kinds:  # one pool task per family: minutes each on a loaded 2-core machine
         rows = pool.run(moe_cases.aux_parity, timeout=900, u=mesh[0], r=mesh[1], kinds=[kind], packed=packed)
         for rank, row in enumerate(rows):
             errors = row[kind]
@@ -88,7 +109,7 @@ def test_aux_loss_matches_single_process(pool, mesh, packed):
     _check(pool, mesh, packed, _installed(FAST))
 
 
-@pytest.mark.slow   # 18 more families x 4 runs: minutes on 2 cores; the fast test covers each shape of family
+@pytest.mark.slow  # 18 more families x 4 runs: minutes on 2 cores; the fast test covers each shape of family
 @pytest.mark.parametrize("mesh,packed", RUNS, ids=IDS)
 def test_aux_loss_matches_single_process_every_family(pool, mesh, packed):
     _check(pool, mesh, packed, _installed(sorted(set(AUX_FAMILIES) - set(FAST))))

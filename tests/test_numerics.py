@@ -33,8 +33,11 @@ SCALED_VS_SINGLE_DEVICE = 2.5
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=6), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([0.1, 1.0, 30.0]))
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([0.1, 1.0, 30.0]),
+)
 def test_merge_in_any_order_and_grouping_is_one_softmax(sizes, seed, scale):
     """Partial (out, lse) over key blocks (empty blocks included: lse = -inf), merged in a random
     order and a random tree grouping, equal the softmax over all keys."""
@@ -50,11 +53,16 @@ def test_merge_in_any_order_and_grouping_is_one_softmax(sizes, seed, scale):
     parts, start = [], 0
     for size in sizes:
         if size == 0:
-            parts.append((torch.zeros(b, s, h, d, dtype=torch.float64),
-                          torch.full((b, h, s), float("-inf"), dtype=torch.float64)))
+            parts.append(
+                (
+                    torch.zeros(b, s, h, d, dtype=torch.float64),
+                    torch.full((b, h, s), float("-inf"), dtype=torch.float64),
+                )
+            )
         else:
-            parts.append(MATH.forward(q, k[:, start:start + size], v[:, start:start + size], causal=False,
-                                      scale=scale))
+            parts.append(
+                MATH.forward(q, k[:, start : start + size], v[:, start : start + size], causal=False, scale=scale)
+            )
         start += size
     rnd.shuffle(parts)
     while len(parts) > 1:  # merge two random partial results into one, until one is left
@@ -81,8 +89,13 @@ def _fake_mesh(u: int, r: int, layout: str, cp_rank: int) -> CPMesh:
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
-@given(u=st.sampled_from([1, 2, 4]), r=st.sampled_from([1, 2, 3, 4]), layout=st.sampled_from(["zigzag", "contiguous"]),
-       docs=st.lists(st.integers(0, 40), min_size=1, max_size=5), packed=st.booleans())
+@given(
+    u=st.sampled_from([1, 2, 4]),
+    r=st.sampled_from([1, 2, 3, 4]),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    docs=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    packed=st.booleans(),
+)
 def test_shard_then_place_back_is_the_identity(u, r, layout, docs, packed):
     """Every rank's shard, put back at its `positions`, rebuilds the row exactly: each real token is
     owned by exactly one rank, pads are zero (dense lengths and packed cu_seqlens alike)."""
@@ -141,9 +154,17 @@ def test_nan_stays_in_the_rows_it_reaches(pool, u, r):
                 assert res["exact"], (u, r, tensor, causal, res)
 
 
-@pytest.mark.parametrize("u,r,layout,packed,window", [
-    (2, 2, "zigzag", False, None), (1, 4, "zigzag", True, None), (4, 2, "contiguous", False, 7),
-    (2, 4, "zigzag", True, 9), (8, 1, "zigzag", False, None)])
+@pytest.mark.parametrize(
+    "u,r,layout,packed,window",
+    [
+        (2, 2, "zigzag", False, None),
+        (1, 4, "zigzag", True, None),
+        (4, 2, "contiguous", False, 7),
+        (2, 4, "zigzag", True, 9),
+        (8, 1, "zigzag", False, None),
+    ],
+)
 def test_bitwise_deterministic_reruns(pool, u, r, layout, packed, window):
-    assert all(pool.run(reliability_cases.determinism, u=u, r=r, layout=layout, packed=packed, window=window,
-                        timeout=300))
+    assert all(
+        pool.run(reliability_cases.determinism, u=u, r=r, layout=layout, packed=packed, window=window, timeout=300)
+    )

@@ -30,6 +30,7 @@ FP64 = 1e-12
 
 def covered_pairs(lay, ring_rank: int, causal: bool) -> list[tuple]:
     """Every (query token, key token) pair the plan makes `ring_rank` compute, as original token ids."""
+
     def row_tokens(j):
         toks = []
         for sp in lay.spans(j):
@@ -53,14 +54,19 @@ def covered_pairs(lay, ring_rank: int, causal: bool) -> list[tuple]:
 
 
 def expected_pairs(lay, ring_rank: int, causal: bool) -> list[tuple]:
-    queries = [(sp.doc, pos + i) for sp in lay.spans(ring_rank) if sp.doc != PAD
-               for pos, n in sp.chunks for i in range(n)]
+    queries = [
+        (sp.doc, pos + i) for sp in lay.spans(ring_rank) if sp.doc != PAD for pos, n in sp.chunks for i in range(n)
+    ]
     return [((d, p), (d, kp)) for d, p in queries for kp in range(lay.doc_lens[d] if not causal else p + 1)]
 
 
 @settings(max_examples=150, deadline=None)
-@given(docs=st.lists(st.integers(1, 40), min_size=1, max_size=12), mesh=st.sampled_from(MESHES),
-       layout=st.sampled_from(["zigzag", "contiguous"]), causal=st.booleans())
+@given(
+    docs=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    mesh=st.sampled_from(MESHES),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    causal=st.booleans(),
+)
 def test_plan_covers_each_visible_pair_exactly_once(docs, mesh, layout, causal):
     u, r = mesh
     lay = make_layout(layout, u, r, doc_lens=tuple(docs))
@@ -76,8 +82,12 @@ def test_plan_covers_each_visible_pair_exactly_once(docs, mesh, layout, causal):
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 300), mesh=st.sampled_from(MESHES), layout=st.sampled_from(["zigzag", "contiguous"]),
-       causal=st.booleans())
+@given(
+    n=st.integers(1, 300),
+    mesh=st.sampled_from(MESHES),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    causal=st.booleans(),
+)
 def test_dense_plan_covers_each_visible_pair_exactly_once(n, mesh, layout, causal):
     lay = make_layout(layout, *mesh, seq_len=n)
     for j in range(mesh[1]):
@@ -143,8 +153,19 @@ def test_hidden_lengths_raise_or_are_explicit(pool):
 @pytest.mark.parametrize("u,r,lens", [(2, 2, [1, 30, 7, 200, 3]), (4, 2, [513, 2, 2, 90]), (1, 8, [64] * 5 + [1])])
 def test_packed_bytes_equal_cost_model(pool, u, r, lens):
     for res in pool.run(dist_cases.packed_comm_bytes_case, u=u, r=r, lens=lens, h=8, hkv=2, d=16, causal=True):
-        want = topology.comm_bytes(8, 2, 16, sum(lens), 1, u, r, 4, ulysses_rank=res["ulysses_rank"],
-                                   ring_rank=res["ring_rank"], cu_seqlens=res["cu"])  # halo: per ring rank
+        want = topology.comm_bytes(
+            8,
+            2,
+            16,
+            sum(lens),
+            1,
+            u,
+            r,
+            4,
+            ulysses_rank=res["ulysses_rank"],
+            ring_rank=res["ring_rank"],
+            cu_seqlens=res["cu"],
+        )  # halo: per ring rank
         got = {s: res["total"].get(s, 0) for s in ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")}
         assert got == {s: want[s] for s in got}, (got, want)
 
@@ -160,8 +181,12 @@ def test_packed_layout_rejects_bad_boundaries():
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)  # the same draws in every CI run
-@given(docs=st.lists(st.integers(1, 70), min_size=1, max_size=9), mesh=st.sampled_from(MESHES[1:]),
-       causal=st.booleans(), heads=st.sampled_from([(8, 2), (8, 1), (6, 2)]))
+@given(
+    docs=st.lists(st.integers(1, 70), min_size=1, max_size=9),
+    mesh=st.sampled_from(MESHES[1:]),
+    causal=st.booleans(),
+    heads=st.sampled_from([(8, 2), (8, 1), (6, 2)]),
+)
 def test_random_mixes_match_per_document_attention(pool, docs, mesh, causal, heads):
     u, r = mesh
     h, hkv = heads if heads[0] >= u else (8, 2)
@@ -182,7 +207,7 @@ def test_a_long_packed_run_keeps_few_plans_on_the_device():
 
     rng = random.Random(0)
     dev = torch.device("cpu")
-    for _ in range(40):   # 40 steps, each with its own packed row
+    for _ in range(40):  # 40 steps, each with its own packed row
         lens = [rng.randint(50, 400) for _ in range(12)]
         for u, r in ((1, 8), (2, 4)):
             lay = make_layout("zigzag", u, r, doc_lens=tuple(lens))

@@ -21,7 +21,7 @@ FP32 = 1e-5
 
 def _check(row, tol, what, label):
     sent, predicted = row.pop("bytes")
-    assert sent == predicted, (what, sent, predicted)   # the counter equals the cost model, stage by stage
+    assert sent == predicted, (what, sent, predicted)  # the counter equals the cost model, stage by stage
     for part, errs in row.items():
         for name, err in errs.items():
             within(err, tol, f"{label} {part} {name}", what)
@@ -61,7 +61,9 @@ def test_plan_merges_adjacent_runs_of_one_document():
     # zigzag on a ring of 2: rank 1's chunks (tokens 8-15, 16-23) meet: one continuing run, one slot
     plan = scan_plan(layout_of("zigzag", 1, 2, seq_len=32), 2)
     assert [[(run.tok, run.n, run.continues, run.exports) for run in runs] for runs in plan.runs] == [
-        [(0, 8, False, True), (24, 8, True, False)], [(8, 16, True, True)]]
+        [(0, 8, False, True), (24, 8, True, False)],
+        [(8, 16, True, True)],
+    ]
     assert plan.slots == 1 and plan.order == ((0, 0), (1, 0))
     # one rank: both zigzag chunks are one document, nothing continues, nothing is gathered
     one = scan_plan(layout_of("zigzag", 1, 1, seq_len=32), 1)
@@ -77,8 +79,11 @@ def test_plan_agrees_with_the_cost_model(layout, u, r):
         plan = scan_plan(lay, u * r)
         for rank, runs in enumerate(plan.runs):
             assert [(run.tok, run.tok < 0 or run.continues, run.n) for run in runs] == [
-                (tok, tok < 0 or pos > 0, n) for tok, pos, n in lay.document_runs(rank)]
-            assert all(a.tok < 0 or b.tok < 0 or a.tok + a.n != b.tok or not b.continues for a, b in zip(runs, runs[1:]))
+                (tok, tok < 0 or pos > 0, n) for tok, pos, n in lay.document_runs(rank)
+            ]
+            assert all(
+                a.tok < 0 or b.tok < 0 or a.tok + a.n != b.tok or not b.continues for a, b in zip(runs, runs[1:])
+            )
         assert plan.slots == exporting_runs(lay, u * r)
 
 
@@ -114,7 +119,7 @@ def _simulated_scan(lay, size):
     rng = random.Random(len(plan.elements))
     own = [(None if not c else rng.uniform(0.5, 1.5), rng.uniform(-1, 1)) for _, _, c in plan.elements]
 
-    def then(late, early):   # late o early; a None M is zero (document start) or must not be used
+    def then(late, early):  # late o early; a None M is zero (document start) or must not be used
         m = None if late[0] is None or early[0] is None else late[0] * early[0]
         return m, late[1] if late[0] is None else late[0] * early[1] + late[1]
 
@@ -176,32 +181,46 @@ def _print_parity_tables() -> None:
         print("| mesh | layout | rows | kernel | gdn fwd | gdn bwd (worst of q,k,v,g,beta) | conv fwd | conv bwd |")
         print("|---|---|---|---|---|---|---|---|")
         for u, r in _TABLE_MESHES:
-            cases = [(lay, docs, kern) for kern in ("naive", "hf") for lay in ("zigzag", "contiguous")
-                     for docs in (None, _TABLE_DOCS)]
+            cases = [
+                (lay, docs, kern)
+                for kern in ("naive", "hf")
+                for lay in ("zigzag", "contiguous")
+                for docs in (None, _TABLE_DOCS)
+            ]
             rows = pool.run(linear_cases.scan_parity, u=u, r=r, cases=cases)
             for i, (lay, docs, kern) in enumerate(cases):
-                worst = {part: {k: max(row[i][part][k] for row in rows) for k in rows[0][i][part]}
-                         for part in ("gdn", "conv")}
+                worst = {
+                    part: {k: max(row[i][part][k] for row in rows) for k in rows[0][i][part]}
+                    for part in ("gdn", "conv")
+                }
                 g, c = worst["gdn"], worst["conv"]
-                print(f"| ({u},{r}) | {lay} | {'packed' if docs else 'dense'} | "
-                      f"{'fp64 naive' if kern == 'naive' else 'fp32 transformers'} | {g['out']:.1e} | "
-                      f"{max(v for k, v in g.items() if k != 'out'):.1e} | {c['out']:.1e} | "
-                      f"{max(v for k, v in c.items() if k != 'out'):.1e} |")
+                print(
+                    f"| ({u},{r}) | {lay} | {'packed' if docs else 'dense'} | "
+                    f"{'fp64 naive' if kern == 'naive' else 'fp32 transformers'} | {g['out']:.1e} | "
+                    f"{max(v for k, v in g.items() if k != 'out'):.1e} | {c['out']:.1e} | "
+                    f"{max(v for k, v in c.items() if k != 'out'):.1e} |"
+                )
         print("\n| model | mesh | rows | logits | loss | worst gradient |")
         print("|---|---|---|---|---|---|")
-        runs = [("qwen3_next", u, r, f, False) for u, r, f in ((2, 2, False), (1, 4, False), (4, 1, False),
-                                                             (2, 2, True))]
-        runs += [("qwen3_next", 2, 2, False, True), ("qwen3_5_text", 2, 2, False, False),
-                 ("qwen3_5_text", 2, 2, False, True)]
+        runs = [
+            ("qwen3_next", u, r, f, False) for u, r, f in ((2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True))
+        ]
+        runs += [
+            ("qwen3_next", 2, 2, False, True),
+            ("qwen3_5_text", 2, 2, False, False),
+            ("qwen3_5_text", 2, 2, False, True),
+        ]
         for kind, u, r, fsdp, packed in runs:
             if packed:
                 rows = pool.run(linear_cases.hybrid_packed_parity, u=u, r=r, kind=kind)
             else:
                 rows = pool.run(linear_cases.hybrid_parity, u=u, r=r, kind=kind, fsdp=fsdp)
             logits = "-" if packed else f"{max(x['logits'] for x in rows):.1e}"
-            print(f"| {kind}{' FSDP2' if fsdp else ''} | ({u},{r}) | {'packed' if packed else 'dense, right-padded'} "
-                  f"| {logits} | {max(x['loss'] for x in rows):.1e} | {max(x['grad'] for x in rows):.1e} |")
+            print(
+                f"| {kind}{' FSDP2' if fsdp else ''} | ({u},{r}) | {'packed' if packed else 'dense, right-padded'} "
+                f"| {logits} | {max(x['loss'] for x in rows):.1e} | {max(x['grad'] for x in rows):.1e} |"
+            )
 
 
-if __name__ == "__main__":   # the figures tests/test_recurrence.py and tests/test_hybrid_models.py bound
+if __name__ == "__main__":  # the figures tests/test_recurrence.py and tests/test_hybrid_models.py bound
     _print_parity_tables()

@@ -11,9 +11,11 @@ from tolerance import within
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4)]
 # a length-1 document, documents shorter than the cp degree, a long one among short ones
 DOCS = (1, 3, 19, 2, 1, 7)
-NAMES = {"conv": ("out", "dB", "dC", "dx", "dw", "dbias"),
-         "mamba": ("out", "dx", "ddt", "dB", "dC", "dconv_w", "dconv_b", "dA", "dD", "ddt_bias"),
-         "lightning": ("out", "dq", "dk", "dv")}
+NAMES = {
+    "conv": ("out", "dB", "dC", "dx", "dw", "dbias"),
+    "mamba": ("out", "dx", "ddt", "dB", "dC", "dconv_w", "dconv_b", "dA", "dD", "ddt_bias"),
+    "lightning": ("out", "dq", "dk", "dv"),
+}
 # fp64 round-off of chained decays and state carries against the full-sequence fp64 run: worst 1.4e-15 (lightning dv)
 FP64 = 1e-10
 # transformers' torch selective scan and the lightning kind's block-wise kernel in fp32: worst 4.6e-7 (Mamba-1
@@ -26,7 +28,7 @@ def _check_cases(pool, u: int, r: int, cases: list, tol: float) -> None:
         for i, (case, row) in enumerate(zip(cases, rank_rows)):
             for kind, result in row.items():
                 sent, predicted = result["bytes"]
-                assert sent == predicted, (u, r, case, kind, sent, predicted)   # stage by stage
+                assert sent == predicted, (u, r, case, kind, sent, predicted)  # stage by stage
                 assert len(result["errors"]) == len(NAMES[kind]), (kind, result)
                 for name, err in zip(NAMES[kind], result["errors"]):
                     within(err, tol, f"rank {rank} case {i} {kind} {name}", (u, r, case))

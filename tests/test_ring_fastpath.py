@@ -48,12 +48,14 @@ def bitwise_cases(n: int = 96) -> list[dict]:
     """This rank's share of the cases: whether the fast path was taken, and whether out, lse, dq, dk, dv are bitwise equal (and of
     the same dtype, shape and strides) to the general loop's."""
     from dist_cases import mesh
+
     cp = mesh(8, 1)
     rows = []
-    cases = itertools.product(("zigzag", "contiguous"), (torch.float32, torch.bfloat16), HEADS, (True, False),
-                              (None, 20.0), (False, True))
+    cases = itertools.product(
+        ("zigzag", "contiguous"), (torch.float32, torch.bfloat16), HEADS, (True, False), (None, 20.0), (False, True)
+    )
     for seed, (layout, dtype, heads, causal, softcap, sinks) in enumerate(cases):
-        if seed % 8 != cp.rank:   # the cases split over the 8 ranks
+        if seed % 8 != cp.rank:  # the cases split over the 8 ranks
             continue
         kv_index, kv_heads = HEADS[heads]
         q, k, v, dout, sink = _inputs(seed, n, kv_index, kv_heads, dtype)
@@ -61,10 +63,18 @@ def bitwise_cases(n: int = 96) -> list[dict]:
         fast, loop = _plans(layout, n, causal)
         got = _run(cp, kernel, fast, q, k, v, dout, kv_index, sink if sinks else None, softcap)
         ref = _run(cp, kernel, loop, q, k, v, dout, kv_index, sink if sinks else None, softcap)
-        same = [torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-                for a, b in zip(got, ref)]
-        rows.append(dict(case=(layout, str(dtype), heads, causal, softcap, sinks), same=same,
-                         fast=whole_block(fast, n, n) is not None, loop=whole_block(loop, n, n) is not None))
+        same = [
+            torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            for a, b in zip(got, ref)
+        ]
+        rows.append(
+            dict(
+                case=(layout, str(dtype), heads, causal, softcap, sinks),
+                same=same,
+                fast=whole_block(fast, n, n) is not None,
+                loop=whole_block(loop, n, n) is not None,
+            )
+        )
     return rows
 
 
@@ -79,6 +89,7 @@ def memory_case(n: int = 256, dtype: str = "bf16") -> dict:
     bytes of the loop's buffers: fp32 out and lse accumulators and the fused double K|V buffer (forward); fp32
     dq, the fused double K|V and the fused double fp32 dK|dV (backward)."""
     from dist_cases import DTYPES, mesh
+
     cp, dt = mesh(8, 1), DTYPES[dtype]
     if cp.rank:
         return {}

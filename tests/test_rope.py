@@ -44,7 +44,7 @@ def test_the_rows_would_catch_a_shard_local_extent(pool):
     """The control: the same rows with every rotary seeing its own shard only are far off (some rank's shard,
     or some document, stays below the threshold the row crosses)."""
     rows = pool.run(rope_cases.rope_table, u=2, r=2, rope_types=EXTENT_TYPES, routed=False)
-    for (rope_type, layout) in rows[0]:
+    for rope_type, layout in rows[0]:
         assert max(row[rope_type, layout]["grad"] for row in rows) > 1e-3, (rope_type, layout)
 
 
@@ -64,7 +64,7 @@ def test_multi_axis_position_ids_are_refused_for_an_extent_dependent_rope():
     holder = types.SimpleNamespace(row=RowExtent(4, ((torch.tensor(8), None),)))
     assert route_rotaries(model, holder) == 1
     x = torch.zeros(1, 4, 16, dtype=torch.float64)
-    model.model.rotary_emb(x, torch.arange(4)[None])   # this rank's [batch, 4] positions: accepted
+    model.model.rotary_emb(x, torch.arange(4)[None])  # this rank's [batch, 4] positions: accepted
     with pytest.raises(ConfigError, match="LlamaRotaryEmbedding.*position_ids of shape"):
         model.model.rotary_emb(x, torch.arange(4).expand(3, 1, 4))
 
@@ -81,16 +81,20 @@ def _print_rope_table() -> None:
     with WorkerPool(4, extra_paths=[here]) as pool:
         fixed = pool.run(rope_cases.rope_table, u=2, r=2, stock=True)
         before = pool.run(rope_cases.rope_table, u=2, r=2, routed=False)
-    print("| rope type | layout | loss rel. diff | worst gradient rel. diff | before the fix (worst gradient) "
-          "| transformers' packed row vs per document |")
+    print(
+        "| rope type | layout | loss rel. diff | worst gradient rel. diff | before the fix (worst gradient) "
+        "| transformers' packed row vs per document |"
+    )
     print("|---|---|---|---|---|---|")
     for key in fixed[0]:
         worst = {k: max(row[key][k] for row in fixed) for k in ("loss", "grad")}
         old = max(row[key]["grad"] for row in before)
         stock = fixed[0][key].get("stock_row")
-        print(f"| {key[0]} | {key[1]} | {worst['loss']:.1e} | {worst['grad']:.1e} | {old:.1e} | "
-              f"{'' if stock is None else f'{stock:.1e}'} |")
+        print(
+            f"| {key[0]} | {key[1]} | {worst['loss']:.1e} | {worst['grad']:.1e} | {old:.1e} | "
+            f"{'' if stock is None else f'{stock:.1e}'} |"
+        )
 
 
-if __name__ == "__main__":   # the figures the tests above bound (about a minute on 2 cores)
+if __name__ == "__main__":  # the figures the tests above bound (about a minute on 2 cores)
     _print_rope_table()

@@ -22,13 +22,13 @@ def _check(sched, lengths, world, capacity):
     seen = []
     for mb in sched.microbatches:
         ranks = [r for g in mb.groups for r in g.ranks]
-        assert ranks == list(range(world)), ranks                         # a partition, in rank order
+        assert ranks == list(range(world)), ranks  # a partition, in rank order
         for g in mb.groups:
-            assert g.first_rank % g.degree == 0                           # aligned blocks
+            assert g.first_rank % g.degree == 0  # aligned blocks
             assert g.ulysses * g.ring == g.degree
             assert g.tokens == sum(lengths[d] for d in g.docs) <= g.degree * capacity
             seen += g.docs
-    assert sorted(seen) == [d for d in range(len(lengths)) if lengths[d] > 0]   # every document exactly once
+    assert sorted(seen) == [d for d in range(len(lengths)) if lengths[d] > 0]  # every document exactly once
     assert len({len(sched.for_rank(r)) for r in range(world)}) == 1
 
 
@@ -39,12 +39,12 @@ def test_schedule_properties(world, capacity, data):
     degrees = uniform_degrees(world, {k: (1, k) for k in (2, 8)})
     sched = schedule_step(lengths, world, capacity, degrees)
     _check(sched, lengths, world, capacity)
-    for d, n in enumerate(lengths):   # a document longer than C runs on a group that holds it
+    for d, n in enumerate(lengths):  # a document longer than C runs on a group that holds it
         if n:
             g = next(g for mb in sched.microbatches for g in mb.groups if d in g.docs)
             assert n <= g.degree * capacity
     again = schedule_step(list(lengths), world, capacity, list(reversed(degrees)))
-    assert again == sched and again.digest == sched.digest            # deterministic, order of degrees irrelevant
+    assert again == sched and again.digest == sched.digest  # deterministic, order of degrees irrelevant
     assert sched.targets == sum(max(n - 1, 0) for n in lengths)
 
 
@@ -52,7 +52,7 @@ def test_short_documents_run_alone_and_long_ones_get_enough_ranks():
     sched = schedule_step([100] * 8 + [700], 8, 256, uniform_degrees(8))
     _check(sched, [100] * 8 + [700], 8, 256)
     long_group = next(g for mb in sched.microbatches for g in mb.groups if 8 in g.docs)
-    assert long_group.degree >= 4 and long_group.docs == (8,)    # ceil(700 / 256) = 3 -> degree 4
+    assert long_group.degree >= 4 and long_group.docs == (8,)  # ceil(700 / 256) = 3 -> degree 4
     shorts = [g for mb in sched.microbatches for g in mb.groups if g.docs and 8 not in g.docs]
     assert all(g.degree == 1 for g in shorts)
 
@@ -86,10 +86,10 @@ def test_calibrated_degrees_follow_the_planner_and_memory():
     model = topology.ModelShape(heads=32, kv_heads=8, head_dim=128, hidden=4096, layers=32)
     table = degree_table(cluster, model, 16, 8192)
     assert [d.size for d in table] == [1, 2, 4, 8, 16]
-    assert all(d.ulysses == min(d.size, 8) for d in table)    # ulysses inside the node first
+    assert all(d.ulysses == min(d.size, 8) for d in table)  # ulysses inside the node first
     assert all(d.quad > 0 for d in table) and table[0].time_s(1, 1) > 0
     with pytest.raises(ScheduleError, match="tokens_per_rank"):
-        degree_table(cluster, model, 16, 1 << 22)           # 4M tokens per rank fit no memory
+        degree_table(cluster, model, 16, 1 << 22)  # 4M tokens per rank fit no memory
 
 
 def test_explain_and_bytes_against_fixed():

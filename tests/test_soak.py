@@ -14,8 +14,16 @@ pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the bound of each cache or record (its lru_cache maxsize or its cap in the code)
-BOUNDS = {"layout perms": 8, "ring plans": 16, "head maps": 64, "topology layouts": 256, "shard records (packed)": 64,
-          "validation history": 1024, "validation fields": 64, "shard records (dense)": 0}
+BOUNDS = {
+    "layout perms": 8,
+    "ring plans": 16,
+    "head maps": 64,
+    "topology layouts": 256,
+    "shard records (packed)": 64,
+    "validation history": 1024,
+    "validation fields": 64,
+    "shard records (dense)": 0,
+}
 
 
 def test_soak_short():
@@ -23,13 +31,13 @@ def test_soak_short():
         short = pool.run(soak.run_rank, steps=4, every=4, timeout=600)
         long = pool.run(soak.run_rank, steps=10, every=5, timeout=600)
     for res, ref in zip(long, short):
-        assert res["losses"][:4] == ref["losses"]   # bitwise: nothing carried over between runs or steps
+        assert res["losses"][:4] == ref["losses"]  # bitwise: nothing carried over between runs or steps
         first, *_, last = res["samples"]
         assert first["groups"] == last["groups"] and first["threads"] == last["threads"], res["samples"]
         for s in res["samples"]:
             for key, bound in BOUNDS.items():
                 assert s[key] <= bound, (key, s)
-        assert last["layout perms"] == BOUNDS["layout perms"]   # full by step 5: new layouts evict old ones
+        assert last["layout perms"] == BOUNDS["layout perms"]  # full by step 5: new layouts evict old ones
 
 
 def test_shard_records_and_validation_fields_are_bounded():

@@ -17,11 +17,11 @@ from topology.layouts import make_layout
 _rng = random.Random(1)
 # fp64 math kernel against the fp64 reference: round-off only (worst seen 1.8e-15 over 3 runs, 550x)
 FP64 = 1e-12
-SHORT = [_rng.randint(5, 40) for _ in range(24)]   # 492 tokens: whole documents balance on every ring size
+SHORT = [_rng.randint(5, 40) for _ in range(24)]  # 492 tokens: whole documents balance on every ring size
 CASES = {
-    "short": SHORT,                 # every document whole on one ring rank: 0 ring bytes
-    "one-split": [90] + SHORT,      # one document crosses ring blocks (halo on r = 2, stream on r >= 4)
-    "long": [400] + SHORT,          # one long document: halo on r = 2, streamed whole blocks on r >= 4
+    "short": SHORT,  # every document whole on one ring rank: 0 ring bytes
+    "one-split": [90] + SHORT,  # one document crosses ring blocks (halo on r = 2, stream on r >= 4)
+    "long": [400] + SHORT,  # one long document: halo on r = 2, streamed whole blocks on r >= 4
 }
 
 
@@ -63,22 +63,42 @@ def test_halo_stays_within_the_double_buffer():
     for docs in ([90] + SHORT, [400] + SHORT, SHORT):
         for u, r in [(1, 2), (1, 4), (2, 4), (1, 8)]:
             lay = make_layout("zigzag", u, r, doc_lens=tuple(docs))
-            moved = [sum(n for s in range(1, r) for _, n in lay.needed_rows(j, s, True) + lay.needed_rows((j + s) % r, s, True))
-                     for j in range(r)]
+            moved = [
+                sum(
+                    n
+                    for s in range(1, r)
+                    for _, n in lay.needed_rows(j, s, True) + lay.needed_rows((j + s) % r, s, True)
+                )
+                for j in range(r)
+            ]
             assert lay.halo(True, None) == (max(moved) <= lay.block_len), (docs[0], u, r, moved)
 
 
 @pytest.mark.parametrize("u,r", [(1, 2), (2, 2), (1, 4), (2, 4)])
 def test_packed_full_attention_exact_and_bytes_predicted(pool, u, r):
-    cases = [dict(docs=docs, h=4, hkv=2, d=8, causal=causal, window=None, dtype="fp64", backend="math", name=name)
-             for name, docs in CASES.items() for causal in (True, False)]
+    cases = [
+        dict(docs=docs, h=4, hkv=2, d=8, causal=causal, window=None, dtype="fp64", backend="math", name=name)
+        for name, docs in CASES.items()
+        for causal in (True, False)
+    ]
     rows = pool.run(dist_cases.window_errors, u=u, r=r, layout="zigzag", cases=cases)
     _check(rows, FP64)
     for rank in rows:
         for row in rank:
-            want = topology.comm_bytes(4, 2, 8, sum(row["docs"]), 1, u, r, 8, cu_seqlens=_cu(row["docs"]),
-                                       ulysses_rank=row["ulysses_rank"], ring_rank=row["ring_rank"],
-                                       causal=row["causal"])
+            want = topology.comm_bytes(
+                4,
+                2,
+                8,
+                sum(row["docs"]),
+                1,
+                u,
+                r,
+                8,
+                cu_seqlens=_cu(row["docs"]),
+                ulysses_rank=row["ulysses_rank"],
+                ring_rank=row["ring_rank"],
+                causal=row["causal"],
+            )
             got = {s: row["bytes"].get(s, 0) for s in want}
             assert got == want, (row["name"], row["causal"], got, want)
             if row["name"] == "short":

@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybrid_cp", "topology")
 LONG = 80
 
+
 def _modules() -> dict[str, pathlib.Path]:
     mods = {}
     for package in PACKAGES:
@@ -36,8 +37,13 @@ def _is_type_checking(node: ast.If) -> bool:
 def _imports(module: str, path: pathlib.Path):
     """(target module, imported names) for every run-time import of `module` (function-level included)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
-            for child in node.body for n in ast.walk(child)}
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_type_checking(node)
+        for child in node.body
+        for n in ast.walk(child)
+    }
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -48,7 +54,7 @@ def _imports(module: str, path: pathlib.Path):
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -114,8 +120,13 @@ def test_imports_go_down_the_layers():
 
 
 def test_no_private_names_across_modules():
-    private = [f"{m} imports {n} from {t}" for m, edges in _graph().items() for t, names in edges.items()
-               for n in names if n.startswith("_") and not n.startswith("__")]
+    private = [
+        f"{m} imports {n} from {t}"
+        for m, edges in _graph().items()
+        for t, names in edges.items()
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
     assert private == []
 
 
@@ -137,3 +148,9 @@ def test_linter_is_clean():
     done = subprocess.run(["ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is installed with the [test] extra")
+def test_code_is_formatted():
+    """One layout for every file (ruff format, line length 120): a diff shows what changed, not whose editor."""
+    done = subprocess.run(["ruff", "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr + "\nrun: ruff format ."

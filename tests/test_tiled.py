@@ -85,17 +85,21 @@ def test_tiled_loss_no_valid_token_and_bf16():
     assert default_loss_chunk(128256) == 523 and default_loss_chunk(1) == 64 << 20
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(reduction="none"), "reduction='none'"),
-    (dict(chunk_tokens=0), "chunk_tokens=0"),
-    (dict(weight=torch.randn(40, 15)), r"weight.shape=\(40, 15\)"),
-    (dict(labels=torch.zeros(2, 7, dtype=torch.long)), r"labels.shape=\(2, 7\)"),
-    (dict(labels=torch.full((2, 8), 40)), "outside the vocabulary"),
-    (dict(bias=torch.zeros(3)), r"bias must be a \[40\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(reduction="none"), "reduction='none'"),
+        (dict(chunk_tokens=0), "chunk_tokens=0"),
+        (dict(weight=torch.randn(40, 15)), r"weight.shape=\(40, 15\)"),
+        (dict(labels=torch.zeros(2, 7, dtype=torch.long)), r"labels.shape=\(2, 7\)"),
+        (dict(labels=torch.full((2, 8), 40)), "outside the vocabulary"),
+        (dict(bias=torch.zeros(3)), r"bias must be a \[40\]"),
+    ],
+)
 def test_tiled_loss_rejects_bad_input(kwargs, match):
-    args = dict(hidden=torch.randn(2, 8, 16), weight=torch.randn(40, 16), labels=torch.zeros(2, 8, dtype=torch.long),
-                cp=_one())
+    args = dict(
+        hidden=torch.randn(2, 8, 16), weight=torch.randn(40, 16), labels=torch.zeros(2, 8, dtype=torch.long), cp=_one()
+    )
     args.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=match):
         tiled_cross_entropy(**args)
@@ -167,15 +171,18 @@ def test_lm_loss_single_process_equals_logits_path():
     grads = _grads(model)
     for n in ref_grads:
         within(_rel(grads[n], ref_grads[n]), TOL, f"grad {n}")
-    assert "forward" not in model.lm_head.__dict__   # the head is restored
+    assert "forward" not in model.lm_head.__dict__  # the head is restored
 
 
-@pytest.mark.parametrize("u,r,include_dp,reduction", [(2, 2, False, "mean"), (4, 2, False, "sum"),
-                                                      (1, 8, False, "mean"), (2, 2, True, "mean")])
+@pytest.mark.parametrize(
+    "u,r,include_dp,reduction",
+    [(2, 2, False, "mean"), (4, 2, False, "sum"), (1, 8, False, "mean"), (2, 2, True, "mean")],
+)
 def test_tiled_loss_on_meshes(pool, u, r, include_dp, reduction):
-    for s in (37, 5):   # s=5 on u*r=8 leaves ranks with only padding
-        for rank, row in enumerate(pool.run(memory_cases.tiled_loss_parity, u=u, r=r, s=s, include_dp=include_dp,
-                                            reduction=reduction)):
+    for s in (37, 5):  # s=5 on u*r=8 leaves ranks with only padding
+        for rank, row in enumerate(
+            pool.run(memory_cases.tiled_loss_parity, u=u, r=r, s=s, include_dp=include_dp, reduction=reduction)
+        ):
             assert row["finite"]
             for key in ("loss", "hidden", "weight", "bias"):
                 within(row[key], TOL, f"s={s} rank {rank} {key}", row)
@@ -191,8 +198,9 @@ def test_tiled_loss_empty_group_and_bad_label(pool):
 @pytest.mark.parametrize("u,r,fsdp,checkpoint", [(2, 2, True, False), (4, 2, True, True), (2, 1, False, False)])
 def test_tiled_loss_and_mlp_train_like_single_process(pool, u, r, fsdp, checkpoint):
     hkv = 1 if u == 4 else 2
-    for rank, row in enumerate(pool.run(memory_cases.tiled_model_parity, u=u, r=r, hkv=hkv, fsdp=fsdp,
-                                        checkpoint=checkpoint)):
+    for rank, row in enumerate(
+        pool.run(memory_cases.tiled_model_parity, u=u, r=r, hkv=hkv, fsdp=fsdp, checkpoint=checkpoint)
+    ):
         assert not row["missing"], row
         within(row["loss"], TOL, f"rank {rank} loss", row)
         within(row["grad"], TOL, f"rank {rank} grad", row)

@@ -21,8 +21,12 @@ MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4)
 
 def _row_tokens(lay, ring_rank: int) -> list:
     """(document, position) of each row of a ring block, None for padding."""
-    return [None if sp.doc == PAD else (sp.doc, pos + i) for sp in lay.spans(ring_rank)
-            for pos, n in sp.chunks for i in range(n)]
+    return [
+        None if sp.doc == PAD else (sp.doc, pos + i)
+        for sp in lay.spans(ring_rank)
+        for pos, n in sp.chunks
+        for i in range(n)
+    ]
 
 
 def _seen(nq: int, nk: int, causal: bool, window, i: int, j: int) -> bool:
@@ -49,15 +53,23 @@ def _plan_pairs(lay, ring_rank: int, causal: bool, window, chunk) -> tuple[list,
             for qa, nq, ka, nk in step.pairs:
                 block = {mine[qa + i] for i in range(nq)} | {keys[ka + j] for j in range(nk)}
                 assert None not in block and len({(d, p // chunk) for d, p in block}) == 1, (step, block)
-                pairs += [(mine[qa + i], keys[ka + j]) for i in range(nq) for j in range(nk)
-                          if _seen(nq, nk, step.causal, step.window, i, j)]
+                pairs += [
+                    (mine[qa + i], keys[ka + j])
+                    for i in range(nq)
+                    for j in range(nk)
+                    if _seen(nq, nk, step.causal, step.window, i, j)
+                ]
     return pairs, work
 
 
 def _brute_force(lay, ring_rank: int, causal: bool, window, chunk) -> list:
     lo, hi = band(causal, window)
-    return [((d, p), (d, kp)) for d, p in filter(None, _row_tokens(lay, ring_rank))
-            for kp in range(lay.doc_lens[d]) if kp // chunk == p // chunk and lo <= kp - p <= hi]
+    return [
+        ((d, p), (d, kp))
+        for d, p in filter(None, _row_tokens(lay, ring_rank))
+        for kp in range(lay.doc_lens[d])
+        if kp // chunk == p // chunk and lo <= kp - p <= hi
+    ]
 
 
 def _configs(count: int):
@@ -115,8 +127,7 @@ def test_cost_model_prices_the_chunked_plan():
     lay = make_layout("zigzag", 8, 4, seq_len=1 << 18)
     share = max(map(sum, lay.work(True, None, 8192))) / max(map(sum, lay.work(True)))
     within(relative_difference(chunked.attention_s, full.attention_s * share), 1e-9, "chunked.attention_s")
-    assert chunked.bytes_per_rank == topology.comm_bytes(32, 8, 128, 1 << 18, 1, 8, 4, 2, causal=True,
-                                                         chunk_size=8192)
+    assert chunked.bytes_per_rank == topology.comm_bytes(32, 8, 128, 1 << 18, 1, 8, 4, 2, causal=True, chunk_size=8192)
     assert chunked.bytes_per_rank["ring_fwd"] < 0.01 * full.bytes_per_rank["ring_fwd"]
     assert any("8192-token attention chunks" in note for note in chunked.notes)
 
@@ -135,21 +146,31 @@ def test_a_model_with_chunked_layers_is_priced_as_its_average_layer():
     assert chunked.time_s < full.time_s
     assert any("24 of 32 layers attend in 8192-token chunks" in note for note in model.notes)
     # three kinds: window, chunked and full layers, each priced from its own plan
-    mix = topology.estimate(cluster, _shape(sliding_window=1024, window_layers=8, attention_chunk_size=8192,
-                                            chunked_layers=16), n, 8, 2)
+    mix = topology.estimate(
+        cluster, _shape(sliding_window=1024, window_layers=8, attention_chunk_size=8192, chunked_layers=16), n, 8, 2
+    )
     win = topology.estimate(cluster, _shape(), n, 8, 2, window=1024)
-    within(relative_difference(mix.time_s, 0.25 * win.time_s + 0.5 * chunked.time_s + 0.25 * full.time_s), 1e-9,
-           "mix.time_s")
+    within(
+        relative_difference(mix.time_s, 0.25 * win.time_s + 0.5 * chunked.time_s + 0.25 * full.time_s),
+        1e-9,
+        "mix.time_s",
+    )
     # a chunk reaching the whole sequence is full attention
     whole = topology.estimate(cluster, _shape(attention_chunk_size=n), n, 8, 2)
     within(relative_difference(whole.time_s, full.time_s, floor=1e-6), 1e-6, "whole-sequence chunk time_s")
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(attention_chunk_size=8192, chunked_layers=40), "chunked_layers=40 exceeds layers=32"),
-    (dict(attention_chunk_size=8192, sliding_window=1024), "needs window_layers and chunked_layers"),
-    (dict(attention_chunk_size=8192, chunked_layers=20, sliding_window=1024, window_layers=20), "exceeds layers=32"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(attention_chunk_size=8192, chunked_layers=40), "chunked_layers=40 exceeds layers=32"),
+        (dict(attention_chunk_size=8192, sliding_window=1024), "needs window_layers and chunked_layers"),
+        (
+            dict(attention_chunk_size=8192, chunked_layers=20, sliding_window=1024, window_layers=20),
+            "exceeds layers=32",
+        ),
+    ],
+)
 def test_model_shape_chunk_checks(kw, match):
     with pytest.raises(ValueError, match=match):
         _shape(**kw)
@@ -158,8 +179,24 @@ def test_model_shape_chunk_checks(kw, match):
 def test_plan_cli_takes_chunked_layers(capsys):
     from hybrid_cp.cli.plan import main
 
-    args = ["--preset", "dgx-h100", "--nodes", "4", "--heads", "40", "--kv-heads", "8", "--head-dim", "128",
-            "--layers", "48", "--seq-len", "1M", "--top", "1"]
+    args = [
+        "--preset",
+        "dgx-h100",
+        "--nodes",
+        "4",
+        "--heads",
+        "40",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+        "--layers",
+        "48",
+        "--seq-len",
+        "1M",
+        "--top",
+        "1",
+    ]
     assert main(args) == 0
     full = capsys.readouterr().out
     assert main([*args, "--attention-chunk-size", "8K", "--chunked-layers", "36"]) == 0

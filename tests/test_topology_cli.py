@@ -50,7 +50,10 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
         (["--heads", "32", "--head-dim", "128", "--seq-len", "1K"], "exactly one of --preset"),
         (["--preset", "dgx-h100", "--seq-len", "1K"], "--heads and --head-dim"),
         (["--preset", "nope", "--heads", "8", "--head-dim", "64", "--seq-len", "1K"], "unknown preset"),
-        (["--preset", "dgx-h100", "--heads", "8", "--head-dim", "64", "--seq-len", "1M", "--memory-budget", "1G"], "memory"),
+        (
+            ["--preset", "dgx-h100", "--heads", "8", "--head-dim", "64", "--seq-len", "1M", "--memory-budget", "1G"],
+            "memory",
+        ),
     ],
 )
 def test_errors_exit_2(argv, match, capsys):
@@ -66,6 +69,24 @@ def test_parsers():
 
 
 def test_hybrid_model_prints_the_linear_share(capsys):
-    assert main(["--preset", "dgx-h100", "--nodes", "4", "--model", "qwen3-next-80b", "--seq-len", "128K", "--top", "2", "--dp", "1"]) == 0
+    assert (
+        main(
+            [
+                "--preset",
+                "dgx-h100",
+                "--nodes",
+                "4",
+                "--model",
+                "qwen3-next-80b",
+                "--seq-len",
+                "128K",
+                "--top",
+                "2",
+                "--dp",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "linear layers (75% of layers): recurrence" in out and "linear_state_fwd" in out

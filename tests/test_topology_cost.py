@@ -139,8 +139,13 @@ def test_estimate_uses_comm_bytes_and_sums_components():
     e = estimate(c, MODEL, 1 << 20, 8, 4)
     assert e.bytes_per_rank == comm_bytes(32, 8, 128, 1 << 20, 1, 8, 4, 2)
     assert e.total_bytes == sum(e.bytes_per_rank.values())
-    within(relative_difference(e.time_s, e.attention_s + e.ring_overhead_s + e.rest_s + e.a2a_s + e.ring_exposed_s,
-                               floor=1e-6), 1e-6, "e.time_s")
+    within(
+        relative_difference(
+            e.time_s, e.attention_s + e.ring_overhead_s + e.rest_s + e.a2a_s + e.ring_exposed_s, floor=1e-6
+        ),
+        1e-6,
+        "e.time_s",
+    )
     assert e.a2a_link == "intra-node" and e.ring_link == "inter-node"
 
 
@@ -213,13 +218,16 @@ def test_model_shape_validation_and_presets():
 GDN = dict(linear_kind="gated_delta", linear_heads=4, linear_key_heads=2, linear_key_dim=16, linear_value_dim=32)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(layers=4, linear_layers=5, **GDN), "linear_layers=5 exceeds layers=4"),
-    (dict(layers=4, linear_layers=3), "needs linear_kind"),
-    (dict(layers=4, linear_layers=3, linear_kind="mamba2", linear_heads=8), "needs linear_key_heads"),
-    (dict(layers=4, linear_layers=3, **{**GDN, "linear_key_heads": 3}), "multiple of linear_key_heads=3"),
-    (dict(layers=4, **GDN), "linear_layers=0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(layers=4, linear_layers=5, **GDN), "linear_layers=5 exceeds layers=4"),
+        (dict(layers=4, linear_layers=3), "needs linear_kind"),
+        (dict(layers=4, linear_layers=3, linear_kind="mamba2", linear_heads=8), "needs linear_key_heads"),
+        (dict(layers=4, linear_layers=3, **{**GDN, "linear_key_heads": 3}), "multiple of linear_key_heads=3"),
+        (dict(layers=4, **GDN), "linear_layers=0"),
+    ],
+)
 def test_linear_layers_are_validated(bad, match):
     with pytest.raises(ValueError, match=match):
         ModelShape(heads=4, head_dim=16, **bad)
@@ -229,9 +237,18 @@ def test_qwen3_next_preset_matches_the_worked_count():
     """docs/linear.md's table: 32 x 128 x 256 state numbers per slot, conv over 8192 channels, 36 of 48 linear."""
     m = ModelShape.preset("qwen3-next-80b")
     assert (m.linear_state_numel, m.linear_conv_channels, m.attention_layers) == (32 * 128 * 256, 8192, 12)
-    mamba = ModelShape(heads=32, head_dim=128, layers=4, linear_layers=3, linear_kind="mamba2", linear_heads=128,
-                       linear_key_heads=1, linear_key_dim=256, linear_value_dim=64)
-    assert (mamba.linear_state_numel, mamba.linear_conv_channels) == (2_097_280, 8704)   # BambaConfig() sizes
+    mamba = ModelShape(
+        heads=32,
+        head_dim=128,
+        layers=4,
+        linear_layers=3,
+        linear_kind="mamba2",
+        linear_heads=128,
+        linear_key_heads=1,
+        linear_key_dim=256,
+        linear_value_dim=64,
+    )
+    assert (mamba.linear_state_numel, mamba.linear_conv_channels) == (2_097_280, 8704)  # BambaConfig() sizes
 
 
 @pytest.mark.parametrize("layout, u, r", [("zigzag", 2, 2), ("contiguous", 1, 4), ("zigzag", 4, 1)])
@@ -244,11 +261,18 @@ def test_linear_layer_bytes_and_the_hybrid_average(layout, u, r):
     c = Cluster.preset("dgx-h100")
     base = dict(heads=8, kv_heads=2, head_dim=64, hidden=512, intermediate=1024, **GDN)
     lin = estimate(c, ModelShape(layers=4, linear_layers=4, **base), 4096, u, r, layout=layout)
-    attn = estimate(c, ModelShape(layers=4, **{k: v for k, v in base.items() if not k.startswith("linear")}),
-                    4096, u, r, layout=layout)
+    attn = estimate(
+        c,
+        ModelShape(layers=4, **{k: v for k, v in base.items() if not k.startswith("linear")}),
+        4096,
+        u,
+        r,
+        layout=layout,
+    )
     lay = make_layout(layout, u, r, seq_len=4096)
-    assert lin.bytes_per_rank == linear_layer_bytes(lay, u * r, 1, 4 * 16 * 48, 3, 2 * 2 * 16 + 4 * 32, 2, 4,
-                                                    transition_numel=4 * 16 * 16)
+    assert lin.bytes_per_rank == linear_layer_bytes(
+        lay, u * r, 1, 4 * 16 * 48, 3, 2 * 2 * 16 + 4 * 32, 2, 4, transition_numel=4 * 16 * 16
+    )
     # the summaries travel by the log-step scan here, under the all-gather's (P - 1) x slots x (M + E)
     gather = linear_layer_bytes(lay, u * r, 1, 4 * 16 * 48, 3, 2 * 2 * 16 + 4 * 32, 2, 4, exchange="gather")
     assert gather["linear_state_fwd"] == (u * r - 1) * (2 if layout == "zigzag" else 1) * 4 * 16 * 48 * 4
@@ -278,10 +302,21 @@ def test_linear_compute_counts_the_probe_on_continuing_runs():
     within(relative_difference(one.linear_s, 8192 * f0 * 3 / acc.dense_flops), 1e-12, "one.linear_s")
     within(relative_difference(four.linear_s, 2048 * f1 * 3 / acc.dense_flops), 1e-12, "four.linear_s")
     assert one.linear_comm_s == 0 and one.bytes_per_rank == {}
-    mamba = ModelShape(heads=8, head_dim=64, layers=2, linear_layers=2, linear_kind="mamba2", linear_heads=8,
-                       linear_key_heads=2, linear_key_dim=16, linear_value_dim=32, linear_chunk=C)
+    mamba = ModelShape(
+        heads=8,
+        head_dim=64,
+        layers=2,
+        linear_layers=2,
+        linear_kind="mamba2",
+        linear_heads=8,
+        linear_key_heads=2,
+        linear_key_dim=16,
+        linear_value_dim=32,
+        linear_chunk=C,
+    )
     assert linear_flops_per_token(mamba, False) == 8 * (4 * 16 * 32 + 2 * C * 32 + 2 * C * 16 * 2 / 8) + 2 * K * (
-        2 * 2 * 16 + 8 * 32)
+        2 * 2 * 16 + 8 * 32
+    )
     assert linear_flops_per_token(mamba, True) - linear_flops_per_token(mamba, False) == 8 * 2 * 16 * 32
 
 

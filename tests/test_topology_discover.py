@@ -125,6 +125,9 @@ def test_gb200_domain_and_override():
     env = {"WORLD_SIZE": "72", "LOCAL_WORLD_SIZE": "4"}
     c = discover(env, torch_module=fake_torch("NVIDIA GB200", count=4), nvml=FakeNVML(links=18, version=5))
     assert c.domain_size == 72 and c.intra_node.bandwidth_gb_s == 900
-    c2 = discover({**env, "HYBRID_CP_NVLINK_DOMAIN": "36"}, torch_module=fake_torch("NVIDIA GB200", count=4),
-                  nvml=FakeNVML(links=18, version=5))
+    c2 = discover(
+        {**env, "HYBRID_CP_NVLINK_DOMAIN": "36"},
+        torch_module=fake_torch("NVIDIA GB200", count=4),
+        nvml=FakeNVML(links=18, version=5),
+    )
     assert c2.domain_size == 36

@@ -38,7 +38,7 @@ def test_masked_kernels_are_the_lock_step_sum_of_the_engine_plan():
     within(relative_difference(_priced_cells(masked, dense, 4), want), 1e-12, "shared prefix: priced = lock-step cells")
     # useful FLOPs: the mask's visible cells (4 B D H per cell, forward + 2.5x backward), plus the same GEMMs
     attn = 4.0 * SHARED.cells() * SHAPE.head_dim * SHAPE.heads * 3.5
-    gemm = dense.model_flops - 0.5 * 4.0 * SHARED.seq_len ** 2 * SHAPE.head_dim * SHAPE.heads * 3.5
+    gemm = dense.model_flops - 0.5 * 4.0 * SHARED.seq_len**2 * SHAPE.head_dim * SHAPE.heads * 3.5
     within(relative_difference(masked.model_flops, attn + gemm), 1e-12, "shared prefix: useful FLOPs")
 
 
@@ -46,8 +46,8 @@ def test_shared_prefix_costs_less_than_causal_and_more_than_its_cell_share():
     n = SHARED.seq_len
     masked = topology.estimate(CLUSTER, SHAPE, n, 1, 4, mask=SHARED)
     dense = topology.estimate(CLUSTER, SHAPE, n, 1, 4)
-    ratio = masked.attention_s / dense.attention_s   # 0.592
-    share = SHARED.cells() / (n * (n + 1) / 2)        # 0.557 of the causal row's cells
+    ratio = masked.attention_s / dense.attention_s  # 0.592
+    share = SHARED.cells() / (n * (n + 1) / 2)  # 0.557 of the causal row's cells
     # cheaper than causal attention on the same row: 0.59 seen; 0.8 leaves room, 1.0 would be no saving
     within(ratio, 0.8, "shared prefix / causal attention time")
     # dearer than the cell share alone: the lock-step ring waits for the busiest rank at each step
@@ -56,9 +56,16 @@ def test_shared_prefix_costs_less_than_causal_and_more_than_its_cell_share():
     assert any("lock-step ring does 1.06x" in note for note in masked.notes), masked.notes
 
 
-@pytest.mark.parametrize("cu, ulysses", [([0, 1024, 2048, 3072, 4096], 1), ([0, 3000, 3500, 4000, 4096], 2),
-                                         ([0, 6000, 7000, 8192], 2), ([0, 5000, 5100, 5800, 7000, 8192], 1),
-                                         ([0, 700, 1900, 2600, 4096], 1)])
+@pytest.mark.parametrize(
+    "cu, ulysses",
+    [
+        ([0, 1024, 2048, 3072, 4096], 1),
+        ([0, 3000, 3500, 4000, 4096], 2),
+        ([0, 6000, 7000, 8192], 2),
+        ([0, 5000, 5100, 5800, 7000, 8192], 1),
+        ([0, 700, 1900, 2600, 4096], 1),
+    ],
+)
 def test_documents_mask_is_priced_like_the_packed_row(cu, ulysses):
     """A documents mask runs on the mask's balanced layout, not the packed one: the work each prices is
     compared (lock-step cells per ring rank), and the bytes, which `comm_bytes` gives for both."""
@@ -90,8 +97,9 @@ def test_bytes_are_comm_bytes_of_the_mask(window):
 
 def test_packed_documents_move_no_ring_bytes_and_pay_only_the_calls_they_make():
     mask, overhead = AttnMask.documents([0, 1024, 2048, 3072, 4096]), 50.0
-    slow = CLUSTER.model_copy(update={"accelerator": CLUSTER.accelerator.model_copy(
-        update={"kernel_call_overhead_us": overhead})})
+    slow = CLUSTER.model_copy(
+        update={"accelerator": CLUSTER.accelerator.model_copy(update={"kernel_call_overhead_us": overhead})}
+    )
     base = topology.estimate(CLUSTER, SHAPE, 4096, 1, 4, mask=mask)
     est = topology.estimate(slow, SHAPE, 4096, 1, 4, mask=mask)
     within(est.bytes_per_rank["ring_fwd"] + est.bytes_per_rank["ring_bwd"], 0, "whole documents: ring bytes (exact)")
@@ -110,12 +118,18 @@ def test_model_windows_apply_to_the_mask():
     within(relative_difference(est.attention_s, 0.5 * (win.attention_s + full.attention_s)), 1e-12, "average layer")
 
 
-@pytest.mark.parametrize("kw, named", [(dict(layout="contiguous"), "layout='contiguous'"),
-                                       (dict(layout="zigzag"), "layout='zigzag'"),
-                                       (dict(causal=True), "causal=True"), (dict(causal=False), "causal=False"),
-                                       (dict(chunk_size=256), "chunk_size=256"),
-                                       (dict(seq_len=4096), "seq_len=4096"),
-                                       (dict(mask=[(0, 4, 0, 4, None, 0)]), "mask=[(0, 4")])
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(layout="contiguous"), "layout='contiguous'"),
+        (dict(layout="zigzag"), "layout='zigzag'"),
+        (dict(causal=True), "causal=True"),
+        (dict(causal=False), "causal=False"),
+        (dict(chunk_size=256), "chunk_size=256"),
+        (dict(seq_len=4096), "seq_len=4096"),
+        (dict(mask=[(0, 4, 0, 4, None, 0)]), "mask=[(0, 4"),
+    ],
+)
 def test_refusals_name_the_argument(kw, named):
     kw = {"seq_len": SHARED.seq_len, "mask": SHARED, **kw}
     with pytest.raises(ValueError) as err:
@@ -133,13 +147,28 @@ def test_chunked_or_linear_models_refuse_the_models_windows():
 RATE = 0.02  # TFLOP/s of every fitted kernel, no per-call or per-head cost: the calibrated kernel is FLOPs / rate
 
 
-@pytest.mark.parametrize("name, mask, ulysses", [("shared", SHARED, 1), ("shared-w700", SHARED.windowed(700), 1),
-                                                 ("documents", AttnMask.documents([0, 3000, 3500, 4000, 4096]), 2)])
+@pytest.mark.parametrize(
+    "name, mask, ulysses",
+    [
+        ("shared", SHARED, 1),
+        ("shared-w700", SHARED.windowed(700), 1),
+        ("documents", AttnMask.documents([0, 3000, 3500, 4000, 4096]), 2),
+    ],
+)
 def test_calibrated_kernels_price_the_masked_plan(name, mask, ulysses):
-    fits = [KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=RATE, call_overhead_us=0.0)
-            for c in (True, False) for d in ("fwd", "bwd")]
-    cal = Calibration(world=8, backend="gloo", kernel="sdpa", dtype="float32", kernels=fits,
-                      p2p=LinkFit(bandwidth_gb_s=0.4, latency_us=1000.0))
+    fits = [
+        KernelFit(backend="sdpa", dtype="float32", causal=c, direction=d, tflops=RATE, call_overhead_us=0.0)
+        for c in (True, False)
+        for d in ("fwd", "bwd")
+    ]
+    cal = Calibration(
+        world=8,
+        backend="gloo",
+        kernel="sdpa",
+        dtype="float32",
+        kernels=fits,
+        p2p=LinkFit(bandwidth_gb_s=0.4, latency_us=1000.0),
+    )
     cluster = topology.Cluster.preset("cpu", gpus_per_node=8).model_copy(update={"calibration": cal})
     est = topology.estimate(cluster, SHAPE, mask.seq_len, ulysses, 4, dtype="float32", mask=mask)
     want = _lock_step_cells(mask, ulysses, 4) * 4 * SHAPE.head_dim * (SHAPE.heads // ulysses) * 3.5 / (RATE * 1e12)

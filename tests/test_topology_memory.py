@@ -18,8 +18,15 @@ LLAMA8B = ModelShape.preset("llama3-8b")
 # so fp64 round-off only (rel 1e-12, 1e-9, or pytest.approx's 1e-6): worst 5.1e-16 (at 1e-12), 2.2e-16 (at 1e-9)
 
 
-TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 TINY_SHAPE = ModelShape(heads=4, kv_heads=2, head_dim=16, hidden=64, layers=3, intermediate=128, vocab=64)
 
 
@@ -27,8 +34,9 @@ def _tiny_llama(dtype=torch.bfloat16):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**TINY, max_position_embeddings=1 << 14, tie_word_embeddings=False,
-                                   attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        **TINY, max_position_embeddings=1 << 14, tie_word_embeddings=False, attn_implementation="sdpa"
+    )
     return transformers.LlamaForCausalLM(cfg).to(dtype).train()
 
 
@@ -44,12 +52,13 @@ def test_stock_rmsnorm_keeps_an_fp32_copy_and_the_model_counts_it():
         t.track(x, list(model.parameters()))
         before = t.live
         y = proj(norm(x))
-        kept = t.live - before - y.numel() * y.element_size()   # what autograd keeps (y is the next input)
-    per_unit = (4 + 2 * 2)
-    assert per_unit * T * E <= kept <= per_unit * T * E + 8 * T, kept   # + the fp32 rstd per token
+        kept = t.live - before - y.numel() * y.element_size()  # what autograd keeps (y is the next input)
+    per_unit = 4 + 2 * 2
+    assert per_unit * T * E <= kept <= per_unit * T * E + 8 * T, kept  # + the fp32 rstd per token
     est = step_memory(TINY_SHAPE, T, options=MemoryOptions(checkpoint=False, fsdp=False), dtype="bf16")
-    tiled = step_memory(TINY_SHAPE, T, options=MemoryOptions(checkpoint=False, fsdp=False, tiled_norm=True),
-                        dtype="bf16")
+    tiled = step_memory(
+        TINY_SHAPE, T, options=MemoryOptions(checkpoint=False, fsdp=False, tiled_norm=True), dtype="bf16"
+    )
     # per layer two norms; the tiled norm keeps its bf16 input and output only: 2 x (4 + 2e - 2e) bytes less
     assert est.activations["layer"] - tiled.activations["layer"] == 2 * 4 * T * E
     assert est.activations["final_norm"] == per_unit * T * E and tiled.activations["final_norm"] == 4 * T * E
@@ -63,7 +72,7 @@ def test_stock_rmsnorm_keeps_an_fp32_copy_and_the_model_counts_it():
         before = t.live
         y = proj(norm(x))
         kept = t.live - before - y.numel() * y.element_size()
-    assert kept == T * E * 2, kept   # the model's tiled first norm of a checkpointed layer: e per hidden unit
+    assert kept == T * E * 2, kept  # the model's tiled first norm of a checkpointed layer: e per hidden unit
 
 
 def test_final_norm_is_freed_before_the_last_layer_backward():
@@ -95,22 +104,25 @@ def test_final_norm_is_freed_before_the_last_layer_backward():
         loss.backward()
     hook.remove()
     e = 2
-    assert seen["embed_grad"] is None and seen["lm_head_grad"].dtype == torch.bfloat16   # root grads: compute dtype
+    assert seen["embed_grad"] is None and seen["lm_head_grad"].dtype == torch.bfloat16  # root grads: compute dtype
     est = step_memory(TINY_SHAPE, T, options=MemoryOptions(fsdp=False), dtype="bf16")
     acts = est.activations
     assert acts["inputs"] == L * T * E * e and acts["rotary"] == 2 * T * D * e
-    expected = acts["inputs"] + acts["rotary"] + T * E * e + V * E * e + E * e   # + d(out), LM head, norm grads
+    expected = acts["inputs"] + acts["rotary"] + T * E * e + V * E * e + E * e  # + d(out), LM head, norm grads
     measured = seen["live"] - base
     assert abs(measured - expected) <= 0.02 * expected, (measured, expected)
-    assert acts["final_norm"] > 0.5 * expected   # so keeping it would show: it is large, and it is gone
+    assert acts["final_norm"] > 0.5 * expected  # so keeping it would show: it is large, and it is gone
 
 
 def test_budget_is_used_as_given_and_host_memory_bounds_offload():
     budget = 80e9
     best = max_seq_len(LLAMA8B, 8, budget, MemoryOptions(tiled_loss=True, tiled_mlp=8192), granularity=8192)
-    assert best.estimate.peak <= budget < step_memory(LLAMA8B, best.seq_len + 8192, best.ulysses, best.ring, 1, 1,
-                                                      best.options).peak
-    assert best.estimate.peak > 0.97 * budget           # no hidden margin on top of an explicit budget
+    assert (
+        best.estimate.peak
+        <= budget
+        < step_memory(LLAMA8B, best.seq_len + 8192, best.ulysses, best.ring, 1, 1, best.options).peak
+    )
+    assert best.estimate.peak > 0.97 * budget  # no hidden margin on top of an explicit budget
     off = MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=8, offload_checkpoints=True, tiled_norm=True)
     free = max_seq_len(LLAMA8B, 8, budget, off, granularity=8192)
     host = 100 * 2**30
@@ -128,15 +140,17 @@ def test_attention_forwards_per_layer_and_their_time():
     chunked = MemoryOptions(head_chunks=4)
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(checkpoint=False)) == 1
     assert attention_forwards(LLAMA8B, 8, MemoryOptions()) == 2
-    assert attention_forwards(LLAMA8B, 8, chunked) == 2                      # the runtime's default
+    assert attention_forwards(LLAMA8B, 8, chunked) == 2  # the runtime's default
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, keep_attention_output=False)) == 3
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, checkpoint=False)) == 2
-    assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, checkpoint=False,
-                                                        keep_attention_output=True)) == 1
+    assert (
+        attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, checkpoint=False, keep_attention_output=True)) == 1
+    )
     # keeping the outputs costs one [tokens, heads x head_dim] tensor (+ fp32 lse) in the recomputed layer
     base = dict(tiled_loss=True, tiled_mlp=8192, head_chunks=4)
-    kept, not_kept = (step_memory(LLAMA8B, 1 << 20, 8, 1, 1, 1, MemoryOptions(**base, keep_attention_output=k))
-                      for k in (None, False))
+    kept, not_kept = (
+        step_memory(LLAMA8B, 1 << 20, 8, 1, 1, 1, MemoryOptions(**base, keep_attention_output=k)) for k in (None, False)
+    )
     T = kept.local_tokens
     assert kept.activations["layer"] - not_kept.activations["layer"] == T * (32 * 128 * 2 + 8 * 4 * 4)
     assert attention_forwards(LLAMA8B, 8, MemoryOptions(head_chunks=4, chunk_projections=False)) == 2
@@ -157,8 +171,9 @@ def test_max_seq_targets_llama3_8b_h100(nodes, head_chunks, lo, hi):
     best split is a pure ring with 8 module-level chunks (7.14e6 tokens), one UPipe does not run: above the
     issue's 6.5M (docs/memory.md, "Llama-3-8B on 8 x H100")."""
     c = Cluster.preset("dgx-h100", nodes=nodes)
-    rows = max_seq_table(LLAMA8B, c.world_size, 80e9, head_chunks=head_chunks, host_memory=c.host_memory_per_gpu,
-                         granularity=8192)
+    rows = max_seq_table(
+        LLAMA8B, c.world_size, 80e9, head_chunks=head_chunks, host_memory=c.host_memory_per_gpu, granularity=8192
+    )
     name, best = rows[-1]
     seqs = [b.seq_len for _, b in rows]
     assert seqs == sorted(seqs) and name == "+ tiled RMSNorm"
@@ -174,30 +189,55 @@ def test_pinned_host_buffers_round_up_and_cap_the_offload():
     go further."""
     off = MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=8, offload_checkpoints=True, tiled_norm=True)
     assert host_bytes(LLAMA8B, 5 << 20, 8, 1, 1, off) == 32 * 8 * 2**30
-    assert host_bytes(LLAMA8B, 5 << 20, 8, 1, 1, MemoryOptions(offload_checkpoints=True, pin_memory=False)) == \
-        32 * 5 * 2**30
+    assert (
+        host_bytes(LLAMA8B, 5 << 20, 8, 1, 1, MemoryOptions(offload_checkpoints=True, pin_memory=False))
+        == 32 * 5 * 2**30
+    )
     host = Cluster.preset("dgx-h100").host_memory_per_gpu
     pinned = max_seq_len(LLAMA8B, 8, 80e9, off, granularity=8192, host_memory=host, splits=[(8, 1)])
-    upipe = max_seq_len(LLAMA8B, 8, 80e9, MemoryOptions(**{**off.__dict__, "pin_memory": False}), granularity=8192,
-                        host_memory=host, splits=[(8, 1)])
-    assert upipe.options.head_chunks == 4 and not upipe.options.pin_memory     # UPipe's split: 4 stages
-    assert pinned.seq_len == upipe.seq_len and not pinned.options.pin_memory   # the search tries pageable too
-    only_pinned = max_seq_len(LLAMA8B, 8, 80e9, off, granularity=8192, host_memory=host, splits=[(8, 1)],
-                              pins=(True,))
+    upipe = max_seq_len(
+        LLAMA8B,
+        8,
+        80e9,
+        MemoryOptions(**{**off.__dict__, "pin_memory": False}),
+        granularity=8192,
+        host_memory=host,
+        splits=[(8, 1)],
+    )
+    assert upipe.options.head_chunks == 4 and not upipe.options.pin_memory  # UPipe's split: 4 stages
+    assert pinned.seq_len == upipe.seq_len and not pinned.options.pin_memory  # the search tries pageable too
+    only_pinned = max_seq_len(LLAMA8B, 8, 80e9, off, granularity=8192, host_memory=host, splits=[(8, 1)], pins=(True,))
     assert only_pinned.seq_len == 4 << 20 and only_pinned.estimate.host == 32 * 4 * 2**30
 
 
-SMALL = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=256,
-             vocab_size=512)
+SMALL = dict(
+    hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=256, vocab_size=512
+)
 
 
 def _runtime_estimate(u: int, r: int, seq_len: int, layers: int, **kw) -> "object":
     """The estimate of benchmarks/memory_step.py's measured step with the SMALL shape (and the CPU defaults:
     replicated fp32 weights, per-tensor AdamW, offload without pinning or prefetch)."""
     shape = ModelShape(heads=8, kv_heads=2, head_dim=16, hidden=128, layers=layers, intermediate=256, vocab=512)
-    return step_memory(shape, seq_len, u, r, 8 // (u * r), 1,
-                       MemoryOptions(tiled_loss=True, loss_chunk=512, tiled_mlp=512, fsdp=False, foreach_optimizer=False,
-                                     prefetch=False, pin_memory=False, **kw), dtype="fp32")
+    return step_memory(
+        shape,
+        seq_len,
+        u,
+        r,
+        8 // (u * r),
+        1,
+        MemoryOptions(
+            tiled_loss=True,
+            loss_chunk=512,
+            tiled_mlp=512,
+            fsdp=False,
+            foreach_optimizer=False,
+            prefetch=False,
+            pin_memory=False,
+            **kw,
+        ),
+        dtype="fp32",
+    )
 
 
 @pytest.mark.slow  # two 8-rank steps, about 2 x 100 s on a loaded 2-core machine; the model-only host and phase
@@ -207,8 +247,9 @@ def test_offloaded_inputs_leave_the_device_as_the_model_says(pool):
     shape whose activations, not its weights, set the peak): the host buffers hold exactly the model's
     `host_bytes` (every layer's input), the device-resident peak falls by what the model says, and both
     device estimates are within 10%."""
-    kw = dict(u=1, r=8, seq_len=16384, layers=4, loss_chunk=512, tiled_loss=True, tiled_mlp=512, checkpoint=True,
-              shape=SMALL)
+    kw = dict(
+        u=1, r=8, seq_len=16384, layers=4, loss_chunk=512, tiled_loss=True, tiled_mlp=512, checkpoint=True, shape=SMALL
+    )
     plain = max(pool.run(memory_cases.measure_step, **kw), key=lambda x: x["device_peak"])
     off_rows = pool.run(memory_cases.measure_step, offload=True, **kw)
     off = max(off_rows, key=lambda x: x["device_peak"])
@@ -225,11 +266,14 @@ def test_offloaded_inputs_leave_the_device_as_the_model_says(pool):
     assert est_off.peak_phase == "first_layer_backward" and est_plain.peak_phase == "last_layer_backward"
 
 
-@pytest.mark.parametrize("world,u,r,head_chunks,check", [
-    (8, 8, 1, 1, lambda mi: 2.7e6 <= mi * 2**20 <= 4.2e6),  # Ulysses (same offload, tiled MLP/norm): 3M published
-    (8, 8, 1, 8, lambda mi: 5.24e6 <= mi * 2**20 <= 6.5e6),  # UPipe, 4 head stages: fits 5Mi, not 6M (issue 20)
-    (16, 8, 2, 8, lambda mi: 7.5 <= mi < 9),               # UPipe on 16: 7.5Mi ran, 9Mi (the next point) did not
-])
+@pytest.mark.parametrize(
+    "world,u,r,head_chunks,check",
+    [
+        (8, 8, 1, 1, lambda mi: 2.7e6 <= mi * 2**20 <= 4.2e6),  # Ulysses (same offload, tiled MLP/norm): 3M published
+        (8, 8, 1, 8, lambda mi: 5.24e6 <= mi * 2**20 <= 6.5e6),  # UPipe, 4 head stages: fits 5Mi, not 6M (issue 20)
+        (16, 8, 2, 8, lambda mi: 7.5 <= mi < 9),  # UPipe on 16: 7.5Mi ran, 9Mi (the next point) did not
+    ],
+)
 def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, check):
     """UPipe's runs (arXiv 2602.21196, its run scripts' grids) at their own split, every option, 80e9 bytes
     per GPU and the DGX's host memory: benchmarks/results/memory.md's comparison table. Unchunked at ring size 1 our engine
@@ -237,8 +281,9 @@ def test_published_lengths_at_the_published_splits(world, u, r, head_chunks, che
     parts freed once packed), so the Ulysses and UPipe rows are held to issue 20's ranges (2.7-4.2M; 5.24-6.5M),
     not to the reference's 3M and 5Mi."""
     c = Cluster.preset("dgx-h100", nodes=world // 8)
-    o = MemoryOptions(tiled_loss=True, tiled_mlp=8192, head_chunks=head_chunks, offload_checkpoints=True,
-                      tiled_norm=True)
+    o = MemoryOptions(
+        tiled_loss=True, tiled_mlp=8192, head_chunks=head_chunks, offload_checkpoints=True, tiled_norm=True
+    )
     best = max_seq_len(LLAMA8B, world, 80e9, o, splits=[(u, r)], host_memory=c.host_memory_per_gpu)
     assert check(best.seq_len / 2**20), best.explain()
 
@@ -255,8 +300,8 @@ def test_linear_layers_keep_the_gathered_summaries():
     for layout, slots in (("zigzag", 2), ("contiguous", 1)):
         est = step_memory(m, 4096, 2, 2, layout=layout, options=MemoryOptions(checkpoint=False))
         summaries = 4 * slots * m.linear_state_numel * 4
-        states = summaries * 32 // (16 + 32)   # the E part of each (M, E)
-        common = 1024 * (2 * 12 * 512 + 3 * 1024 * 2)   # the layer's two RMSNorms and its MLP, bf16
+        states = summaries * 32 // (16 + 32)  # the E part of each (M, E)
+        common = 1024 * (2 * 12 * 512 + 3 * 1024 * 2)  # the layer's two RMSNorms and its MLP, bf16
         assert est.activations["layer"] - common >= summaries + states + 1024 * 2 * m.linear_conv_channels * 2
         assert est.stages["linear_bwd"] >= 2 * summaries
 
@@ -268,8 +313,9 @@ def test_engine_backward_at_ring_one_is_priced_exactly(pool, dtype):
     reordered copy, the all-to-all's buffers and the fp32 sums, less the freed saved tensors). MHA: CPU's
     SDPA kernel expands GQA K/V for the call, which the planner (native-GQA kernels) does not price."""
     shape = ModelShape(heads=8, kv_heads=8, head_dim=8, hidden=64, layers=1, intermediate=128, vocab=64)
-    rows = pool.run(memory_cases.engine_step, u=8, r=1, heads=8, kv_heads=8, head_dim=8, seq_len=4096, chunks=(1,),
-                    dtype=dtype)
+    rows = pool.run(
+        memory_cases.engine_step, u=8, r=1, heads=8, kv_heads=8, head_dim=8, seq_len=4096, chunks=(1,), dtype=dtype
+    )
     measured = max(row["1"][1] for row in rows)
     est = step_memory(shape, 4096, 8, 1, 1, 1, MemoryOptions(fsdp=False), dtype=dtype)
     assert est.stages["engine_bwd"] == measured, (est.stages["engine_bwd"], measured)
@@ -289,8 +335,8 @@ def test_module_chunk_backward_at_ring_one_is_an_upper_bound_within_30_percent(p
     n = 8192
     rows = pool.run(memory_cases.module_backward, u=u, r=1, seq_len=n, head_chunks=4, dtype="bf16")
     row = max(rows, key=lambda x: x["bwd_peak"])
-    measured = row["bwd_peak"] - row["kept"] - row["weight_grads"]   # `kept` includes the output
-    shape = ModelShape(heads=32, kv_heads=8, head_dim=16, hidden=512, layers=1, vocab=64)   # memory_step.HEADS_SHAPE
+    measured = row["bwd_peak"] - row["kept"] - row["weight_grads"]  # `kept` includes the output
+    shape = ModelShape(heads=32, kv_heads=8, head_dim=16, hidden=512, layers=1, vocab=64)  # memory_step.HEADS_SHAPE
     est = step_memory(shape, n, u, 1, 8 // u, 1, MemoryOptions(head_chunks=4, fsdp=False), dtype="bf16")
     # the layout's cached row permutations are first used (so first counted) in this backward
     estimate = est.stages["attention_bwd"] + est.persistent.get("layout_perms", 0) - row["tokens"] * 512 * 2

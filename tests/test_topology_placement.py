@@ -22,7 +22,9 @@ def test_rank_order_ulysses_innermost():
     assert ring_groups(8, 2, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
-@pytest.mark.parametrize("args, match", [((8, 3, 1), "does not divide"), ((8, 2, 2, 3), "must equal"), ((8, 0, 1), "ulysses")])
+@pytest.mark.parametrize(
+    "args, match", [((8, 3, 1), "does not divide"), ((8, 2, 2, 3), "must equal"), ((8, 0, 1), "ulysses")]
+)
 def test_bad_degrees(args, match):
     with pytest.raises(PlacementError, match=match):
         mesh_ranks(*args)

@@ -84,20 +84,30 @@ def test_plan_and_max_seq_share_one_memory_model():
     c = Cluster.preset("dgx-h100")
     llama = ModelShape.preset("llama3-8b")
     p = plan(c, llama, 1 << 16, dp=1).best
-    assert p.memory == step_memory(llama, 1 << 16, p.ulysses, p.ring, 1, 1, MemoryOptions()) and \
-        p.options == MemoryOptions()
+    assert (
+        p.memory == step_memory(llama, 1 << 16, p.ulysses, p.ring, 1, 1, MemoryOptions())
+        and p.options == MemoryOptions()
+    )
     ladder = memory_ladder()
     plans = plan(c, llama, 5 << 20, memory_budget=80e9, ladder=ladder, host_memory=c.host_memory_per_gpu)
-    assert plans and all(p.dp == 1 for p in plans)   # 5M tokens need all 8 GPUs in the CP group
+    assert plans and all(p.dp == 1 for p in plans)  # 5M tokens need all 8 GPUs in the CP group
     for p in plans:
-        name, opt, mem = first_fitting(llama, 5 << 20, p.ulysses, p.ring, p.dp, 1, ladder, 80e9,
-                                       host_memory=c.host_memory_per_gpu)
+        name, opt, mem = first_fitting(
+            llama, 5 << 20, p.ulysses, p.ring, p.dp, 1, ladder, 80e9, host_memory=c.host_memory_per_gpu
+        )
         assert p.memory == mem and p.options == opt and mem.peak <= 80e9 and f"memory options: {name}" in p.notes[0]
     best = max_seq_len(llama, 8, 80e9, ladder[-1][1], splits=[(8, 1)], host_memory=c.host_memory_per_gpu)
     at = plan(c, llama, best.seq_len, memory_budget=80e9, ladder=[ladder[-1]], host_memory=c.host_memory_per_gpu)
     assert any((p.ulysses, p.ring) == (8, 1) for p in at)
-    too_long = plan(c, llama, best.seq_len + 1024 * 8, memory_budget=80e9, ladder=[ladder[-1]],
-                    host_memory=c.host_memory_per_gpu, dp=1)
+    too_long = plan(
+        c,
+        llama,
+        best.seq_len + 1024 * 8,
+        memory_budget=80e9,
+        ladder=[ladder[-1]],
+        host_memory=c.host_memory_per_gpu,
+        dp=1,
+    )
     assert all((p.ulysses, p.ring) != (8, 1) for p in too_long)
     with pytest.raises(PlanError, match="not both"):
         plan(c, llama, 1 << 16, options=MemoryOptions(), ladder=ladder)

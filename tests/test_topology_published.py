@@ -90,8 +90,13 @@ def test_modelscope_single_terms_reproduce_their_target_and_keep_the_order():
     head = published.modelscope_head_call_us()
     ring_eff = published.modelscope_ring_efficiency()
     fixed = published.modelscope_fixed_layer_us(8)
-    for rel in (w(ring_step_overhead_us=step), w(kernel_call_overhead_us=call), w(head_call_us=head),
-                w(ring_efficiency=ring_eff), w(fixed_layer_us=fixed)):
+    for rel in (
+        w(ring_step_overhead_us=step),
+        w(kernel_call_overhead_us=call),
+        w(head_call_us=head),
+        w(ring_efficiency=ring_eff),
+        w(fixed_layer_us=fixed),
+    ):
         assert _close(rel[8], pub[8]) and published.modelscope_ordered(rel)
     assert 0 < eff < 1 and 0 < ring_eff < 1
     for rel in (w(ring_step_overhead_us=step), w(head_call_us=head), w(ring_efficiency=ring_eff)):

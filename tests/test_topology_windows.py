@@ -22,8 +22,10 @@ def test_window_layers_cost_less_compute_and_traffic():
     win = topology.estimate(cluster, _model(sliding_window=4096), 1 << 18, 8, 4)
     assert win.attention_s < 0.1 * full.attention_s
     assert win.bytes_per_rank["ring_fwd"] < 0.1 * full.bytes_per_rank["ring_fwd"]
-    assert win.bytes_per_rank["ring_fwd"] == topology.comm_bytes(32, 8, 128, 1 << 18, 1, 8, 4, 2, causal=True,
-                                                                 window=4096)["ring_fwd"]
+    assert (
+        win.bytes_per_rank["ring_fwd"]
+        == topology.comm_bytes(32, 8, 128, 1 << 18, 1, 8, 4, 2, causal=True, window=4096)["ring_fwd"]
+    )
     assert win.time_s < full.time_s
     # the attention work priced is the busiest rank's, counted from the engine's own plan
     lay = make_layout("zigzag", 8, 4, seq_len=1 << 18)
@@ -49,12 +51,31 @@ def test_mixed_layers_are_the_weighted_average():
 
 def test_plan_for_a_windowed_model_is_not_the_full_attention_plan():
     cluster = topology.Cluster.preset("dgx-h100", nodes=4)
-    ladder = memory_ladder()   # the CLI's: plain checkpointing's full [tokens, vocab] logits do not fit 1M on 32
+    ladder = memory_ladder()  # the CLI's: plain checkpointing's full [tokens, vocab] logits do not fit 1M on 32
     full = topology.plan(cluster, _model(), seq_len=1 << 20, dp=1, ladder=ladder).best
     win = topology.plan(cluster, _model(sliding_window=4096), seq_len=1 << 20, dp=1, ladder=ladder).best
     assert win.estimate.time_s < 0.2 * full.estimate.time_s
-    assert main(["--preset", "dgx-h100", "--nodes", "4", "--model", "llama3-8b", "--seq-len", "1M", "--dp", "1",
-                 "--sliding-window", "4K", "--window-layers", "24", "--top", "1", "--json"]) in (0, None)
+    assert main(
+        [
+            "--preset",
+            "dgx-h100",
+            "--nodes",
+            "4",
+            "--model",
+            "llama3-8b",
+            "--seq-len",
+            "1M",
+            "--dp",
+            "1",
+            "--sliding-window",
+            "4K",
+            "--window-layers",
+            "24",
+            "--top",
+            "1",
+            "--json",
+        ]
+    ) in (0, None)
 
 
 def test_window_layers_cannot_exceed_layers():

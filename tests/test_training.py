@@ -42,21 +42,29 @@ def test_shard_batch_shifts_before_sharding(u, r, layout, s):
     g = torch.Generator().manual_seed(s)
     ids = torch.randint(0, 256, (3, s), generator=g)
     mask = torch.ones(3, s, dtype=torch.long)
-    mask[1, s - 10:] = 0
+    mask[1, s - 10 :] = 0
     mask[2, 1:] = 0
     extra = torch.randn(3, s, 5, generator=g)
-    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask, "extra": extra, "meta": "kept",
-             "per_sample": torch.arange(3)}
+    batch = {
+        "input_ids": ids,
+        "labels": ids,
+        "attention_mask": mask,
+        "extra": extra,
+        "meta": "kept",
+        "per_sample": torch.arange(3),
+    }
     parts = [shard_batch(batch, _fake_mesh(u, r, k, layout), ignore_index=-1, pad_token_id=9) for k in range(u * r)]
     n = padded_length(s, layout, u, r)
     assert all(p["input_ids"].shape == (3, n // (u * r)) for p in parts)
     assert all(p["meta"] == "kept" and torch.equal(p["per_sample"], torch.arange(3)) for p in parts)
-    full = {k: _gather(u, r, layout, s, parts, k) for k in ("input_ids", "labels", "position_ids", "attention_mask",
-                                                             "extra")}
+    full = {
+        k: _gather(u, r, layout, s, parts, k)
+        for k in ("input_ids", "labels", "position_ids", "attention_mask", "extra")
+    }
     assert torch.equal(full["input_ids"][:, :s], ids) and (full["input_ids"][:, s:] == 9).all()
     # labels: next token on the FULL sequence, ignored at masked tokens, the last token and the pads
     expect = torch.full((3, n), -1)
-    expect[:, :s - 1] = ids[:, 1:]
+    expect[:, : s - 1] = ids[:, 1:]
     expect[:, :s][~(mask.bool() & torch.cat([mask[:, 1:], torch.zeros(3, 1, dtype=torch.long)], 1).bool())] = -1
     assert torch.equal(full["labels"], expect)
     assert torch.equal(full["position_ids"], torch.arange(n).expand(3, -1))
@@ -66,29 +74,42 @@ def test_shard_batch_shifts_before_sharding(u, r, layout, s):
 
 def test_shard_batch_defaults_and_given_positions():
     ids = torch.arange(20)[None] % 7
-    parts = [shard_batch({"input_ids": ids, "position_ids": torch.arange(5, 25)}, _fake_mesh(2, 2, k))
-             for k in range(4)]
+    parts = [
+        shard_batch({"input_ids": ids, "position_ids": torch.arange(5, 25)}, _fake_mesh(2, 2, k)) for k in range(4)
+    ]
     full = _gather(2, 2, "zigzag", 20, parts, "position_ids")
-    assert torch.equal(full, torch.arange(5, 29)[None])     # offset kept, pads continue after the end
-    labels = _gather(2, 2, "zigzag", 20, parts, "labels")    # default labels = input_ids, shifted
+    assert torch.equal(full, torch.arange(5, 29)[None])  # offset kept, pads continue after the end
+    labels = _gather(2, 2, "zigzag", 20, parts, "labels")  # default labels = input_ids, shifted
     assert torch.equal(labels[0, :19], ids[0, 1:]) and (labels[0, 19:] == -100).all()
     assert torch.equal(shift_labels(torch.tensor([[1, 2, 3]])), torch.tensor([[2, 3, -100]]))
     unshifted = shard_batch({"input_ids": ids, "labels": ids}, _fake_mesh(1, 1, 0), shift=False)
     assert torch.equal(unshifted["labels"][:, :20], ids)
 
 
-@pytest.mark.parametrize("batch,match", [
-    ({"labels": torch.zeros(1, 8, dtype=torch.long)}, "input_ids"),
-    ({"input_ids": torch.zeros(8, dtype=torch.long)}, r"input_ids\[None\]"),
-    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.zeros(1, 9, dtype=torch.long)},
-     r"'labels'.*length 9.*8"),
-    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "extra": torch.zeros(3, 8)}, r"'extra'.*batch size 3"),
-    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])},
-     "not right padding"),
-    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 1, 8, 8)}, "padding mask"),
-    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([0, 1, 2, 5, 6, 7, 8, 9])},
-     "custom positions"),
-])
+@pytest.mark.parametrize(
+    "batch,match",
+    [
+        ({"labels": torch.zeros(1, 8, dtype=torch.long)}, "input_ids"),
+        ({"input_ids": torch.zeros(8, dtype=torch.long)}, r"input_ids\[None\]"),
+        (
+            {"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.zeros(1, 9, dtype=torch.long)},
+            r"'labels'.*length 9.*8",
+        ),
+        ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "extra": torch.zeros(3, 8)}, r"'extra'.*batch size 3"),
+        (
+            {
+                "input_ids": torch.zeros(1, 8, dtype=torch.long),
+                "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]]),
+            },
+            "not right padding",
+        ),
+        ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 1, 8, 8)}, "padding mask"),
+        (
+            {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.tensor([0, 1, 2, 5, 6, 7, 8, 9])},
+            "custom positions",
+        ),
+    ],
+)
 def test_shard_batch_rejects_bad_input(batch, match):
     with pytest.raises(ValueError, match=match):
         shard_batch(batch, _fake_mesh(2, 2, 0))
@@ -118,7 +139,7 @@ def test_cross_entropy_with_no_valid_token_anywhere(pool):
 @pytest.mark.parametrize("u,r", MESHES)
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_llama_gqa_matches_single_process(pool, u, r, fsdp):
-    hkv = 1 if (u, r) == (4, 2) else 2   # MQA on the widest ulysses degree, GQA elsewhere
+    hkv = 1 if (u, r) == (4, 2) else 2  # MQA on the widest ulysses degree, GQA elsewhere
     for rank, row in enumerate(pool.run(train_cases.model_parity, u=u, r=r, hkv=hkv, fsdp=fsdp)):
         assert not row["missing"], row
         for key in ("logits", "loss", "grad"):
@@ -138,14 +159,22 @@ def test_other_architectures(pool, kind):
             within(row[key], TOL, f"rank {rank} {key}", row)
 
 
-@pytest.mark.parametrize("kind,config", [("mistral", {"sliding_window": 16}),
-                                         ("qwen2", {"use_sliding_window": True, "sliding_window": 12,
-                                                    "layer_types": ["sliding_attention", "full_attention"]}),
-                                         ("gemma3", {})])
+@pytest.mark.parametrize(
+    "kind,config",
+    [
+        ("mistral", {"sliding_window": 16}),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention", "full_attention"]},
+        ),
+        ("gemma3", {}),
+    ],
+)
 def test_sliding_window_models_match_single_process(pool, kind, config):
     # 100 tokens: several windows long; window layers and full layers in one model (qwen2, gemma3)
-    for rank, row in enumerate(pool.run(train_cases.model_parity, u=2, r=2, kind=kind, hkv=2, s=100, pad=True,
-                                        config=config)):
+    for rank, row in enumerate(
+        pool.run(train_cases.model_parity, u=2, r=2, kind=kind, hkv=2, s=100, pad=True, config=config)
+    ):
         for key in ("logits", "loss", "grad"):
             within(row[key], TOL, f"rank {rank} {key}", row)
 

@@ -47,11 +47,15 @@ def test_packed_qwen2_step_matches_per_document_reference(pool, form):
     _check(rows, ("qwen2", form))
 
 
-@pytest.mark.parametrize("u,r,doc_lens,explicit_cu", [
-    (4, 2, (1, 3, 2, 1), False),             # 7 tokens on 8 ranks: some ranks hold only padding
-    (2, 2, (150, 1, 1, 3, 1, 2), False),     # one long document among tiny ones
-    (4, 2, (5, 0, 7), True),                 # an empty document (a repeated boundary)
-], ids=["fewer-tokens-than-ranks", "one-long-many-tiny", "empty-document"])
+@pytest.mark.parametrize(
+    "u,r,doc_lens,explicit_cu",
+    [
+        (4, 2, (1, 3, 2, 1), False),  # 7 tokens on 8 ranks: some ranks hold only padding
+        (2, 2, (150, 1, 1, 3, 1, 2), False),  # one long document among tiny ones
+        (4, 2, (5, 0, 7), True),  # an empty document (a repeated boundary)
+    ],
+    ids=["fewer-tokens-than-ranks", "one-long-many-tiny", "empty-document"],
+)
 def test_packed_extreme_document_mixes(pool, u, r, doc_lens, explicit_cu):
     rows = pool.run(train_cases.packed_model_parity, u=u, r=r, doc_lens=doc_lens, explicit_cu=explicit_cu)
     _check(rows, doc_lens)
@@ -79,7 +83,7 @@ def test_packed_labels_never_cross_a_document_boundary(pool, u, r, explicit_cu):
         assert ids.shape == (cu[-1],) and labels.shape == (cu[-1],)
         expect = torch.full_like(ids, -7)
         for a, b in zip(cu, cu[1:]):
-            expect[a:b - 1] = ids[a + 1:b]       # next token inside the document; the last one has none
+            expect[a : b - 1] = ids[a + 1 : b]  # next token inside the document; the last one has none
         assert torch.equal(labels, expect)
         assert all(labels[b - 1] == -7 for b in cu[1:])
         assert torch.equal(full["position_ids"][0], torch.cat([torch.arange(n) for n in LENS]))
@@ -90,9 +94,21 @@ def test_packed_labels_never_cross_a_document_boundary(pool, u, r, explicit_cu):
 def _one_rank_mesh_description(u: int, r: int, rank: int = 0) -> CPMesh:
     """A mesh description without process groups: shard_batch does no communication."""
     ring_rank, ulysses_rank = divmod(rank, u)
-    return CPMesh(ulysses_size=u, ring_size=r, dp_size=1, layout="zigzag", device=torch.device("cpu"),
-                  device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
-                  ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=0)
+    return CPMesh(
+        ulysses_size=u,
+        ring_size=r,
+        dp_size=1,
+        layout="zigzag",
+        device=torch.device("cpu"),
+        device_mesh=None,
+        ulysses_group=None,
+        ring_group=None,
+        ring_group_bwd=None,
+        cp_group=None,
+        ulysses_rank=ulysses_rank,
+        ring_rank=ring_rank,
+        dp_rank=0,
+    )
 
 
 _IDS = torch.arange(12)[None] % 5
@@ -100,18 +116,28 @@ _POS = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]])
 _CU = torch.tensor([0, 3, 5, 9, 12], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("batch,match", [
-    ({"input_ids": _IDS.expand(2, -1), "position_ids": _POS.expand(2, -1)}, r"batch of one.*\[1, total\]"),
-    ({"input_ids": _IDS.expand(2, -1), "position_ids": _POS}, r"batch of one.*\[1, total\]"),
-    ({"input_ids": _IDS.expand(2, -1), "cu_seq_lens_q": _CU}, r"batch of one.*\[1, total\]"),
-    ({"input_ids": _IDS, "position_ids": _POS, "attention_mask": torch.ones(1, 12, dtype=torch.long)},
-     "takes no attention_mask"),
-    ({"input_ids": _IDS, "cu_seq_lens_q": _CU, "attention_mask": torch.ones(1, 12, dtype=torch.long)},
-     "takes no attention_mask"),
-    ({"input_ids": _IDS, "cu_seq_lens_q": torch.tensor([0, 3, 5, 9, 11], dtype=torch.int32)},
-     r"ends at 11 but input_ids has 12 tokens"),
-    ({"input_ids": _IDS, "cu_seq_lens_q": [0, 3, 5, 9, 12, 13]}, r"ends at 13 but input_ids has 12 tokens"),
-], ids=["positions_b2", "positions_1row_b2", "cu_b2", "positions_mask", "cu_mask", "cu_short", "cu_long"])
+@pytest.mark.parametrize(
+    "batch,match",
+    [
+        ({"input_ids": _IDS.expand(2, -1), "position_ids": _POS.expand(2, -1)}, r"batch of one.*\[1, total\]"),
+        ({"input_ids": _IDS.expand(2, -1), "position_ids": _POS}, r"batch of one.*\[1, total\]"),
+        ({"input_ids": _IDS.expand(2, -1), "cu_seq_lens_q": _CU}, r"batch of one.*\[1, total\]"),
+        (
+            {"input_ids": _IDS, "position_ids": _POS, "attention_mask": torch.ones(1, 12, dtype=torch.long)},
+            "takes no attention_mask",
+        ),
+        (
+            {"input_ids": _IDS, "cu_seq_lens_q": _CU, "attention_mask": torch.ones(1, 12, dtype=torch.long)},
+            "takes no attention_mask",
+        ),
+        (
+            {"input_ids": _IDS, "cu_seq_lens_q": torch.tensor([0, 3, 5, 9, 11], dtype=torch.int32)},
+            r"ends at 11 but input_ids has 12 tokens",
+        ),
+        ({"input_ids": _IDS, "cu_seq_lens_q": [0, 3, 5, 9, 12, 13]}, r"ends at 13 but input_ids has 12 tokens"),
+    ],
+    ids=["positions_b2", "positions_1row_b2", "cu_b2", "positions_mask", "cu_mask", "cu_short", "cu_long"],
+)
 def test_packed_shard_batch_rejects_bad_input(batch, match):
     with pytest.raises(ValueError, match=match):
         shard_batch(batch, _one_rank_mesh_description(2, 2))
@@ -119,8 +145,15 @@ def test_packed_shard_batch_rejects_bad_input(batch, match):
 
 def test_packed_shard_batch_accepts_the_collator_output():
     """All the keys DataCollatorWithFlattening(return_flash_attn_kwargs=True) returns, at once."""
-    batch = {"input_ids": _IDS, "labels": _IDS.masked_fill(_POS == 0, -100), "position_ids": _POS,
-             "cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 4, "max_length_k": 4}
+    batch = {
+        "input_ids": _IDS,
+        "labels": _IDS.masked_fill(_POS == 0, -100),
+        "position_ids": _POS,
+        "cu_seq_lens_q": _CU,
+        "cu_seq_lens_k": _CU,
+        "max_length_q": 4,
+        "max_length_k": 4,
+    }
     for rank in range(4):
         out = shard_batch(batch, _one_rank_mesh_description(2, 2, rank))
         assert out["cu_seq_lens_q"].tolist() == _CU.tolist() and out["max_length_q"] == 4

@@ -25,16 +25,17 @@ def _cases(u: int, r: int) -> list[dict]:
     contiguous layout on the meshes that have one."""
     h = 16 if u == 8 else 8
     cases = [
-        dict(sinks=True, causal=False, h=8, hkv=2, d=8, n=45),                       # sinks, GQA, padding
-        dict(sinks=True, causal=True, h=8, hkv=1, d=8, docs=DOCS),                   # sinks, MQA, packed
-        dict(softcap=2.0, causal=True, h=8, hkv=8, d=8, n=48),                       # soft-cap, MHA
-        dict(softcap=2.0, causal=False, h=8, hkv=2, d=8, docs=DOCS),                 # soft-cap, packed
-        dict(dv=4, causal=False, h=8, hkv=1, d=12, n=40, dtype="fp32"),              # Dv != D, MQA
-        dict(sinks=True, causal=True, window=7, h=8, hkv=2, d=8, n=48),              # gpt-oss
-        dict(softcap=2.0, causal=True, window=9, h=8, hkv=2, d=8, n=48),             # Gemma 2
-        dict(dv=8, causal=True, h=8, hkv=8, d=12, docs=DOCS),                        # DeepSeek (MLA)
-        dict(sinks=True, softcap=3.0, dv=4, causal=True, window=5, h=h, hkv=2, d=8, n=48,
-             head_chunks=2),                                                         # everything, head chunks
+        dict(sinks=True, causal=False, h=8, hkv=2, d=8, n=45),  # sinks, GQA, padding
+        dict(sinks=True, causal=True, h=8, hkv=1, d=8, docs=DOCS),  # sinks, MQA, packed
+        dict(softcap=2.0, causal=True, h=8, hkv=8, d=8, n=48),  # soft-cap, MHA
+        dict(softcap=2.0, causal=False, h=8, hkv=2, d=8, docs=DOCS),  # soft-cap, packed
+        dict(dv=4, causal=False, h=8, hkv=1, d=12, n=40, dtype="fp32"),  # Dv != D, MQA
+        dict(sinks=True, causal=True, window=7, h=8, hkv=2, d=8, n=48),  # gpt-oss
+        dict(softcap=2.0, causal=True, window=9, h=8, hkv=2, d=8, n=48),  # Gemma 2
+        dict(dv=8, causal=True, h=8, hkv=8, d=12, docs=DOCS),  # DeepSeek (MLA)
+        dict(
+            sinks=True, softcap=3.0, dv=4, causal=True, window=5, h=h, hkv=2, d=8, n=48, head_chunks=2
+        ),  # everything, head chunks
         dict(sinks=True, softcap=3.0, dv=4, causal=False, window=(3, 6), h=8, hkv=2, d=8, docs=DOCS, dtype="fp32"),
         dict(sinks=True, causal=True, window=7, h=8, hkv=2, d=8, n=48, dtype="fp32"),
     ]
@@ -51,7 +52,7 @@ def test_variants_match_fp64_reference(pool, u, r):
             for t in ("out", "lse", "dq", "dk", "dv", "dsinks"):
                 within(row[t], limit, f"rank {rank} case {i} {t}", row)
             assert row["out_dim_ok"] is True, row
-            assert row.get("bytes_match", True) is True, (rank, row.get("bytes_match"))   # engine == topology.comm_bytes
+            assert row.get("bytes_match", True) is True, (rank, row.get("bytes_match"))  # engine == topology.comm_bytes
 
 
 def test_compiled_variants_equal_eager(pool):
@@ -61,12 +62,15 @@ def test_compiled_variants_equal_eager(pool):
                 within(err, FP32, f"rank {rank} {key}", row)
 
 
-@pytest.mark.parametrize("which,expect", [
-    ("softcap", "softcap (checksum)"),
-    ("sinks_missing", "sinks (checksum)"),
-    ("sinks_values", "sinks (checksum)"),
-    ("v_head_dim", "v head_dim"),
-])
+@pytest.mark.parametrize(
+    "which,expect",
+    [
+        ("softcap", "softcap (checksum)"),
+        ("sinks_missing", "sinks (checksum)"),
+        ("sinks_values", "sinks (checksum)"),
+        ("v_head_dim", "v head_dim"),
+    ],
+)
 def test_ranks_that_disagree_raise(pool, which, expect):
     messages = pool.run(variant_cases.disagreement, u=2, r=2, which=which, timeout=60)
     assert all(m != "no error" for m in messages), messages
@@ -84,22 +88,33 @@ def _local(h=4, hkv=2, d=8, dv=8, n=16):
     return torch.randn(1, n, h, d), torch.randn(1, n, hkv, d), torch.randn(1, n, hkv, dv)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(backend="sdpa", softcap=30.0), hcp.ConfigError, r"'sdpa' does not take the 'softcap'.*can: \[.*'fa4', 'flash', 'math'\]"),
-    (dict(backend="sdpa", v=torch.randn(1, 16, 2, 4)), hcp.ConfigError, r"'sdpa' does not take the 'value_head_dim'"),
-    (dict(softcap=0.0), hcp.ConfigError, "softcap=0.0 must be a positive finite number"),
-    (dict(softcap=-1), hcp.ConfigError, "softcap=-1"),
-    (dict(softcap=True), hcp.ConfigError, "softcap=True"),
-    (dict(softcap=float("inf")), hcp.ConfigError, "softcap=inf"),
-    (dict(sinks=torch.zeros(3)), hcp.ShapeError, r"sinks has shape \(3,\); it must be \[H\] = \[4\]"),
-    (dict(sinks=torch.zeros(1, 4)), hcp.ShapeError, r"sinks has shape \(1, 4\)"),
-    (dict(sinks=torch.zeros(4, dtype=torch.int64)), hcp.InputTypeError, "sinks.dtype=torch.int64 is not floating"),
-    (dict(sinks=[0.0] * 4), hcp.InputTypeError, "sinks must be a torch.Tensor"),
-    (dict(v=torch.randn(1, 16, 1, 8)), hcp.ShapeError, "may differ only in the head dim"),
-    (dict(v=torch.randn(1, 8, 2, 8)), hcp.ShapeError, "may differ only in the head dim"),
-    (dict(backend=lambda q, k, v: q, sinks=torch.zeros(4)), hcp.ConfigError, "sinks= needs a kernel backend"),
-    (dict(backend=lambda q, k, v: q, softcap=5.0), hcp.ConfigError, "softcap= needs a kernel backend"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (
+            dict(backend="sdpa", softcap=30.0),
+            hcp.ConfigError,
+            r"'sdpa' does not take the 'softcap'.*can: \[.*'fa4', 'flash', 'math'\]",
+        ),
+        (
+            dict(backend="sdpa", v=torch.randn(1, 16, 2, 4)),
+            hcp.ConfigError,
+            r"'sdpa' does not take the 'value_head_dim'",
+        ),
+        (dict(softcap=0.0), hcp.ConfigError, "softcap=0.0 must be a positive finite number"),
+        (dict(softcap=-1), hcp.ConfigError, "softcap=-1"),
+        (dict(softcap=True), hcp.ConfigError, "softcap=True"),
+        (dict(softcap=float("inf")), hcp.ConfigError, "softcap=inf"),
+        (dict(sinks=torch.zeros(3)), hcp.ShapeError, r"sinks has shape \(3,\); it must be \[H\] = \[4\]"),
+        (dict(sinks=torch.zeros(1, 4)), hcp.ShapeError, r"sinks has shape \(1, 4\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int64)), hcp.InputTypeError, "sinks.dtype=torch.int64 is not floating"),
+        (dict(sinks=[0.0] * 4), hcp.InputTypeError, "sinks must be a torch.Tensor"),
+        (dict(v=torch.randn(1, 16, 1, 8)), hcp.ShapeError, "may differ only in the head dim"),
+        (dict(v=torch.randn(1, 8, 2, 8)), hcp.ShapeError, "may differ only in the head dim"),
+        (dict(backend=lambda q, k, v: q, sinks=torch.zeros(4)), hcp.ConfigError, "sinks= needs a kernel backend"),
+        (dict(backend=lambda q, k, v: q, softcap=5.0), hcp.ConfigError, "softcap= needs a kernel backend"),
+    ],
+)
 def test_bad_variant_arguments_raise(kwargs, error, match):
     q, k, v = _local()
     v = kwargs.pop("v", v)
@@ -115,13 +130,13 @@ def test_single_device_variants_and_callable_with_dv():
 
     q, k, v = (x.double().requires_grad_() for x in _local(dv=4))
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    out, lse = hcp.attention(q, k, v, mesh_description(1, 1), causal=True, softcap=2.0, sinks=sinks,
-                             return_lse=True)
+    out, lse = hcp.attention(q, k, v, mesh_description(1, 1), causal=True, softcap=2.0, sinks=sinks, return_lse=True)
     dout = torch.randn_like(out)
     out.backward(dout)
-    ref = reference(q, k, v, dout, sinks, 8 ** -0.5, visibility([16], True), 2.0)
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, q.grad, k.grad, v.grad, sinks.grad),
-                               ref):
+    ref = reference(q, k, v, dout, sinks, 8**-0.5, visibility([16], True), 2.0)
+    for name, got, want in zip(
+        ("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, q.grad, k.grad, v.grad, sinks.grad), ref
+    ):
         within(relative_error(got.detach(), want.detach(), floor=1.0), FP64, name)
     plain = hcp.attention(q, k, v, mesh_description(1, 1), backend=lambda q, k, v: q[..., :4])
     assert plain.shape == (1, 16, 4, 4)
@@ -136,10 +151,11 @@ def _module_project(d: int, dv: int, n: int, q_ranges, sinks=None):
     def project(j, tensors):
         x, wq, wk, wv = tensors[:4]
         qa, qb = q_ranges[j]
-        q = F.linear(x, wq[qa * d:qb * d]).view(1, n, qb - qa, d)
-        k = F.linear(x, wk[j * d:(j + 1) * d]).view(1, n, 1, d)
-        v = F.linear(x, wv[j * dv:(j + 1) * dv]).view(1, n, 1, dv)
+        q = F.linear(x, wq[qa * d : qb * d]).view(1, n, qb - qa, d)
+        k = F.linear(x, wk[j * d : (j + 1) * d]).view(1, n, 1, d)
+        v = F.linear(x, wv[j * dv : (j + 1) * dv]).view(1, n, 1, dv)
         return Projected(q, k, v, {"causal": True, "seq_len": n, "softcap": 2.0, "sinks": sinks})
+
     return project
 
 
@@ -152,11 +168,14 @@ def test_module_chunks_with_a_value_head_dim_and_softcap():
 
     g = torch.Generator().manual_seed(3)
     h, d, dv, n, hidden, q_ranges = 4, 8, 4, 16, 12, [(0, 2), (2, 4)]
-    x, wq, wk, wv, wo = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_() for s in
-                         ((1, n, hidden), (h * d, hidden), (2 * d, hidden), (2 * dv, hidden), (hidden, h * dv)))
+    x, wq, wk, wv, wo = (
+        torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+        for s in ((1, n, hidden), (h * d, hidden), (2 * d, hidden), (2 * dv, hidden), (hidden, h * dv))
+    )
     cp = mesh_description(1, 1)
-    y = pipelined_module_chunks(_module_project(d, dv, n, q_ranges), q_ranges, [1, 1], cp, 1, [x], [wq, wk, wv],
-                                wo, None)
+    y = pipelined_module_chunks(
+        _module_project(d, dv, n, q_ranges), q_ranges, [1, 1], cp, 1, [x], [wq, wk, wv], wo, None
+    )
     dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad(y, (x, wq, wk, wv, wo), dy)
     q, k, v = (F.linear(x, w).view(1, n, -1, e) for w, e in ((wq, d), (wk, d), (wv, dv)))
@@ -173,5 +192,14 @@ def test_module_chunks_refuse_sinks():
     n, q_ranges = 16, [(0, 2), (2, 4)]
     x, wq, wk, wv, wo = (torch.randn(*s) for s in ((1, n, 12), (32, 12), (16, 12), (16, 12), (12, 32)))
     with pytest.raises(hcp.ConfigError, match="module-level head chunks do not take attention sinks"):
-        pipelined_module_chunks(_module_project(8, 8, n, q_ranges, sinks=torch.zeros(4)), q_ranges, [1, 1],
-                                mesh_description(1, 1), 1, [x], [wq, wk, wv], wo, None)
+        pipelined_module_chunks(
+            _module_project(8, 8, n, q_ranges, sinks=torch.zeros(4)),
+            q_ranges,
+            [1, 1],
+            mesh_description(1, 1),
+            1,
+            [x],
+            [wq, wk, wv],
+            wo,
+            None,
+        )

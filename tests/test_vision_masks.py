@@ -32,8 +32,8 @@ def test_gemma3_image_row_step_matches_single_process(pool, u, r):
     rows = pool.run(cases.vl_parity, u=u, r=r)
     for rank, row in enumerate(rows):
         assert not row["missing"] and row["carried"], (u, r, row)
-        assert row["vision_grads"] > 0, row   # the vision tower trains through the sharded embeddings
-        assert row["vision_impl"] == "eager" and row["text_impl"] == "hybrid_cp", row   # the tower is not CP
+        assert row["vision_grads"] > 0, row  # the vision tower trains through the sharded embeddings
+        assert row["vision_impl"] == "eager" and row["text_impl"] == "hybrid_cp", row  # the tower is not CP
         within(row["loss"], LOSS, f"u={u} r={r} rank {rank} loss", row)
         within(row["grad"], GRAD, f"u={u} r={r} rank {rank} grad", row)
     # teeth: the images run causally (their blocks lost on the way) would move some gradient far more
@@ -49,7 +49,7 @@ def test_gemma3_media_calls_are_refused_on_every_rank(pool):
             assert "hybrid_cp.image_row" in row[case][1], (case, row[case])
         assert "vision tower would run on this rank's shard" in row["pixel_values"][1]
         assert f"no {MASK_KEY}" in row["no_mask"][1]
-        lone = row["pixel_values_on_rank_0"]   # the others learn it through the input agreement
+        lone = row["pixel_values_on_rank_0"]  # the others learn it through the input agreement
         if row["cp_rank"] == 0:
             assert lone[0] == "ConfigError" and "hybrid_cp.image_row" in lone[1], lone
         else:
@@ -79,16 +79,20 @@ def test_image_blocks_equal_transformers_masks():
 
     row = cases.vl_row()
     types = row["token_type_ids"].clone()
-    types[0, 30:32] = 1   # a third, two-token image right after text: its own block
+    types[0, 30:32] = 1  # a third, two-token image right after text: its own block
     mask = image_blocks(types)
-    dense = create_masks_for_vision_model(config=cases.tiny_config().get_text_config(),
-                                          inputs_embeds=torch.zeros(1, types.shape[1], 8), attention_mask=None,
-                                          cache=None, position_ids=row["position_ids"],
-                                          block_sequence_ids=get_block_sequence_ids_for_mask(types))
+    dense = create_masks_for_vision_model(
+        config=cases.tiny_config().get_text_config(),
+        inputs_embeds=torch.zeros(1, types.shape[1], 8),
+        attention_mask=None,
+        cache=None,
+        position_ids=row["position_ids"],
+        block_sequence_ids=get_block_sequence_ids_for_mask(types),
+    )
     for kind, window in (("full_attention", None), ("sliding_attention", cases.WINDOW)):
-        visible = dense[kind][0, 0] == 0   # transformers' eager mask: 0 where a key is seen, -inf elsewhere
+        visible = dense[kind][0, 0] == 0  # transformers' eager mask: 0 where a key is seen, -inf elsewhere
         assert torch.equal(mask_visibility(mask.windowed(window)), visible), kind
-    assert len([s for s in mask.slices if s.hi is None]) == 3   # three images, three blocks
+    assert len([s for s in mask.slices if s.hi is None]) == 3  # three images, three blocks
 
 
 def test_image_row_places_features_as_transformers_does():
@@ -98,8 +102,9 @@ def test_image_row_places_features_as_transformers_does():
     row = cases.vl_row()
     built = hcp.image_row(model, row["input_ids"], row["pixel_values"], row["token_type_ids"])
     with torch.no_grad():
-        want = model(input_ids=row["input_ids"], pixel_values=row["pixel_values"],
-                     token_type_ids=row["token_type_ids"]).logits
+        want = model(
+            input_ids=row["input_ids"], pixel_values=row["pixel_values"], token_type_ids=row["token_type_ids"]
+        ).logits
         got = model(inputs_embeds=built["inputs_embeds"], token_type_ids=row["token_type_ids"]).logits
     assert torch.equal(got, want)
 
@@ -115,8 +120,9 @@ def test_image_row_refusals():
     with pytest.raises(ShapeError, match="Image features and image tokens do not match"):
         hcp.image_row(model, ids, pixels[:1], types)
     with pytest.raises(ConfigError, match="elsewhere than row 0"):
-        hcp.image_row(model, torch.cat([ids, ids.roll(1, 1)]), torch.cat([pixels, pixels]),
-                      torch.cat([types, types.roll(1, 1)]))
+        hcp.image_row(
+            model, torch.cat([ids, ids.roll(1, 1)]), torch.cat([pixels, pixels]), torch.cat([types, types.roll(1, 1)])
+        )
     with pytest.raises(ConfigError, match=r"supports model_type \['gemma3'\]"):
         hcp.image_row(torch.nn.Linear(2, 2), ids, pixels, types)
 
@@ -131,8 +137,9 @@ def test_shard_batch_takes_inputs_embeds_under_a_mask():
     seen = torch.zeros(n, dtype=torch.long)
     total = 0
     for rank in range(4):
-        out = hcp.shard_batch({"inputs_embeds": embeds, "shift_labels": targets}, mesh_description(2, 2, rank),
-                              mask=mask)
+        out = hcp.shard_batch(
+            {"inputs_embeds": embeds, "shift_labels": targets}, mesh_description(2, 2, rank), mask=mask
+        )
         assert "input_ids" not in out and out[MASK_KEY] is mask
         real = out["labels"][0] >= 0
         index = out["inputs_embeds"][0, real, 0].long()
@@ -140,14 +147,17 @@ def test_shard_batch_takes_inputs_embeds_under_a_mask():
         assert bool((out["inputs_embeds"][:, ~real] == 0).all())
         seen[index] += 1
         total = total + out["inputs_embeds"].sum()
-    assert bool((seen == 1).all())   # every token on exactly one rank
+    assert bool((seen == 1).all())  # every token on exactly one rank
     total.backward()
     assert bool((embeds.grad == 1).all())
     with pytest.raises(ConfigError, match="without mask="):
         hcp.shard_batch({"inputs_embeds": embeds, "shift_labels": targets}, mesh_description(2, 2))
     with pytest.raises(ConfigError, match="takes no padding mask"):
-        hcp.shard_batch({"inputs_embeds": embeds, "attention_mask": torch.ones(2, n, dtype=torch.long)},
-                        mesh_description(2, 2), mask=mask)
+        hcp.shard_batch(
+            {"inputs_embeds": embeds, "attention_mask": torch.ones(2, n, dtype=torch.long)},
+            mesh_description(2, 2),
+            mask=mask,
+        )
     with pytest.raises(ShapeError, match="floating"):
         hcp.shard_batch({"inputs_embeds": embeds.detach().long()}, mesh_description(2, 2), mask=mask)
 
@@ -156,9 +166,11 @@ def test_gemma3_is_a_vision_language_family_and_gemma4_paligemma_are_refused():
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     assert "gemma3" in VISION_LANGUAGE_FAMILIES
-    check_model(cases.tiny_vlm())   # the vision tower and projector are image_row's, not checked
+    check_model(cases.tiny_vlm())  # the vision tower and projector are image_row's, not checked
     for model_type, named in (("gemma4", "per-layer embeddings"), ("paligemma", "prefix-LM")):
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type))
-        with pytest.raises(ConfigError, match=f"vision-language family that hybrid_cp.image_row does not carry.*{named}"):
+        with pytest.raises(
+            ConfigError, match=f"vision-language family that hybrid_cp.image_row does not carry.*{named}"
+        ):
             check_model(model)

@@ -29,10 +29,11 @@ def test_window_contiguous_layout(pool, u, r):
 
 
 def test_window_fp64_math_is_exact(pool):
-    cases = [dict(n=100, h=4, hkv=2, d=8, causal=True, window=9, backend="math"),
-             dict(docs=[40, 3, 57], h=4, hkv=2, d=8, causal=False, window=(6, 2), backend="math")]
-    rows = pool.run(dist_cases.window_errors, u=2, r=4, layout="zigzag",
-                    cases=[dict(c, dtype="fp64") for c in cases])
+    cases = [
+        dict(n=100, h=4, hkv=2, d=8, causal=True, window=9, backend="math"),
+        dict(docs=[40, 3, 57], h=4, hkv=2, d=8, causal=False, window=(6, 2), backend="math"),
+    ]
+    rows = pool.run(dist_cases.window_errors, u=2, r=4, layout="zigzag", cases=[dict(c, dtype="fp64") for c in cases])
     _check(rows, FP64)
 
 
@@ -41,8 +42,9 @@ def test_halo_bytes_are_small_and_predicted(pool, u, r, n, w):
     rows = pool.run(dist_cases.window_bytes_case, u=u, r=r, n=n, h=4, hkv=2, d=8, window=w, timeout=120)
     full = topology.comm_bytes(4, 2, 8, n, 1, u, r, 4)
     for row in rows:
-        want = topology.comm_bytes(4, 2, 8, n, 1, u, r, 4, ulysses_rank=row["ulysses_rank"], causal=True,
-                                   window=w, ring_rank=row["ring_rank"])
+        want = topology.comm_bytes(
+            4, 2, 8, n, 1, u, r, 4, ulysses_rank=row["ulysses_rank"], causal=True, window=w, ring_rank=row["ring_rank"]
+        )
         got = {s: row["bytes"].get(s, 0) for s in ("ulysses_fwd", "ulysses_bwd", "ring_fwd", "ring_bwd")}
         assert got == {s: want[s] for s in got}, (got, want)
         assert got["ring_fwd"] < 0.1 * full["ring_fwd"], (got, full)
@@ -62,7 +64,11 @@ def test_window_work_is_balanced_and_skips_blocks():
 def test_bad_windows_raise():
     from topology.layouts import band
 
-    for causal, window, match in [(True, 0, "int W >= 1"), (True, (3, 0), "int W >= 1"),
-                                  (False, 5, r"\(left, right\)"), (False, (-1, 2), r"\(left, right\)")]:
+    for causal, window, match in [
+        (True, 0, "int W >= 1"),
+        (True, (3, 0), "int W >= 1"),
+        (False, 5, r"\(left, right\)"),
+        (False, (-1, 2), r"\(left, right\)"),
+    ]:
         with pytest.raises(ValueError, match=match):
             band(causal, window)

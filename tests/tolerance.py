@@ -37,11 +37,17 @@ def within(value: float, bound: float, label: str, detail: object = None) -> Non
     value, bound = float(value), float(bound)
     path = os.environ.get(RECORD_ENV)
     if path:
-        line = {"test": _current_test(), "label": label, "value": value if math.isfinite(value) else str(value),
-                "bound": bound}
+        line = {
+            "test": _current_test(),
+            "label": label,
+            "value": value if math.isfinite(value) else str(value),
+            "bound": bound,
+        }
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
-    assert value <= bound, f"{label}: {value:.3e} exceeds the tolerance {bound:.3e}" + (f" ({detail})" if detail else "")
+    assert value <= bound, f"{label}: {value:.3e} exceeds the tolerance {bound:.3e}" + (
+        f" ({detail})" if detail else ""
+    )
 
 
 def all_within(values: Mapping[str, float], bound: float, label: str = "", detail: object = None) -> None:

@@ -28,9 +28,17 @@ def tiny_model(kind: str = "llama", hkv: int | None = 2, seed: int = 0, generic:
         heads = {} if hkv is None else {"num_key_value_heads": hkv}
         return families.tiny_model(kind, seed=seed, **{**heads, **overrides})
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=hkv, max_position_embeddings=1024,
-                  attention_dropout=0.0, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=hkv,
+        max_position_embeddings=1024,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
     common.update(overrides)
     if kind == "llama":
         config = transformers.LlamaConfig(**common)
@@ -46,8 +54,14 @@ def tiny_model(kind: str = "llama", hkv: int | None = 2, seed: int = 0, generic:
         cls = transformers.Qwen3ForCausalLM
     elif kind == "gemma3":  # alternating sliding-window and full layers
         layers = common["num_hidden_layers"]
-        config = transformers.Gemma3TextConfig(**{"head_dim": 8, "sliding_window": 16, "layer_types": [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)], **common})
+        config = transformers.Gemma3TextConfig(
+            **{
+                "head_dim": 8,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                **common,
+            }
+        )
         cls = transformers.Gemma3ForCausalLM
     else:
         return tiny_model(kind, hkv, seed, generic=True, **overrides)
@@ -68,7 +82,7 @@ def make_batch(seed: int, b: int, s: int, pad: bool, learnable: bool = False):
     if pad:  # right padding: row i keeps s - 7*i tokens
         mask = torch.ones(b, s, dtype=torch.long)
         for i in range(b):
-            mask[i, s - 7 * i:] = 0
+            mask[i, s - 7 * i :] = 0
         batch["attention_mask"] = mask
     return batch
 
@@ -107,9 +121,20 @@ def _grad_errors(grads: dict, ref_grads: dict, exclude: tuple = ()) -> tuple[flo
     return errs[worst], worst, vs_largest
 
 
-def model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp: bool = False, b: int = 2, s: int = 100,
-                 pad: bool = True, checkpoint: bool = False, config: dict | None = None, generic: bool = False,
-                 exclude: tuple = ()) -> dict:
+def model_parity(
+    u: int,
+    r: int,
+    kind: str = "llama",
+    hkv: int | None = 2,
+    fsdp: bool = False,
+    b: int = 2,
+    s: int = 100,
+    pad: bool = True,
+    checkpoint: bool = False,
+    config: dict | None = None,
+    generic: bool = False,
+    exclude: tuple = (),
+) -> dict:
     """logits / loss / every parameter gradient under CP vs one process (fp32); `config`
     overrides the tiny model's configuration (e.g. a sliding window); `generic` builds any family's
     default configuration made tiny; `exclude`: see `_grad_errors`."""
@@ -124,8 +149,9 @@ def model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp:
     if fsdp:
         shard_model(model, cp)
     local = shard_batch(batch, cp)
-    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                   attention_mask=local.get("attention_mask")).logits
+    logits = model(
+        input_ids=local["input_ids"], position_ids=local["position_ids"], attention_mask=local.get("attention_mask")
+    ).logits
     loss = cross_entropy(logits, local["labels"], cp)
     loss.backward()
     if not fsdp:
@@ -134,9 +160,14 @@ def model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp:
     keep = batch["attention_mask"].bool() if pad else torch.ones(b, s, dtype=torch.bool)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
     grad, worst, vs_largest = _grad_errors(grads, ref_grads, exclude)
-    return {"logits": _rel(full_logits[keep], ref_logits[keep]), "loss": abs(loss.item() - ref_loss.item()) /
-            abs(ref_loss.item()), "grad": grad, "worst_param": worst, "grad_vs_largest": vs_largest,
-            "missing": sorted(set(ref_grads) ^ set(grads))}
+    return {
+        "logits": _rel(full_logits[keep], ref_logits[keep]),
+        "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        "grad": grad,
+        "worst_param": worst,
+        "grad_vs_largest": vs_largest,
+        "missing": sorted(set(ref_grads) ^ set(grads)),
+    }
 
 
 def family_runs(u: int, r: int, runs: list[dict]) -> dict:
@@ -150,8 +181,7 @@ def family_runs(u: int, r: int, runs: list[dict]) -> dict:
     return out
 
 
-def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int = 96, b: int = 2,
-                    hkv: int = 2) -> dict:
+def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int = 96, b: int = 2, hkv: int = 2) -> dict:
     """Per-step losses of AdamW training under CP and on one process, same seed and data."""
     cp = mesh(u, r)
     batches = [make_batch(100 + i, b, s, pad=i % 3 == 0, learnable=True) for i in range(steps)]
@@ -183,8 +213,9 @@ def training_losses(u: int, r: int, steps: int = 20, fsdp: bool = False, s: int 
     return {"ref": ref, "cp": got}
 
 
-def loss_parity(u: int, r: int, s: int = 37, b: int = 3, include_dp: bool = False, reduction: str = "mean",
-                empty: bool = False) -> dict:
+def loss_parity(
+    u: int, r: int, s: int = 37, b: int = 3, include_dp: bool = False, reduction: str = "mean", empty: bool = False
+) -> dict:
     """hcp.cross_entropy on shards vs F.cross_entropy on the full sequence (value and logit gradient).
 
     Each dp replica gets its own data, so include_dp=True is checked against the mean over all of them.
@@ -199,8 +230,8 @@ def loss_parity(u: int, r: int, s: int = 37, b: int = 3, include_dp: bool = Fals
         logits = torch.randn(b, s, VOCAB, generator=g, dtype=torch.float64)
         ids = torch.randint(0, VOCAB, (b, s), generator=g)
         mask = torch.ones(b, s, dtype=torch.long)
-        mask[1, s // 3:] = 0          # right padding
-        mask[2, 2:] = 0               # nearly empty row: only token 0 has a target
+        mask[1, s // 3 :] = 0  # right padding
+        mask[2, 2:] = 0  # nearly empty row: only token 0 has a target
         if empty:
             mask[:] = 0
         return logits, {"input_ids": ids, "labels": ids, "attention_mask": mask}
@@ -212,8 +243,10 @@ def loss_parity(u: int, r: int, s: int = 37, b: int = 3, include_dp: bool = Fals
         labels = batch["labels"][:, 1:].masked_fill(batch["attention_mask"][:, 1:] == 0, ignore)
         fulls.append(logits.float().requires_grad_())
         targets.append(labels)
-    ref_sum = sum(F.cross_entropy(x[:, :-1].reshape(-1, VOCAB), t.reshape(-1), ignore_index=ignore,
-                                  reduction="sum") for x, t in zip(fulls, targets))
+    ref_sum = sum(
+        F.cross_entropy(x[:, :-1].reshape(-1, VOCAB), t.reshape(-1), ignore_index=ignore, reduction="sum")
+        for x, t in zip(fulls, targets)
+    )
     count = sum(int((t != ignore).sum()) for t in targets)
     ref = ref_sum / max(count, 1) if reduction == "mean" else ref_sum
     ref.backward()
@@ -222,16 +255,22 @@ def loss_parity(u: int, r: int, s: int = 37, b: int = 3, include_dp: bool = Fals
     logits, batch = data(cp.dp_rank)
     local = shard_batch(batch, cp, ignore_index=ignore)
     local_logits = hcp.shard(logits.float(), cp, dim=1).requires_grad_()
-    loss = cross_entropy(local_logits, local["labels"], cp, ignore_index=ignore, reduction=reduction,
-                         include_dp=include_dp)
+    loss = cross_entropy(
+        local_logits, local["labels"], cp, ignore_index=ignore, reduction=reduction, include_dp=include_dp
+    )
     loss.backward()
     w = cp.size * (dp if include_dp else 1)
     ref_grad = hcp.shard(mine.grad, cp, dim=1)
     valid_here = int((local["labels"] != ignore).sum())
     scale = max(ref_grad.abs().max().item(), 1e-30)
-    return {"loss": loss.item(), "ref": ref.item(), "grad": (local_logits.grad / w - ref_grad).abs().max().item() / scale,
-            "grad_zero": local_logits.grad.abs().max().item() if valid_here == 0 else None,
-            "valid_here": valid_here, "finite": bool(torch.isfinite(loss).item())}
+    return {
+        "loss": loss.item(),
+        "ref": ref.item(),
+        "grad": (local_logits.grad / w - ref_grad).abs().max().item() / scale,
+        "grad_zero": local_logits.grad.abs().max().item() if valid_here == 0 else None,
+        "valid_here": valid_here,
+        "finite": bool(torch.isfinite(loss).item()),
+    }
 
 
 def error_messages(u: int, r: int) -> dict:
@@ -254,10 +293,14 @@ def error_messages(u: int, r: int) -> dict:
     if cp.rank == 0:
         bad_mask[0, 0] = 0  # a hole at the start of the sequence: left padding
     attempt("left_padding", lambda: model(input_ids=local["input_ids"], attention_mask=bad_mask))
-    attempt("mask_4d", lambda: model(input_ids=local["input_ids"],
-                                     attention_mask=torch.ones(2, 1, local["input_ids"].shape[1], 40)))
-    attempt("positions", lambda: model(input_ids=local["input_ids"],
-                                       position_ids=torch.arange(local["input_ids"].shape[1])[None]))
+    attempt(
+        "mask_4d",
+        lambda: model(input_ids=local["input_ids"], attention_mask=torch.ones(2, 1, local["input_ids"].shape[1], 40)),
+    )
+    attempt(
+        "positions",
+        lambda: model(input_ids=local["input_ids"], position_ids=torch.arange(local["input_ids"].shape[1])[None]),
+    )
     # options reaching the attention call that it does not implement, or a softcap / s_aux that is not the
     # module's own (a Llama's eager attention ignores them): refused there, whatever their name
     attempt("softcap_runtime", lambda: model(input_ids=local["input_ids"], softcap=50.0))
@@ -276,8 +319,21 @@ def error_messages(u: int, r: int) -> dict:
     return out
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "all_to_all", "broadcast",
-                "barrier", "reduce_scatter_tensor", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 def guard_on_every_rank(model_types: list[str]) -> dict:
@@ -338,8 +394,8 @@ def packed_reference(model, batch: dict, doc_lens=PACKED_DOC_LENS):
     for n in doc_lens:
         if n == 0:  # an empty document (repeated boundary in cu_seq_lens_q) has no tokens to run
             continue
-        ids = batch["input_ids"][:, start:start + n]
-        labels = batch["labels"][0, start + 1:start + n]
+        ids = batch["input_ids"][:, start : start + n]
+        labels = batch["labels"][0, start + 1 : start + n]
         logits = model(input_ids=ids, position_ids=torch.arange(n)[None]).logits
         total = total + F.cross_entropy(logits[0, :-1].reshape(-1, VOCAB), labels, ignore_index=-100, reduction="sum")
         count += int((labels != -100).sum())
@@ -349,9 +405,19 @@ def packed_reference(model, batch: dict, doc_lens=PACKED_DOC_LENS):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2, fsdp: bool = False,
-                        explicit_cu: bool = False, tiled_loss: bool = False, checkpoint: bool = False,
-                        doc_lens: tuple = PACKED_DOC_LENS, head_chunks: int = 1, exclude: tuple = ()) -> dict:
+def packed_model_parity(
+    u: int,
+    r: int,
+    kind: str = "llama",
+    hkv: int | None = 2,
+    fsdp: bool = False,
+    explicit_cu: bool = False,
+    tiled_loss: bool = False,
+    checkpoint: bool = False,
+    doc_lens: tuple = PACKED_DOC_LENS,
+    head_chunks: int = 1,
+    exclude: tuple = (),
+) -> dict:
     """Loss and every parameter gradient of one packed-row step under CP vs the per-document reference
     (`tiled_loss`: through `hcp.lm_loss` on the shard_batch dict instead of logits + cross_entropy)."""
     cp = mesh(u, r)
@@ -370,20 +436,30 @@ def packed_model_parity(u: int, r: int, kind: str = "llama", hkv: int | None = 2
     if tiled_loss:
         loss = hcp.lm_loss(model, local, cp, chunk_tokens=8)
     else:
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                       cu_seq_lens_q=local["cu_seq_lens_q"], cu_seq_lens_k=local["cu_seq_lens_k"],
-                       max_length_q=local["max_length_q"], max_length_k=local["max_length_k"]).logits
+        logits = model(
+            input_ids=local["input_ids"],
+            position_ids=local["position_ids"],
+            cu_seq_lens_q=local["cu_seq_lens_q"],
+            cu_seq_lens_k=local["cu_seq_lens_k"],
+            max_length_q=local["max_length_q"],
+            max_length_k=local["max_length_k"],
+        ).logits
         loss = cross_entropy(logits, local["labels"], cp)
     loss.backward()
     if not fsdp:
         average_gradients(model)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
     grad, worst, vs_largest = _grad_errors(grads, ref_grads, exclude)
-    return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad,
-            "grad_vs_largest": vs_largest,
-            "worst_param": worst, "missing": sorted(set(ref_grads) ^ set(grads)),
-            "cp_loss": loss.item(), "ref_loss": ref_loss.item(),
-            "leak": _leak(kind, hkv, ref_grads) if doc_lens == PACKED_DOC_LENS else None}
+    return {
+        "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        "grad": grad,
+        "grad_vs_largest": vs_largest,
+        "worst_param": worst,
+        "missing": sorted(set(ref_grads) ^ set(grads)),
+        "cp_loss": loss.item(),
+        "ref_loss": ref_loss.item(),
+        "leak": _leak(kind, hkv, ref_grads) if doc_lens == PACKED_DOC_LENS else None,
+    }
 
 
 _LEAKS: dict = {}
@@ -413,7 +489,12 @@ def packed_labels(u: int, r: int, explicit_cu: bool = False) -> dict:
         batch = {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu}
     local = shard_batch(batch, cp, ignore_index=-7)
     full = {k: hcp.unshard(local[k], cp, dim=1, cu_seqlens=cu) for k in ("input_ids", "labels", "position_ids")}
-    return {"full": full, "local_len": local["input_ids"].shape[1],
-            "cu_q": local["cu_seq_lens_q"].tolist(), "cu_k": local["cu_seq_lens_k"].tolist(),
-            "cu_dtype": str(local["cu_seq_lens_q"].dtype),
-            "max_q": local["max_length_q"], "max_k": local["max_length_k"]}
+    return {
+        "full": full,
+        "local_len": local["input_ids"].shape[1],
+        "cu_q": local["cu_seq_lens_q"].tolist(),
+        "cu_k": local["cu_seq_lens_k"].tolist(),
+        "cu_dtype": str(local["cu_seq_lens_q"].dtype),
+        "max_q": local["max_length_q"],
+        "max_k": local["max_length_k"],
+    }

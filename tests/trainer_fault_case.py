@@ -27,8 +27,9 @@ def main(out: str, where: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     args = training_args(os.path.join(out, "work"), 1, 1, eval_batch=1, ddp_timeout=int(timeout_s))
-    trainer = CPTrainer(model=model_for("llama"), args=args, ulysses=2, ring=2, eval_dataset=rows(8, 1),
-                        data_collator=collator("dense"))
+    trainer = CPTrainer(
+        model=model_for("llama"), args=args, ulysses=2, ring=2, eval_dataset=rows(8, 1), data_collator=collator("dense")
+    )
     if rank == STALLED:
         name = {"forward": "prediction_step", "gather": "_gather_replicas"}[where]
         original = getattr(trainer, name)
@@ -36,6 +37,7 @@ def main(out: str, where: str, timeout_s: float) -> None:
         def stalled(*a, **kw):
             time.sleep(2 * timeout_s)
             return original(*a, **kw)
+
         setattr(trainer, name, stalled)
     t0 = time.monotonic()
     try:
@@ -45,7 +47,7 @@ def main(out: str, where: str, timeout_s: float) -> None:
         kind, msg = type(exc).__name__, str(exc)[:600]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"kind": kind, "msg": msg, "secs": time.monotonic() - t0}, f)
-    os._exit(0)   # no exit-time collective with peers that are gone
+    os._exit(0)  # no exit-time collective with peers that are gone
 
 
 if __name__ == "__main__":

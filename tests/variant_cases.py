@@ -44,11 +44,15 @@ def reference(q, k, v, dout, sinks, scale: float, visible: torch.Tensor, softcap
 
 def _inputs(seed: int, b: int, n: int, h: int, hkv: int, d: int, dv: int):
     g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(b, n, h, d, generator=g, dtype=torch.float64), torch.randn(b, n, hkv, d, generator=g,
-                                                                                 dtype=torch.float64)
-    v, dout = torch.randn(b, n, hkv, dv, generator=g, dtype=torch.float64), torch.randn(b, n, h, dv, generator=g,
-                                                                                       dtype=torch.float64)
-    sinks = 2 * torch.randn(h, generator=g, dtype=torch.float64)   # comparable to the rows' lse
+    q, k = (
+        torch.randn(b, n, h, d, generator=g, dtype=torch.float64),
+        torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64),
+    )
+    v, dout = (
+        torch.randn(b, n, hkv, dv, generator=g, dtype=torch.float64),
+        torch.randn(b, n, h, dv, generator=g, dtype=torch.float64),
+    )
+    sinks = 2 * torch.randn(h, generator=g, dtype=torch.float64)  # comparable to the rows' lse
     return q, k, v, dout, sinks
 
 
@@ -64,15 +68,26 @@ def _run(cp, c: dict, ref_inputs, dtype, kw: dict):
     q, k, v, dout, sinks = ref_inputs
     ql, kl, vl = (hcp.shard(x.to(dtype), cp, **kw).requires_grad_() for x in (q, k, v))
     sl = sinks.to(dtype).clone().requires_grad_() if c.get("sinks") else None
-    out, lse = hcp.attention(ql, kl, vl, cp, causal=c["causal"], window=c.get("window"), return_lse=True,
-                             softcap=c.get("softcap"), sinks=sl, head_chunks=c.get("head_chunks", 1),
-                             seq_len=None if "docs" in c else c["n"], **kw)
+    out, lse = hcp.attention(
+        ql,
+        kl,
+        vl,
+        cp,
+        causal=c["causal"],
+        window=c.get("window"),
+        return_lse=True,
+        softcap=c.get("softcap"),
+        sinks=sl,
+        head_chunks=c.get("head_chunks", 1),
+        seq_len=None if "docs" in c else c["n"],
+        **kw,
+    )
     (out * hcp.shard(dout.to(dtype), cp, **kw)).sum().backward()
     dsinks = None
     if sl is not None:
         dsinks = sl.grad.clone()
         if cp.size > 1:
-            dist.all_reduce(dsinks, group=cp.cp_group)   # each rank holds its share
+            dist.all_reduce(dsinks, group=cp.cp_group)  # each rank holds its share
     return out.detach(), lse, ql.grad, kl.grad, vl.grad, dsinks
 
 
@@ -100,16 +115,31 @@ def variant_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         lay = hcp.engine.layout.row_layout(cp, seq_len=None if packed else cu[-1], **kw)
         real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
         keep = torch.nonzero(real).flatten()
-        err = {name: _rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **kw).index_select(dim, keep))
-               for name, dim, rf, gt in zip(TENSORS[:5], [1, 2, 1, 1, 1], ref, got)}
+        err = {
+            name: _rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **kw).index_select(dim, keep))
+            for name, dim, rf, gt in zip(TENSORS[:5], [1, 2, 1, 1, 1], ref, got)
+        }
         err["dsinks"] = 0.0 if ref[5] is None else _rel(got[5], ref[5])
         err["out_dim_ok"] = got[0].shape[-1] == dv
         # the cost model's bytes, v's head dim included, are what was sent (head chunks send q/out again in backward)
         if c.get("head_chunks", 1) == 1:
-            want = topology.comm_bytes(c["h"], c["hkv"], d, cu[-1], 1 if packed else 2, u, r, dtype.itemsize,
-                                       layout=cp.layout, ulysses_rank=cp.ulysses_rank, ring_rank=cp.ring_rank,
-                                       cu_seqlens=cu if packed else None, causal=c["causal"], window=window,
-                                       v_head_dim=dv)
+            want = topology.comm_bytes(
+                c["h"],
+                c["hkv"],
+                d,
+                cu[-1],
+                1 if packed else 2,
+                u,
+                r,
+                dtype.itemsize,
+                layout=cp.layout,
+                ulysses_rank=cp.ulysses_rank,
+                ring_rank=cp.ring_rank,
+                cu_seqlens=cu if packed else None,
+                causal=c["causal"],
+                window=window,
+                v_head_dim=dv,
+            )
             err["bytes_match"] = all(sent.get(k, 0) == want[k] for k in STAGES) or str((sent, want))
         results.append({**c, **err})
     return results
@@ -125,8 +155,7 @@ def compiled_variant(u: int, r: int) -> dict | None:
     shards = [hcp.shard(x.float(), cp) for x in (q, k, v, dout)]
 
     def attn(q, k, v, sinks):
-        return hcp.attention(q, k, v, cp, causal=True, window=9, softcap=3.0, sinks=sinks, seq_len=40,
-                             return_lse=True)
+        return hcp.attention(q, k, v, cp, causal=True, window=9, softcap=3.0, sinks=sinks, seq_len=40, return_lse=True)
 
     def run(fn):
         xs = [x.clone().requires_grad_() for x in shards[:3]] + [sinks.float().requires_grad_()]

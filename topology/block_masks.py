@@ -36,7 +36,7 @@ def visible_entries(nq: int, nk: int, causal: bool, window: tuple[int, int] | No
     if window is None:
         return nq * nk
     left, right = window
-    lo = -(nq - 1) if left < 0 else max(-(nq - 1), (nk - nq) - left)   # band of d = j - i
+    lo = -(nq - 1) if left < 0 else max(-(nq - 1), (nk - nq) - left)  # band of d = j - i
     hi = nk - 1 if right < 0 else min(nk - 1, (nk - nq) + right)
     # entries on diagonal d: min(nq, nk - d) - max(0, -d), linear between the breakpoints 0 and nk - nq
 
@@ -47,11 +47,11 @@ def visible_entries(nq: int, nk: int, causal: bool, window: tuple[int, int] | No
                 if u > v:
                     continue
                 # count(d) = A + B*d on [u, v]
-                if u < nk - nq:   # min(nq, nk - d) = nq
+                if u < nk - nq:  # min(nq, nk - d) = nq
                     A, B = nq, 0
-                else:             # = nk - d
+                else:  # = nk - d
                     A, B = nk, -1
-                if u < 0:         # - max(0, -d) = d
+                if u < 0:  # - max(0, -d) = d
                     B += 1
                 total += A * (v - u + 1) + B * (u + v) * (v - u + 1) // 2
         return total
@@ -59,18 +59,19 @@ def visible_entries(nq: int, nk: int, causal: bool, window: tuple[int, int] | No
     return on_diagonals(lo, hi) if lo <= hi else 0
 
 
-def band_pair(q_row: int, q_pos: int, nq: int, k_row: int, k_pos: int, nk: int,
-                lo: int, hi: int) -> tuple[tuple[int, int, int, int], bool, tuple[int, int] | None] | None:
+def band_pair(
+    q_row: int, q_pos: int, nq: int, k_row: int, k_pos: int, nk: int, lo: int, hi: int
+) -> tuple[tuple[int, int, int, int], bool, tuple[int, int] | None] | None:
     """The part of a (query chunk, key chunk) block that the band [lo, hi] reaches, trimmed to its
     bounding box, with the kernel mask that reproduces the band there (None if invisible)."""
     d = k_pos - q_pos
-    dlo, dhi = lo - d, hi - d                          # visible iff dlo <= j - i <= dhi
+    dlo, dhi = lo - d, hi - d  # visible iff dlo <= j - i <= dhi
     i0, i1 = max(0, -dhi), min(nq - 1, nk - 1 - dlo)
     if i0 > i1:
         return None
     j0, j1 = max(0, i0 + dlo), min(nk - 1, i1 + dhi)
     nq2, nk2 = i1 - i0 + 1, j1 - j0 + 1
-    dlo2, dhi2 = dlo - (j0 - i0), dhi - (j0 - i0)    # the band in the trimmed block's frame
+    dlo2, dhi2 = dlo - (j0 - i0), dhi - (j0 - i0)  # the band in the trimmed block's frame
     pair = (q_row + i0, nq2, k_row + j0, nk2)
     full_lo, full_hi = dlo2 <= -(nq2 - 1), dhi2 >= nk2 - 1
     if full_lo and full_hi:
@@ -96,5 +97,6 @@ def group_calls(found) -> tuple[Step, ...]:
             calls.append([pair])
         else:
             home.append(pair)
-    return tuple(Step(tuple(sorted(c)), mask[0], mask[1]) for mask, calls in sorted(groups.items(), key=str)
-                 for c in calls)
+    return tuple(
+        Step(tuple(sorted(c)), mask[0], mask[1]) for mask, calls in sorted(groups.items(), key=str) for c in calls
+    )

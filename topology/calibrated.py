@@ -16,8 +16,16 @@ from .units import dtype_name
 __all__ = ["calibrated_times", "engine_known_s"]
 
 
-def calibrated_times(cluster: Cluster, call: CallShape, dtype: Any, window: Any, busiest_share: float,
-                      nbytes: dict[str, int], analytic: LayerTimes, chunk: int | None = None) -> tuple[LayerTimes, list[str]]:
+def calibrated_times(
+    cluster: Cluster,
+    call: CallShape,
+    dtype: Any,
+    window: Any,
+    busiest_share: float,
+    nbytes: dict[str, int],
+    analytic: LayerTimes,
+    chunk: int | None = None,
+) -> tuple[LayerTimes, list[str]]:
     """The analytic times replaced by the measured ones; a window (or attention chunks) scales the
     calibrated kernel and ring terms by the work and the ring bytes it keeps. A mask's kernels are
     priced call by call (:func:`_calibrated_mask_kernel_s`), its ring by the bytes it moves."""
@@ -29,14 +37,29 @@ def calibrated_times(cluster: Cluster, call: CallShape, dtype: Any, window: Any,
         ring_comm, ring_exposed = ring_comm * moved, ring_exposed * moved
     elif window is not None or chunk is not None:
         kernel_fwd, kernel_bwd = kernel_fwd * busiest_share, kernel_bwd * busiest_share
-        full = comm_bytes(call.heads, call.kv_heads, call.head_dim, call.seq_len, call.batch, call.ulysses, call.ring,
-                          call.e, call.layout, causal=call.causal)
+        full = comm_bytes(
+            call.heads,
+            call.kv_heads,
+            call.head_dim,
+            call.seq_len,
+            call.batch,
+            call.ulysses,
+            call.ring,
+            call.e,
+            call.layout,
+            causal=call.causal,
+        )
         moved = (nbytes["ring_fwd"] + nbytes["ring_bwd"]) / max(1, full["ring_fwd"] + full["ring_bwd"])
         ring_comm, ring_exposed = ring_comm * moved, ring_exposed * moved
     times = LayerTimes(
-        kernel_fwd, kernel_bwd, parts["fixed_s"] + parts["merge_s"] + parts["copy_s"], parts["a2a_s"],
+        kernel_fwd,
+        kernel_bwd,
+        parts["fixed_s"] + parts["merge_s"] + parts["copy_s"],
+        parts["a2a_s"],
         "measured" if call.ulysses > 1 and analytic.a2a_link != "none" else analytic.a2a_link,
-        ring_comm, ring_exposed, "measured" if call.ring > 1 else analytic.ring_link,
+        ring_comm,
+        ring_exposed,
+        "measured" if call.ring > 1 else analytic.ring_link,
     )
     return times, parts["notes"]
 
@@ -62,7 +85,8 @@ def _calibrated_kernel_s(cal: Any, call: CallShape, dtype: Any, notes: list[str]
                     if fit is None:
                         raise ValueError(
                             f"the calibration has no {'causal' if step.causal else 'full'} {direction} kernel fit; "
-                            "re-run hybrid-cp calibrate with the kernels stage")
+                            "re-run hybrid-cp calibrate with the kernels stage"
+                        )
                     totals[direction] += fit.seconds(nq, nk, heads, call.head_dim)
         if totals["fwd"] + totals["bwd"] > sum(worst):
             worst = (totals["fwd"], totals["bwd"])
@@ -83,8 +107,10 @@ def _calibrated_mask_kernel_s(cal: Any, call: CallShape, dtype: Any, notes: list
     def pair_s(step: Any, nq: int, nk: int, direction: str) -> float:
         fit = fits[(step.causal, direction)]
         if fit is None:
-            raise ValueError(f"the calibration has no {'causal' if step.causal else 'full'} {direction} kernel fit; "
-                             "re-run hybrid-cp calibrate with the kernels stage")
+            raise ValueError(
+                f"the calibration has no {'causal' if step.causal else 'full'} {direction} kernel fit; "
+                "re-run hybrid-cp calibrate with the kernels stage"
+            )
         skipped = 0.0
         if step.window is not None:  # a band: the block's flops the kernel skips
             full = kernel_flops(nq, nk, heads, d_head, False, direction)
@@ -94,8 +120,14 @@ def _calibrated_mask_kernel_s(cal: Any, call: CallShape, dtype: Any, notes: list
     lay, r, out = call.lay, call.ring, {"fwd": 0.0, "bwd": 0.0}
     for s in range(r):
         for direction in directions:
-            out[direction] += max(sum(pair_s(t, nq, nk, direction) for t in lay.tasks(j, s, False, mask=call.mask)
-                                      for _, nq, _, nk in t.pairs) for j in range(r))
+            out[direction] += max(
+                sum(
+                    pair_s(t, nq, nk, direction)
+                    for t in lay.tasks(j, s, False, mask=call.mask)
+                    for _, nq, _, nk in t.pairs
+                )
+                for j in range(r)
+            )
     return out["fwd"], out["bwd"]
 
 
@@ -104,10 +136,14 @@ def _calibrated_merge_s(cal: Any, call: CallShape) -> float:
     if cal.merge is None:
         return 0.0
     merge_fwd, merge_bwd = call.merge_bytes()
-    return call.ring * cal.merge.seconds(merge_fwd) + (call.ring * cal.merge.seconds(merge_bwd) if call.backward else 0.0)
+    return call.ring * cal.merge.seconds(merge_fwd) + (
+        call.ring * cal.merge.seconds(merge_bwd) if call.backward else 0.0
+    )
 
 
-def _calibrated_a2a_s(cal: Any, cluster: Cluster | None, call: CallShape, nbytes: dict[str, int], notes: list[str]) -> float:
+def _calibrated_a2a_s(
+    cal: Any, cluster: Cluster | None, call: CallShape, nbytes: dict[str, int], notes: list[str]
+) -> float:
     """The measured all-to-all of this ulysses degree (all groups at once); the cluster's links when
     that degree was not calibrated."""
     if call.ulysses == 1:
@@ -126,8 +162,9 @@ def _calibrated_a2a_s(cal: Any, cluster: Cluster | None, call: CallShape, nbytes
     return a2a_time(cluster, groups, call.heads_per_rank, call.a2a_unit, call.backward)[0]
 
 
-def _calibrated_ring_s(cal: Any, cluster: Cluster | None, call: CallShape, kernel_fwd_s: float, kernel_bwd_s: float,
-                       notes: list[str]) -> tuple[float, float]:
+def _calibrated_ring_s(
+    cal: Any, cluster: Cluster | None, call: CallShape, kernel_fwd_s: float, kernel_bwd_s: float, notes: list[str]
+) -> tuple[float, float]:
     """The measured neighbour exchange with every rank sending, hidden behind the step's kernels by
     the measured overlap fraction; the last dK/dV hop is always exposed."""
     if call.ring == 1:
@@ -142,8 +179,9 @@ def _calibrated_ring_s(cal: Any, cluster: Cluster | None, call: CallShape, kerne
     return streamed_ring_s(xfer, call, kernel_fwd_s / call.ring, kernel_bwd_s / call.ring, cal.overlap)
 
 
-def _calibrated_parts(cal: Any, cluster: Cluster | None, call: CallShape, dtype: Any,
-                      kernels: bool = True) -> dict[str, Any]:
+def _calibrated_parts(
+    cal: Any, cluster: Cluster | None, call: CallShape, dtype: Any, kernels: bool = True
+) -> dict[str, Any]:
     """One attention call priced with measured rates, term by term (seconds, slowest rank).
 
     kernel: :func:`_calibrated_kernel_s`; fixed: ``3 r`` step units (forward 1, backward 2) plus one
@@ -161,13 +199,23 @@ def _calibrated_parts(cal: Any, cluster: Cluster | None, call: CallShape, dtype:
     copy_s = sent / (cal.copy_gb_s * 1e9) if cal.copy_gb_s else 0.0
     a2a_s = _calibrated_a2a_s(cal, cluster, call, nbytes, notes)
     ring_comm, ring_exposed = _calibrated_ring_s(cal, cluster, call, kf, kb, notes)
-    return {"kernel_fwd_s": kf, "kernel_bwd_s": kb, "fixed_s": fixed, "merge_s": _calibrated_merge_s(cal, call),
-            "copy_s": copy_s, "a2a_s": a2a_s, "ring_comm_s": ring_comm, "ring_exposed_s": ring_exposed,
-            "sent_bytes": sent, "notes": notes}
+    return {
+        "kernel_fwd_s": kf,
+        "kernel_bwd_s": kb,
+        "fixed_s": fixed,
+        "merge_s": _calibrated_merge_s(cal, call),
+        "copy_s": copy_s,
+        "a2a_s": a2a_s,
+        "ring_comm_s": ring_comm,
+        "ring_exposed_s": ring_exposed,
+        "sent_bytes": sent,
+        "notes": notes,
+    }
 
 
-def engine_known_s(cal: Any, ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-                   e: int) -> tuple[float, int]:
+def engine_known_s(
+    cal: Any, ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, e: int
+) -> tuple[float, int]:
     """The measured parts of a no-arithmetic engine call (all-to-all, ring exchange, merges) as the
     model prices them, and the bytes it sends; calibration fits the fixed costs to the remainder."""
     call = CallShape(heads, kv_heads, head_dim, seq_len, 1, ulysses, ring, e)

@@ -30,8 +30,21 @@ from .placement import divisors
 from .rates import PROBE, A2AFit, Calibration, KernelFit, LinkFit, StrictModel, kernel_flops, merge_fwd_bytes
 from .units import dtype_bytes
 
-__all__ = ["KernelFit", "LinkFit", "A2AFit", "Calibration", "RateSource", "CalibrationSpec", "collect", "fit",
-           "kernel_flops", "default_spec", "kernel_grid", "heads_per_call", "PROBE"]
+__all__ = [
+    "KernelFit",
+    "LinkFit",
+    "A2AFit",
+    "Calibration",
+    "RateSource",
+    "CalibrationSpec",
+    "collect",
+    "fit",
+    "kernel_flops",
+    "default_spec",
+    "kernel_grid",
+    "heads_per_call",
+    "PROBE",
+]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -42,8 +55,9 @@ class RateSource(Protocol):
     """Something that can time the engine's pieces. Every method returns seconds (the slowest rank's
     time, fastest of the repeats). Implemented on real ranks by ``hybrid_cp.cli.measure.TorchRateSource``."""
 
-    def kernel(self, backend: str, dtype: str, causal: bool, tq: int, tk: int, heads: int, kv_heads: int,
-               head_dim: int) -> tuple[float, float]:
+    def kernel(
+        self, backend: str, dtype: str, causal: bool, tq: int, tk: int, heads: int, kv_heads: int, head_dim: int
+    ) -> tuple[float, float]:
         """(forward, backward) seconds of one call."""
 
     def merge(self, tokens: int, heads: int, head_dim: int, dtype: str) -> float: ...
@@ -54,17 +68,23 @@ class RateSource(Protocol):
     def p2p(self, nbytes: int, alone: bool) -> float:
         """Batched isend/irecv of ``nbytes`` to the next rank and from the previous one."""
 
-    def overlap(self, tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: str, backend: str,
-                nbytes: int) -> tuple[float, float, float]:
+    def overlap(
+        self, tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: str, backend: str, nbytes: int
+    ) -> tuple[float, float, float]:
         """(transfer alone, kernel forward alone, transfer posted around the kernel) seconds."""
 
-    def engine(self, ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-               dtype: str) -> float:
+    def engine(
+        self, ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str
+    ) -> float:
         """`hcp.attention` fwd+bwd (causal, zigzag) with a kernel that does no arithmetic."""
 
 
-def kernel_grid(head_counts: Iterable[int], lengths: Iterable[int] = (512, 1024, 2048, 4096),
-                diagonals: Iterable[int] = (4096, 8192), min_tokens: int = 64) -> list[tuple[int, int, int, bool]]:
+def kernel_grid(
+    head_counts: Iterable[int],
+    lengths: Iterable[int] = (512, 1024, 2048, 4096),
+    diagonals: Iterable[int] = (4096, 8192),
+    min_tokens: int = 64,
+) -> list[tuple[int, int, int, bool]]:
     """Kernel shapes: a causal T x T and a full T/2 x T block (the zigzag ring's two block kinds) for
     the fewest heads per call at every T in ``lengths``, and for every other head count h at
     ``T = c / h`` for each c in ``diagonals``.
@@ -102,7 +122,8 @@ class CalibrationSpec(StrictModel):
     head_dim: int = 64
     kernel_shapes: list[tuple[int, int, int, bool]] = Field(
         default_factory=lambda: kernel_grid([1, 2, 4, 8]),
-        description="(query tokens, key tokens, query heads, causal) per timed kernel call; KV heads = heads / gqa")
+        description="(query tokens, key tokens, query heads, causal) per timed kernel call; KV heads = heads / gqa",
+    )
     gqa: int = Field(default=4, ge=1, description="query heads per KV head in the kernel shapes")
     kernel_passes: int = Field(default=3, ge=1, description="passes over all kernel shapes (fastest kept)")
     probe_passes: int = Field(default=2, ge=1)
@@ -124,11 +145,21 @@ def default_spec(world: int, device: str = "cpu", **overrides: Any) -> Calibrati
     base: dict[str, Any] = {"world": world, "kernel_shapes": kernel_grid(heads_per_call(world, 8))}
     if device.startswith("cuda"):
         heads = heads_per_call(world, 32)
-        base.update(dtypes=["bfloat16", "float16"], heads=8, kv_heads=2, head_dim=128,
-                    kernel_shapes=kernel_grid(heads, (2048, 4096, 8192, 16384), (32768, 131072), min_tokens=1024),
-                    merge_tokens=[4096, 16384, 65536], a2a_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26],
-                    p2p_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26], overlap_tokens=8192, overlap_bytes=1 << 25,
-                    engine_heads=16, engine_kv_heads=4, engine_lengths=[4096 * world, 16384 * world])
+        base.update(
+            dtypes=["bfloat16", "float16"],
+            heads=8,
+            kv_heads=2,
+            head_dim=128,
+            kernel_shapes=kernel_grid(heads, (2048, 4096, 8192, 16384), (32768, 131072), min_tokens=1024),
+            merge_tokens=[4096, 16384, 65536],
+            a2a_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26],
+            p2p_bytes=[1 << 16, 1 << 20, 1 << 24, 1 << 26],
+            overlap_tokens=8192,
+            overlap_bytes=1 << 25,
+            engine_heads=16,
+            engine_kv_heads=4,
+            engine_lengths=[4096 * world, 16384 * world],
+        )
     base.update(overrides)
     return CalibrationSpec(**base)
 
@@ -142,8 +173,9 @@ def _kv_heads(heads: int, gqa: int) -> int:
     return kv if heads % kv == 0 else heads
 
 
-def _time_kernels(source: RateSource, spec: CalibrationSpec, backend: str, dtype: str,
-                  progress: Progress) -> list[dict]:
+def _time_kernels(
+    source: RateSource, spec: CalibrationSpec, backend: str, dtype: str, progress: Progress
+) -> list[dict]:
     """Every kernel shape of ``spec`` for one (backend, dtype), forward and backward.
 
     Passes over all shapes, fastest per shape: each shape's samples are spread over the whole stage,
@@ -154,16 +186,27 @@ def _time_kernels(source: RateSource, spec: CalibrationSpec, backend: str, dtype
             f, b = source.kernel(backend, dtype, causal, tq, tk, h, _kv_heads(h, spec.gqa), spec.head_dim)
             old = best.get((tq, tk, h, causal), [math.inf, math.inf])
             best[(tq, tk, h, causal)] = [min(old[0], f), min(old[1], b)]
-        progress(f"kernels {backend} {dtype}: pass {p + 1}/{spec.kernel_passes} over "
-                 f"{len(spec.kernel_shapes)} block shapes")
+        progress(
+            f"kernels {backend} {dtype}: pass {p + 1}/{spec.kernel_passes} over {len(spec.kernel_shapes)} block shapes"
+        )
     rows = []
     for (tq, tk, h, causal), (f, b) in best.items():
         for direction, t in (("fwd", f), ("bwd", b)):
-            rows.append({"kind": "kernel", "backend": backend, "dtype": dtype, "causal": causal,
-                         "direction": direction, "tq": tq, "tk": tk, "heads": h, "head_dim": spec.head_dim,
-                         "seconds": t})
-        progress(f"  {'causal' if causal else 'full'} {tq}x{tk} x{h} heads: "
-                 f"fwd {f * 1e3:.1f} ms, bwd {b * 1e3:.1f} ms")
+            rows.append(
+                {
+                    "kind": "kernel",
+                    "backend": backend,
+                    "dtype": dtype,
+                    "causal": causal,
+                    "direction": direction,
+                    "tq": tq,
+                    "tk": tk,
+                    "heads": h,
+                    "head_dim": spec.head_dim,
+                    "seconds": t,
+                }
+            )
+        progress(f"  {'causal' if causal else 'full'} {tq}x{tk} x{h} heads: fwd {f * 1e3:.1f} ms, bwd {b * 1e3:.1f} ms")
     return rows
 
 
@@ -181,8 +224,17 @@ def _kernels_stage(source: RateSource, spec: CalibrationSpec, progress: Progress
 
 
 def _merge_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
-    rows = [{"kind": "merge", "tokens": t, "heads": spec.heads, "head_dim": spec.head_dim, "dtype": spec.dtypes[0],
-             "seconds": source.merge(t, spec.heads, spec.head_dim, spec.dtypes[0])} for t in spec.merge_tokens]
+    rows = [
+        {
+            "kind": "merge",
+            "tokens": t,
+            "heads": spec.heads,
+            "head_dim": spec.head_dim,
+            "dtype": spec.dtypes[0],
+            "seconds": source.merge(t, spec.heads, spec.head_dim, spec.dtypes[0]),
+        }
+        for t in spec.merge_tokens
+    ]
     progress(f"merge: {len(rows)} sizes")
     return rows
 
@@ -191,10 +243,18 @@ def _a2a_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) ->
     rows = []
     for u in divisors(spec.world)[1:]:
         groups = spec.world // u
-        for alone in ((False, True) if groups > 1 else (False,)):
+        for alone in (False, True) if groups > 1 else (False,):
             for nbytes in spec.a2a_bytes:
-                rows.append({"kind": "a2a", "ulysses": u, "groups": groups, "alone": alone, "bytes": nbytes,
-                             "seconds": source.a2a(u, nbytes, alone)})
+                rows.append(
+                    {
+                        "kind": "a2a",
+                        "ulysses": u,
+                        "groups": groups,
+                        "alone": alone,
+                        "bytes": nbytes,
+                        "seconds": source.a2a(u, nbytes, alone),
+                    }
+                )
         progress(f"all-to-all ulysses={u}: {groups} group(s) at once" + (" and one alone" if groups > 1 else ""))
     return rows
 
@@ -206,16 +266,26 @@ def _need_ring(spec: CalibrationSpec) -> None:
 
 def _p2p_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
     _need_ring(spec)
-    rows = [{"kind": "p2p", "alone": alone, "bytes": n, "seconds": source.p2p(n, alone)}
-            for alone in (False, True) for n in spec.p2p_bytes]
+    rows = [
+        {"kind": "p2p", "alone": alone, "bytes": n, "seconds": source.p2p(n, alone)}
+        for alone in (False, True)
+        for n in spec.p2p_bytes
+    ]
     progress("ring neighbour exchange: every rank at once and one pair alone")
     return rows
 
 
 def _overlap_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
     _need_ring(spec)
-    c, k, both = source.overlap(spec.overlap_tokens, spec.heads, spec.kv_heads, spec.head_dim, spec.dtypes[0],
-                                spec.backends[0], spec.overlap_bytes)
+    c, k, both = source.overlap(
+        spec.overlap_tokens,
+        spec.heads,
+        spec.kv_heads,
+        spec.head_dim,
+        spec.dtypes[0],
+        spec.backends[0],
+        spec.overlap_bytes,
+    )
     progress(f"overlap: transfer {c * 1e3:.1f} ms, kernel {k * 1e3:.1f} ms, together {both * 1e3:.1f} ms")
     return [{"kind": "overlap", "comm": c, "compute": k, "both": both}]
 
@@ -227,18 +297,31 @@ def _engine_stage(source: RateSource, spec: CalibrationSpec, progress: Progress)
             continue
         r = spec.world // u
         for n in spec.engine_lengths:
-            rows.append({"kind": "engine", "ulysses": u, "ring": r, "seq_len": n, "heads": spec.engine_heads,
-                         "kv_heads": spec.engine_kv_heads, "head_dim": spec.head_dim, "dtype": spec.dtypes[0],
-                         "seconds": source.engine(u, r, n, spec.engine_heads, spec.engine_kv_heads,
-                                                  spec.head_dim, spec.dtypes[0])})
+            rows.append(
+                {
+                    "kind": "engine",
+                    "ulysses": u,
+                    "ring": r,
+                    "seq_len": n,
+                    "heads": spec.engine_heads,
+                    "kv_heads": spec.engine_kv_heads,
+                    "head_dim": spec.head_dim,
+                    "dtype": spec.dtypes[0],
+                    "seconds": source.engine(
+                        u, r, n, spec.engine_heads, spec.engine_kv_heads, spec.head_dim, spec.dtypes[0]
+                    ),
+                }
+            )
         progress(f"engine without arithmetic u={u} r={r}: {len(spec.engine_lengths)} lengths")
     return rows
 
 
 def _probe_stage(source: RateSource, spec: CalibrationSpec, progress: Progress) -> list[dict]:
     tq, tk, h, kv, causal = PROBE
-    t = min(source.kernel(spec.backends[0], spec.dtypes[0], causal, tq, tk, h, kv, spec.head_dim)[0]
-            for _ in range(spec.probe_passes))
+    t = min(
+        source.kernel(spec.backends[0], spec.dtypes[0], causal, tq, tk, h, kv, spec.head_dim)[0]
+        for _ in range(spec.probe_passes)
+    )
     return [{"kind": "probe", "seconds": t}]
 
 
@@ -246,9 +329,14 @@ Stage = Callable[[RateSource, CalibrationSpec, Progress], list[dict]]
 # (name, stage, the --stages entry that gates it; None: its own name), in the order they run. The probe
 # runs first and last, so the machine's share per rank is taken at both ends of the calibration.
 _STAGES: tuple[tuple[str, Stage, str | None], ...] = (
-    ("probe", _probe_stage, "kernels"), ("kernels", _kernels_stage, None), ("merge", _merge_stage, None),
-    ("a2a", _a2a_stage, None), ("p2p", _p2p_stage, None), ("overlap", _overlap_stage, None),
-    ("engine", _engine_stage, None), ("probe", _probe_stage, "kernels"),
+    ("probe", _probe_stage, "kernels"),
+    ("kernels", _kernels_stage, None),
+    ("merge", _merge_stage, None),
+    ("a2a", _a2a_stage, None),
+    ("p2p", _p2p_stage, None),
+    ("overlap", _overlap_stage, None),
+    ("engine", _engine_stage, None),
+    ("probe", _probe_stage, "kernels"),
 )
 
 
@@ -329,8 +417,9 @@ def _fit_link(points: list[tuple[float, float]]) -> LinkFit:
     return LinkFit(bandwidth_gb_s=1.0 / inv_bw / 1e9, latency_us=lat * 1e6)
 
 
-def _fit_kernel(backend: str, dtype: str, causal: bool, direction: Literal["fwd", "bwd"], pts: list[dict],
-                skipped: list[str]) -> KernelFit:
+def _fit_kernel(
+    backend: str, dtype: str, causal: bool, direction: Literal["fwd", "bwd"], pts: list[dict], skipped: list[str]
+) -> KernelFit:
     """One kernel's terms by non-negative least squares on relative error.
 
     Features by priority: the rate, the per-call overhead, the causal tile or (full blocks) the
@@ -341,9 +430,14 @@ def _fit_kernel(backend: str, dtype: str, causal: bool, direction: Literal["fwd"
     flops = [kernel_flops(p["tq"], p["tk"], p["heads"], p["head_dim"], causal, direction) for p in pts]
     y = [p["seconds"] for p in pts]
     names = ["rate", "call", "tile" if causal else "io"] + (["head"] if len({p["heads"] for p in pts}) > 1 else [])
-    names = names[:max(1, len({(p["tq"], p["tk"], p["heads"]) for p in pts}))]
-    feats = {"rate": lambda f, p: f, "call": lambda f, p: 1.0, "head": lambda f, p: float(p["heads"]),
-             "tile": lambda f, p: f / p["tq"], "io": lambda f, p: float((p["tq"] + p["tk"]) * p["heads"] * p["head_dim"])}
+    names = names[: max(1, len({(p["tq"], p["tk"], p["heads"]) for p in pts}))]
+    feats = {
+        "rate": lambda f, p: f,
+        "call": lambda f, p: 1.0,
+        "head": lambda f, p: float(p["heads"]),
+        "tile": lambda f, p: f / p["tq"],
+        "io": lambda f, p: float((p["tq"] + p["tk"]) * p["heads"] * p["head_dim"]),
+    }
     rows = [[feats[n](f, p) for n in names] for f, p in zip(flops, pts)]
     label = f"kernel {backend} {dtype} {'causal' if causal else 'full'} {direction}"
     try:
@@ -353,12 +447,22 @@ def _fit_kernel(backend: str, dtype: str, causal: bool, direction: Literal["fwd"
     if coef.get("rate", 0.0) <= 0:
         # too noisy to separate the terms: keep a plain rate (time proportional to FLOPs) and say so
         coef = {"rate": sum(t / f for t, f in zip(y, flops)) / len(y)}
-        skipped.append(f"{label}: times did not grow with block size (noise?); only a mean rate was fitted, "
-                       "no per-call/per-head/tile/IO terms")
-    k = KernelFit(backend=backend, dtype=dtype, causal=causal, direction=direction, tflops=1.0 / coef["rate"] / 1e12,
-                  call_overhead_us=coef.get("call", 0.0) * 1e6, head_call_overhead_us=coef.get("head", 0.0) * 1e6,
-                  io_ns_per_elem=coef.get("io", 0.0) * 1e9,
-                  causal_tile_tokens=coef.get("tile", 0.0) / coef["rate"] if causal else 0.0, samples=len(pts))
+        skipped.append(
+            f"{label}: times did not grow with block size (noise?); only a mean rate was fitted, "
+            "no per-call/per-head/tile/IO terms"
+        )
+    k = KernelFit(
+        backend=backend,
+        dtype=dtype,
+        causal=causal,
+        direction=direction,
+        tflops=1.0 / coef["rate"] / 1e12,
+        call_overhead_us=coef.get("call", 0.0) * 1e6,
+        head_call_overhead_us=coef.get("head", 0.0) * 1e6,
+        io_ns_per_elem=coef.get("io", 0.0) * 1e9,
+        causal_tile_tokens=coef.get("tile", 0.0) / coef["rate"] if causal else 0.0,
+        samples=len(pts),
+    )
     pred = [k.seconds(p["tq"], p["tk"], p["heads"], p["head_dim"]) for p in pts]
     return k.model_copy(update={"rms_rel_error": _rms_rel(pred, y)})
 
@@ -370,17 +474,23 @@ def _fit_kernels(by_kind: Samples, names: dict[str, str], skipped: list[str]) ->
     """One :class:`KernelFit` per (kernel, dtype, causal, direction) timed."""
     groups: dict[tuple, list[dict]] = {}
     for s in by_kind.get("kernel", []):
-        groups.setdefault((names.get(s["backend"], s["backend"]), s["dtype"], s["causal"], s["direction"]), []).append(s)
-    return [_fit_kernel(kb, dt, causal, direction, pts, skipped)
-            for (kb, dt, causal, direction), pts in sorted(groups.items())]
+        groups.setdefault((names.get(s["backend"], s["backend"]), s["dtype"], s["causal"], s["direction"]), []).append(
+            s
+        )
+    return [
+        _fit_kernel(kb, dt, causal, direction, pts, skipped)
+        for (kb, dt, causal, direction), pts in sorted(groups.items())
+    ]
 
 
 def _fit_merge(by_kind: Samples, skipped: list[str]) -> LinkFit | None:
     """The merge's rate by bytes moved (the count the cost model prices ``merge_fwd`` with)."""
     if not by_kind.get("merge"):
         return None
-    pts = [(merge_fwd_bytes(s["tokens"], s["heads"], s["head_dim"], dtype_bytes(s["dtype"])), s["seconds"])
-           for s in by_kind["merge"]]
+    pts = [
+        (merge_fwd_bytes(s["tokens"], s["heads"], s["head_dim"], dtype_bytes(s["dtype"])), s["seconds"])
+        for s in by_kind["merge"]
+    ]
     try:
         return _fit_link(pts)
     except ValueError as exc:
@@ -409,8 +519,10 @@ def _fit_p2p(by_kind: Samples, skipped: list[str]) -> tuple[LinkFit | None, Link
     if not by_kind.get("p2p"):
         return None, None
     try:
-        return (_fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if not s["alone"]]),
-                _fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if s["alone"]]))
+        return (
+            _fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if not s["alone"]]),
+            _fit_link([(s["bytes"], s["seconds"]) for s in by_kind["p2p"] if s["alone"]]),
+        )
     except ValueError as exc:
         skipped.append(f"ring p2p: {exc}")
         return None, None
@@ -434,8 +546,16 @@ def _fit_engine_fixed(cal: Calibration, by_kind: Samples, skipped: list[str]) ->
         return {"step_overhead_us": 0.0, "call_overhead_us": 0.0, "copy_gb_s": None}
     rows, y = [], []
     for s in by_kind["engine"]:
-        known, nbytes = engine_known_s(cal, s["ulysses"], s["ring"], s["seq_len"], s["heads"], s["kv_heads"],
-                                       s["head_dim"], dtype_bytes(s["dtype"]))
+        known, nbytes = engine_known_s(
+            cal,
+            s["ulysses"],
+            s["ring"],
+            s["seq_len"],
+            s["heads"],
+            s["kv_heads"],
+            s["head_dim"],
+            dtype_bytes(s["dtype"]),
+        )
         rows.append([3.0 * s["ring"], 1.0, float(nbytes)])
         y.append(max(1e-9, s["seconds"] - known))
     step, call, per_byte = _nonneg_fit(rows, y, keep=0)
@@ -456,9 +576,17 @@ def _unmeasured_notes(spec: CalibrationSpec, kernels: list[KernelFit], a2a: list
     return notes
 
 
-def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str = "cpu",
-        kernel_names: dict[str, str] | None = None, seconds: float = 0.0, startup_s: float = 0.0,
-        load: list[float] | None = None) -> Calibration:
+def fit(
+    samples: list[dict],
+    spec: CalibrationSpec,
+    *,
+    backend: str,
+    device: str = "cpu",
+    kernel_names: dict[str, str] | None = None,
+    seconds: float = 0.0,
+    startup_s: float = 0.0,
+    load: list[float] | None = None,
+) -> Calibration:
     """Fit every term of :class:`Calibration` from :func:`collect`'s samples; say what is missing.
 
     ``kernel_names`` maps a requested backend ("auto") to the kernel it resolved to ("sdpa").
@@ -477,10 +605,24 @@ def fit(samples: list[dict], spec: CalibrationSpec, *, backend: str, device: str
     stage_seconds: dict[str, float] = {}
     for s in by_kind.get("time", []):
         stage_seconds[s["stage"]] = stage_seconds.get(s["stage"], 0.0) + s["seconds"]
-    cal = Calibration(world=spec.world, backend=backend, device=device, kernel=names.get(spec.backends[0], spec.backends[0]),
-                      dtype=spec.dtypes[0], head_dim=spec.head_dim, kernels=kernels, merge=merge, a2a=a2a, p2p=p2p,
-                      p2p_alone=p2p_alone, overlap=overlap, seconds=seconds, load=list(load or []),
-                      stage_seconds=stage_seconds, startup_s=startup_s,
-                      probe_s=sum(probes) / len(probes) if probes else None)
+    cal = Calibration(
+        world=spec.world,
+        backend=backend,
+        device=device,
+        kernel=names.get(spec.backends[0], spec.backends[0]),
+        dtype=spec.dtypes[0],
+        head_dim=spec.head_dim,
+        kernels=kernels,
+        merge=merge,
+        a2a=a2a,
+        p2p=p2p,
+        p2p_alone=p2p_alone,
+        overlap=overlap,
+        seconds=seconds,
+        load=list(load or []),
+        stage_seconds=stage_seconds,
+        startup_s=startup_s,
+        probe_s=sum(probes) / len(probes) if probes else None,
+    )
     fixed = _fit_engine_fixed(cal, by_kind, skipped)
     return cal.model_copy(update={**fixed, "not_measured": skipped + _unmeasured_notes(spec, kernels, a2a)})

@@ -41,12 +41,26 @@ class CallShape:
     mask: AttnMask | None = None
 
     @classmethod
-    def of(cls, model: ModelShape, split: Split, causal: bool = True, backward: bool = True,
-           mask: AttnMask | None = None) -> "CallShape":
+    def of(
+        cls, model: ModelShape, split: Split, causal: bool = True, backward: bool = True, mask: AttnMask | None = None
+    ) -> "CallShape":
         """The call of one of ``model``'s attention layers on ``split`` (under ``mask``, not causal: the
         mask says which keys each query sees)."""
-        return cls(model.heads, model.n_kv, model.head_dim, split.seq_len, split.batch, split.ulysses, split.ring,
-                   split.e, split.layout, causal and mask is None, backward, split.dp, mask)
+        return cls(
+            model.heads,
+            model.n_kv,
+            model.head_dim,
+            split.seq_len,
+            split.batch,
+            split.ulysses,
+            split.ring,
+            split.e,
+            split.layout,
+            causal and mask is None,
+            backward,
+            split.dp,
+            mask,
+        )
 
     @property
     def world(self) -> int:
@@ -81,9 +95,21 @@ class CallShape:
 
     def sent_bytes(self, window: Any = None, chunk_size: int | None = None) -> dict[str, int]:
         """:func:`comm_bytes` of this call (the backward's zero for a forward-only call)."""
-        nbytes = comm_bytes(self.heads, self.kv_heads, self.head_dim, self.seq_len, self.batch, self.ulysses,
-                            self.ring, self.e, self.layout, causal=self.causal, window=window, chunk_size=chunk_size,
-                            mask=self.mask)
+        nbytes = comm_bytes(
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.seq_len,
+            self.batch,
+            self.ulysses,
+            self.ring,
+            self.e,
+            self.layout,
+            causal=self.causal,
+            window=window,
+            chunk_size=chunk_size,
+            mask=self.mask,
+        )
         if not self.backward:
             nbytes.update(ulysses_bwd=0, ring_bwd=0)
         return nbytes
@@ -131,8 +157,9 @@ def exposed_s(comm: float, compute: float, overlap: float) -> float:
     return comm - overlap * min(comm, compute)
 
 
-def streamed_ring_s(xfer: Callable[[float], float], call: CallShape, step_fwd_s: float, step_bwd_s: float,
-                     overlap: float) -> tuple[float, float]:
+def streamed_ring_s(
+    xfer: Callable[[float], float], call: CallShape, step_fwd_s: float, step_bwd_s: float, overlap: float
+) -> tuple[float, float]:
     """(transfer, exposed) seconds of whole K/V blocks streamed around the ring: r - 1 forward hops,
     r - 1 backward hops carrying K/V and the travelling fp32 dK/dV, each hidden behind its step's
     kernels by ``overlap``, and the last dK/dV hop home, which nothing is left to hide."""

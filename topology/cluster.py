@@ -47,7 +47,8 @@ class LinkSpec(_Strict):
     bandwidth_gb_s: float = Field(gt=0, description="GB/s per GPU per direction, all GPUs sending at once")
     latency_us: float = Field(default=5.0, ge=0, description="fixed cost of one collective/P2P message, µs")
     contention: float = Field(
-        default=1.0, ge=1.0,
+        default=1.0,
+        ge=1.0,
         description="slowdown when every group exchanges at once vs one group alone (1 = none; measured by calibrate)",
     )
 
@@ -76,9 +77,7 @@ class Accelerator(_Strict):
     attention_efficiency: float = Field(
         default=0.55, description="fraction of peak a flash-attention fwd+bwd reaches at long sequence"
     )
-    dense_efficiency: float = Field(
-        default=0.6, description="fraction of peak the rest of the layer (GEMMs) reaches"
-    )
+    dense_efficiency: float = Field(default=0.6, description="fraction of peak the rest of the layer (GEMMs) reaches")
     memory_gb: float = Field(gt=0, description="device memory, GB (1e9 bytes)")
     ring_step_overhead_us: float = Field(
         default=30.0, ge=0, description="fixed cost of one ring step (kernel launches, block slicing), µs"
@@ -87,7 +86,8 @@ class Accelerator(_Strict):
         default=2000.0, gt=0, description="device memory bandwidth, GB/s: prices the ring's per-step softmax merge"
     )
     kernel_call_overhead_us: float = Field(
-        default=0.0, ge=0,
+        default=0.0,
+        ge=0,
         description="fixed cost of one attention kernel call: makes the smaller blocks of many ring steps less efficient",
     )
     ring_overlap: float = Field(
@@ -146,7 +146,8 @@ class Cluster(_Strict):
     cross_socket: LinkSpec | None = None
     backend: Literal["nccl", "gloo"] = "nccl"
     host_memory_gb: float | None = Field(
-        default=None, gt=0, description="host RAM per node, GB (1e9 bytes): bounds offloaded checkpoints")
+        default=None, gt=0, description="host RAM per node, GB (1e9 bytes): bounds offloaded checkpoints"
+    )
     sources: list[str] = Field(default_factory=list, description="where the figures come from")
     calibration: Calibration | None = Field(
         default=None, description="rates measured by `hybrid-cp calibrate`; the cost model prefers them when set"

@@ -48,9 +48,24 @@ from .units import FP32_BYTES, dtype_bytes
 
 # Re-exported for `from topology.cost import ...`: the shape, the bytes and the linear-layer terms that used
 # to live here.
-__all__ = ["ModelShape", "Estimate", "comm_bytes", "estimate", "dtype_bytes", "head_split", "MODEL_PRESETS",
-           "engine_known_s", "exporting_runs", "linear_layer_bytes", "linear_flops_per_token", "linear_summary_bytes",
-           "linear_runs", "linear_kernel_bytes", "linear_mixer_token_bytes", "linear_mixer_saved"]
+__all__ = [
+    "ModelShape",
+    "Estimate",
+    "comm_bytes",
+    "estimate",
+    "dtype_bytes",
+    "head_split",
+    "MODEL_PRESETS",
+    "engine_known_s",
+    "exporting_runs",
+    "linear_layer_bytes",
+    "linear_flops_per_token",
+    "linear_summary_bytes",
+    "linear_runs",
+    "linear_kernel_bytes",
+    "linear_mixer_token_bytes",
+    "linear_mixer_saved",
+]
 
 Layout = Literal["zigzag", "contiguous"]
 
@@ -207,11 +222,19 @@ def estimate(  # noqa: PLR0913 (public entry point)
     _check_mask(mask, seq_len, layout=layout, causal=causal, chunk_size=chunk_size)
     layout, causal = layout or "zigzag", True if causal is None else causal
     if backward and attention_forwards > 1:
-        kw: dict[str, Any] = dict(dtype=dtype, layout=None if mask is not None else layout, window=window,
-                                  causal=None if mask is not None else causal, chunk_size=chunk_size, mask=mask)
-        return _recomputed(estimate(cluster, model, seq_len, ulysses, ring, dp, batch, **kw),
-                           estimate(cluster, model, seq_len, ulysses, ring, dp, batch, backward=False, **kw),
-                           attention_forwards - 1)
+        kw: dict[str, Any] = dict(
+            dtype=dtype,
+            layout=None if mask is not None else layout,
+            window=window,
+            causal=None if mask is not None else causal,
+            chunk_size=chunk_size,
+            mask=mask,
+        )
+        return _recomputed(
+            estimate(cluster, model, seq_len, ulysses, ring, dp, batch, **kw),
+            estimate(cluster, model, seq_len, ulysses, ring, dp, batch, backward=False, **kw),
+            attention_forwards - 1,
+        )
     if not isinstance(attention_forwards, int) or attention_forwards < 1 or (attention_forwards > 1 and not backward):
         raise ValueError(f"attention_forwards={attention_forwards!r} must be an integer >= 1 (1 without backward)")
     split = Split(seq_len, ulysses, ring, dp, batch, dtype, layout)
@@ -222,23 +245,31 @@ def estimate(  # noqa: PLR0913 (public entry point)
     return _model_layers(cluster, model, split, causal=causal, backward=backward, mask=mask)
 
 
-def _model_layers(cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool,
-                  mask: AttnMask | None) -> Estimate:
+def _model_layers(
+    cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool, mask: AttnMask | None
+) -> Estimate:
     """:func:`estimate` with the model's own windows: each kind of layer priced alone, then averaged."""
     kinds = _layer_kinds(model, split.seq_len, causal)
     if mask is not None and (model.linear_layers or any(c is not None for _, _, c, _ in kinds)):
         what = "linear layers" if model.linear_layers else f"attention_chunk_size={model.attention_chunk_size}"
-        raise ValueError(f"mask= with a model that has {what}: the mask prices attention layers only; pass "
-                         f"window=None (or window=W) to price one masked attention layer")
+        raise ValueError(
+            f"mask= with a model that has {what}: the mask prices attention layers only; pass "
+            f"window=None (or window=W) to price one masked attention layer"
+        )
     kw: dict[str, Any] = dict(causal=causal, backward=backward)
-    layers = [(n, _one_layer(cluster, model, split, window=w, chunk_size=c, mask=mask, **kw), what)
-              for n, w, c, what in kinds]
+    layers = [
+        (n, _one_layer(cluster, model, split, window=w, chunk_size=c, mask=mask, **kw), what) for n, w, c, what in kinds
+    ]
     if model.linear_layers:
-        layers.append((model.linear_layers, _linear_layer(cluster, model, split, **kw),
-                       f"are linear ({model.linear_kind})"))
+        layers.append(
+            (model.linear_layers, _linear_layer(cluster, model, split, **kw), f"are linear ({model.linear_kind})")
+        )
     if len(layers) == 1:
         return layers[0][1]
-    note = ", ".join(f"{n} of {model.layers} layers {what}" for n, _, what in layers) + "; the figures are the average layer"
+    note = (
+        ", ".join(f"{n} of {model.layers} layers {what}" for n, _, what in layers)
+        + "; the figures are the average layer"
+    )
     avg = _average_layer([(n / model.layers, est) for n, est, _ in layers], note)
     return replace(avg, linear_share=model.linear_layers / model.layers)
 
@@ -249,24 +280,32 @@ def _check_mask(mask: Any, seq_len: int, **replaced: Any) -> None:
     if mask is None:
         return
     if not isinstance(mask, AttnMask):
-        raise ValueError(f"mask={mask!r} must be a topology.masks.AttnMask (AttnMask.documents, blocks, prefix_lm, "
-                         f"shared_prefix or from_slices) or None")
+        raise ValueError(
+            f"mask={mask!r} must be a topology.masks.AttnMask (AttnMask.documents, blocks, prefix_lm, "
+            f"shared_prefix or from_slices) or None"
+        )
     for name, value in replaced.items():
         if value is not None:
-            raise ValueError(f"{name}={value!r} with mask=: the mask says which keys each query sees and where the "
-                             f"row's tokens go; drop {name} (build it into the mask, e.g. "
-                             f"AttnMask.documents(cu_seqlens, causal=..., chunk_size=...))")
+            raise ValueError(
+                f"{name}={value!r} with mask=: the mask says which keys each query sees and where the "
+                f"row's tokens go; drop {name} (build it into the mask, e.g. "
+                f"AttnMask.documents(cu_seqlens, causal=..., chunk_size=...))"
+            )
     if mask.seq_len != seq_len:
-        raise ValueError(f"seq_len={seq_len} but the mask covers mask.seq_len={mask.seq_len} tokens; pass "
-                         f"seq_len=mask.seq_len")
+        raise ValueError(
+            f"seq_len={seq_len} but the mask covers mask.seq_len={mask.seq_len} tokens; pass seq_len=mask.seq_len"
+        )
 
 
 def _recomputed(step: Estimate, forward: Estimate, extra: int) -> Estimate:
     """``step`` (forward + backward) with ``extra`` more attention forwards (``forward``'s attention-side
     terms: kernels, ring steps, all-to-all, ring transfers); the rest of the layer and the useful FLOPs stay."""
     terms = ("attention_s", "ring_overhead_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "linear_s", "linear_comm_s")
-    return replace(step, **{f: getattr(step, f) + extra * getattr(forward, f) for f in terms},
-                   notes=step.notes + (f"{1 + extra} attention forwards per layer (recomputation)",))
+    return replace(
+        step,
+        **{f: getattr(step, f) + extra * getattr(forward, f) for f in terms},
+        notes=step.notes + (f"{1 + extra} attention forwards per layer (recomputation)",),
+    )
 
 
 def _layer_kinds(model: ModelShape, seq_len: int, causal: bool) -> list[tuple[int, Any, Any, str]]:
@@ -278,27 +317,49 @@ def _layer_kinds(model: ModelShape, seq_len: int, causal: bool) -> list[tuple[in
     n_attn = model.attention_layers
     n_win = 0 if window is None else n_attn if model.window_layers is None else model.window_layers
     n_chunk = 0 if chunk is None else n_attn if model.chunked_layers is None else model.chunked_layers
-    kinds = [(n_win, window, None, f"use the {window}-token window"),
-             (n_chunk, None, chunk, f"attend in {chunk}-token chunks"),
-             (n_attn - n_win - n_chunk, None, None, "attend in full")]
+    kinds = [
+        (n_win, window, None, f"use the {window}-token window"),
+        (n_chunk, None, chunk, f"attend in {chunk}-token chunks"),
+        (n_attn - n_win - n_chunk, None, None, "attend in full"),
+    ]
     return [kind for kind in kinds if kind[0] > 0]
 
 
 def _average_layer(layers: list[tuple[float, Estimate]], note: str) -> Estimate:
     """A model with several kinds of layer (``layers``: each kind's share of the layers and its estimate):
     times, FLOPs and bytes averaged over its layers."""
-    times = ("attention_s", "ring_overhead_s", "rest_s", "a2a_s", "ring_comm_s", "ring_exposed_s", "model_flops",
-             "linear_s", "linear_comm_s")
+    times = (
+        "attention_s",
+        "ring_overhead_s",
+        "rest_s",
+        "a2a_s",
+        "ring_comm_s",
+        "ring_exposed_s",
+        "model_flops",
+        "linear_s",
+        "linear_comm_s",
+    )
     first = layers[0][1]
     keys = dict.fromkeys(k for _, e in layers for k in e.bytes_per_rank)
-    return replace(first, **{f: sum(share * getattr(e, f) for share, e in layers) for f in times},
-                   bytes_per_rank={k: round(sum(share * e.bytes_per_rank.get(k, 0) for share, e in layers))
-                                   for k in keys},
-                   notes=first.notes + (note,))
+    return replace(
+        first,
+        **{f: sum(share * getattr(e, f) for share, e in layers) for f in times},
+        bytes_per_rank={k: round(sum(share * e.bytes_per_rank.get(k, 0) for share, e in layers)) for k in keys},
+        notes=first.notes + (note,),
+    )
 
 
-def _one_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: bool, backward: bool, window: Any,
-               chunk_size: int | None = None, mask: AttnMask | None = None) -> Estimate:
+def _one_layer(
+    cluster: Cluster,
+    model: ModelShape,
+    split: Split,
+    *,
+    causal: bool,
+    backward: bool,
+    window: Any,
+    chunk_size: int | None = None,
+    mask: AttnMask | None = None,
+) -> Estimate:
     """:func:`estimate` of one layer with ``window`` (or none), or under ``mask`` narrowed by ``window``:
     the analytic terms, then the measured ones where the cluster carries a calibration."""
     split.check()
@@ -313,7 +374,7 @@ def _one_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: boo
     if call.mask is not None:  # the mask holds the window; its plan is priced step by step (_mask_kernel_s)
         window = chunk = None
         halo = lay.halo(False, None, None, call.mask)
-        busiest_share, window_share = 1.0, call.mask.cells() / seq_len ** 2
+        busiest_share, window_share = 1.0, call.mask.cells() / seq_len**2
     else:
         window, chunk = lay.effective_window(causal, window), lay.effective_chunk(chunk_size)
         halo = lay.halo(causal, window, chunk)
@@ -322,11 +383,14 @@ def _one_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: boo
     times = _analytic_times(cluster, call, busiest_share, nbytes, halo)
     notes = _analytic_notes(call, acc, window, halo)
     if chunk is not None:
-        notes.append(f"{chunk}-token attention chunks: blocks in other chunks are skipped"
-                     + ("; only the halo rows are exchanged" if halo else ""))
+        notes.append(
+            f"{chunk}-token attention chunks: blocks in other chunks are skipped"
+            + ("; only the halo rows are exchanged" if halo else "")
+        )
     if cluster.calibration is not None:
-        times, measured_notes = calibrated_times(cluster, call, split.dtype, window, busiest_share, nbytes, times,
-                                                  chunk)
+        times, measured_notes = calibrated_times(
+            cluster, call, split.dtype, window, busiest_share, nbytes, times, chunk
+        )
         notes += measured_notes
     return Estimate(
         ulysses=ulysses, ring=ring, dp=dp, batch=batch, seq_len=seq_len, padded_len=lay.padded_len, layers=model.layers,
@@ -368,8 +432,16 @@ def _kernel_s(call: CallShape, acc: Any, busiest_share: float) -> tuple[float, f
         return _mask_kernel_s(call, acc)
     lay, c_max = call.lay, call.busiest_heads[0]
     padded, imbalance = lay.padded_len, lay.work_imbalance(call.causal)
-    flops = (_causal_factor(call.causal) * 4.0 * call.batch * padded * (padded / call.ring) * call.head_dim * c_max
-             * imbalance) * busiest_share
+    flops = (
+        _causal_factor(call.causal)
+        * 4.0
+        * call.batch
+        * padded
+        * (padded / call.ring)
+        * call.head_dim
+        * c_max
+        * imbalance
+    ) * busiest_share
     fwd = flops / acc.attention_flops
     bwd = _bwd_factor(call.backward) * fwd
     if acc.kernel_call_overhead_us:
@@ -416,13 +488,23 @@ def _rest_s(call: CallShape, model: ModelShape, acc: Any) -> float:
 
 def _model_flops(call: CallShape, model: ModelShape, window_share: float) -> float:
     """Useful FLOPs of one layer for the whole CP group: no padding, the window's share of attention."""
-    useful = (_causal_factor(call.causal) * 4.0 * call.batch * call.seq_len * call.seq_len * call.head_dim
-              * call.heads * (1 + _bwd_factor(call.backward)) * window_share)
+    useful = (
+        _causal_factor(call.causal)
+        * 4.0
+        * call.batch
+        * call.seq_len
+        * call.seq_len
+        * call.head_dim
+        * call.heads
+        * (1 + _bwd_factor(call.backward))
+        * window_share
+    )
     return useful + _gemm_flops_per_token(model, call.backward) * call.batch * call.seq_len
 
 
-def _ring_comm_s(cluster: Cluster, call: CallShape, nbytes: dict[str, int], halo: bool, step_fwd_s: float,
-                 step_bwd_s: float) -> tuple[float, float, str]:
+def _ring_comm_s(
+    cluster: Cluster, call: CallShape, nbytes: dict[str, int], halo: bool, step_fwd_s: float, step_bwd_s: float
+) -> tuple[float, float, str]:
     """(transfer, exposed, link name) of the ring over its slowest neighbour hop. With a halo, one
     exchange of the rows peers read, hidden behind the local block; the gradients go back after."""
     if call.ring == 1:
@@ -434,21 +516,26 @@ def _ring_comm_s(cluster: Cluster, call: CallShape, nbytes: dict[str, int], halo
     overlap = cluster.accelerator.ring_overlap
     if not halo:
         return (*streamed_ring_s(xfer, call, step_fwd_s, step_bwd_s, overlap), cluster.tier_name(tier))
-    h_fwd, h_bwd = (xfer(nbytes[k]) if nbytes[k] else 0.0 for k in ("ring_fwd", "ring_bwd"))  # nothing read: no exchange
+    h_fwd, h_bwd = (
+        xfer(nbytes[k]) if nbytes[k] else 0.0 for k in ("ring_fwd", "ring_bwd")
+    )  # nothing read: no exchange
     back = h_bwd if call.backward else 0.0
     return h_fwd + back, exposed_s(h_fwd, step_fwd_s, overlap) + back, cluster.tier_name(tier)
 
 
-def _analytic_times(cluster: Cluster, call: CallShape, busiest_share: float, nbytes: dict[str, int],
-                    halo: bool) -> LayerTimes:
+def _analytic_times(
+    cluster: Cluster, call: CallShape, busiest_share: float, nbytes: dict[str, int], halo: bool
+) -> LayerTimes:
     acc = cluster.accelerator
     kernel_fwd, kernel_bwd = _kernel_s(call, acc, busiest_share)
     groups = ulysses_groups(call.world, call.ulysses, call.ring, call.dp)
     a2a_s, a2a_link = a2a_time(cluster, groups, call.heads_per_rank, call.a2a_unit, call.backward)
-    ring_comm, ring_exposed, ring_link = _ring_comm_s(cluster, call, nbytes, halo, kernel_fwd / call.ring,
-                                                      kernel_bwd / call.ring)
-    return LayerTimes(kernel_fwd, kernel_bwd, _ring_overhead_s(call, acc), a2a_s, a2a_link, ring_comm, ring_exposed,
-                  ring_link)
+    ring_comm, ring_exposed, ring_link = _ring_comm_s(
+        cluster, call, nbytes, halo, kernel_fwd / call.ring, kernel_bwd / call.ring
+    )
+    return LayerTimes(
+        kernel_fwd, kernel_bwd, _ring_overhead_s(call, acc), a2a_s, a2a_link, ring_comm, ring_exposed, ring_link
+    )
 
 
 def _analytic_notes(call: CallShape, acc: Any, window: Any, halo: bool) -> list[str]:
@@ -457,12 +544,16 @@ def _analytic_notes(call: CallShape, acc: Any, window: Any, halo: bool) -> list[
     if call.mask is not None:
         notes += _mask_notes(call, halo)
     if window is not None:
-        notes.append(f"{window}-token window: blocks it does not reach are skipped"
-                     + ("; only the halo rows are exchanged" if halo else ""))
+        notes.append(
+            f"{window}-token window: blocks it does not reach are skipped"
+            + ("; only the halo rows are exchanged" if halo else "")
+        )
     if acc.kernel_call_overhead_us:
         n = sum(map(sum, call.mask_plan()[1])) // call.ring if call.mask is not None else call.ring
-        notes.append(f"{n * (2 if call.backward else 1)} kernel calls{' (mean rank)' if call.mask is not None else ''}"
-                     f" at {acc.kernel_call_overhead_us:g} us each")
+        notes.append(
+            f"{n * (2 if call.backward else 1)} kernel calls{' (mean rank)' if call.mask is not None else ''}"
+            f" at {acc.kernel_call_overhead_us:g} us each"
+        )
     if (imbalance := lay.work_imbalance(call.causal)) > 1:
         notes.append(f"contiguous causal ring: slowest rank does {imbalance:.2f}x the mean attention work")
     if lay.padded_len > call.seq_len:
@@ -476,9 +567,11 @@ def _mask_notes(call: CallShape, halo: bool) -> list[str]:
     cells = call.mask_plan()[0]
     total, r = sum(map(sum, cells)), call.ring
     lock = sum(max(cells[j][s] for j in range(r)) for s in range(r))
-    return [f"mask: {total:,} visible cells ({total / call.seq_len ** 2:.1%} of the dense row) on its balanced layout; "
-            f"the lock-step ring does {lock * r / max(total, 1):.2f}x the mean rank's work"
-            + ("; only the halo rows are exchanged" if halo else "")]
+    return [
+        f"mask: {total:,} visible cells ({total / call.seq_len**2:.1%} of the dense row) on its balanced layout; "
+        f"the lock-step ring does {lock * r / max(total, 1):.2f}x the mean rank's work"
+        + ("; only the halo rows are exchanged" if halo else "")
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -525,12 +618,21 @@ def _linear_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: 
     call = CallShape.of(model, split, causal, backward)
     ulysses, ring, dp, batch, seq_len = split.ulysses, split.ring, split.dp, split.batch, split.seq_len
     if call.world > cluster.world_size:
-        raise PlacementError(f"dp*ring*ulysses = {call.world} ranks, but cluster {cluster.name!r} has "
-                             f"{cluster.world_size} GPUs")
+        raise PlacementError(
+            f"dp*ring*ulysses = {call.world} ranks, but cluster {cluster.name!r} has {cluster.world_size} GPUs"
+        )
     lay, acc, size = call.lay, cluster.accelerator, ulysses * ring
-    nbytes = linear_layer_bytes(lay, size, batch, model.linear_state_numel, model.linear_conv - 1,
-                                model.linear_conv_channels, call.e, max(FP32_BYTES, call.e),
-                                transition_numel=model.linear_transition_numel)
+    nbytes = linear_layer_bytes(
+        lay,
+        size,
+        batch,
+        model.linear_state_numel,
+        model.linear_conv - 1,
+        model.linear_conv_channels,
+        call.e,
+        max(FP32_BYTES, call.e),
+        transition_numel=model.linear_transition_numel,
+    )
     if not backward:
         nbytes = {k: v for k, v in nbytes.items() if not k.endswith("_bwd")}
     comm_s, link = _linear_comm_s(cluster, call, model, nbytes)
@@ -544,5 +646,3 @@ def _linear_layer(cluster: Cluster, model: ModelShape, split: Split, *, causal: 
         ring_link=link, model_flops=useful * batch * seq_len, peak_flops=acc.peak_tflops * 1e12,
         linear_s=_linear_compute_s(call, model, acc), linear_comm_s=comm_s, linear_share=1.0,
     )  # fmt: skip
-
-

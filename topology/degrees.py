@@ -29,26 +29,35 @@ def powers_of_two(world: int) -> list[int]:
     return out
 
 
-def degree_table(cluster: Cluster, model: ModelShape, world: int, tokens_per_rank: int,
-                 degrees: list[int] | None = None, *, dtype: Any = "bf16",
-                 memory_budget: float | None = None) -> list[Degree]:
+def degree_table(
+    cluster: Cluster,
+    model: ModelShape,
+    world: int,
+    tokens_per_rank: int,
+    degrees: list[int] | None = None,
+    *,
+    dtype: Any = "bf16",
+    memory_budget: float | None = None,
+) -> list[Degree]:
     """One `Degree` per allowed size (default every power of two dividing `world`), its split chosen by
     the planner for k * `tokens_per_rank` tokens and its cost fitted from `topology.cost.estimate`."""
     out = []
     for k in sorted(degrees or powers_of_two(world)):
         seq = k * tokens_per_rank
         try:
-            best = plan(cluster, model, seq_len=seq, world_size=world, dp=world // k, dtype=dtype,
-                        memory_budget=memory_budget).best   # model states sharded over the world (FSDP2)
+            best = plan(
+                cluster, model, seq_len=seq, world_size=world, dp=world // k, dtype=dtype, memory_budget=memory_budget
+            ).best  # model states sharded over the world (FSDP2)
         except PlanError as exc:
-            raise ScheduleError(f"degree {k}: no split of {k} GPUs holds tokens_per_rank={tokens_per_rank} "
-                                f"({seq} tokens per group): lower tokens_per_rank\n{exc}") from exc
+            raise ScheduleError(
+                f"degree {k}: no split of {k} GPUs holds tokens_per_rank={tokens_per_rank} "
+                f"({seq} tokens per group): lower tokens_per_rank\n{exc}"
+            ) from exc
         out.append(fitted_degree(cluster, model, k, best.ulysses, best.ring, seq, dtype))
     return out
 
 
-def fitted_degree(cluster: Cluster, model: ModelShape, k: int, u: int, r: int, seq: int,
-                  dtype: Any = "bf16") -> Degree:
+def fitted_degree(cluster: Cluster, model: ModelShape, k: int, u: int, r: int, seq: int, dtype: Any = "bf16") -> Degree:
     """Degree k on split (u, r), priced by the quadratic through its layer times at seq / 4, seq / 2 and
     seq (exact for a quadratic model)."""
     xs = [max(seq // 4, 2 * k), max(seq // 2, 4 * k), seq]

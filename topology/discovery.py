@@ -190,9 +190,11 @@ def discover(
     if domain is not None:
         data["nvlink_domain_gpus"] = domain
         sources.append(f"NVLink domain of {domain} GPUs from HYBRID_CP_NVLINK_DOMAIN")
-    elif data.get("nvlink_domain_gpus") and nodes * gpus_per_node > data["nvlink_domain_gpus"] and (
-        nodes * gpus_per_node
-    ) % data["nvlink_domain_gpus"]:
+    elif (
+        data.get("nvlink_domain_gpus")
+        and nodes * gpus_per_node > data["nvlink_domain_gpus"]
+        and (nodes * gpus_per_node) % data["nvlink_domain_gpus"]
+    ):
         data.pop("nvlink_domain_gpus")  # partial rack: do not assume a domain we cannot see
     data.update(name=f"discovered-{family}", nodes=nodes, gpus_per_node=gpus_per_node, sources=sources)
     if data.get("nvlink_domain_gpus") and data["nvlink_domain_gpus"] % gpus_per_node:

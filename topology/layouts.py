@@ -86,8 +86,8 @@ class Layout:
     kind: str
     ulysses: int
     ring: int
-    doc_lens: tuple[int, ...]   # real tokens per document (one entry for a dense sequence)
-    block_len: int              # rows of every ring block (u * local_len)
+    doc_lens: tuple[int, ...]  # real tokens per document (one entry for a dense sequence)
+    block_len: int  # rows of every ring block (u * local_len)
 
     @property
     def local_len(self) -> int:
@@ -185,12 +185,21 @@ class Layout:
         if chunk_size is None:
             return None
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1 (positions per attention chunk, "
-                             f"Llama 4's attention_chunk_size) or None for no chunking")
+            raise ValueError(
+                f"chunk_size={chunk_size!r} must be an int >= 1 (positions per attention chunk, "
+                f"Llama 4's attention_chunk_size) or None for no chunking"
+            )
         return chunk_size if chunk_size < max(self.doc_lens, default=0) else None
 
-    def tasks(self, ring_rank: int, step: int, causal: bool, window=None,
-              chunk_size: int | None = None, mask: AttnMask | None = None) -> tuple[Step, ...]:
+    def tasks(
+        self,
+        ring_rank: int,
+        step: int,
+        causal: bool,
+        window=None,
+        chunk_size: int | None = None,
+        mask: AttnMask | None = None,
+    ) -> tuple[Step, ...]:
         """What ring rank `ring_rank` computes at ring step `step` (keys from rank ring_rank - step):
         one kernel call per mask; empty when the visiting block is invisible. With `chunk_size` C a
         query at document position i sees only keys j with j // C == i // C. With `mask` (an
@@ -247,32 +256,52 @@ class Layout:
             for q_row, q_tok, nq in self.row_runs(ring_rank):
                 for s in mask.clip(q_tok, q_tok + nq):
                     lo, hi = s.offsets()
-                    for k_row, k_tok, nk in keys[max(0, bisect_right(starts, s.k_start) - 1):]:
+                    for k_row, k_tok, nk in keys[max(0, bisect_right(starts, s.k_start) - 1) :]:
                         if k_tok >= s.k_end:
                             break
                         a, b = max(k_tok, s.k_start), min(k_tok + nk, s.k_end)
                         if a < b:
-                            found.append(band_pair(q_row + s.q_start - q_tok, s.q_start, s.q_end - s.q_start,
-                                                     k_row + a - k_tok, a, b - a, lo, hi))
+                            found.append(
+                                band_pair(
+                                    q_row + s.q_start - q_tok,
+                                    s.q_start,
+                                    s.q_end - s.q_start,
+                                    k_row + a - k_tok,
+                                    a,
+                                    b - a,
+                                    lo,
+                                    hi,
+                                )
+                            )
             cache[key] = group_calls(found)
         return cache[key]
 
     def row_runs(self, ring_rank: int) -> list[tuple[int, int, int]]:
         """(ring-block row, global token, count) of the real (non-pad) rows of a ring block, by token."""
         starts = self.doc_starts
-        return sorted(((row, starts[sp.doc] + pos, n) for sp in self.spans(ring_rank) if sp.doc != PAD
-                       for row, pos, n in _runs(sp, None)), key=lambda run: run[1])
+        return sorted(
+            (
+                (row, starts[sp.doc] + pos, n)
+                for sp in self.spans(ring_rank)
+                if sp.doc != PAD
+                for row, pos, n in _runs(sp, None)
+            ),
+            key=lambda run: run[1],
+        )
 
     def step(self, ring_rank: int, step: int, causal: bool) -> Step | None:
         """The single kernel call of a ring step without a window (None if the block is invisible)."""
         found = self.tasks(ring_rank, step, causal)
         return found[0] if found else None
 
-    def work(self, causal: bool = True, window=None, chunk_size: int | None = None,
-             mask: AttnMask | None = None) -> list[list[int]]:
+    def work(
+        self, causal: bool = True, window=None, chunk_size: int | None = None, mask: AttnMask | None = None
+    ) -> list[list[int]]:
         """Score entries each ring rank evaluates at each step, counted from the same plan the engine runs."""
-        return [[sum(t.work() for t in self.tasks(j, s, causal, window, chunk_size, mask)) for s in range(self.ring)]
-                for j in range(self.ring)]
+        return [
+            [sum(t.work() for t in self.tasks(j, s, causal, window, chunk_size, mask)) for s in range(self.ring)]
+            for j in range(self.ring)
+        ]
 
     def work_imbalance(self, causal: bool = True) -> float:
         """The busiest ring rank's attention work over the mean, in the continuous limit (whole
@@ -280,17 +309,28 @@ class Layout:
         balance causal work (zigzag pairs chunks j and 2r-1-j; packed layouts balance by design)."""
         return 1.0
 
-    def kernel_calls(self, causal: bool = True, window=None, chunk_size: int | None = None,
-                     mask: AttnMask | None = None) -> list[int]:
+    def kernel_calls(
+        self, causal: bool = True, window=None, chunk_size: int | None = None, mask: AttnMask | None = None
+    ) -> list[int]:
         """(query, key) segment pairs per ring rank over all steps: what its kernel calls carry."""
-        return [sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window, chunk_size, mask))
-                for j in range(self.ring)]
+        return [
+            sum(len(t.pairs) for s in range(self.ring) for t in self.tasks(j, s, causal, window, chunk_size, mask))
+            for j in range(self.ring)
+        ]
 
-    def needed_rows(self, ring_rank: int, step: int, causal: bool, window=None,
-                    chunk_size: int | None = None, mask: AttnMask | None = None) -> list[tuple[int, int]]:
+    def needed_rows(
+        self,
+        ring_rank: int,
+        step: int,
+        causal: bool,
+        window=None,
+        chunk_size: int | None = None,
+        mask: AttnMask | None = None,
+    ) -> list[tuple[int, int]]:
         """Merged (first row, count) runs of the visiting key block that the step's calls read."""
-        runs = sorted((a, n) for t in self.tasks(ring_rank, step, causal, window, chunk_size, mask)
-                      for _, _, a, n in t.pairs)
+        runs = sorted(
+            (a, n) for t in self.tasks(ring_rank, step, causal, window, chunk_size, mask) for _, _, a, n in t.pairs
+        )
         merged: list[list[int]] = []
         for a, n in runs:
             if merged and a <= merged[-1][0] + merged[-1][1]:
@@ -311,8 +351,12 @@ class Layout:
             return False
         r = self.ring
         for j in range(r):
-            moved = sum(n for s in range(1, r) for rank in (j, (j + s) % r)
-                        for _, n in self.needed_rows(rank, s, causal, window, chunk_size, mask))
+            moved = sum(
+                n
+                for s in range(1, r)
+                for rank in (j, (j + s) % r)
+                for _, n in self.needed_rows(rank, s, causal, window, chunk_size, mask)
+            )
             if moved > self.block_len:
                 return False
         return True
@@ -323,18 +367,20 @@ class Layout:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self.key() == other.key()
 
-    def __hash__(self) -> int:   # computed once: a layout keys the engine's caches on every call
+    def __hash__(self) -> int:  # computed once: a layout keys the engine's caches on every call
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = self.__dict__["_hash"] = hash(self.key())
         return cached
 
-    def __getstate__(self) -> dict:   # a string's hash differs between processes: never pickle the cached one
+    def __getstate__(self) -> dict:  # a string's hash differs between processes: never pickle the cached one
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(u={self.ulysses}, r={self.ring}, docs={len(self.doc_lens)}, "
-                f"tokens={self.seq_len}, padded={self.padded_len})")
+        return (
+            f"{type(self).__name__}(u={self.ulysses}, r={self.ring}, docs={len(self.doc_lens)}, "
+            f"tokens={self.seq_len}, padded={self.padded_len})"
+        )
 
 
 def _runs(span: Span, chunk: int | None):
@@ -360,7 +406,7 @@ def _visible_rectangle(q: Span, k: Span) -> tuple[int, int, int, int] | None:
     sel_k = [i for i, (b, m) in enumerate(k.chunks) if b + m <= first_q]
     # one rectangle: the selected chunks are suffix of the query span / prefix of the key span
     assert sel_q == list(range(sel_q[0], len(q.chunks))) and sel_k == list(range(len(sel_k))), (q, k)
-    q_row = q.row + sum(n for _, n in q.chunks[:sel_q[0]])
+    q_row = q.row + sum(n for _, n in q.chunks[: sel_q[0]])
     k_len = sum(k.chunks[i][1] for i in sel_k)
     return q_row, q.row + q.length - q_row, k.row, k_len
 
@@ -476,8 +522,9 @@ class Packed(Layout):
 
 
 @lru_cache(maxsize=256)
-def make_layout(layout: str, ulysses: int, ring: int, seq_len: int | None = None,
-                doc_lens: tuple[int, ...] | None = None) -> Layout:
+def make_layout(
+    layout: str, ulysses: int, ring: int, seq_len: int | None = None, doc_lens: tuple[int, ...] | None = None
+) -> Layout:
     """The layout of one row: dense (`seq_len`) or packed documents (`doc_lens`); cached, since
     every layer of a model asks for the same one."""
     check_layout(layout)
@@ -499,16 +546,37 @@ def doc_lengths(cu_seqlens) -> tuple[int, ...]:
     """Document lengths from flash-attn style boundaries [0, len_0, len_0 + len_1, ..., total]."""
     cu = [int(x) for x in cu_seqlens]
     if len(cu) < 2 or cu[0] != 0:
-        raise ValueError(f"cu_seqlens={cu[:8]}{'...' if len(cu) > 8 else ''} must start at 0 and hold at least "
-                         f"[0, total]: the packed row's document boundaries, as flash-attn's varlen functions take")
+        raise ValueError(
+            f"cu_seqlens={cu[:8]}{'...' if len(cu) > 8 else ''} must start at 0 and hold at least "
+            f"[0, total]: the packed row's document boundaries, as flash-attn's varlen functions take"
+        )
     lens = tuple(b - a for a, b in zip(cu, cu[1:]))
     bad = [i for i, n in enumerate(lens) if n < 0]
     if bad:
-        raise ValueError(f"cu_seqlens decreases after index {bad[0]} ({cu[bad[0]]} -> {cu[bad[0] + 1]}); boundaries "
-                         f"must be non-decreasing cumulative lengths")
+        raise ValueError(
+            f"cu_seqlens decreases after index {bad[0]} ({cu[bad[0]]} -> {cu[bad[0] + 1]}); boundaries "
+            f"must be non-decreasing cumulative lengths"
+        )
     return lens
 
 
-__all__ = ["LAYOUTS", "PAD", "Layout", "DenseZigzag", "DenseContiguous", "Packed", "Span", "Step", "band", "head_split",
-           "module_chunks", "pieces",
-           "granularity", "padded_length", "make_layout", "layout_of", "doc_lengths", "check_layout"]
+__all__ = [
+    "LAYOUTS",
+    "PAD",
+    "Layout",
+    "DenseZigzag",
+    "DenseContiguous",
+    "Packed",
+    "Span",
+    "Step",
+    "band",
+    "head_split",
+    "module_chunks",
+    "pieces",
+    "granularity",
+    "padded_length",
+    "make_layout",
+    "layout_of",
+    "doc_lengths",
+    "check_layout",
+]

@@ -14,22 +14,46 @@ from .model_shape import ModelShape
 from .summary_scan import exchange_kind, scan_bytes
 from .units import FP32_BYTES
 
-__all__ = ["exporting_runs", "linear_layer_bytes", "LINEAR_BWD_FACTOR", "linear_flops_per_token", "linear_tokens",
-           "linear_kernel_bytes", "linear_mixer_token_bytes", "linear_mixer_saved", "linear_runs",
-           "linear_summary_bytes"]
+__all__ = [
+    "exporting_runs",
+    "linear_layer_bytes",
+    "LINEAR_BWD_FACTOR",
+    "linear_flops_per_token",
+    "linear_tokens",
+    "linear_kernel_bytes",
+    "linear_mixer_token_bytes",
+    "linear_mixer_saved",
+    "linear_runs",
+    "linear_summary_bytes",
+]
 
 
 def exporting_runs(lay: Any, size: int) -> int:
     """Gather slots of a linear layer's summary exchange: the most runs of one document on a rank that
     the document continues after (the engine's `recurrence.scan_plan(...).slots`, tested equal)."""
     starts, lens = lay.doc_starts, lay.doc_lens
-    return max(sum(tok >= 0 and pos + n < lens[bisect.bisect_right(starts, tok) - 1]
-                   for tok, pos, n in lay.document_runs(rank)) for rank in range(size))
+    return max(
+        sum(
+            tok >= 0 and pos + n < lens[bisect.bisect_right(starts, tok) - 1] for tok, pos, n in lay.document_runs(rank)
+        )
+        for rank in range(size)
+    )
 
 
-def linear_layer_bytes(lay: Any, size: int, batch: int, state_numel: int, halo_rows: int = 0, channels: int = 0,  # noqa: PLR0913 (public entry point)
-                       act_bytes: int = 2, state_bytes: int = FP32_BYTES, *, transition_numel: int = 0,
-                       rank: int | None = None, exchange: str | None = None) -> dict[str, int]:
+def linear_layer_bytes(  # noqa: PLR0913 (public entry point)
+    lay: Any,
+    size: int,
+    batch: int,
+    state_numel: int,
+    halo_rows: int = 0,
+    channels: int = 0,
+    act_bytes: int = 2,
+    state_bytes: int = FP32_BYTES,
+    *,
+    transition_numel: int = 0,
+    rank: int | None = None,
+    exchange: str | None = None,
+) -> dict[str, int]:
     """Bytes one rank sends per linear layer, forward and backward: the exchange of every exporting run's summary
     (`state_numel` numbers per batch row, of which `transition_numel` are M: Gated DeltaNet Hv*dk*(dk+dv) with
     Hv*dk*dk, Mamba2 H*(1+P*N) with H) in fp32, and the all-gather of its last `halo_rows` pre-convolution rows
@@ -70,8 +94,13 @@ LINEAR_BWD_FACTOR = 2.0
 def linear_flops_per_token(model: ModelShape, probed: bool) -> float:
     """Forward FLOPs of one linear layer's recurrence for one token (all heads), the causal convolution
     included (2 K per channel); ``probed``: the token is on a run that continues its document."""
-    h, g, dk, dv, c = (model.linear_heads, model.linear_key_heads, model.linear_key_dim, model.linear_value_dim,
-                       model.linear_chunk)
+    h, g, dk, dv, c = (
+        model.linear_heads,
+        model.linear_key_heads,
+        model.linear_key_dim,
+        model.linear_value_dim,
+        model.linear_chunk,
+    )
     if model.linear_kind == "gated_delta":
         width = dv + dk if probed else dv
         head = 6 * dk * width + 4 * c * (dk + width) + (2 * dk * dv if probed else 0)
@@ -101,8 +130,9 @@ def linear_kernel_bytes(model: ModelShape, probed: bool, e: int) -> tuple[int, i
         extra = 16 * dk + (0 if g < h else 4 * dv + 4) if fp32 else 0
         return 32 * dk + 12 * w + 20 * C + 4 * dk * w // C + 24 + extra, 8 * dk + 16 * w, 16 * dk + 16 * w + 8 * C
     P, N = model.linear_value_dim, model.linear_key_dim
-    saved = 20 * P + 20 * N + 12 * C + 8 * P * N // C + 30 + (8 * g * N // h if fp32 else 0) + \
-        (4 * N + 12 if probed else 0)
+    saved = (
+        20 * P + 20 * N + 12 * C + 8 * P * N // C + 30 + (8 * g * N // h if fp32 else 0) + (4 * N + 12 if probed else 0)
+    )
     return saved, 20 * P + 8 * N + 4 * P * N // C + 32, 12 * P + 8 * P * N // C
 
 
@@ -130,8 +160,10 @@ def linear_mixer_saved(model: ModelShape, runs: list[tuple[int, bool]], e: int) 
     per-token terms (`linear_mixer_token_bytes`), the kernel's per run and the convolution's halo rows."""
     token, probed_extra = linear_mixer_token_bytes(model, e)
     h, c = model.linear_heads, model.linear_conv_channels
-    return sum(n * (token + h * linear_kernel_bytes(model, p, e)[0] + (probed_extra if p else 0)) for n, p in runs) + \
-        len(runs) * (model.linear_conv - 1) * c * e
+    return (
+        sum(n * (token + h * linear_kernel_bytes(model, p, e)[0] + (probed_extra if p else 0)) for n, p in runs)
+        + len(runs) * (model.linear_conv - 1) * c * e
+    )
 
 
 def linear_runs(lay: Any, size: int, rank: int) -> list[tuple[int, bool]]:

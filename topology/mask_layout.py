@@ -174,8 +174,12 @@ def _improve(work: np.ndarray, rank: np.ndarray, ring: int, max_swaps: int | Non
         v[np.arange(len(a)), rank[a]] -= 1
         x, y = queries[a] - queries[b], keys[a] - keys[b]
         c = diag[a] - w[a, b] - w[b, a] + diag[b]
-        swapped = (now[None] + v[:, :, None] * x[:, None, :] + y[:, :, None] * v[:, None, :]
-                   + c[:, None, None] * v[:, :, None] * v[:, None, :])
+        swapped = (
+            now[None]
+            + v[:, :, None] * x[:, None, :]
+            + y[:, :, None] * v[:, None, :]
+            + c[:, None, None] * v[:, :, None] * v[:, None, :]
+        )
         lock, squares = score(swapped)
         tied = np.flatnonzero(lock == lock.min()) if len(a) else np.array([], dtype=np.int64)
         if not len(tied):
@@ -217,11 +221,21 @@ def work_ratios(layout: Layout, mask: AttnMask) -> tuple[float, float]:
     """(busiest ring rank's total work / mean, lock-step ratio): the ring's steps wait for the
     slowest rank, so its time goes as the sum over steps of the busiest rank's work at that step;
     the second ratio is that sum over the mean total work (1.0: perfectly balanced at every step)."""
-    work = [[sum(t.work() for t in layout.mask_tasks(j, s, mask)) for s in range(layout.ring)]
-            for j in range(layout.ring)]
+    work = [
+        [sum(t.work() for t in layout.mask_tasks(j, s, mask)) for s in range(layout.ring)] for j in range(layout.ring)
+    ]
     mean = max(sum(map(sum, work)) / layout.ring, 1)
     lock = sum(max(work[j][s] for j in range(layout.ring)) for s in range(layout.ring))
     return max(map(sum, work)) / mean, lock / mean
 
 
-__all__ = ["LOCAL_SLACK", "SEARCH_BUDGET", "MaskBalanced", "mask_layout", "place", "chunk_work", "lock_step", "work_ratios"]
+__all__ = [
+    "LOCAL_SLACK",
+    "SEARCH_BUDGET",
+    "MaskBalanced",
+    "mask_layout",
+    "place",
+    "chunk_work",
+    "lock_step",
+    "work_ratios",
+]

@@ -29,15 +29,22 @@ def band(causal: bool, window) -> tuple[int, int]:
         return (-UNBOUNDED, 0) if causal else (-UNBOUNDED, UNBOUNDED)
     if causal:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r} with causal=True must be an int W >= 1: each query sees the W keys "
-                             f"ending at itself (transformers' sliding_window); for local non-causal attention pass "
-                             f"causal=False and window=(left, right)")
+            raise ValueError(
+                f"window={window!r} with causal=True must be an int W >= 1: each query sees the W keys "
+                f"ending at itself (transformers' sliding_window); for local non-causal attention pass "
+                f"causal=False and window=(left, right)"
+            )
         return -(window - 1), 0
-    if not (isinstance(window, (tuple, list)) and len(window) == 2 and
-            all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in window)):
-        raise ValueError(f"window={window!r} with causal=False must be (left, right), two ints >= 0: query i sees "
-                         f"keys i - left .. i + right (flash-attn's window_size); for a causal sliding window pass "
-                         f"causal=True and window=W")
+    if not (
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in window)
+    ):
+        raise ValueError(
+            f"window={window!r} with causal=False must be (left, right), two ints >= 0: query i sees "
+            f"keys i - left .. i + right (flash-attn's window_size); for a causal sliding window pass "
+            f"causal=True and window=W"
+        )
     return -window[0], window[1]
 
 
@@ -68,8 +75,11 @@ def band_cells(q_start: int, q_end: int, k_start: int, k_end: int, lo: int, hi: 
     c = min(q_end - q_start, k_end - k_start)
     p, q = q_end - k_start, k_end - q_start
     total = 0
-    for lo_d, hi_d, slope, offset in ((a, min(b, c - p - 1), 1, p), (max(a, c - p), min(b, q - c), 0, c),
-                                      (max(a, q - c + 1), b, -1, q)):
+    for lo_d, hi_d, slope, offset in (
+        (a, min(b, c - p - 1), 1, p),
+        (max(a, c - p), min(b, q - c), 0, c),
+        (max(a, q - c + 1), b, -1, q),
+    ):
         if lo_d <= hi_d:
             count = hi_d - lo_d + 1
             total += offset * count + slope * (lo_d + hi_d) * count // 2
@@ -90,8 +100,14 @@ def _trim(s: MaskSlice) -> MaskSlice | None:
 def _overlap(a: MaskSlice, b: MaskSlice) -> int:
     """Cells two slices share: their rectangles' intersection under both bands."""
     (alo, ahi), (blo, bhi) = a.offsets(), b.offsets()
-    return band_cells(max(a.q_start, b.q_start), min(a.q_end, b.q_end), max(a.k_start, b.k_start),
-                      min(a.k_end, b.k_end), max(alo, blo), min(ahi, bhi))
+    return band_cells(
+        max(a.q_start, b.q_start),
+        min(a.q_end, b.q_end),
+        max(a.k_start, b.k_start),
+        min(a.k_end, b.k_end),
+        max(alo, blo),
+        min(ahi, bhi),
+    )
 
 
 @dataclass(frozen=True)
@@ -138,8 +154,10 @@ class AttnMask:
         for index, s in enumerate(list(slices)):
             checked.append(cls._slice(n, index, s))
         # ordered by rectangle, then band as ints (a None band compared with an int one would raise TypeError)
-        trimmed = sorted(((t, i) for i, s in enumerate(checked) if (t := _trim(s)) is not None),
-                         key=lambda ti: (ti[0][:4], ti[0].offsets(), ti[1]))
+        trimmed = sorted(
+            ((t, i) for i, s in enumerate(checked) if (t := _trim(s)) is not None),
+            key=lambda ti: (ti[0][:4], ti[0].offsets(), ti[1]),
+        )
         cls._disjoint(trimmed, checked)
         return cls(n, tuple(t for t, _ in trimmed))
 
@@ -205,8 +223,10 @@ class AttnMask:
                 runs[-1][1] = i + 1
                 continue
             if x > 0 and x in seen:
-                raise cls.error(f"block_ids: id {x} starts a second block at token {i} (its first run starts at "
-                                f"token {seen[x]}); give every contiguous block its own id")
+                raise cls.error(
+                    f"block_ids: id {x} starts a second block at token {i} (its first run starts at "
+                    f"token {seen[x]}); give every contiguous block its own id"
+                )
             seen.setdefault(x, i)
             runs.append([i, i + 1, x])
         return cls.from_slices(len(ids), [(a, b, 0, b, lo, None if x > 0 else 0) for a, b, x in runs])
@@ -230,8 +250,10 @@ class AttnMask:
         cu = cls._boundaries("cu_seqlens", cu_seqlens)
         prefixes = list(prefix_lens)
         if len(prefixes) != len(cu) - 1:
-            raise cls.error(f"prefix_lens has {len(prefixes)} entries but cu_seqlens holds {len(cu) - 1} documents: "
-                            f"pass one prefix length per document")
+            raise cls.error(
+                f"prefix_lens has {len(prefixes)} entries but cu_seqlens holds {len(cu) - 1} documents: "
+                f"pass one prefix length per document"
+            )
         slices = []
         for d, (start, end, p) in enumerate(zip(cu, cu[1:], prefixes)):
             p = cls._count(f"prefix_lens[{d}]", p, minimum=0)
@@ -267,11 +289,15 @@ class AttnMask:
         """The mask with every slice's band narrowed to lo <= key - query <= hi (None: no bound): a
         sliding window on top of any mask (`hcp.attention(..., mask=m, window=W)` is
         ``m.within(-(W - 1), 0)``; window=(left, right) is ``m.within(-left, right)``)."""
+
         def tighter(a, b, pick):
             return a if b is None else b if a is None else pick(a, b)
 
-        slices = [t for s in self.slices if (t := _trim(s._replace(lo=tighter(s.lo, lo, max),
-                                                                    hi=tighter(s.hi, hi, min)))) is not None]
+        slices = [
+            t
+            for s in self.slices
+            if (t := _trim(s._replace(lo=tighter(s.lo, lo, max), hi=tighter(s.hi, hi, min)))) is not None
+        ]
         return type(self)(self.seq_len, tuple(sorted(slices, key=lambda t: (t[:4], t.offsets()))))
 
     def windowed(self, window) -> AttnMask:
@@ -284,14 +310,18 @@ class AttnMask:
             return self
         if isinstance(window, int) and not isinstance(window, bool):
             if window < 1:
-                raise self.error(f"window={window!r} must be an int W >= 1 (each query keeps the keys from W - 1 "
-                                 f"before it on) or (left, right)")
+                raise self.error(
+                    f"window={window!r} must be an int W >= 1 (each query keeps the keys from W - 1 "
+                    f"before it on) or (left, right)"
+                )
             return self.within(-(window - 1), None)
         try:
             lo, hi = band(False, window)
         except ValueError as exc:
-            raise self.error(f"{exc} (with a mask, an int W keeps the keys from W - 1 before each query on, "
-                             f"(left, right) the keys i - left .. i + right, inside the mask)") from None
+            raise self.error(
+                f"{exc} (with a mask, an int W keeps the keys from W - 1 before each query on, "
+                f"(left, right) the keys i - left .. i + right, inside the mask)"
+            ) from None
         return self.within(lo, hi)
 
     # ---- queries the planner asks -----------------------------------------------------------
@@ -305,16 +335,26 @@ class AttnMask:
         k_end = self.seq_len if k_end is None else k_end
         out = []
         for s in self._rows(q_start, q_end):
-            cut = _trim(MaskSlice(max(s.q_start, q_start), min(s.q_end, q_end), max(s.k_start, k_start),
-                                  min(s.k_end, k_end), s.lo, s.hi))
+            cut = _trim(
+                MaskSlice(
+                    max(s.q_start, q_start),
+                    min(s.q_end, q_end),
+                    max(s.k_start, k_start),
+                    min(s.k_end, k_end),
+                    s.lo,
+                    s.hi,
+                )
+            )
             if cut is not None:
                 out.append(cut)
         return tuple(out)
 
     def count(self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None) -> int:
         """Visible cells in the rectangle [q_start, q_end) x [k_start, k_end), exact, closed form."""
-        return sum(band_cells(s.q_start, s.q_end, s.k_start, s.k_end, *s.offsets())
-                   for s in self.clip(q_start, q_end, k_start, k_end))
+        return sum(
+            band_cells(s.q_start, s.q_end, s.k_start, s.k_end, *s.offsets())
+            for s in self.clip(q_start, q_end, k_start, k_end)
+        )
 
     def visible_keys(self, q_start: int, q_end: int) -> tuple[tuple[int, int], ...]:
         """Merged [start, end) key ranges that some query of [q_start, q_end) sees (every key of a
@@ -370,8 +410,10 @@ class AttnMask:
             raise cls.error(f"{name}={cu!r} must be a sequence of ints [0, len_0, len_0 + len_1, ..., total]") from None
         if len(values) < 2 or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] < 1:
             shown = f"{values[:8]}{'...' if len(values) > 8 else ''}"
-            raise cls.error(f"{name}={shown} must start at 0, never decrease and end at the row's length >= 1 "
-                            f"(flash-attn's cumulative document boundaries)")
+            raise cls.error(
+                f"{name}={shown} must start at 0, never decrease and end at the row's length >= 1 "
+                f"(flash-attn's cumulative document boundaries)"
+            )
         return values
 
     @classmethod
@@ -386,8 +428,9 @@ class AttnMask:
                 raise cls.error(f"slices[{index}].{name}={value!r} must be an int{' or None' if optional else ''}")
         qa, qb, ka, kb, lo, hi = (None if v is None else int(v) for v in s)
         if not (0 <= qa < qb <= n and 0 <= ka < kb <= n):
-            raise cls.error(f"slices[{index}]={tuple(s)!r}: need 0 <= q_start < q_end <= n and "
-                            f"0 <= k_start < k_end <= n with n={n}")
+            raise cls.error(
+                f"slices[{index}]={tuple(s)!r}: need 0 <= q_start < q_end <= n and 0 <= k_start < k_end <= n with n={n}"
+            )
         if lo is not None and hi is not None and lo > hi:
             raise cls.error(f"slices[{index}]={tuple(s)!r}: lo={lo} > hi={hi} leaves no visible key; drop the slice")
         return MaskSlice(qa, qb, ka, kb, lo, hi)
@@ -401,9 +444,11 @@ class AttnMask:
             for t, j in active:
                 if _overlap(s, t):
                     a, b = sorted((i, j))
-                    raise cls.error(f"slices[{a}]={tuple(given[a])!r} and slices[{b}]={tuple(given[b])!r} share "
-                                    f"{_overlap(s, t)} (query, key) cells; a cell may be covered once (it would "
-                                    f"enter the softmax twice): cut one slice's range or band")
+                    raise cls.error(
+                        f"slices[{a}]={tuple(given[a])!r} and slices[{b}]={tuple(given[b])!r} share "
+                        f"{_overlap(s, t)} (query, key) cells; a cell may be covered once (it would "
+                        f"enter the softmax twice): cut one slice's range or band"
+                    )
             active.append((s, i))
 
 

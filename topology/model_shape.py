@@ -37,18 +37,25 @@ class ModelShape(BaseModel):
     sliding_window: int | None = Field(default=None, ge=1, description="keys each query sees in window layers")
     window_layers: int | None = Field(default=None, ge=0, description="layers with the window (default: all)")
     attention_chunk_size: int | None = Field(
-        default=None, ge=1, description="positions of one attention chunk in chunked layers (Llama 4)")
+        default=None, ge=1, description="positions of one attention chunk in chunked layers (Llama 4)"
+    )
     chunked_layers: int | None = Field(default=None, ge=0, description="layers with chunked attention (default: all)")
     linear_layers: int = Field(default=0, ge=0, description="of `layers`, how many are linear (hybrid models)")
-    linear_kind: Literal["gated_delta", "mamba2"] | None = Field(default=None, description="the linear layers' recurrence")
+    linear_kind: Literal["gated_delta", "mamba2"] | None = Field(
+        default=None, description="the linear layers' recurrence"
+    )
     linear_heads: int | None = Field(default=None, ge=1, description="Gated DeltaNet value heads / Mamba2 heads")
     linear_key_heads: int | None = Field(default=None, ge=1, description="Gated DeltaNet key heads / Mamba2 groups")
     linear_key_dim: int | None = Field(default=None, ge=1, description="Gated DeltaNet dk / Mamba2 state size N")
     linear_value_dim: int | None = Field(default=None, ge=1, description="Gated DeltaNet dv / Mamba2 head dim P")
     linear_conv: int = Field(default=4, ge=1, description="causal convolution kernel of the linear layers")
     linear_chunk: int = Field(default=64, ge=1, description="chunk of the chunked recurrence kernel (tokens)")
-    expert_params: int = Field(default=0, ge=0, description="MoE: weights of the experts a token does not use, all "
-                               "layers together (held in memory and sharded, never computed)")
+    expert_params: int = Field(
+        default=0,
+        ge=0,
+        description="MoE: weights of the experts a token does not use, all "
+        "layers together (held in memory and sharded, never computed)",
+    )
     name: str = "custom"
 
     @model_validator(mode="after")
@@ -58,11 +65,15 @@ class ModelShape(BaseModel):
                 raise ValueError(f"{name}={getattr(self, name)} exceeds layers={self.layers}")
         if self.sliding_window and self.attention_chunk_size:
             if self.window_layers is None or self.chunked_layers is None:
-                raise ValueError("a model with both sliding_window and attention_chunk_size needs window_layers and "
-                                 "chunked_layers: how many layers of each kind")
+                raise ValueError(
+                    "a model with both sliding_window and attention_chunk_size needs window_layers and "
+                    "chunked_layers: how many layers of each kind"
+                )
             if self.window_layers + self.chunked_layers > self.layers:
-                raise ValueError(f"window_layers={self.window_layers} + chunked_layers={self.chunked_layers} exceeds "
-                                 f"layers={self.layers}")
+                raise ValueError(
+                    f"window_layers={self.window_layers} + chunked_layers={self.chunked_layers} exceeds "
+                    f"layers={self.layers}"
+                )
         self._check_linear()
         kv = self.kv_heads or self.heads
         if kv > self.heads or self.heads % kv:
@@ -81,8 +92,10 @@ class ModelShape(BaseModel):
         if self.linear_layers and (missing := [d for d in dims if getattr(self, d) is None]):
             raise ValueError(f"linear_kind={self.linear_kind!r} needs {', '.join(missing)} (the linear block's sizes)")
         if self.linear_layers and self.linear_heads % self.linear_key_heads:
-            raise ValueError(f"linear_heads={self.linear_heads} must be a multiple of linear_key_heads="
-                             f"{self.linear_key_heads} (key heads / groups are shared by value heads)")
+            raise ValueError(
+                f"linear_heads={self.linear_heads} must be a multiple of linear_key_heads="
+                f"{self.linear_key_heads} (key heads / groups are shared by value heads)"
+            )
         if self.linear_kind is not None and not self.linear_layers:
             raise ValueError(f"linear_kind={self.linear_kind!r} with linear_layers=0: give how many layers are linear")
 
@@ -176,12 +189,33 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama2-7b": dict(heads=32, kv_heads=32, head_dim=128, hidden=4096, layers=32, intermediate=11008, vocab=32000),
     # GLM-4.5-Air (MoE, 12B active, 106B in all): 8 of 128 routed experts of width 1408 + 1 shared expert active
     # per token; the other 120 are held in each of the 45 MoE layers (the first layer is dense).
-    "glm-4.5-air": dict(heads=96, kv_heads=8, head_dim=128, hidden=4096, layers=46, intermediate=9 * 1408, vocab=151552,
-                        expert_params=(128 - 8) * 3 * 4096 * 1408 * 45),
+    "glm-4.5-air": dict(
+        heads=96,
+        kv_heads=8,
+        head_dim=128,
+        hidden=4096,
+        layers=46,
+        intermediate=9 * 1408,
+        vocab=151552,
+        expert_params=(128 - 8) * 3 * 4096 * 1408 * 45,
+    ),
     # Qwen3-Next-80B-A3B: 3 Gated DeltaNet layers to 1 gated-attention layer (full_attention_interval 4); MoE with
     # 10 routed experts + 1 shared expert of width 512 active per token. The attention's output gate is ignored.
-    "qwen3-next-80b": dict(heads=16, kv_heads=2, head_dim=256, hidden=2048, layers=48, intermediate=11 * 512,
-                           vocab=151936, linear_layers=36, linear_kind="gated_delta", linear_heads=32,
-                           linear_key_heads=16, linear_key_dim=128, linear_value_dim=128, linear_conv=4,
-                           expert_params=(512 - 10) * 3 * 2048 * 512 * 48),  # 502 of 512 experts idle: 80B in all
+    "qwen3-next-80b": dict(
+        heads=16,
+        kv_heads=2,
+        head_dim=256,
+        hidden=2048,
+        layers=48,
+        intermediate=11 * 512,
+        vocab=151936,
+        linear_layers=36,
+        linear_kind="gated_delta",
+        linear_heads=32,
+        linear_key_heads=16,
+        linear_key_dim=128,
+        linear_value_dim=128,
+        linear_conv=4,
+        expert_params=(512 - 10) * 3 * 2048 * 512 * 48,
+    ),  # 502 of 512 experts idle: 80B in all
 }

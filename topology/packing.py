@@ -53,8 +53,9 @@ def assign_documents(doc_lens: tuple[int, ...], split: list[int], ring: int) -> 
             blocks[j][0].append((d, mine))
             work[j] += _causal_work(mine)
             tokens[j] += mine[0][1] + mine[1][1]
-    rest = sorted((d for d in range(len(doc_lens)) if d not in set(split) and doc_lens[d] > 0),
-                  key=lambda d: -doc_lens[d])
+    rest = sorted(
+        (d for d in range(len(doc_lens)) if d not in set(split) and doc_lens[d] > 0), key=lambda d: -doc_lens[d]
+    )
     capacity = -(-sum(doc_lens) // ring)
     for d in rest:
         n = doc_lens[d]
@@ -68,8 +69,10 @@ def assign_documents(doc_lens: tuple[int, ...], split: list[int], ring: int) -> 
 
 def _score(doc_lens: tuple[int, ...], blocks: list[Block]) -> tuple[float, float]:
     """(causal work of the busiest rank / mean, tokens of the fullest rank / mean)."""
-    work = [sum(_causal_work(ch) for _, ch in split) + sum(doc_lens[d] * (doc_lens[d] + 1) // 2 for d in whole)
-            for split, whole in blocks]
+    work = [
+        sum(_causal_work(ch) for _, ch in split) + sum(doc_lens[d] * (doc_lens[d] + 1) // 2 for d in whole)
+        for split, whole in blocks
+    ]
     tokens = [block_tokens(doc_lens, b) for b in blocks]
     mean_w, mean_t = sum(work) / len(work), sum(tokens) / len(tokens)
     return max(work) / max(mean_w, 1), max(tokens) / max(mean_t, 1)

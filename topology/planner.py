@@ -40,7 +40,7 @@ class Plan:
     ring: int
     dp: int
     estimate: Estimate
-    memory: MemoryEstimate      # the training step's peak with `options`, what the split was checked with
+    memory: MemoryEstimate  # the training step's peak with `options`, what the split was checked with
     options: MemoryOptions
     rank: int = 0
     notes: tuple[str, ...] = ()
@@ -72,8 +72,11 @@ class Plan:
         ]
         if e.linear_share:
             lin = e.linear_s + e.linear_comm_s
-            lines.insert(3, f"  linear layers ({e.linear_share:.0%} of layers): recurrence {e.linear_s * ms:.2f} + summary "
-                            f"exchange {e.linear_comm_s * ms:.2f} ms per average layer, {lin / e.time_s:.1%} of its time")
+            lines.insert(
+                3,
+                f"  linear layers ({e.linear_share:.0%} of layers): recurrence {e.linear_s * ms:.2f} + summary "
+                f"exchange {e.linear_comm_s * ms:.2f} ms per average layer, {lin / e.time_s:.1%} of its time",
+            )
         lines += [f"  note: {n}" for n in (*self.notes, *e.notes)]
         return "\n".join(lines)
 
@@ -128,8 +131,7 @@ class PlanList(list):
             out.append(
                 f"{p.rank:>3} {p.ulysses:>4} {p.ring:>4} {p.dp:>4} {e.time_s * 1e3:>10.2f} {e.compute_s * 1e3:>9.2f} "
                 f"{e.a2a_s * 1e3:>8.2f} {e.ring_exposed_s * 1e3:>8.2f} {p.memory.peak / GiB:>8.1f} "
-                f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%}  {e.a2a_link} / {e.ring_link}"
-                + (" *" if p.notes else "")
+                f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%}  {e.a2a_link} / {e.ring_link}" + (" *" if p.notes else "")
             )
         if top and len(self) > top:
             out.append(f"    ... {len(self) - top} more feasible")
@@ -170,17 +172,36 @@ def _split(req: _Request, split: Split) -> tuple | Rejected:
     """One split: (its ranking key..., the Plan) when some option set fits it, else why not."""
     model, rungs, (u, r, d) = req.model, req.rungs, (split.ulysses, split.ring, split.dp)
     seq_len, batch, dtype, layout = split.seq_len, split.batch, split.dtype, split.layout
-    chosen = first_fitting(model, seq_len, u, r, d, batch, rungs, req.budget, host_memory=req.host_memory,
-                           dtype=dtype, layout=layout)
+    chosen = first_fitting(
+        model, seq_len, u, r, d, batch, rungs, req.budget, host_memory=req.host_memory, dtype=dtype, layout=layout
+    )
     if chosen is None:
-        least = step_memory(model, seq_len, u, r, d, batch, option_variants(model, u, rungs[-1][1])[-1],
-                            dtype=dtype, layout=layout).peak   # the most head chunks the last rung allows
-        return Rejected(u, r, d, f"memory {least / GiB:.1f} GiB > budget {req.budget / GiB:.1f} GiB"
-                        if least > req.budget else "offloaded checkpoints exceed the host memory")
+        least = step_memory(
+            model, seq_len, u, r, d, batch, option_variants(model, u, rungs[-1][1])[-1], dtype=dtype, layout=layout
+        ).peak  # the most head chunks the last rung allows
+        return Rejected(
+            u,
+            r,
+            d,
+            f"memory {least / GiB:.1f} GiB > budget {req.budget / GiB:.1f} GiB"
+            if least > req.budget
+            else "offloaded checkpoints exceed the host memory",
+        )
     name, opt, mem = chosen
     forwards = attention_forwards(model, u, opt) if req.options is not None or req.ladder is not None else 1
-    est = estimate(req.cluster, model, seq_len, u, r, d, batch, dtype=dtype, layout=layout, causal=req.causal,
-                   attention_forwards=forwards)
+    est = estimate(
+        req.cluster,
+        model,
+        seq_len,
+        u,
+        r,
+        d,
+        batch,
+        dtype=dtype,
+        layout=layout,
+        causal=req.causal,
+        attention_forwards=forwards,
+    )
     with warnings.catch_warnings():  # the warnings become plan notes instead
         warnings.simplefilter("ignore", PlacementWarning)
         report = check_placement(req.cluster, u, r, d, warn=True, world_size=req.world)
@@ -191,10 +212,22 @@ def _split(req: _Request, split: Split) -> tuple | Rejected:
     return rung, est.time_s / d, -u, Plan(u, r, d, est, mem, opt, notes=notes)
 
 
-def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, world_size: int | None = None,  # noqa: PLR0913 (public entry point)
-         memory_budget: float | None = None, *, dp: int | None = None, dtype: Any = "bf16", layout: str = "zigzag",
-         causal: bool = True, options: MemoryOptions | None = None, ladder: list[tuple[str, MemoryOptions]] | None = None,
-         host_memory: float | None = None) -> PlanList:
+def plan(  # noqa: PLR0913 (public entry point)
+    cluster: Cluster,
+    model: ModelShape,
+    seq_len: int,
+    batch: int = 1,
+    world_size: int | None = None,
+    memory_budget: float | None = None,
+    *,
+    dp: int | None = None,
+    dtype: Any = "bf16",
+    layout: str = "zigzag",
+    causal: bool = True,
+    options: MemoryOptions | None = None,
+    ladder: list[tuple[str, MemoryOptions]] | None = None,
+    host_memory: float | None = None,
+) -> PlanList:
     """Rank every feasible (ulysses, ring, dp) split of ``world_size`` GPUs (default: all of them).
 
     A split fits when its training step's peak (``topology.step_model.step_memory``, the model ``--max-seq``
@@ -230,7 +263,9 @@ def plan(cluster: Cluster, model: ModelShape, seq_len: int, batch: int = 1, worl
         raise PlanError("give options= (one set of memory options) or ladder= (the first rung that fits), not both")
     world = cluster.world_size if world_size is None else world_size
     if not isinstance(world, int) or world < 1 or world > cluster.world_size:
-        raise PlanError(f"world_size={world_size!r} must be an integer in [1, {cluster.world_size}] for {cluster.name!r}")
+        raise PlanError(
+            f"world_size={world_size!r} must be an integer in [1, {cluster.world_size}] for {cluster.name!r}"
+        )
     budget = cluster.accelerator.memory_budget if memory_budget is None else float(memory_budget)
     if dp is not None and (not isinstance(dp, int) or dp < 1 or world % dp):
         raise PlanError(f"dp={dp!r} must be a positive integer dividing world_size={world}")

@@ -15,8 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .units import FP32_BYTES
 
-__all__ = ["StrictModel", "KernelFit", "LinkFit", "A2AFit", "Calibration", "kernel_flops", "merge_fwd_bytes", "merge_bwd_bytes", "PROBE",
-           "ATTN_BWD_FACTOR"]
+__all__ = [
+    "StrictModel",
+    "KernelFit",
+    "LinkFit",
+    "A2AFit",
+    "Calibration",
+    "kernel_flops",
+    "merge_fwd_bytes",
+    "merge_bwd_bytes",
+    "PROBE",
+    "ATTN_BWD_FACTOR",
+]
 
 ATTN_BWD_FACTOR = 2.5  # backward attention FLOPs / forward (FlashAttention's 5 vs 2 matmuls)
 
@@ -50,8 +60,12 @@ class KernelFit(StrictModel):
     call_overhead_us: float = Field(ge=0)
     head_call_overhead_us: float = Field(default=0.0, ge=0, description="per query head per call")
     causal_tile_tokens: float = Field(default=0.0, ge=0)
-    io_ns_per_elem: float = Field(default=0.0, ge=0, description="per element of q and k/v rows x heads x D "
-                                  "(loads, GQA expansion): what makes short blocks memory-bound")
+    io_ns_per_elem: float = Field(
+        default=0.0,
+        ge=0,
+        description="per element of q and k/v rows x heads x D "
+        "(loads, GQA expansion): what makes short blocks memory-bound",
+    )
     samples: int = 0
     rms_rel_error: float = 0.0
 
@@ -104,7 +118,9 @@ class Calibration(StrictModel):
     dtype: str = Field(description="dtype the merge/engine figures were measured in")
     head_dim: int = 64
     kernels: list[KernelFit] = Field(default_factory=list)
-    merge: LinkFit | None = Field(default=None, description="kernels.merge.merge_ by bytes moved (block out + fp32 running out)")
+    merge: LinkFit | None = Field(
+        default=None, description="kernels.merge.merge_ by bytes moved (block out + fp32 running out)"
+    )
     step_overhead_us: float = Field(default=0.0, ge=0, description="fixed cost per ring step unit (fwd 1, bwd 2)")
     call_overhead_us: float = Field(default=0.0, ge=0, description="fixed cost per attention fwd+bwd call")
     copy_gb_s: float | None = Field(default=None, gt=0, description="engine packing copies, per byte sent")
@@ -118,8 +134,11 @@ class Calibration(StrictModel):
     stage_seconds: dict[str, float] = Field(default_factory=dict, description="measurement time of each stage")
     load: list[float] = Field(default_factory=list, description="1/5/15-min load average when it ran")
     probe_s: float | None = Field(
-        default=None, gt=0, description="time of the reference kernel call (PROBE) with every rank computing, "
-        "mean of the start and the end of the calibration: the machine's share per rank when it was calibrated")
+        default=None,
+        gt=0,
+        description="time of the reference kernel call (PROBE) with every rank computing, "
+        "mean of the start and the end of the calibration: the machine's share per rank when it was calibrated",
+    )
 
     @property
     def p2p_contention(self) -> float:
@@ -128,8 +147,9 @@ class Calibration(StrictModel):
             return 1.0
         return self.p2p_alone.bandwidth_gb_s / self.p2p.bandwidth_gb_s
 
-    def kernel_fit(self, causal: bool, direction: str, dtype: str | None = None,
-                   backend: str | None = None) -> KernelFit | None:
+    def kernel_fit(
+        self, causal: bool, direction: str, dtype: str | None = None, backend: str | None = None
+    ) -> KernelFit | None:
         """The fit for this kernel call, falling back to the calibration's own kernel and dtype."""
         for want_b, want_d in ((backend or self.kernel, dtype or self.dtype), (self.kernel, self.dtype)):
             for k in self.kernels:
@@ -146,25 +166,37 @@ class Calibration(StrictModel):
     def summary(self) -> str:
         """A few lines for the CLI."""
         stages = ", ".join(f"{k} {v:.1f}" for k, v in self.stage_seconds.items())
-        lines = [f"calibration: {self.world} {self.backend} ranks on {self.device}, kernel {self.kernel} "
-                 f"{self.dtype}, {self.seconds:.0f} s ({self.startup_s:.0f} s starting the ranks"
-                 + (f"; measuring: {stages} s" if stages else "") + ")"]
+        lines = [
+            f"calibration: {self.world} {self.backend} ranks on {self.device}, kernel {self.kernel} "
+            f"{self.dtype}, {self.seconds:.0f} s ({self.startup_s:.0f} s starting the ranks"
+            + (f"; measuring: {stages} s" if stages else "")
+            + ")"
+        ]
         for k in self.kernels:
-            lines.append(f"  kernel {k.backend} {k.dtype} {'causal' if k.causal else 'full  '} {k.direction}: "
-                         f"{k.tflops * 1e3:8.2f} GFLOP/s per rank, {k.call_overhead_us:7.0f} us per call + "
-                         f"{k.head_call_overhead_us:5.0f} us per head, causal tile {k.causal_tile_tokens:5.0f} tokens, "
-                         f"io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)")
+            lines.append(
+                f"  kernel {k.backend} {k.dtype} {'causal' if k.causal else 'full  '} {k.direction}: "
+                f"{k.tflops * 1e3:8.2f} GFLOP/s per rank, {k.call_overhead_us:7.0f} us per call + "
+                f"{k.head_call_overhead_us:5.0f} us per head, causal tile {k.causal_tile_tokens:5.0f} tokens, "
+                f"io {k.io_ns_per_elem:.2f} ns/elem (fit rms {k.rms_rel_error:.0%}, {k.samples} pts)"
+            )
         if self.merge:
             lines.append(f"  merge: {self.merge.bandwidth_gb_s:.2f} GB/s, {self.merge.latency_us:.0f} us")
-        lines.append(f"  per ring step {self.step_overhead_us:.0f} us, per call {self.call_overhead_us:.0f} us, "
-                     "packing copies " + (f"{self.copy_gb_s:.2f} GB/s" if self.copy_gb_s else "too fast to separate (0 s)")
-                     + f", overlap {self.overlap:.2f}")
+        lines.append(
+            f"  per ring step {self.step_overhead_us:.0f} us, per call {self.call_overhead_us:.0f} us, "
+            "packing copies "
+            + (f"{self.copy_gb_s:.2f} GB/s" if self.copy_gb_s else "too fast to separate (0 s)")
+            + f", overlap {self.overlap:.2f}"
+        )
         for a in self.a2a:
-            lines.append(f"  all-to-all u={a.ulysses} ({a.groups} groups at once): {a.link.bandwidth_gb_s:.2f} GB/s, "
-                         f"{a.link.latency_us:.0f} us; contention x{a.contention:.2f}")
+            lines.append(
+                f"  all-to-all u={a.ulysses} ({a.groups} groups at once): {a.link.bandwidth_gb_s:.2f} GB/s, "
+                f"{a.link.latency_us:.0f} us; contention x{a.contention:.2f}"
+            )
         if self.p2p:
-            lines.append(f"  ring p2p (all ranks at once): {self.p2p.bandwidth_gb_s:.2f} GB/s, {self.p2p.latency_us:.0f} us; "
-                         f"contention x{self.p2p_contention:.2f}")
+            lines.append(
+                f"  ring p2p (all ranks at once): {self.p2p.bandwidth_gb_s:.2f} GB/s, {self.p2p.latency_us:.0f} us; "
+                f"contention x{self.p2p_contention:.2f}"
+            )
         for item in self.not_measured:
             lines.append(f"  not measured: {item}")
         return "\n".join(lines)
@@ -177,7 +209,6 @@ def kernel_flops(tq: int, tk: int, heads: int, head_dim: int, causal: bool, dire
     """Useful FLOPs of one kernel call (the cost model's convention)."""
     f = 4.0 * tq * tk * head_dim * heads * (0.5 if causal else 1.0)
     return f * (ATTN_BWD_FACTOR if direction == "bwd" else 1.0)
-
 
 
 def merge_fwd_bytes(tokens: int, heads: int, head_dim: int, e: int) -> int:

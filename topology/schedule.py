@@ -113,11 +113,17 @@ class StepSchedule:
         idle share; then the bytes against the best fixed split, counted for the attention `shape`
         (`schedule_report.Shape`; default Llama-3-8B's, bf16)."""
         from .schedule_report import Shape, compare, explain  # the byte counts load the cost model
+
         return explain(self, compare(self, shape or Shape()))
 
 
-def schedule_step(lengths: Sequence[int], world: int, tokens_per_rank: int, degrees: Sequence[Degree],
-                  targets: Sequence[int] | None = None) -> StepSchedule:
+def schedule_step(
+    lengths: Sequence[int],
+    world: int,
+    tokens_per_rank: int,
+    degrees: Sequence[Degree],
+    targets: Sequence[int] | None = None,
+) -> StepSchedule:
     """Micro-batches of aligned groups for one step's documents (`lengths`, the global batch); see the
     module docstring. `degrees`: the allowed group sizes with their splits and costs (powers of two
     dividing `world`; `degree_table` or `uniform_degrees`). `targets`: valid targets per document
@@ -139,8 +145,15 @@ def schedule_step(lengths: Sequence[int], world: int, tokens_per_rank: int, degr
 
 def schedule_digest(sched: StepSchedule) -> str:
     """A 64-bit hex digest of everything the ranks must agree on: the batch, the groups and their documents."""
-    body = repr((sched.world, sched.tokens_per_rank, sched.lengths, sched.targets,
-                 [[(g.first_rank, g.degree, g.ulysses, g.ring, g.docs) for g in mb.groups] for mb in sched.microbatches]))
+    body = repr(
+        (
+            sched.world,
+            sched.tokens_per_rank,
+            sched.lengths,
+            sched.targets,
+            [[(g.first_rank, g.degree, g.ulysses, g.ring, g.docs) for g in mb.groups] for mb in sched.microbatches],
+        )
+    )
     return hashlib.blake2b(body.encode(), digest_size=8).hexdigest()
 
 
@@ -170,8 +183,10 @@ def _check_degrees(degrees: Sequence[Degree], world: int, capacity: int) -> dict
     table = {d.size: d for d in sorted(degrees, key=lambda d: d.size)}
     bad = [k for k in table if k < 1 or k & (k - 1) or world % k or table[k].ulysses * table[k].ring != k]
     if bad or 1 not in table:
-        raise ScheduleError(f"degrees {sorted(table)} (world={world}): each must be a power of two dividing the world "
-                            f"with ulysses * ring == size, and 1 must be allowed (short documents run alone)")
+        raise ScheduleError(
+            f"degrees {sorted(table)} (world={world}): each must be a power of two dividing the world "
+            f"with ulysses * ring == size, and 1 must be allowed (short documents run alone)"
+        )
     return table
 
 
@@ -179,21 +194,24 @@ def _min_degree(n: int, table: dict[int, Degree], capacity: int, doc: int) -> in
     for k in table:
         if n <= k * capacity:
             return k
-    raise ScheduleError(f"document {doc} has {n} tokens > {max(table)} ranks x tokens_per_rank={capacity}: raise "
-                        f"tokens_per_rank, allow a larger degree, or cut the document")
+    raise ScheduleError(
+        f"document {doc} has {n} tokens > {max(table)} ranks x tokens_per_rank={capacity}: raise "
+        f"tokens_per_rank, allow a larger degree, or cut the document"
+    )
 
 
 def _idle(deg: Degree, rank: int) -> Group:
     return Group(rank, 1, deg.ulysses, deg.ring, (), 0, 0.0)
 
 
-def _micro_batch(order: list[int], lengths: tuple[int, ...], need: list[int], table: dict[int, Degree], world: int,
-                 capacity: int) -> tuple[MicroBatch, list[int]]:
+def _micro_batch(
+    order: list[int], lengths: tuple[int, ...], need: list[int], table: dict[int, Degree], world: int, capacity: int
+) -> tuple[MicroBatch, list[int]]:
     """One micro-batch from the documents in `order` (longest first); returns it and the deferred ones."""
     free = bytearray(b"\x01") * world
-    groups: list[list] = []          # [first, degree, docs, tokens, squares]
-    heaps: dict[int, list] = {}      # degree -> heap of (time, first, group index, its document count)
-    most_room: dict[int, int] = {}   # degree -> its groups' largest free tokens, known once one was refused
+    groups: list[list] = []  # [first, degree, docs, tokens, squares]
+    heaps: dict[int, list] = {}  # degree -> heap of (time, first, group index, its document count)
+    most_room: dict[int, int] = {}  # degree -> its groups' largest free tokens, known once one was refused
     later: list[int] = []
     last = {need[d]: i for i, d in enumerate(order)}
     at = 0
@@ -204,9 +222,9 @@ def _micro_batch(order: list[int], lengths: tuple[int, ...], need: list[int], ta
         at += 1
         if gi is None:
             later.append(d)
-            end = last[k] + 1   # longest first is also degree-major: degree k's documents end there
+            end = last[k] + 1  # longest first is also degree-major: degree k's documents end there
             if free.find(1) < 0 and most_room.get(k, 0) < lengths[order[end - 1]]:
-                later += order[at:end]   # no free ranks and no group of degree k holds even its shortest
+                later += order[at:end]  # no free ranks and no group of degree k holds even its shortest
                 at = end
             continue
         grp = groups[gi]
@@ -215,14 +233,17 @@ def _micro_batch(order: list[int], lengths: tuple[int, ...], need: list[int], ta
         grp[4] += n * n
         heapq.heappush(heaps.setdefault(k, []), (table[k].time_s(grp[4], grp[3]), grp[0], gi, len(grp[2])))
     _expand(groups, free, table)
-    out = [Group(f, k, table[k].ulysses, table[k].ring, tuple(docs), t, table[k].time_s(sq, t))
-           for f, k, docs, t, sq in groups]
+    out = [
+        Group(f, k, table[k].ulysses, table[k].ring, tuple(docs), t, table[k].time_s(sq, t))
+        for f, k, docs, t, sq in groups
+    ]
     out += [_idle(table[1], r) for r in range(world) if free[r]]
     return MicroBatch(tuple(sorted(out, key=lambda g: g.first_rank))), later
 
 
-def _place(free: bytearray, groups: list[list], heaps: dict[int, list], most_room: dict[int, int], k: int, n: int,
-           room: int) -> int | None:
+def _place(
+    free: bytearray, groups: list[list], heaps: dict[int, list], most_room: dict[int, int], k: int, n: int, room: int
+) -> int | None:
     """The group a document of `n` tokens at degree `k` joins: a new aligned block while free ranks last
     (the least busy place of all), else the least busy group of degree k with room; None: defer it."""
     first = _open_block(free, k)
@@ -233,7 +254,7 @@ def _place(free: bytearray, groups: list[list], heaps: dict[int, list], most_roo
         most_room.setdefault(k, 0)
         return None
     gi = _roomiest(heaps.get(k, []), groups, n, room)
-    if gi is None:   # rooms only shrink within a micro-batch: remember the largest one left
+    if gi is None:  # rooms only shrink within a micro-batch: remember the largest one left
         most_room[k] = max((room - g[3] for g in groups if g[1] == k), default=0)
     return gi
 
@@ -248,8 +269,8 @@ def _open_block(free: bytearray, k: int) -> int | None:
         return r
     full = b"\x01" * k
     for first in range(0, len(free), k):
-        if free[first:first + k] == full:
-            free[first:first + k] = bytes(k)
+        if free[first : first + k] == full:
+            free[first : first + k] = bytes(k)
             return first
     return None
 
@@ -283,15 +304,23 @@ def _expand(groups: list[list], free: bytearray, table: dict[int, Degree]) -> No
             first, k, _, tokens, squares = grp
             if 2 * k not in table or table[2 * k].time_s(squares, tokens) >= table[k].time_s(squares, tokens):
                 continue
-            free[first:first + k] = b"\x01" * k   # released, then taken back as part of the doubled block
+            free[first : first + k] = b"\x01" * k  # released, then taken back as part of the doubled block
             start = _open_block(free, 2 * k)
             if start is None:
-                free[first:first + k] = bytes(k)
+                free[first : first + k] = bytes(k)
                 continue
             grp[0], grp[1] = start, 2 * k
             changed = True
             break
 
 
-__all__ = ["Degree", "Group", "MicroBatch", "StepSchedule", "ScheduleError", "schedule_step", "schedule_digest",
-           "uniform_degrees"]
+__all__ = [
+    "Degree",
+    "Group",
+    "MicroBatch",
+    "StepSchedule",
+    "ScheduleError",
+    "schedule_step",
+    "schedule_digest",
+    "uniform_degrees",
+]

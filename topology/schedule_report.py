@@ -48,8 +48,8 @@ class Traffic:
 @dataclass(frozen=True)
 class Comparison:
     schedule: Traffic
-    fixed: Traffic            # the best fixed split (fewest bytes)
-    bound_bytes: int          # what the long documents cannot avoid
+    fixed: Traffic  # the best fixed split (fewest bytes)
+    bound_bytes: int  # what the long documents cannot avoid
     candidates: tuple[Traffic, ...]
 
 
@@ -67,8 +67,19 @@ def row_bytes(lens: list[int], ulysses: int, ring: int, shape: Shape) -> int:
     cu, total = _cu(lens), 0
     for i in range(ulysses):
         for j in range(ring):
-            got = comm_bytes(shape.heads, shape.kv_heads, shape.head_dim, cu[-1], 1, ulysses, ring, shape.dtype_bytes,
-                             cu_seqlens=cu, ulysses_rank=i, ring_rank=j)
+            got = comm_bytes(
+                shape.heads,
+                shape.kv_heads,
+                shape.head_dim,
+                cu[-1],
+                1,
+                ulysses,
+                ring,
+                shape.dtype_bytes,
+                cu_seqlens=cu,
+                ulysses_rank=i,
+                ring_rank=j,
+            )
             total += sum(got.values())
     return total
 
@@ -103,18 +114,19 @@ def pack_rows(lengths: tuple[int, ...], room: int) -> list[list[int]]:
     return rows
 
 
-def fixed_traffic(lengths: tuple[int, ...], world: int, capacity: int, ulysses: int, ring: int, shape: Shape,
-                  degree: Any = None) -> Traffic:
+def fixed_traffic(
+    lengths: tuple[int, ...], world: int, capacity: int, ulysses: int, ring: int, shape: Shape, degree: Any = None
+) -> Traffic:
     """The step on one fixed (ulysses, ring) mesh: rows of u * r * C tokens, dp = world / (u * r) at a time."""
     k = ulysses * ring
     rows = pack_rows(lengths, k * capacity)
     total = sum(row_bytes(r, ulysses, ring, shape) for r in rows)
     pad = sum(row_padding(r, ulysses, ring) for r in rows)
     time = idle = None
-    if degree is not None:   # dp rows at a time, the slowest first: sum of the per-micro-batch maxima
+    if degree is not None:  # dp rows at a time, the slowest first: sum of the per-micro-batch maxima
         times = sorted((degree.time_s(sum(n * n for n in r), sum(r)) for r in rows), reverse=True)
         dp = world // k
-        steps = [times[i:i + dp] + [0.0] * (dp - len(times[i:i + dp])) for i in range(0, len(times), dp)]
+        steps = [times[i : i + dp] + [0.0] * (dp - len(times[i : i + dp])) for i in range(0, len(times), dp)]
         time = sum(max(s) for s in steps)
         idle = 1 - sum(sum(s) for s in steps) / (dp * time) if time else 0.0
     return Traffic(f"fixed u{ulysses}r{ring}", total, pad, sum(lengths), time, idle)
@@ -143,27 +155,41 @@ def compare(sched: Any, shape: Shape = Shape()) -> Comparison:
 def explain(sched: Any, fixed: Comparison | None = None) -> str:
     """The schedule as a table: per micro-batch its groups (degree(u x r)@first rank: documents),
     predicted time and idle share; then the totals, and with `fixed` the bytes against the best fixed split."""
-    lines = [f"step: {len(sched.lengths)} documents, {sum(sched.lengths)} tokens, {sched.targets} targets; world "
-             f"{sched.world}, {sched.tokens_per_rank} tokens/rank; {len(sched.microbatches)} micro-batches; "
-             f"digest {sched.digest}",
-             f"{'mb':>3} {'groups (degree(u x r)@rank: docs)':<60} {'tokens':>9} {'time ms':>9} {'idle':>6}"]
+    lines = [
+        f"step: {len(sched.lengths)} documents, {sum(sched.lengths)} tokens, {sched.targets} targets; world "
+        f"{sched.world}, {sched.tokens_per_rank} tokens/rank; {len(sched.microbatches)} micro-batches; "
+        f"digest {sched.digest}",
+        f"{'mb':>3} {'groups (degree(u x r)@rank: docs)':<60} {'tokens':>9} {'time ms':>9} {'idle':>6}",
+    ]
     for i, mb in enumerate(sched.microbatches):
         busy = [g for g in mb.groups if g.docs]
         text = " ".join(f"{g.degree}({g.ulysses}x{g.ring})@{g.first_rank}:{len(g.docs)}" for g in busy[:8])
         text += f" +{len(busy) - 8} groups" if len(busy) > 8 else ""
         idle = len(mb.groups) - len(busy)
         text += f" ({idle} idle ranks)" if idle else ""
-        lines.append(f"{i:>3} {text:<60} {sum(g.tokens for g in mb.groups):>9} {mb.time_s * 1e3:>9.3f} "
-                     f"{mb.idle_share:>6.1%}")
+        lines.append(
+            f"{i:>3} {text:<60} {sum(g.tokens for g in mb.groups):>9} {mb.time_s * 1e3:>9.3f} {mb.idle_share:>6.1%}"
+        )
     lines.append(f"predicted {sched.predicted_s * 1e3:.3f} ms per layer (sum of the micro-batches' slowest groups)")
     if fixed is not None:
         s, f = fixed.schedule, fixed.fixed
         saved = 1 - s.bytes / f.bytes if f.bytes else 0.0
-        lines.append(f"bytes (one layer, fwd+bwd, all ranks): dynamic {s.bytes:,} ({s.bytes_per_token:.1f}/token), "
-                     f"best fixed {f.label} {f.bytes:,} ({f.bytes_per_token:.1f}/token): {saved:.1%} saved; "
-                     f"lower bound {fixed.bound_bytes:,}; padding {s.padding} vs {f.padding}")
+        lines.append(
+            f"bytes (one layer, fwd+bwd, all ranks): dynamic {s.bytes:,} ({s.bytes_per_token:.1f}/token), "
+            f"best fixed {f.label} {f.bytes:,} ({f.bytes_per_token:.1f}/token): {saved:.1%} saved; "
+            f"lower bound {fixed.bound_bytes:,}; padding {s.padding} vs {f.padding}"
+        )
     return "\n".join(lines)
 
 
-__all__ = ["Shape", "Traffic", "Comparison", "row_bytes", "schedule_traffic", "fixed_traffic", "compare", "explain",
-           "pack_rows"]
+__all__ = [
+    "Shape",
+    "Traffic",
+    "Comparison",
+    "row_bytes",
+    "schedule_traffic",
+    "fixed_traffic",
+    "compare",
+    "explain",
+    "pack_rows",
+]

@@ -47,8 +47,15 @@ from .model_shape import ModelShape
 from .split import Split
 from .units import FP32_BYTES, LOSS_CHUNK_BYTES, GiB, check_counts, dtype_bytes
 
-__all__ = ["MemoryOptions", "MemoryEstimate", "step_memory", "host_bytes", "attention_forwards", "module_chunked",
-           "keeps_output"]
+__all__ = [
+    "MemoryOptions",
+    "MemoryEstimate",
+    "step_memory",
+    "host_bytes",
+    "attention_forwards",
+    "module_chunked",
+    "keeps_output",
+]
 
 ADAM_STATE = 2 * FP32_BYTES  # two fp32 moments per parameter
 MASTER = FP32_BYTES  # fp32 weights (FSDP2 mixed precision keeps the sharded parameters in fp32)
@@ -80,32 +87,32 @@ class MemoryOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    checkpoint: bool = True           # activation checkpointing of every decoder layer
+    checkpoint: bool = True  # activation checkpointing of every decoder layer
     offload_checkpoints: bool = False  # checkpointed layer inputs live in host memory (hcp.offload_checkpoints)
-    prefetch: bool = True             # with offload: the previous layer's input comes back while this layer runs
-                                      # backward (the CUDA default): one more layer input on the device
-    pin_memory: bool = True           # with offload: pinned host buffers (the CUDA default), which PyTorch's
-                                      # host allocator rounds up to a power of two; False: pageable, exact
+    prefetch: bool = True  # with offload: the previous layer's input comes back while this layer runs
+    # backward (the CUDA default): one more layer input on the device
+    pin_memory: bool = True  # with offload: pinned host buffers (the CUDA default), which PyTorch's
+    # host allocator rounds up to a power of two; False: pageable, exact
     head_chunks: int = Field(1, ge=1)  # attention heads processed in this many chunks (UPipe)
-    chunk_projections: bool = True    # chunks start at the Q/K/V projections (apply_context_parallel's
-                                      # default); False: inside hcp.attention only
-    overlap: bool = False             # head-chunk schedule (hybrid_cp.engine.headchunk.OVERLAP): True keeps the next
-                                      # chunk's exchange in flight while one computes; False: one after another
-    tiled_loss: bool = False          # hcp.tiled_cross_entropy / hcp.lm_loss
+    chunk_projections: bool = True  # chunks start at the Q/K/V projections (apply_context_parallel's
+    # default); False: inside hcp.attention only
+    overlap: bool = False  # head-chunk schedule (hybrid_cp.engine.headchunk.OVERLAP): True keeps the next
+    # chunk's exchange in flight while one computes; False: one after another
+    tiled_loss: bool = False  # hcp.tiled_cross_entropy / hcp.lm_loss
     loss_chunk: int | None = Field(None, ge=1)  # tokens per loss chunk (None: hcp's default, 256 MiB of fp32 logits)
-    tiled_mlp: int = Field(0, ge=0)   # tokens per MLP chunk (hcp.tile_mlp); 0: off
-    fsdp: bool = True                 # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
-    master_weights: bool = True       # replicated weights (fsdp=False) kept in fp32 with fp32 gradients and AdamW
-                                      # state; False: a model cast to the compute dtype (`.to(bf16)`), whose
-                                      # weights, gradients and AdamW state are all in it
-    fused_norm: bool = False          # a fused RMSNorm (keeps its input and rstd only; not part of hcp)
-    tiled_norm: bool = False          # hcp's tiled RMSNorm: keeps only its input, the fp32 upcast lives for one
-                                      # token tile at a time (no full-length fp32 copies)
+    tiled_mlp: int = Field(0, ge=0)  # tokens per MLP chunk (hcp.tile_mlp); 0: off
+    fsdp: bool = True  # FSDP2 over dp x cp (hcp.integrations.fsdp.shard_model)
+    master_weights: bool = True  # replicated weights (fsdp=False) kept in fp32 with fp32 gradients and AdamW
+    # state; False: a model cast to the compute dtype (`.to(bf16)`), whose
+    # weights, gradients and AdamW state are all in it
+    fused_norm: bool = False  # a fused RMSNorm (keeps its input and rstd only; not part of hcp)
+    tiled_norm: bool = False  # hcp's tiled RMSNorm: keeps only its input, the fp32 upcast lives for one
+    # token tile at a time (no full-length fp32 copies)
     keep_attention_output: bool | None = None  # module-level chunks keep each chunk's attention output and lse
-                                      # (apply_context_parallel's keep_attention_output): None, its default,
-                                      # inside checkpointed layers only; True also without checkpointing
-    foreach_optimizer: bool = True    # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
-                                      # parameter at once; False (CPU default): per tensor, the largest twice
+    # (apply_context_parallel's keep_attention_output): None, its default,
+    # inside checkpointed layers only; True also without checkpointing
+    foreach_optimizer: bool = True  # AdamW's multi-tensor path (CUDA default): one fp32 temporary per
+    # parameter at once; False (CPU default): per tensor, the largest twice
 
     @model_validator(mode="after")
     def _consistent(self) -> "MemoryOptions":
@@ -120,8 +127,11 @@ class MemoryOptions(BaseModel):
     def describe(self) -> str:
         parts = ["ckpt" + ("+offload" if self.offload_checkpoints else "") if self.checkpoint else "no ckpt"]
         if self.head_chunks > 1:
-            parts.append(f"head_chunks={self.head_chunks}" + ("" if self.chunk_projections else " (engine only)")
-                         + ("" if self.overlap else " serial"))
+            parts.append(
+                f"head_chunks={self.head_chunks}"
+                + ("" if self.chunk_projections else " (engine only)")
+                + ("" if self.overlap else " serial")
+            )
         parts.append(f"tiled loss ({self.loss_chunk or 'default'})" if self.tiled_loss else "full logits")
         parts.append(f"tiled MLP ({self.tiled_mlp})" if self.tiled_mlp else "whole MLP")
         if not self.fsdp:
@@ -148,7 +158,7 @@ class MemoryEstimate:
     phases: dict[str, int]
     local_tokens: int
     notes: tuple[str, ...] = field(default=())
-    host: int = 0                     # host bytes per rank (the offloaded checkpoints)
+    host: int = 0  # host bytes per rank (the offloaded checkpoints)
     activations: dict[str, int] = field(default_factory=dict)  # the activation terms (see _activations)
 
     @property
@@ -156,9 +166,16 @@ class MemoryEstimate:
         return max(self.phases, key=self.phases.get)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"peak": self.peak, "peak_phase": self.peak_phase, "persistent": dict(self.persistent),
-                "stages": dict(self.stages), "phases": dict(self.phases), "local_tokens": self.local_tokens,
-                "host": self.host, "activations": dict(self.activations)}
+        return {
+            "peak": self.peak,
+            "peak_phase": self.peak_phase,
+            "persistent": dict(self.persistent),
+            "stages": dict(self.stages),
+            "phases": dict(self.phases),
+            "local_tokens": self.local_tokens,
+            "host": self.host,
+            "activations": dict(self.activations),
+        }
 
 
 def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
@@ -174,8 +191,9 @@ def _norm(e: int, o: MemoryOptions, input_kept: bool = False) -> int:
     return (0 if input_kept and e == 4 else 4) + 2 * e
 
 
-def _attention_module(module: ModelShape, split: Split, rank: int | None, hc: int, reorder: bool = True,
-                      module_chunk: bool = False) -> tuple[int, int, int, int, int]:
+def _attention_module(
+    module: ModelShape, split: Split, rank: int | None, hc: int, reorder: bool = True, module_chunk: bool = False
+) -> tuple[int, int, int, int, int]:
     """One attention module call with `module`'s H/Hkv heads (the model's, or one module-level chunk's) on the
     split's T local tokens, all heads projected at once and
     `hc` engine-level chunks: (bytes saved per local token, forward and backward working sets of the
@@ -188,16 +206,19 @@ def _attention_module(module: ModelShape, split: Split, rank: int | None, hc: in
     per_rank = head_split(H, Hkv, ulysses)
     i = _busiest_rank(per_rank) if rank is None else rank
     c, k = per_rank[i][0], per_rank[i][3]
-    G = ulysses * T          # tokens of the ulysses group (the heads' sequence after the all-to-all)
+    G = ulysses * T  # tokens of the ulysses group (the heads' sequence after the all-to-all)
     hc = min(hc, c)
-    c_chunk = -(-c // hc)    # query heads of the largest engine chunk
+    c_chunk = -(-c // hc)  # query heads of the largest engine chunk
     # KV heads of the largest chunk: a GQA group straddling a chunk boundary is shared, not duplicated
     group = H // Hkv
     k_chunk = min(k, -(-c_chunk // group) + (1 if group > 1 and c_chunk % group else 0)) if hc > 1 else k
     if hc == 1:
-        saved = (ulysses * (c + 2 * k) * D * e           # gathered q, k, v (the ring saves them)
-                 + ulysses * c * D * e + ulysses * c * 4  # output in head layout, fp32 lse
-                 + (H * D * e if ulysses > 1 else 0))    # output back in sequence layout (o_proj input)
+        saved = (
+            ulysses * (c + 2 * k) * D * e  # gathered q, k, v (the ring saves them)
+            + ulysses * c * D * e
+            + ulysses * c * 4  # output in head layout, fp32 lse
+            + (H * D * e if ulysses > 1 else 0)
+        )  # output back in sequence layout (o_proj input)
     else:  # hybrid_cp.engine.headchunk keeps the local q and output, the exchanged K/V and the lse only
         saved = 2 * H * D * e + ulysses * 2 * k * D * e + ulysses * c * 4
     local_qkv = T * (H + 2 * Hkv) * D * e
@@ -217,8 +238,13 @@ def _attention_module(module: ModelShape, split: Split, rank: int | None, hc: in
         # accumulators, and (overlap) the next chunk's send + receive buffers and the previous chunk's return
         piece = G * c_chunk * D * e
         engine_fwd = T * H * D * e + G * 2 * k * D * e + CHUNK_FWD_PIECES * piece + ring_buf // 2
-        engine_bwd = (T * H * D * e + G * 2 * k * D * GRAD + T * 2 * Hkv * D * GRAD   # dq, fp32 dK/dV
-                      + CHUNK_BWD_PIECES * piece + ring_buf)
+        engine_bwd = (
+            T * H * D * e
+            + G * 2 * k * D * GRAD
+            + T * 2 * Hkv * D * GRAD  # dq, fp32 dK/dV
+            + CHUNK_BWD_PIECES * piece
+            + ring_buf
+        )
     return saved, module_fwd + engine_fwd, module_bwd + engine_bwd, engine_fwd, engine_bwd
 
 
@@ -253,8 +279,9 @@ def _single_block_backward(module: ModelShape, split: Split, c: int, k: int, reo
     return max(d_in, ring, home)
 
 
-def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: int, D: int, E: int, e: int,
-                           T: int, reorder: bool) -> int:
+def _module_chunk_backward(
+    split: list[tuple[int, int, int, int]], Hm: int, Km: int, D: int, E: int, e: int, T: int, reorder: bool
+) -> int:
     """One module-level chunk's backward at ring size 1 in the serial schedule, with one engine stage per chunk
     (`hybrid_cp.engine.modulechunk._Backward`), on top of the module's d(output) and d(input) (two [T, E]
     tensors, added by the caller) and the kept outputs (counted with the layer): the largest of its phases
@@ -280,7 +307,7 @@ def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: 
     local = T * (2 * Hm + 2 * Km) * D * e
     send = T * (2 * Hm + 2 * kv_sent) * D * e
     recv = G * (2 * c + 2 * k) * D * e
-    inputs = max(local + send, send + (1 + reorder) * recv)   # the send buffer counted through the copies
+    inputs = max(local + send, send + (1 + reorder) * recv)  # the send buffer counted through the copies
     grads = G * (c + 2 * k) * D * e
     kernel = recv + grads
     targets = 2 * T * Hm * D * e
@@ -289,8 +316,14 @@ def _module_chunk_backward(split: list[tuple[int, int, int, int]], Hm: int, Km: 
     kv_back = 2 * T * kv_sent * D * e
     # while packed: dk/dv (or their reordered copies) and the send buffer; once packed: the send and receive buffers
     dkv_home = targets + 2 * T * Km * D * FP32_BYTES + max(2 * dkv, dkv + kv_back)
-    projections = (T * Hm * D * e + 2 * T * Km * D * FP32_BYTES + T * (Hm + 2 * Km) * D * e + T * Hm * D * e
-                   + T * E * e + Hm * D * E * e)
+    projections = (
+        T * Hm * D * e
+        + 2 * T * Km * D * FP32_BYTES
+        + T * (Hm + 2 * Km) * D * e
+        + T * Hm * D * e
+        + T * E * e
+        + Hm * D * E * e
+    )
     return max(inputs, kernel, dq_home, dkv_home, projections)
 
 
@@ -299,8 +332,9 @@ def _busiest_rank(split: list[tuple[int, int, int, int]]) -> int:
     return max(range(len(split)), key=lambda j: (split[j][0], split[j][3]))
 
 
-def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
-                  master: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+def _model_states(
+    model: ModelShape, world: int, e: int, fsdp: bool, master: bool = True
+) -> tuple[dict[str, int], dict[str, int]]:
     """Model-state bytes held through the step, then the gradients that appear in backward: one block's
     unsharded gradient and its fp32 reduce-scatter input (``block``), the LM head's gradient alive through
     the layers' backward (``lm_head``), those alive in the first layer's backward (``first_layer``: without
@@ -308,13 +342,26 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
     there), the root's at the end of backward
     (``root_end``: both root gradients and their fp32 reduce-scatter input) and, without FSDP, all of
     them (``all``). ``master=False`` (replicated only): weights, gradients and AdamW state in the compute dtype."""
-    P, lp, root, head = model.held_params, model.held_layer_params, 2 * model.vocab * model.d_model, model.vocab * model.d_model
+    P, lp, root, head = (
+        model.held_params,
+        model.held_layer_params,
+        2 * model.vocab * model.d_model,
+        model.vocab * model.d_model,
+    )
     if not fsdp:  # every rank holds all of it (in fp32, or in the compute dtype without master weights); the
         # gradients appear in backward (the LM head's first)
         w = MASTER if master else e
-        return ({"params": w * P, "adam": 2 * w * P},
-                {"block": 0, "lm_head": w * head, "first_layer": w * (P - head), "one_layer": w * lp, "root_end": 0,
-                 "all": w * P})
+        return (
+            {"params": w * P, "adam": 2 * w * P},
+            {
+                "block": 0,
+                "lm_head": w * head,
+                "first_layer": w * (P - head),
+                "one_layer": w * lp,
+                "root_end": 0,
+                "all": w * P,
+            },
+        )
     persistent = {
         "sharded_states": (MASTER + GRAD + ADAM_STATE) * P // world,  # fp32 master weights are the shards
         "unsharded_root": root * e if world > 1 else 0,
@@ -322,26 +369,34 @@ def _model_states(model: ModelShape, world: int, e: int, fsdp: bool,
     }
     # FSDP2's unsharded gradients are in the compute dtype (the parameters'); the root (embedding, LM head,
     # final norm) reduces once, after the embedding's backward, the last
-    grads = {"block": lp * max(e, GRAD) if world > 1 else 0, "lm_head": head * e if world > 1 else 0,
-             "root_end": root * (e + GRAD) if world > 1 else 0, "all": 0, "one_layer": 0}
+    grads = {
+        "block": lp * max(e, GRAD) if world > 1 else 0,
+        "lm_head": head * e if world > 1 else 0,
+        "root_end": root * (e + GRAD) if world > 1 else 0,
+        "all": 0,
+        "one_layer": 0,
+    }
     grads["first_layer"] = grads["lm_head"]  # the blocks' gradients are reduce-scattered as each block finishes
     return persistent, grads
 
 
-def _attention_stage(model: ModelShape, split: Split, rank: int, o: MemoryOptions,
-                     reorder: bool = True) -> tuple[int, int, int, int, int]:
+def _attention_stage(
+    model: ModelShape, split: Split, rank: int, o: MemoryOptions, reorder: bool = True
+) -> tuple[int, int, int, int, int]:
     """The attention module: (bytes saved per local token, module forward and backward working sets,
     engine forward and backward working sets), with module-level chunks when the options ask."""
     H, Hkv, D, E = model.heads, model.n_kv, model.head_dim, model.d_model
     e, ulysses, ring, T = split.e, split.ulysses, split.ring, split.local_tokens
-    ranges, inner = module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
+    ranges, inner = (
+        module_chunks(H, Hkv, ulysses, o.head_chunks) if o.chunk_projections else ([(0, Hkv)], o.head_chunks)
+    )
     if len(ranges) == 1:
         return _attention_module(model, split, rank, inner, reorder)
     # module-level chunks (hybrid_cp.engine.modulechunk): forward saves nothing but the module's input; the
     # partial outputs of the output projection add into one [T, E] accumulator; backward recomputes one
     # chunk (its projections and attention) at a time, more of it alive when overlapped
     kv_m = max(b - a for a, b in ranges)
-    h_m = kv_m * (H // Hkv)   # the largest chunk's query heads
+    h_m = kv_m * (H // Hkv)  # the largest chunk's query heads
     chunk = model.model_copy(update={"heads": h_m, "kv_heads": kv_m, "hidden": E})  # its heads, the model's width
     saved_m, fwd_m, bwd_m, engine_fwd, engine_bwd = _attention_module(chunk, split, None, inner, reorder, True)
     in_flight = OVERLAP_IN_FLIGHT if o.overlap else 1.0
@@ -366,8 +421,11 @@ def keeps_output(o: MemoryOptions) -> bool:
 
 def module_chunked(model: ModelShape, ulysses: int, o: MemoryOptions) -> bool:
     """Whether ``o`` runs module-level head chunks (from the projections on) for this model and degree."""
-    return o.head_chunks > 1 and o.chunk_projections and \
-        len(module_chunks(model.heads, model.n_kv, ulysses, o.head_chunks)[0]) > 1
+    return (
+        o.head_chunks > 1
+        and o.chunk_projections
+        and len(module_chunks(model.heads, model.n_kv, ulysses, o.head_chunks)[0]) > 1
+    )
 
 
 def attention_forwards(model: ModelShape, ulysses: int, o: MemoryOptions) -> int:
@@ -394,14 +452,19 @@ def _loss_stage(T: int, E: int, V: int, e: int, o: MemoryOptions) -> tuple[int, 
         return T * V * e + T * V * 4 + (T * V * 4 if e < 4 else 0), 2 * T * V * 4 + (T * V * e if e < 4 else 0)
     C = min(o.loss_chunk or max(1, LOSS_CHUNK_BYTES // (4 * max(1, V))), T)
     fwd = C * V * max(e, 4) + (C * V * e if e < 4 else 0)
-    bwd = (C * V * 4 + (2 * C * V * e if e < 4 else 0)   # one fp32 buffer: logits, probs, d(logits)
-           + V * E * 4 + (V * E * e if e < 4 else 0)     # fp32 weight-gradient accumulator (+ cast)
-           + T * E * e)                                  # d(hidden)
+    bwd = (
+        C * V * 4
+        + (2 * C * V * e if e < 4 else 0)  # one fp32 buffer: logits, probs, d(logits)
+        + V * E * 4
+        + (V * E * e if e < 4 else 0)  # fp32 weight-gradient accumulator (+ cast)
+        + T * E * e
+    )  # d(hidden)
     return fwd, bwd
 
 
-def _activations(model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: int,
-                 o: MemoryOptions, linear_saved: int = 0) -> dict[str, int]:
+def _activations(
+    model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: int, o: MemoryOptions, linear_saved: int = 0
+) -> dict[str, int]:
     """What is alive of the activations, by term: one layer's saved tensors (``layer``), the final norm's
     (``final_norm``, freed by its backward, which runs before the last layer's), the layer inputs kept on
     the device (``inputs``: the other layers' saved tensors without checkpointing, every checkpointed
@@ -422,13 +485,26 @@ def _activations(model: ModelShape, T: int, e: int, attn_saved: int, mlp_saved: 
         inputs = sum(count * size for count, size in kinds) - layer  # the other layers' saved tensors
     else:
         inputs = 0 if o.offload_checkpoints else L * T * E * e
-    return {"layer": layer, "final_norm": T * _norm(e, o) * E, "inputs": inputs,
-            "fetched": T * E * e if o.offload_checkpoints and o.prefetch else 0,
-            "rotary": T * 2 * model.head_dim * e}
+    return {
+        "layer": layer,
+        "final_norm": T * _norm(e, o) * E,
+        "inputs": inputs,
+        "fetched": T * E * e if o.offload_checkpoints and o.prefetch else 0,
+        "rotary": T * 2 * model.head_dim * e,
+    }
 
 
-def host_bytes(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, batch: int = 1,
-               options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag") -> int:
+def host_bytes(
+    model: ModelShape,
+    seq_len: int,
+    ulysses: int = 1,
+    ring: int = 1,
+    batch: int = 1,
+    options: MemoryOptions | None = None,
+    *,
+    dtype: Any = "bf16",
+    layout: str = "zigzag",
+) -> int:
     """Host memory one rank needs for its offloaded checkpoints: one buffer per layer input (the first
     one included: the runtime offloads them all), 0 without offload. Pinned buffers come from PyTorch's
     caching host allocator, which rounds each request up to a power of two (ATen/core/
@@ -441,9 +517,19 @@ def host_bytes(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1,
     return model.layers * (1 << (one - 1).bit_length() if o.pin_memory else one)
 
 
-def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1, dp: int = 1, batch: int = 1,  # noqa: PLR0913 (public entry point)
-                options: MemoryOptions | None = None, *, dtype: Any = "bf16", layout: str = "zigzag",
-                ulysses_rank: int | None = None) -> MemoryEstimate:
+def step_memory(  # noqa: PLR0913 (public entry point)
+    model: ModelShape,
+    seq_len: int,
+    ulysses: int = 1,
+    ring: int = 1,
+    dp: int = 1,
+    batch: int = 1,
+    options: MemoryOptions | None = None,
+    *,
+    dtype: Any = "bf16",
+    layout: str = "zigzag",
+    ulysses_rank: int | None = None,
+) -> MemoryEstimate:
     """Predicted peak memory of one rank for one training step (forward, backward, AdamW step) of
     ``batch`` sequences of ``seq_len`` tokens on a (ulysses, ring) mesh with ``dp`` replicas.
 
@@ -469,14 +555,24 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
         persistent["layout_perms"] = 2 * ulysses * local * 8
     attn_saved, attn_fwd, attn_bwd, engine_fwd, engine_bwd = _attention_stage(model, split, rank, o, reorder)
     mlp_saved = 0 if o.tiled_mlp else (n_mlp + 1) * inter * e
-    lin = _linear_saved(model, make_layout(layout, ulysses, ring, seq_len=seq_len), ulysses * ring, batch, e) \
-        if model.linear_layers else (0, 0, 0)
+    lin = (
+        _linear_saved(model, make_layout(layout, ulysses, ring, seq_len=seq_len), ulysses * ring, batch, e)
+        if model.linear_layers
+        else (0, 0, 0)
+    )
     acts = _activations(model, T, e, attn_saved, mlp_saved, o, lin[0])
     mlp_fwd, mlp_bwd = _mlp_stage(T, E, inter, n_mlp, e, o.tiled_mlp)
     loss_fwd, loss_bwd = _loss_stage(T, E, V, e, o)
-    stages = {"engine_fwd": int(engine_fwd), "engine_bwd": int(engine_bwd), "attention_fwd": int(attn_fwd),
-              "attention_bwd": int(attn_bwd), "mlp_fwd": int(mlp_fwd), "mlp_bwd": int(mlp_bwd),
-              "loss_fwd": int(loss_fwd), "loss_bwd": int(loss_bwd)}
+    stages = {
+        "engine_fwd": int(engine_fwd),
+        "engine_bwd": int(engine_bwd),
+        "attention_fwd": int(attn_fwd),
+        "attention_bwd": int(attn_bwd),
+        "mlp_fwd": int(mlp_fwd),
+        "mlp_bwd": int(mlp_bwd),
+        "loss_fwd": int(loss_fwd),
+        "loss_bwd": int(loss_bwd),
+    }
     if model.linear_layers:
         stages.update(linear_fwd=lin[1], linear_bwd=lin[2])
     if o.checkpoint:  # the recomputed layer's forward runs inside backward, before its own backward
@@ -488,9 +584,16 @@ def step_memory(model: ModelShape, seq_len: int, ulysses: int = 1, ring: int = 1
         notes.append(f"{host / GiB:.1f} GiB of checkpointed layer inputs in host memory")
     persistent = {kk: int(v) for kk, v in persistent.items()}
     persistent["activations"] = int(sum(acts.values()))
-    return MemoryEstimate(peak=int(max(phases.values())), persistent=persistent, stages=stages,
-                          phases={kk: int(v) for kk, v in phases.items()}, local_tokens=T, notes=tuple(notes),
-                          host=int(host), activations={kk: int(v) for kk, v in acts.items()})
+    return MemoryEstimate(
+        peak=int(max(phases.values())),
+        persistent=persistent,
+        stages=stages,
+        phases={kk: int(v) for kk, v in phases.items()},
+        local_tokens=T,
+        notes=tuple(notes),
+        host=int(host),
+        activations={kk: int(v) for kk, v in acts.items()},
+    )
 
 
 # A linear layer's mixer (docs/linear.md "Memory"), counted from the engine's tensors (recurrence.causal_conv and
@@ -530,7 +633,11 @@ def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) ->
         extra = sum(n * probed_extra for n, _, p in kern if p)
         saved = linear_mixer_saved(model, runs, e)
         # during the last run's kernel: its working set, the earlier runs' outputs, Gated DeltaNet's conv output
-        fwd = max(n * h * k[1] for n, k, _ in kern) + T * inner * (e if gated else FP32_BYTES) + (T * c * e if gated else 0)
+        fwd = (
+            max(n * h * k[1] for n, k, _ in kern)
+            + T * inner * (e if gated else FP32_BYTES)
+            + (T * c * e if gated else 0)
+        )
         bwd = max(n * h * k[2] for n, k, _ in kern) + T * (inner * FP32_BYTES + c * e)
         fwd, bwd = max(0, fwd - T * post - extra), max(T * (2 * c + E) * e, bwd - T * post - extra)
         cand = (batch * saved + summaries + states, batch * fwd, batch * bwd + 2 * summaries)
@@ -538,8 +645,16 @@ def _linear_saved(model: ModelShape, lay: Any, size: int, batch: int, e: int) ->
     return best
 
 
-def _phases(model: ModelShape, split: Split, o: MemoryOptions, persistent: dict[str, int], grads: dict[str, int],
-            acts: dict[str, int], stages: dict[str, int], mlp_saved: int) -> dict[str, int]:
+def _phases(
+    model: ModelShape,
+    split: Split,
+    o: MemoryOptions,
+    persistent: dict[str, int],
+    grads: dict[str, int],
+    acts: dict[str, int],
+    stages: dict[str, int],
+    mlp_saved: int,
+) -> dict[str, int]:
     """The candidate peaks: the last layer's forward, the loss, the last layer's backward (the first in
     backward: the most activations alive), the first layer's (the most gradients alive), the root's
     gradients at the end of backward, the optimizer."""
@@ -548,26 +663,39 @@ def _phases(model: ModelShape, split: Split, o: MemoryOptions, persistent: dict[
     base = sum(persistent.values())
     shards = world if o.fsdp else 1
     largest = max(V * E, E * inter, model.heads * model.head_dim * E) // shards
-    w = FP32_BYTES if o.master_weights else e   # the optimizer's element size
+    w = FP32_BYTES if o.master_weights else e  # the optimizer's element size
     optimizer_temp = w * model.held_params // shards
     layer, final, fetched = acts["layer"], acts["final_norm"], acts["fetched"]
     inputs = acts["inputs"] + acts["rotary"]
     # the MLP's backward runs with the whole layer's saved tensors alive; the attention's after the MLP's
     # and the second norm's saved tensors are freed
-    layer_bwd = max(layer + stages["mlp_bwd"],
-                    layer - T * (mlp_saved + _norm(e, o) * E)
-                    + max(stages["attention_bwd"], stages.get("linear_bwd", 0))) + grads["block"]
+    layer_bwd = (
+        max(
+            layer + stages["mlp_bwd"],
+            layer - T * (mlp_saved + _norm(e, o) * E) + max(stages["attention_bwd"], stages.get("linear_bwd", 0)),
+        )
+        + grads["block"]
+    )
     before_norm = inputs + (0 if o.checkpoint else layer)  # the layers' part when the final norm runs
-    current = T * E * e if o.offload_checkpoints else 0     # the running layer's input, offloaded but still held
+    current = T * E * e if o.offload_checkpoints else 0  # the running layer's input, offloaded but still held
     phases = {
-        "forward": base + before_norm + current + (0 if o.checkpoint else final)
+        "forward": base
+        + before_norm
+        + current
+        + (0 if o.checkpoint else final)
         + max(stages["attention_fwd"], stages["mlp_fwd"], stages.get("linear_fwd", 0)),
-        "loss": base + before_norm + final + (0 if o.tiled_loss else T * V * 4) + max(stages["loss_fwd"],
-                                                                                      stages["loss_bwd"]),
+        "loss": base
+        + before_norm
+        + final
+        + (0 if o.tiled_loss else T * V * 4)
+        + max(stages["loss_fwd"], stages["loss_bwd"]),
         "last_layer_backward": base + inputs + fetched + grads["lm_head"] + layer_bwd,
         # the first layer's backward: its own input only (nothing left to prefetch), the gradients so far
-        "first_layer_backward": base + acts["rotary"] + (T * E * e if o.checkpoint and not o.offload_checkpoints
-                                                         else 0) + grads["first_layer"] + layer_bwd,
+        "first_layer_backward": base
+        + acts["rotary"]
+        + (T * E * e if o.checkpoint and not o.offload_checkpoints else 0)
+        + grads["first_layer"]
+        + layer_bwd,
         "optimizer": base + grads["all"] + (optimizer_temp if o.foreach_optimizer else 2 * w * largest),
     }
     if o.offload_checkpoints and o.prefetch and model.layers > 1:

@@ -61,7 +61,7 @@ def _elements(lay: Any, size: int) -> list[tuple[int, int, int, bool]]:
 def _transition_needed(cont: list[bool], rounds: list[list[tuple[int, int]]]) -> list[list[bool]]:
     """Per transfer, whether its M must travel: the receiver's new prefix M is used later (it composes again,
     or sends its own M on) and the sent window's M is not structurally zero (a document start in it)."""
-    zero_x = [False] * len(cont)   # the prefix received so far reaches a document start: its M is 0
+    zero_x = [False] * len(cont)  # the prefix received so far reaches a document start: its M is 0
     zero_v = []
     for transfers in rounds:
         sent = [(not cont[j]) or zero_x[j] for j, _ in transfers]
@@ -93,12 +93,14 @@ def summary_scan(lay: Any, size: int) -> SummaryScan:
     cont = [c for *_, c in found]
     rounds, d = [], 1
     while d < len(found):
-        rounds.append([(i - d, i) for i in range(d, len(found)) if all(cont[i - d + 1:i + 1])])
+        rounds.append([(i - d, i) for i in range(d, len(found)) if all(cont[i - d + 1 : i + 1])])
         d *= 2
     rounds = [t for t in rounds if t]
     needed = _transition_needed(cont, rounds)
-    return SummaryScan(tuple((rank, index, c) for _, rank, index, c in found),
-                       tuple(tuple((j, i, m) for (j, i), m in zip(t, need)) for t, need in zip(rounds, needed)))
+    return SummaryScan(
+        tuple((rank, index, c) for _, rank, index, c in found),
+        tuple(tuple((j, i, m) for (j, i), m in zip(t, need)) for t, need in zip(rounds, needed)),
+    )
 
 
 def scan_bytes(lay: Any, size: int, rank: int, transition: int, state: int) -> tuple[int, int]:
@@ -122,7 +124,7 @@ def gather_bytes(size: int, slots: int, transition: int, state: int) -> int:
 
 
 def exchange_kind(lay: Any, size: int, slots: int, transition: int, state: int) -> str:
-    """"scan" where the scan's busiest rank sends fewer summary bytes (forward + backward) than each rank of the
+    """ "scan" where the scan's busiest rank sends fewer summary bytes (forward + backward) than each rank of the
     all-gather, else "gather" (the one rule: engine and cost model)."""
     if size == 1 or not slots:
         return "gather"

@@ -26,8 +26,7 @@ def grad_bytes(dtype_bytes: int) -> int:
     return max(GRAD_BYTES, dtype_bytes)
 
 
-def a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit: int,
-                    unit_v: int) -> tuple[int, int]:
+def a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit: int, unit_v: int) -> tuple[int, int]:
     """Bytes rank ``i`` sends to peer ``p`` in the forward and backward all-to-alls (``unit``: one head of
     q/k for S tokens, ``unit_v``: one head of v, which may be narrower).
 
@@ -39,10 +38,25 @@ def a2a_peer_bytes(split: list[tuple[int, int, int, int]], i: int, p: int, unit:
     return unit * (c_p + k_p) + unit_v * (k_p + c_i), unit_v * (c_p + k_i) + unit * (c_i + k_i)
 
 
-def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, ulysses: int, ring: int,  # noqa: PLR0913 (public entry point)
-               dtype_bytes: int, layout: str = "zigzag", ulysses_rank: int | None = None, cu_seqlens: Any = None,
-               causal: bool = True, window: Any = None, ring_rank: int | None = None, v_head_dim: int | None = None,
-               chunk_size: int | None = None, mask: Any = None) -> dict[str, int]:
+def comm_bytes(  # noqa: PLR0913 (public entry point)
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    dtype_bytes: int,
+    layout: str = "zigzag",
+    ulysses_rank: int | None = None,
+    cu_seqlens: Any = None,
+    causal: bool = True,
+    window: Any = None,
+    ring_rank: int | None = None,
+    v_head_dim: int | None = None,
+    chunk_size: int | None = None,
+    mask: Any = None,
+) -> dict[str, int]:
     """Bytes one rank sends to other ranks for one attention call (one layer), by stage.
 
     Keys ``ulysses_fwd``, ``ulysses_bwd``, ``ring_fwd``, ``ring_bwd``. With ``ulysses_rank=None`` each
@@ -100,10 +114,12 @@ def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: in
                 fwd, bwd = fwd + f, bwd + b
         row = batch * split[i][3] * (head_dim + dv)  # K/V elements of one token row
         if halo:  # rows my peers read from me go out; gradients of rows I read go back
+
             def sent(j: int) -> tuple[int, int]:
                 out_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows((j + st) % ring, st, *visible))
                 back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, *visible))
                 return out_rows * row * dtype_bytes, back_rows * row * grad_bytes(dtype_bytes)
+
             ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
         else:
             kv_block = (ulysses * s) * row  # elements of one K/V block
@@ -114,8 +130,15 @@ def comm_bytes(heads: int, kv_heads: int, head_dim: int, seq_len: int, batch: in
     return out
 
 
-def _row(layout: str, ulysses: int, ring: int, seq_len: int, cu_seqlens: Any, mask: Any,  # noqa: PLR0913
-         attention: tuple) -> tuple[Any, tuple]:
+def _row(
+    layout: str,
+    ulysses: int,
+    ring: int,
+    seq_len: int,
+    cu_seqlens: Any,
+    mask: Any,  # noqa: PLR0913
+    attention: tuple,
+) -> tuple[Any, tuple]:
     """The row's layout and what `Layout.tasks` reads after the ranks: (causal, window, chunk_size, mask)."""
     causal, window, chunk_size = attention
     if mask is not None:
@@ -158,7 +181,7 @@ def a2a_time(
             for p in range(len(g)):
                 if p != i:
                     t = cluster.tier(g[i], g[p])
-                    f, b = a2a_peer_bytes(split, i, p, unit, unit)   # the planner's models: one head dim
+                    f, b = a2a_peer_bytes(split, i, p, unit, unit)  # the planner's models: one head dim
                     acc = per_tier.setdefault(t, [0, 0])
                     acc[0] += f
                     acc[1] += b

@@ -20,15 +20,16 @@ from .command import Command, add_to
 
 __all__ = ["COMMANDS", "main", "parser"]
 
-COMMANDS: tuple[Command, ...] = (demo.COMMAND, attention_demo.COMMAND, plan.COMMAND, calibrate.COMMAND,
-                                 bench.COMMAND)
+COMMANDS: tuple[Command, ...] = (demo.COMMAND, attention_demo.COMMAND, plan.COMMAND, calibrate.COMMAND, bench.COMMAND)
 
 
 def parser() -> argparse.ArgumentParser:
     """The `hybrid-cp` parser, every command a subcommand with its own flags."""
-    top = argparse.ArgumentParser(prog="hybrid-cp", description="Context-parallel attention for PyTorch: demos, "
-                                  "the planner and this machine's measurements.",
-                                  epilog="hybrid-cp COMMAND --help shows a command's options.")
+    top = argparse.ArgumentParser(
+        prog="hybrid-cp",
+        description="Context-parallel attention for PyTorch: demos, the planner and this machine's measurements.",
+        epilog="hybrid-cp COMMAND --help shows a command's options.",
+    )
     commands = top.add_subparsers(title="commands", metavar="COMMAND")
     for command in COMMANDS:
         add_to(commands, command)

@@ -34,8 +34,9 @@ def _inputs(seed: int, n: int, h: int, hkv: int, d: int, dtype: torch.dtype):
     return [torch.randn(s, generator=g).to(dtype) for s in shapes]
 
 
-def run_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-             dtype: str, repeats: int) -> dict:
+def run_rank(
+    ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str, repeats: int
+) -> dict:
     """One rank's part: shard, attention forward + backward (timed), local results and bytes."""
     import torch.distributed as dist
 
@@ -55,8 +56,16 @@ def run_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, h
         out.backward(dl)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return {"rank": cp.rank, "ulysses_rank": cp.ulysses_rank, "times": times, "bytes": hcp.comm_bytes(cp),
-            "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    return {
+        "rank": cp.rank,
+        "ulysses_rank": cp.ulysses_rank,
+        "times": times,
+        "bytes": hcp.comm_bytes(cp),
+        "out": out.detach(),
+        "dq": ql.grad,
+        "dk": kl.grad,
+        "dv": vl.grad,
+    }
 
 
 def _gather(results: list[dict], name: str, seq_len: int, layout: str, u: int, r: int) -> torch.Tensor:
@@ -114,22 +123,35 @@ def _bytes_table(results: list[dict], a: argparse.Namespace) -> None:
 
 def run(a: argparse.Namespace) -> int:
     """`hybrid-cp attention-demo` on parsed flags: 0 when every error is within the tolerance."""
-    check_shape(a)   # before any process starts: a bad flag is a usage error, not a traceback from 8 ranks
+    check_shape(a)  # before any process starts: a bad flag is a usage error, not a traceback from 8 ranks
     world = a.ulysses * a.ring
-    print(f"hybrid-cp attention demo: {world} gloo processes, ulysses={a.ulysses} x ring={a.ring}, "
-          f"causal GQA (H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}), {a.seq_len} tokens, {a.dtype}")
+    print(
+        f"hybrid-cp attention demo: {world} gloo processes, ulysses={a.ulysses} x ring={a.ring}, "
+        f"causal GQA (H={a.heads}, H_kv={a.kv_heads}, D={a.head_dim}), {a.seq_len} tokens, {a.dtype}"
+    )
     t0 = time.perf_counter()
     with WorkerPool(world) as pool:
-        results = pool.run(attention_demo.run_rank, timeout=1800, ulysses=a.ulysses, ring=a.ring,
-                           seq_len=a.seq_len, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
-                           dtype=a.dtype, repeats=a.repeats)
+        results = pool.run(
+            attention_demo.run_rank,
+            timeout=1800,
+            ulysses=a.ulysses,
+            ring=a.ring,
+            seq_len=a.seq_len,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            dtype=a.dtype,
+            repeats=a.repeats,
+        )
     wall = time.perf_counter() - t0
     results.sort(key=lambda res: res["rank"])
     times = sorted(max(res["times"][i] for res in results) for i in range(a.repeats))
     ref, single = _single_device(a)
     worst = _errors(results, ref, a)
-    print(f"\nforward+backward on {world} ranks: min {times[0]:.2f} s, median {times[len(times) // 2]:.2f} s "
-          f"(single process, same kernel: {single:.2f} s; all ranks share this machine's cores)")
+    print(
+        f"\nforward+backward on {world} ranks: min {times[0]:.2f} s, median {times[len(times) // 2]:.2f} s "
+        f"(single process, same kernel: {single:.2f} s; all ranks share this machine's cores)"
+    )
     print(f"whole demo wall time {wall:.1f} s\n")
     _bytes_table(results, a)
     tol = 1e-5 if a.dtype in ("float32", "float64") else 2e-2
@@ -137,6 +159,11 @@ def run(a: argparse.Namespace) -> int:
     return 0 if worst <= tol else 1
 
 
-COMMAND = Command("attention-demo", "exact hybrid attention on local CPU processes vs one device",
-                  __doc__.splitlines()[0], add_arguments, run)
+COMMAND = Command(
+    "attention-demo",
+    "exact hybrid attention on local CPU processes vs one device",
+    __doc__.splitlines()[0],
+    add_arguments,
+    run,
+)
 main = COMMAND.main

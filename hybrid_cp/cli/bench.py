@@ -49,8 +49,10 @@ def check_shape(a: argparse.Namespace) -> int:
     if kv < 1 or a.heads % kv:
         raise UsageError(f"--heads={a.heads} must be a multiple of --kv-heads={kv} (GQA groups)")
     if a.ulysses > a.heads:
-        raise UsageError(f"--ulysses={a.ulysses} exceeds --heads={a.heads}: every ulysses rank needs a head; "
-                         f"use --ulysses <= {a.heads} and put the rest into --ring")
+        raise UsageError(
+            f"--ulysses={a.ulysses} exceeds --heads={a.heads}: every ulysses rank needs a head; "
+            f"use --ulysses <= {a.heads} and put the rest into --ring"
+        )
     return kv
 
 
@@ -72,31 +74,82 @@ def run(a: argparse.Namespace) -> int:
     try:
         world = ranks.world
         if world % (a.ulysses * a.ring):
-            return fail("bench", f"ulysses={a.ulysses} x ring={a.ring} does not divide the {world} ranks; "
-                        f"use --nprocs {a.ulysses * a.ring}")
-        res = ranks.run("bench_rank", ulysses=a.ulysses, ring=a.ring, seq_len=a.seq_len, heads=a.heads, kv_heads=kv,
-                        head_dim=a.head_dim, causal=a.causal, dtype=a.dtype, repeats=a.repeats, warmup=a.warmup,
-                        backend=a.kernel)
+            return fail(
+                "bench",
+                f"ulysses={a.ulysses} x ring={a.ring} does not divide the {world} ranks; "
+                f"use --nprocs {a.ulysses * a.ring}",
+            )
+        res = ranks.run(
+            "bench_rank",
+            ulysses=a.ulysses,
+            ring=a.ring,
+            seq_len=a.seq_len,
+            heads=a.heads,
+            kv_heads=kv,
+            head_dim=a.head_dim,
+            causal=a.causal,
+            dtype=a.dtype,
+            repeats=a.repeats,
+            warmup=a.warmup,
+            backend=a.kernel,
+        )
     finally:
         ranks.close()
     if not ranks.is_main:
         return 0
-    out = summarize(res, a.ulysses, a.ring, a.seq_len, a.heads, kv, a.head_dim, a.causal, a.dtype,
-                    world // (a.ulysses * a.ring), cluster)
+    out = summarize(
+        res,
+        a.ulysses,
+        a.ring,
+        a.seq_len,
+        a.heads,
+        kv,
+        a.head_dim,
+        a.causal,
+        a.dtype,
+        world // (a.ulysses * a.ring),
+        cluster,
+    )
     print(json.dumps(out, indent=2) if a.json else format_bench(out))
     return 0
 
 
-def summarize(res: list[dict], u: int, r: int, n: int, h: int, kv: int, d: int, causal: bool, dtype: str, dp: int,  # noqa: PLR0913 (public entry point)
-              cluster: Any | None) -> dict[str, Any]:
+def summarize(  # noqa: PLR0913 (public entry point)
+    res: list[dict],
+    u: int,
+    r: int,
+    n: int,
+    h: int,
+    kv: int,
+    d: int,
+    causal: bool,
+    dtype: str,
+    dp: int,
+    cluster: Any | None,
+) -> dict[str, Any]:
     """One bench result: measured min/median, bytes per stage (worst rank) and the prediction."""
     times = res[0]["times"]  # already the slowest rank per repeat
     nbytes = {s: max(x["bytes"].get(s, 0) for x in res) for s in STAGES}
     out: dict[str, Any] = {
-        "ulysses": u, "ring": r, "dp": dp, "seq_len": n, "heads": h, "kv_heads": kv, "head_dim": d, "causal": causal,
-        "dtype": dtype, "kernel": res[0]["kernel"], "device": res[0]["device"], "repeats": len(times),
-        "times_s": times, "measured_s": statistics.median(times), "measured_min_s": min(times),
-        "bytes_per_rank": nbytes, "predicted_s": None, "predicted_bytes": None, "load": list(os.getloadavg()),
+        "ulysses": u,
+        "ring": r,
+        "dp": dp,
+        "seq_len": n,
+        "heads": h,
+        "kv_heads": kv,
+        "head_dim": d,
+        "causal": causal,
+        "dtype": dtype,
+        "kernel": res[0]["kernel"],
+        "device": res[0]["device"],
+        "repeats": len(times),
+        "times_s": times,
+        "measured_s": statistics.median(times),
+        "measured_min_s": min(times),
+        "bytes_per_rank": nbytes,
+        "predicted_s": None,
+        "predicted_bytes": None,
+        "load": list(os.getloadavg()),
     }
     if cluster is not None:
         out.update(_prediction(cluster, res[0].get("probe_s"), out))
@@ -112,13 +165,28 @@ def _prediction(cluster: Any, probe_s: float | None, measured: dict[str, Any]) -
 
     m = measured
     h, kv, d, n, u, r, dtype = (m[k] for k in ("heads", "kv_heads", "head_dim", "seq_len", "ulysses", "ring", "dtype"))
-    est = estimate(cluster, ModelShape(heads=h, kv_heads=kv, head_dim=d, layers=1), n, u, r, m["dp"], dtype=dtype,
-                   causal=m["causal"])
+    est = estimate(
+        cluster,
+        ModelShape(heads=h, kv_heads=kv, head_dim=d, layers=1),
+        n,
+        u,
+        r,
+        m["dp"],
+        dtype=dtype,
+        causal=m["causal"],
+    )
     out: dict[str, Any] = {
-        "predicted_s": est.attention_time_s, "predicted_bytes": comm_bytes(h, kv, d, n, 1, u, r, dtype_bytes(dtype)),
-        "predicted_parts": {"kernels": est.attention_s, "fixed_merge_copy": est.ring_overhead_s, "a2a": est.a2a_s,
-                            "ring_exposed": est.ring_exposed_s},
-        "error": est.attention_time_s / m["measured_s"] - 1, "notes": list(est.notes)}
+        "predicted_s": est.attention_time_s,
+        "predicted_bytes": comm_bytes(h, kv, d, n, 1, u, r, dtype_bytes(dtype)),
+        "predicted_parts": {
+            "kernels": est.attention_s,
+            "fixed_merge_copy": est.ring_overhead_s,
+            "a2a": est.a2a_s,
+            "ring_exposed": est.ring_exposed_s,
+        },
+        "error": est.attention_time_s / m["measured_s"] - 1,
+        "notes": list(est.notes),
+    }
     cal = cluster.calibration
     if cal is not None and cal.probe_s and probe_s:
         # On a machine shared with other jobs a rank's share changes between calibration and bench;
@@ -131,18 +199,22 @@ def _prediction(cluster: Any, probe_s: float | None, measured: dict[str, Any]) -
 
 def format_bench(out: dict[str, Any]) -> str:
     """The human table of one bench result."""
-    lines = [f"hybrid-cp bench: ulysses={out['ulysses']} ring={out['ring']} dp={out['dp']}, {out['seq_len']} tokens, "
-             f"H={out['heads']} H_kv={out['kv_heads']} D={out['head_dim']} {'causal' if out['causal'] else 'full'} "
-             f"{out['dtype']}, kernel {out['kernel']} on {out['device']}",
-             f"  measured  (fwd+bwd, slowest rank): min {out['measured_min_s'] * 1e3:.1f} ms, median "
-             f"{out['measured_s'] * 1e3:.1f} ms over {out['repeats']} repeats"]
+    lines = [
+        f"hybrid-cp bench: ulysses={out['ulysses']} ring={out['ring']} dp={out['dp']}, {out['seq_len']} tokens, "
+        f"H={out['heads']} H_kv={out['kv_heads']} D={out['head_dim']} {'causal' if out['causal'] else 'full'} "
+        f"{out['dtype']}, kernel {out['kernel']} on {out['device']}",
+        f"  measured  (fwd+bwd, slowest rank): min {out['measured_min_s'] * 1e3:.1f} ms, median "
+        f"{out['measured_s'] * 1e3:.1f} ms over {out['repeats']} repeats",
+    ]
     if out["predicted_s"] is not None:
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in out["predicted_parts"].items())
         lines.append(f"  predicted (cluster file): {out['predicted_s'] * 1e3:.1f} ms ({out['error']:+.0%}): {parts} ms")
         if out.get("load_factor"):
-            lines.append(f"  reference kernel {out['load_factor']:.2f}x its calibration time (machine shared with other "
-                         f"jobs): load-adjusted prediction {out['predicted_load_adjusted_s'] * 1e3:.1f} ms "
-                         f"({out['error_load_adjusted']:+.0%})")
+            lines.append(
+                f"  reference kernel {out['load_factor']:.2f}x its calibration time (machine shared with other "
+                f"jobs): load-adjusted prediction {out['predicted_load_adjusted_s'] * 1e3:.1f} ms "
+                f"({out['error_load_adjusted']:+.0%})"
+            )
     else:
         lines.append("  predicted: pass --cluster FILE (from hybrid-cp calibrate) for the planner's prediction")
     rows = [["measured", *(out["bytes_per_rank"][s] for s in STAGES)]]
@@ -153,7 +225,11 @@ def format_bench(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-COMMAND = Command("bench", "time one attention fwd+bwd per rank next to the plan's prediction",
-                  "Time one attention forward + backward per rank on this machine and put the planner's "
-                  "prediction next to it.", add_arguments, run)
+COMMAND = Command(
+    "bench",
+    "time one attention fwd+bwd per rank next to the plan's prediction",
+    "Time one attention forward + backward per rank on this machine and put the planner's prediction next to it.",
+    add_arguments,
+    run,
+)
 main = COMMAND.main

@@ -28,8 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--kernels", default="auto", help="comma-separated kernel backends to time (default: auto)")
     p.add_argument("--dtypes", help="comma-separated dtypes (default: float32 on CPU, bfloat16,float16 on CUDA)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per transfer/merge/engine figure "
-                   "(fastest kept; kernels use the spec's passes)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed repeats per transfer/merge/engine figure (fastest kept; kernels use the spec's passes)",
+    )
     p.add_argument("--quick", action="store_true", help="smallest sizes only (tests, smoke runs)")
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE or all ranks)")
 
@@ -100,9 +104,15 @@ def _spec(args: argparse.Namespace, world: int) -> Any:
     if args.dtypes:
         over["dtypes"] = args.dtypes.split(",")
     if args.quick:
-        over.update(kernel_shapes=kernel_grid(heads_per_call(world, 8), (128, 256, 512), (512, 1024)),
-                    merge_tokens=[512, 2048], a2a_bytes=[1 << 12, 1 << 18], p2p_bytes=[1 << 12, 1 << 18],
-                    overlap_tokens=512, overlap_bytes=1 << 18, engine_lengths=[256, 1024])
+        over.update(
+            kernel_shapes=kernel_grid(heads_per_call(world, 8), (128, 256, 512), (512, 1024)),
+            merge_tokens=[512, 2048],
+            a2a_bytes=[1 << 12, 1 << 18],
+            p2p_bytes=[1 << 12, 1 << 18],
+            overlap_tokens=512,
+            overlap_bytes=1 << 18,
+            engine_lengths=[256, 1024],
+        )
     return default_spec(world, device, **over)
 
 
@@ -123,14 +133,24 @@ def run(args: argparse.Namespace) -> int:
         with progress_channel(ranks) as progress:
             r0 = ranks.run("measure_rank", spec=spec.model_dump(), repeats=args.repeats, progress=progress)[0]
         seconds = time.perf_counter() - t0
-        cal = fit(r0["samples"], spec, backend=r0["backend"], device=r0["device"], kernel_names=r0["kernel_names"],
-                  seconds=seconds, startup_s=startup, load=r0["load"])
+        cal = fit(
+            r0["samples"],
+            spec,
+            backend=r0["backend"],
+            device=r0["device"],
+            kernel_names=r0["kernel_names"],
+            seconds=seconds,
+            startup_s=startup,
+            load=r0["load"],
+        )
         if ranks.is_main:
             gpn = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
             path = calibrated_cluster(cal, max(1, ranks.world // gpn), gpn, args.backend).save(args.out)
             print(cal.summary())
-            print(f"wrote {path} ({seconds:.1f} s); use it with: hybrid-cp plan --cluster {path} ... "
-                  f"or hybrid-cp bench --cluster {path} ...")
+            print(
+                f"wrote {path} ({seconds:.1f} s); use it with: hybrid-cp plan --cluster {path} ... "
+                f"or hybrid-cp bench --cluster {path} ..."
+            )
     finally:
         ranks.close()
     return 0
@@ -154,17 +174,33 @@ def calibrated_cluster(cal: Any, nodes: int, gpus_per_node: int, backend: str) -
     intra = base.intra_node
     widest = max(cal.a2a, key=lambda f: f.ulysses, default=None)
     if widest is not None:
-        intra = LinkSpec(kind=intra.kind, bandwidth_gb_s=widest.link.bandwidth_gb_s, latency_us=widest.link.latency_us,
-                         contention=max(1.0, cal.p2p_contention))
-    return base.model_copy(update={
-        "name": "calibrated", "accelerator": acc.model_copy(update=upd), "intra_node": intra, "backend": backend,
-        "calibration": cal,
-        "sources": [f"hybrid-cp calibrate on {cal.world} {cal.backend} ranks ({cal.device}), "
-                    f"load average {', '.join(f'{x:.1f}' for x in cal.load)}"],
-    })
+        intra = LinkSpec(
+            kind=intra.kind,
+            bandwidth_gb_s=widest.link.bandwidth_gb_s,
+            latency_us=widest.link.latency_us,
+            contention=max(1.0, cal.p2p_contention),
+        )
+    return base.model_copy(
+        update={
+            "name": "calibrated",
+            "accelerator": acc.model_copy(update=upd),
+            "intra_node": intra,
+            "backend": backend,
+            "calibration": cal,
+            "sources": [
+                f"hybrid-cp calibrate on {cal.world} {cal.backend} ranks ({cal.device}), "
+                f"load average {', '.join(f'{x:.1f}' for x in cal.load)}"
+            ],
+        }
+    )
 
 
-COMMAND = Command("calibrate", "measure this machine's rates and write a cluster file for plan",
-                  "Measure this machine's kernel, merge, all-to-all and ring rates with the engine's own code "
-                  "paths; write a cluster file.", add_arguments, run)
+COMMAND = Command(
+    "calibrate",
+    "measure this machine's rates and write a cluster file for plan",
+    "Measure this machine's kernel, merge, all-to-all and ring rates with the engine's own code "
+    "paths; write a cluster file.",
+    add_arguments,
+    run,
+)
 main = COMMAND.main

@@ -47,8 +47,13 @@ class Command:
         return parser
 
     def parser(self) -> argparse.ArgumentParser:
-        return self.configure(argparse.ArgumentParser(prog=f"hybrid-cp {self.name}", description=self.description,
-                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+        return self.configure(
+            argparse.ArgumentParser(
+                prog=f"hybrid-cp {self.name}",
+                description=self.description,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
 
     def invoke(self, args: argparse.Namespace) -> int:
         """Run on parsed flags; a :class:`UsageError` becomes argparse's error (SystemExit 2)."""
@@ -65,5 +70,11 @@ class Command:
 
 def add_to(subparsers: Any, command: Command) -> None:
     """Hang ``command`` under the `hybrid-cp` parser's subcommands."""
-    command.configure(subparsers.add_parser(command.name, help=command.summary, description=command.description,
-                                            formatter_class=argparse.RawDescriptionHelpFormatter))
+    command.configure(
+        subparsers.add_parser(
+            command.name,
+            help=command.summary,
+            description=command.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )

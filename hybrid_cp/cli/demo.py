@@ -23,14 +23,23 @@ from ..testing.data import VOCAB, build_model, sample_batch, stdlib_corpus, tiny
 from .command import Command, UsageError
 from .table import format_table
 
-__all__ = ["COMMAND", "VOCAB", "build_model", "cp_rank_train", "main", "sample_batch", "single_process_train",
-           "stdlib_corpus", "tiny_llama_config"]
+__all__ = [
+    "COMMAND",
+    "VOCAB",
+    "build_model",
+    "cp_rank_train",
+    "main",
+    "sample_batch",
+    "single_process_train",
+    "stdlib_corpus",
+    "tiny_llama_config",
+]
 
 
 # --------------------------------------------------------------------------------------- runs
 
-def cp_rank_train(ulysses: int, ring: int, seq_len: int, steps: int, seed: int, lr: float,
-                  model_kwargs: dict) -> dict:
+
+def cp_rank_train(ulysses: int, ring: int, seq_len: int, steps: int, seed: int, lr: float, model_kwargs: dict) -> dict:
     """One rank of the context-parallel run (executed by every process of the pool)."""
     import torch.distributed as dist
 
@@ -61,13 +70,17 @@ def cp_rank_train(ulysses: int, ring: int, seq_len: int, steps: int, seed: int, 
         times.append(time.perf_counter() - t0)
         losses.append(value)
         if cp.rank == 0 and cp.dp_rank == 0:
-            print(f"  [cp u={ulysses} r={ring}] step {step + 1:3d}/{steps}  loss {value:.4f}  "
-                  f"{seq_len / times[-1]:8.0f} tok/s", flush=True)
+            print(
+                f"  [cp u={ulysses} r={ring}] step {step + 1:3d}/{steps}  loss {value:.4f}  "
+                f"{seq_len / times[-1]:8.0f} tok/s",
+                flush=True,
+            )
     return {"losses": losses, "times": times}
 
 
-def single_process_train(seq_len: int, steps: int, seed: int, lr: float, model_kwargs: dict,
-                         threads: int | None = None) -> dict:
+def single_process_train(
+    seq_len: int, steps: int, seed: int, lr: float, model_kwargs: dict, threads: int | None = None
+) -> dict:
     """The reference: the same model, data and optimizer on one process, no context parallelism."""
     import torch.nn.functional as F
 
@@ -87,8 +100,10 @@ def single_process_train(seq_len: int, steps: int, seed: int, lr: float, model_k
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-        print(f"  [1 process] step {step + 1:3d}/{steps}  loss {losses[-1]:.4f}  "
-              f"{seq_len / times[-1]:8.0f} tok/s", flush=True)
+        print(
+            f"  [1 process] step {step + 1:3d}/{steps}  loss {losses[-1]:.4f}  {seq_len / times[-1]:8.0f} tok/s",
+            flush=True,
+        )
     return {"losses": losses, "times": times}
 
 
@@ -133,21 +148,32 @@ def _train_both(args: argparse.Namespace) -> tuple[dict, dict, float, float]:
 
     world = args.ulysses * args.ring
     model_kwargs = {"hidden": args.hidden, "layers": args.layers}
-    print(f"Training a {args.layers}-layer Llama-style model (hidden {args.hidden}, 4 heads, 2 KV heads, byte "
-          f"vocabulary) on {args.seq_len}-token sequences of Python standard-library source, {args.steps} AdamW "
-          f"steps, seed {args.seed}:")
-    print(f"  1) context parallel on {world} local CPU processes (ulysses={args.ulysses} x ring={args.ring}, "
-          f"zigzag layout, FSDP2 over all {world} ranks)")
+    print(
+        f"Training a {args.layers}-layer Llama-style model (hidden {args.hidden}, 4 heads, 2 KV heads, byte "
+        f"vocabulary) on {args.seq_len}-token sequences of Python standard-library source, {args.steps} AdamW "
+        f"steps, seed {args.seed}:"
+    )
+    print(
+        f"  1) context parallel on {world} local CPU processes (ulysses={args.ulysses} x ring={args.ring}, "
+        f"zigzag layout, FSDP2 over all {world} ranks)"
+    )
     t0 = time.perf_counter()
     with WorkerPool(world) as pool:
-        results = pool.run(demo.cp_rank_train, timeout=1800, ulysses=args.ulysses,
-                           ring=args.ring, seq_len=args.seq_len, steps=args.steps, seed=args.seed, lr=args.lr,
-                           model_kwargs=model_kwargs)
+        results = pool.run(
+            demo.cp_rank_train,
+            timeout=1800,
+            ulysses=args.ulysses,
+            ring=args.ring,
+            seq_len=args.seq_len,
+            steps=args.steps,
+            seed=args.seed,
+            lr=args.lr,
+            model_kwargs=model_kwargs,
+        )
     cp_wall = time.perf_counter() - t0
     print("  2) the same model, seed and data on 1 process")
     t1 = time.perf_counter()
-    ref = single_process_train(args.seq_len, args.steps, args.seed, args.lr, model_kwargs,
-                               threads=os.cpu_count() or 1)
+    ref = single_process_train(args.seq_len, args.steps, args.seed, args.lr, model_kwargs, threads=os.cpu_count() or 1)
     ref_wall = time.perf_counter() - t1
     if any(r["losses"] != results[0]["losses"] for r in results):
         print("warning: the cp ranks reported different losses", file=sys.stderr)
@@ -160,8 +186,14 @@ def _report(args: argparse.Namespace, cp: dict, ref: dict, cp_wall: float, ref_w
     diffs = [abs(a - b) for a, b in zip(cp["losses"], ref["losses"])]
     rows = [[i + 1, a, b, d] for i, (a, b, d) in enumerate(zip(ref["losses"], cp["losses"], diffs))]
     print()
-    print(format_table(["step", "1 process", f"CP {args.ulysses}x{args.ring}", "|diff|"], rows,
-                       formats=["", ".5f", ".5f", ".2e"], align=">>>>"))
+    print(
+        format_table(
+            ["step", "1 process", f"CP {args.ulysses}x{args.ring}", "|diff|"],
+            rows,
+            formats=["", ".5f", ".5f", ".2e"],
+            align=">>>>",
+        )
+    )
 
     def rate(times):  # skip the first step (allocation and thread warm-up) in the throughput
         tail = times[1:] or times
@@ -169,8 +201,10 @@ def _report(args: argparse.Namespace, cp: dict, ref: dict, cp_wall: float, ref_w
 
     print()
     print(f"largest |loss difference| over {args.steps} steps: {max(diffs):.2e}")
-    print(f"tokens/s: 1 process {rate(ref['times']):,.0f}; CP on {world} processes {rate(cp['times']):,.0f} "
-          f"(all {world} share this machine's {os.cpu_count()} cores: the point here is equality, not speed)")
+    print(
+        f"tokens/s: 1 process {rate(ref['times']):,.0f}; CP on {world} processes {rate(cp['times']):,.0f} "
+        f"(all {world} share this machine's {os.cpu_count()} cores: the point here is equality, not speed)"
+    )
     print(f"wall time: CP run {cp_wall:.0f}s (including process start), 1-process run {ref_wall:.0f}s")
     return max(diffs)
 
@@ -196,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-COMMAND = Command("demo", "the README's main job: train a small Llama with CP on 8 CPU processes vs 1",
-                  __doc__.split("\n\n")[0], add_arguments, run)
+COMMAND = Command(
+    "demo",
+    "the README's main job: train a small Llama with CP on 8 CPU processes vs 1",
+    __doc__.split("\n\n")[0],
+    add_arguments,
+    run,
+)
 main = COMMAND.main

@@ -25,8 +25,7 @@ from hybrid_cp.engine.spec import AttentionSpec
 
 __all__ = ["NullKernel", "TorchRateSource", "bench_rank", "measure_rank", "DTYPES"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 _MESHES: dict[tuple, Any] = {}
 
@@ -87,8 +86,9 @@ def _inputs(n: int, h: int, hkv: int, d: int, dtype: torch.dtype, device: torch.
     return [torch.randn(1, n, hh, d, generator=g).to(device=device, dtype=dtype) for hh in (h, hkv, hkv, h)]
 
 
-def _time_attention(cp: Any, spec: AttentionSpec, h: int, hkv: int, d: int, dtype: torch.dtype, repeats: int,
-                    warmup: int) -> tuple[list[float], dict[str, int]]:
+def _time_attention(
+    cp: Any, spec: AttentionSpec, h: int, hkv: int, d: int, dtype: torch.dtype, repeats: int, warmup: int
+) -> tuple[list[float], dict[str, int]]:
     """Per repeat, the slowest rank's time of one attention forward + backward over `spec.seq_len` tokens
     (`spec.causal`, `spec.backend`)."""
     device = cp.device
@@ -112,9 +112,20 @@ def _time_attention(cp: Any, spec: AttentionSpec, h: int, hkv: int, d: int, dtyp
     return times, hcp.comm_bytes(cp)
 
 
-def bench_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,  # noqa: PLR0913 (public entry point)
-               causal: bool = True, dtype: str = "float32", repeats: int = 5, warmup: int = 1,
-               backend: str = "auto", layout: str = "zigzag") -> dict[str, Any]:
+def bench_rank(  # noqa: PLR0913 (public entry point)
+    ulysses: int,
+    ring: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    causal: bool = True,
+    dtype: str = "float32",
+    repeats: int = 5,
+    warmup: int = 1,
+    backend: str = "auto",
+    layout: str = "zigzag",
+) -> dict[str, Any]:
     """`hybrid-cp bench` on one rank: slowest-rank time of each repeat, and this rank's bytes."""
     world = dist.get_world_size()
     cp = _mesh(ulysses, ring, world // (ulysses * ring), layout)
@@ -124,8 +135,14 @@ def bench_rank(ulysses: int, ring: int, seq_len: int, heads: int, kv_heads: int,
     times, nbytes = _time_attention(cp, spec, heads, kv_heads, head_dim, DTYPES[dtype], repeats, warmup)
     probe.append(_probe(source, backend, dtype))
     kernel = get_kernel(backend, cp.device, DTYPES[dtype], head_dim)
-    return {"rank": dist.get_rank(), "times": times, "bytes": nbytes, "kernel": kernel.name,
-            "device": str(cp.device), "probe_s": sum(probe) / 2}
+    return {
+        "rank": dist.get_rank(),
+        "times": times,
+        "bytes": nbytes,
+        "kernel": kernel.name,
+        "device": str(cp.device),
+        "probe_s": sum(probe) / 2,
+    }
 
 
 def _probe(source: "TorchRateSource", backend: str, dtype: str) -> float:
@@ -319,6 +336,11 @@ def measure_rank(spec: dict, repeats: int = 3, progress: Any | None = None) -> d
     torch.manual_seed(0)
     samples = collect(source, CalibrationSpec(**spec), report)
     device = source.device
-    return {"samples": samples, "kernel_names": source.kernel_names, "backend": dist.get_backend(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "threads": torch.get_num_threads(), "load": list(os.getloadavg())}
+    return {
+        "samples": samples,
+        "kernel_names": source.kernel_names,
+        "backend": dist.get_backend(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "load": list(os.getloadavg()),
+    }

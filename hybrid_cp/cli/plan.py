@@ -1,9 +1,9 @@
 """``hybrid-cp plan``: rank the (ulysses, ring, dp) splits for a cluster, a model and a sequence length.
 
-    hybrid-cp plan --preset dgx-h100 --nodes 4 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1M
-    hybrid-cp plan --cluster my_cluster.yaml --model llama3-8b --seq-len 512K --json
-    hybrid-cp plan --discover --model llama3-8b --seq-len 128K --plot splits.png
-    hybrid-cp plan --preset dgx-h100 --model llama3-8b --lengths lognormal:median=2K,sigma=1.5,total=512K
+hybrid-cp plan --preset dgx-h100 --nodes 4 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1M
+hybrid-cp plan --cluster my_cluster.yaml --model llama3-8b --seq-len 512K --json
+hybrid-cp plan --discover --model llama3-8b --seq-len 128K --plot splits.png
+hybrid-cp plan --preset dgx-h100 --model llama3-8b --lengths lognormal:median=2K,sigma=1.5,total=512K
 """
 
 from __future__ import annotations
@@ -69,17 +69,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shape_arguments(m, [n for n in MODEL_FLAGS if n not in LINEAR_FLAGS])
     add_linear_arguments(p)
     w = p.add_argument_group("workload")
-    w.add_argument("--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)")
-    w.add_argument("--lengths", metavar="FILE|lognormal:...",
-                   help="one global batch's document lengths (a file, or lognormal:median=2K,sigma=1.5,total=512K): "
-                        "print the dynamic-degree schedule next to the fixed splits")
-    w.add_argument("--tokens-per-rank", type=parse_count, default=8192,
-                   help="with --lengths: tokens one rank holds per micro-batch (default 8K)")
+    w.add_argument(
+        "--seq-len", type=parse_count, help="tokens per sequence, e.g. 131072, 128K, 1M (not with --max-seq)"
+    )
+    w.add_argument(
+        "--lengths",
+        metavar="FILE|lognormal:...",
+        help="one global batch's document lengths (a file, or lognormal:median=2K,sigma=1.5,total=512K): "
+        "print the dynamic-degree schedule next to the fixed splits",
+    )
+    w.add_argument(
+        "--tokens-per-rank",
+        type=parse_count,
+        default=8192,
+        help="with --lengths: tokens one rank holds per micro-batch (default 8K)",
+    )
     w.add_argument("--batch", type=parse_count, default=1, help="sequences per CP group (default 1)")
     w.add_argument("--world-size", type=int, help="GPUs to use (default: all)")
     w.add_argument("--dp", type=int, help="fix the data-parallel degree (1 = one CP group over all GPUs)")
-    w.add_argument("--memory-budget", type=parse_bytes,
-                   help="bytes per GPU, e.g. 70G, used as given (default 90%% of device memory)")
+    w.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        help="bytes per GPU, e.g. 70G, used as given (default 90%% of device memory)",
+    )
     w.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     w.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     w.add_argument("--no-causal", dest="causal", action="store_false", help="full (bidirectional) attention")
@@ -124,7 +136,9 @@ def add_shape_arguments(group: Any, names: list[str]) -> None:
 
 def add_linear_arguments(p: argparse.ArgumentParser) -> None:
     """The hybrid model's linear layers (docs/planner.md section 4.2): they override --model's."""
-    add_shape_arguments(p.add_argument_group("linear layers of a hybrid model (override --model's)"), list(LINEAR_FLAGS))
+    add_shape_arguments(
+        p.add_argument_group("linear layers of a hybrid model (override --model's)"), list(LINEAR_FLAGS)
+    )
 
 
 def _flag(name: str) -> str:
@@ -133,7 +147,7 @@ def _flag(name: str) -> str:
 
 def _model(args: argparse.Namespace) -> ModelShape:
     base = dict(MODEL_PRESETS[args.model], name=args.model) if args.model else {}
-    if getattr(args, "linear_layers", None) == 0:   # --linear-layers 0: the preset without its linear layers
+    if getattr(args, "linear_layers", None) == 0:  # --linear-layers 0: the preset without its linear layers
         base = {k: v for k, v in base.items() if k not in LINEAR_FLAGS}
     for key in MODEL_FLAGS:
         if getattr(args, key, None) is not None:
@@ -150,7 +164,7 @@ def _model(args: argparse.Namespace) -> ModelShape:
 def _flag_message(err: Any) -> str:
     """One pydantic error of ModelShape with its field names written as the flags that set them."""
     msg = str(err["msg"]).removeprefix("Value error, ")
-    if err.get("loc"):   # a field's own bound (e.g. >= 1): name the field's flag and its value
+    if err.get("loc"):  # a field's own bound (e.g. >= 1): name the field's flag and its value
         msg = f"{_flag(str(err['loc'][0]))}={err.get('input')!r}: {msg}"
     return re.sub(r"\b([a-z]+(?:_[a-z]+)+)=", lambda m: _flag(m.group(1)) + "=", msg)
 
@@ -163,7 +177,9 @@ def plot_plans(plans: PlanList, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError("--plot needs matplotlib: pip install 'hybrid-cp[plot]' (or pip install matplotlib)") from exc
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install 'hybrid-cp[plot]' (or pip install matplotlib)"
+        ) from exc
     labels = [f"u{p.ulysses} r{p.ring} dp{p.dp}" for p in plans]
     # per-GPU-normalised time (time/dp) so candidates with different dp compare on throughput
     parts = {
@@ -190,8 +206,10 @@ def plot_plans(plans: PlanList, path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """``hybrid-cp plan`` on parsed flags; returns the process exit code."""
     if args.seq_len is None and not args.max_seq and not args.lengths:
-        raise UsageError("--seq-len is required (or --max-seq to find the longest sequence that fits, or --lengths "
-                         "for a batch of documents)")
+        raise UsageError(
+            "--seq-len is required (or --max-seq to find the longest sequence that fits, or --lengths "
+            "for a batch of documents)"
+        )
     try:
         cluster = _cluster(args)
         model = _model(args)
@@ -220,28 +238,54 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command("plan", "rank (ulysses, ring) splits for a cluster and model with the cost model",
-                  "Rank (ulysses, ring, dp) splits by predicted throughput and print the chosen plan.",
-                  add_arguments, run)
+COMMAND = Command(
+    "plan",
+    "rank (ulysses, ring) splits for a cluster and model with the cost model",
+    "Rank (ulysses, ring, dp) splits by predicted throughput and print the chosen plan.",
+    add_arguments,
+    run,
+)
 main = COMMAND.main
 
 
 def add_max_seq_arguments(parser: Any) -> None:
     """The `--max-seq` flags of `hybrid-cp plan`, and the memory options' ladder both modes use."""
-    g = parser.add_argument_group("memory options: the ladder --max-seq prints; with --seq-len each split takes "
-                                  "its first rung that fits")
-    g.add_argument("--max-seq", action="store_true",
-                   help="print the longest sequence that fits per option set, with its (u, r, head_chunks)")
-    g.add_argument("--head-chunks", type=int, default=8,
-                   help="largest head_chunks to try (default 8; 1 keeps every rung unchunked)")
+    g = parser.add_argument_group(
+        "memory options: the ladder --max-seq prints; with --seq-len each split takes its first rung that fits"
+    )
+    g.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="print the longest sequence that fits per option set, with its (u, r, head_chunks)",
+    )
+    g.add_argument(
+        "--head-chunks",
+        type=int,
+        default=8,
+        help="largest head_chunks to try (default 8; 1 keeps every rung unchunked)",
+    )
     g.add_argument("--tiled-mlp", type=int, default=8192, metavar="TOKENS", help="MLP chunk (default 8192)")
-    g.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
-                   help="loss chunk (default: 256 MiB of fp32 logits, as hcp.tiled_cross_entropy)")
-    g.add_argument("--host-memory", type=parse_bytes, default=None, metavar="BYTES",
-                   help="host RAM per GPU for offloaded checkpoints, e.g. 200G (default: the cluster's "
-                        "host_memory_gb / GPUs per node; unbounded when the cluster does not say)")
-    g.add_argument("--no-prefetch", dest="prefetch", action="store_false",
-                   help="offloaded checkpoints without prefetch (one layer input fewer on the device)")
+    g.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="loss chunk (default: 256 MiB of fp32 logits, as hcp.tiled_cross_entropy)",
+    )
+    g.add_argument(
+        "--host-memory",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="host RAM per GPU for offloaded checkpoints, e.g. 200G (default: the cluster's "
+        "host_memory_gb / GPUs per node; unbounded when the cluster does not say)",
+    )
+    g.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="offloaded checkpoints without prefetch (one layer input fewer on the device)",
+    )
 
 
 def _pinned(options: Any) -> str:
@@ -253,8 +297,10 @@ def _check_memory_flags(args: Any, cluster: Any) -> float | None:
     """The ladder's flags checked; returns the host memory per GPU for offloaded checkpoints (None: unbounded)."""
     host = args.host_memory if args.host_memory is not None else cluster.host_memory_per_gpu
     if args.head_chunks < 1 or args.tiled_mlp < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
-        raise UsageError(f"--head-chunks={args.head_chunks}, --tiled-mlp={args.tiled_mlp} and "
-                         f"--loss-chunk={args.loss_chunk} must be >= 1")
+        raise UsageError(
+            f"--head-chunks={args.head_chunks}, --tiled-mlp={args.tiled_mlp} and "
+            f"--loss-chunk={args.loss_chunk} must be >= 1"
+        )
     if host is not None and host <= 0:
         raise UsageError(f"--host-memory={args.host_memory} must be > 0 bytes")
     return host
@@ -267,28 +313,64 @@ def max_seq_main(args: Any, cluster: Any, model: ModelShape) -> int:
     if model.vocab == 0:
         raise UsageError("--max-seq needs the vocabulary size for the loss: use --model NAME (e.g. llama3-8b)")
     host = _check_memory_flags(args, cluster)
-    rows = max_seq_table(model, world, budget, dtype=args.dtype, layout=args.layout, dp=args.dp or 1,
-                         head_chunks=args.head_chunks, tiled_mlp=args.tiled_mlp, loss_chunk=args.loss_chunk,
-                         host_memory=host, prefetch=args.prefetch)
+    rows = max_seq_table(
+        model,
+        world,
+        budget,
+        dtype=args.dtype,
+        layout=args.layout,
+        dp=args.dp or 1,
+        head_chunks=args.head_chunks,
+        tiled_mlp=args.tiled_mlp,
+        loss_chunk=args.loss_chunk,
+        host_memory=host,
+        prefetch=args.prefetch,
+    )
     if args.json:
-        print(json.dumps([{"options": name, "seq_len": b.seq_len if b else 0,
-                           **({"ulysses": b.ulysses, "ring": b.ring, "dp": b.dp, "head_chunks": b.options.head_chunks,
-                               "attention_forwards": attention_forwards(model, b.ulysses, b.options),
-                               "memory": b.estimate.to_dict()} if b else {})} for name, b in rows], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "options": name,
+                        "seq_len": b.seq_len if b else 0,
+                        **(
+                            {
+                                "ulysses": b.ulysses,
+                                "ring": b.ring,
+                                "dp": b.dp,
+                                "head_chunks": b.options.head_chunks,
+                                "attention_forwards": attention_forwards(model, b.ulysses, b.options),
+                                "memory": b.estimate.to_dict(),
+                            }
+                            if b
+                            else {}
+                        ),
+                    }
+                    for name, b in rows
+                ],
+                indent=2,
+            )
+        )
         return 0
     host_text = f"{host / GiB:.1f} GiB/GPU" if host is not None else "unbounded (the cluster does not say)"
     held = f" active, {model.held_params / 1e9:.2f}B held" if model.expert_params else ""
-    print(f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters{held}, layers={model.layers} "
-          f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
-          f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU, host memory {host_text}")
-    print(f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9} {'host GiB':>9} "
-          f"{'pinned':>6} {'attn fwd':>8}  peak at")
+    print(
+        f"{cluster.describe()}\nmodel {model.name}: {model.params / 1e9:.2f}B parameters{held}, layers={model.layers} "
+        f"hidden={model.d_model} heads={model.heads}/{model.n_kv} vocab={model.vocab}; {args.dtype}, AdamW, "
+        f"FSDP2 over {world} GPUs; budget {budget / GiB:.1f} GiB/GPU, host memory {host_text}"
+    )
+    print(
+        f"{'options':<36} {'max seq':>6} {'u':>3} {'r':>3} {'chunks':>6} {'peak GiB':>9} {'host GiB':>9} "
+        f"{'pinned':>6} {'attn fwd':>8}  peak at"
+    )
     for name, b in rows:
         if b is None:
             print(f"{name:<36} {'none fits':>6}")
             continue
         e = b.estimate
-        print(f"{name:<36} {b.seq_len / 2**20:>5.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
-              f"{e.peak / GiB:>9.1f} {e.host / GiB:>9.1f} {_pinned(b.options):>6} "
-              f"{attention_forwards(model, b.ulysses, b.options):>8}  {e.peak_phase}")
+        print(
+            f"{name:<36} {b.seq_len / 2**20:>5.2f}M {b.ulysses:>3} {b.ring:>3} {b.options.head_chunks:>6} "
+            f"{e.peak / GiB:>9.1f} {e.host / GiB:>9.1f} {_pinned(b.options):>6} "
+            f"{attention_forwards(model, b.ulysses, b.options):>8}  {e.peak_phase}"
+        )
     return 0

@@ -35,8 +35,9 @@ def read_lengths(spec: str, count: Any) -> list[int]:
             median, total = count(fields["median"]), count(fields["total"])
             sigma, seed = float(fields.get("sigma", "1.0")), int(fields.get("seed", "0"))
         except (KeyError, ValueError, argparse.ArgumentTypeError) as exc:
-            raise ValueError(f"--lengths {spec!r}: expected lognormal:median=2K,sigma=1.5,total=512K[,seed=0] "
-                             f"({exc})") from None
+            raise ValueError(
+                f"--lengths {spec!r}: expected lognormal:median=2K,sigma=1.5,total=512K[,seed=0] ({exc})"
+            ) from None
         rng, out = random.Random(seed), []
         while sum(out) < total:
             out.append(max(1, int(rng.lognormvariate(math.log(median), sigma))))
@@ -63,9 +64,19 @@ def lengths_main(args: argparse.Namespace, cluster: Any, model: Any, count: Any)
     cmp = compare(sched, Shape(model.heads, model.n_kv, model.head_dim, dtype_bytes(args.dtype)))
     rows = [cmp.schedule, *cmp.candidates]
     if args.json:
-        print(json.dumps({"digest": sched.digest, "microbatches": len(sched.microbatches), "targets": sched.targets,
-                          "bound_bytes": cmp.bound_bytes, "best_fixed": cmp.fixed.label,
-                          "runs": [{**vars(t), "bytes_per_token": t.bytes_per_token} for t in rows]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "digest": sched.digest,
+                    "microbatches": len(sched.microbatches),
+                    "targets": sched.targets,
+                    "bound_bytes": cmp.bound_bytes,
+                    "best_fixed": cmp.fixed.label,
+                    "runs": [{**vars(t), "bytes_per_token": t.bytes_per_token} for t in rows],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(explain(sched, cmp))
     print()
@@ -74,6 +85,8 @@ def lengths_main(args: argparse.Namespace, cluster: Any, model: Any, count: Any)
         ms = "-" if t.predicted_s is None else f"{t.predicted_s * 1e3:.2f}"
         idle = "-" if t.idle_share is None else f"{t.idle_share:.1%}"
         print(f"{t.label:<16} {ms:>13} {t.bytes_per_token:>12.0f} {t.padding:>8} {idle:>6}")
-    print("(times: one layer, forward + backward, from the calibrated cost model; bytes: all ranks' all-to-all and "
-          "ring; '-': that split is not the planner's for its degree, so it is not priced)")
+    print(
+        "(times: one layer, forward + backward, from the calibrated cost model; bytes: all ranks' all-to-all and "
+        "ring; '-': that split is not the planner's for its degree, so it is not priced)"
+    )
     return 0

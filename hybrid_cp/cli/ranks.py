@@ -12,7 +12,6 @@ from hybrid_cp.errors import ConfigError
 __all__ = ["Ranks"]
 
 
-
 def _task(name: str) -> Any:
     """The function `name` of :mod:`hybrid_cp.cli.measure` (imported on first use: it loads torch)."""
     from hybrid_cp.cli import measure
@@ -35,8 +34,10 @@ class Ranks:
         if nprocs < 1:
             raise ConfigError(f"--nprocs={nprocs} must be >= 1")
         if backend != "gloo":
-            raise ConfigError(f"--nprocs starts local gloo processes; --backend={backend} needs torchrun "
-                              "(e.g. torchrun --nproc-per-node 8 -m hybrid_cp.cli calibrate --backend nccl ...)")
+            raise ConfigError(
+                f"--nprocs starts local gloo processes; --backend={backend} needs torchrun "
+                "(e.g. torchrun --nproc-per-node 8 -m hybrid_cp.cli calibrate --backend nccl ...)"
+            )
         from hybrid_cp.testing import WorkerPool
 
         self.pool = WorkerPool(nprocs)
@@ -48,8 +49,10 @@ class Ranks:
         import torch.distributed as dist
 
         if "WORLD_SIZE" not in os.environ:
-            raise ConfigError("not under torchrun: pass --nprocs N to start N local processes, or launch with "
-                              "torchrun --nproc-per-node N -m hybrid_cp.cli ...")
+            raise ConfigError(
+                "not under torchrun: pass --nprocs N to start N local processes, or launch with "
+                "torchrun --nproc-per-node N -m hybrid_cp.cli ..."
+            )
         if not dist.is_initialized():
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,4 +84,3 @@ class Ranks:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-

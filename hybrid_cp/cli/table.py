@@ -18,8 +18,16 @@ def _cells(row: Sequence[Any], formats: Sequence[str] | None) -> list[str]:
     return [cell if isinstance(cell, str) else format(cell, spec) for cell, spec in zip(row, specs)]
 
 
-def table_lines(header: Sequence[str], rows: Iterable[Sequence[Any]], *, formats: Sequence[str] | None = None,
-                markdown: bool = False, align: str | None = None, gap: int = 2, indent: str = "") -> Iterator[str]:
+def table_lines(
+    header: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    formats: Sequence[str] | None = None,
+    markdown: bool = False,
+    align: str | None = None,
+    gap: int = 2,
+    indent: str = "",
+) -> Iterator[str]:
     """The lines of a table: ``header`` then one line per row (a string cell is printed as it is,
     any other cell through ``format(cell, formats[i])``).
 

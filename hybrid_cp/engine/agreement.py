@@ -63,8 +63,12 @@ def require_mesh(cp: Any) -> None:
 def validates(cp: Any) -> bool:
     """Whether calls on `cp` take part in the cross-rank agreement (a mesh description without process
     groups, `hybrid_cp.testing.mesh_description`, never does)."""
-    return (isinstance(cp, MeshLike) and bool(cp.validate) and cp.ulysses_size * cp.ring_size > 1
-            and getattr(cp, "check_group", None) is not None)
+    return (
+        isinstance(cp, MeshLike)
+        and bool(cp.validate)
+        and cp.ulysses_size * cp.ring_size > 1
+        and getattr(cp, "check_group", None) is not None
+    )
 
 
 def checked_on_every_rank(cp: Any, check: Callable[[], Sequence[int]], names: Sequence[str], what: str) -> None:
@@ -90,6 +94,7 @@ def checked_on_every_rank(cp: Any, check: Callable[[], Sequence[int]], names: Se
 
 # ---- digests and the cross-rank agreement -------------------------------------------------------
 
+
 def digest(value: Any) -> int:
     """A 56-bit hash of `value`'s repr (the same on every rank for equal values; fits an int64 with
     its negation, which the agreement all-reduce needs)."""
@@ -112,7 +117,7 @@ class ValidationHistory:
 
     signatures: list[int] = field(default_factory=list)
     signature_period: int | None = None
-    fields: dict[int, tuple[tuple[str, int], ...]] = field(default_factory=dict)   # recent hash -> its fields
+    fields: dict[int, tuple[tuple[str, int], ...]] = field(default_factory=dict)  # recent hash -> its fields
     validation_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
@@ -127,8 +132,16 @@ def history(cp) -> ValidationHistory:
 
 
 @eager_only  # a host collective and a history of signatures: never traced
-def agree_across_ranks(cp, values, names, error: Exception | None, what: str,
-                       tensors: tuple[tuple[str, torch.Tensor], ...] = (), *, learn: bool = True) -> None:
+def agree_across_ranks(
+    cp,
+    values,
+    names,
+    error: Exception | None,
+    what: str,
+    tensors: tuple[tuple[str, torch.Tensor], ...] = (),
+    *,
+    learn: bool = True,
+) -> None:
     """Raise on every rank if any cp rank failed its own checks or the ranks disagree on `values`
     (a signature: a NamedTuple of ints, labelled by `names`), so that no rank goes on into a
     collective alone or with different arguments.
@@ -179,8 +192,11 @@ def _unlike_prediction(hist: ValidationHistory, mine: tuple[tuple[str, int], ...
     predicted = hist.fields.get(_predicted(hist) or 0)
     if predicted is None:
         return ""
-    diffs = [f"{name}: {ours} here vs {theirs} predicted" for (name, ours), (_, theirs) in zip(mine, predicted)
-             if ours != theirs]
+    diffs = [
+        f"{name}: {ours} here vs {theirs} predicted"
+        for (name, ours), (_, theirs) in zip(mine, predicted)
+        if ours != theirs
+    ]
     return f" It differs from the call the ranks predicted in: {'; '.join(diffs)}." if diffs else ""
 
 
@@ -197,10 +213,12 @@ def _reduced_agrees(cp, h: int, error: Exception | None, what: str, unlike: str 
         # times out here: its call differed from theirs (or from what they expected).
         if error is not None:
             raise error from exc
-        raise CommTimeoutError(f"{what}: with validate=True only a call that differs from the one every rank "
-                               f"predicted from earlier calls is checked, and no other rank joined this check: "
-                               f"this call most likely differs across ranks (rerun with validate=\"always\" to have "
-                               f"the differing fields named).{unlike} {exc}") from exc
+        raise CommTimeoutError(
+            f"{what}: with validate=True only a call that differs from the one every rank "
+            f"predicted from earlier calls is checked, and no other rank joined this check: "
+            f'this call most likely differs across ranks (rerun with validate="always" to have '
+            f"the differing fields named).{unlike} {exc}"
+        ) from exc
     top, neg_low, any_failed = mine.tolist()
     return not any_failed and top == h and -neg_low == h
 
@@ -232,12 +250,25 @@ def _agreed(hist: ValidationHistory, h: int) -> None:
     _advance(hist, h)
     seen = hist.signatures[-_HISTORY:]
     n = len(seen)
-    hist.signature_period = next((p for p in (n - 1 - i for i in range(n - 2, -1, -1) if seen[i] == h)
-                                  if seen[n - min(p, n - p):] == seen[n - p - min(p, n - p):n - p]), None)
+    hist.signature_period = next(
+        (
+            p
+            for p in (n - 1 - i for i in range(n - 2, -1, -1) if seen[i] == h)
+            if seen[n - min(p, n - p) :] == seen[n - p - min(p, n - p) : n - p]
+        ),
+        None,
+    )
 
 
-def _full_check(cp, values: list[int], names: list[str], error: Exception | None, what: str,
-                nonfinite: list[int], tensor_names: list[str]) -> None:
+def _full_check(
+    cp,
+    values: list[int],
+    names: list[str],
+    error: Exception | None,
+    what: str,
+    nonfinite: list[int],
+    tensor_names: list[str],
+) -> None:
     """All-gather every rank's (failed, NaN flags, signature) and raise naming the ranks and fields."""
     history(cp).validation_calls["full"] += 1
     mine = torch.tensor([0 if error is None else 1] + list(nonfinite) + list(values), dtype=torch.int64)
@@ -249,16 +280,25 @@ def _full_check(cp, values: list[int], names: list[str], error: Exception | None
     rows = [r.tolist() for r in rows]
     bad = [rank for rank, r in enumerate(rows) if r[0]]
     if bad:
-        raise InconsistentRanksError(f"cp ranks {bad} rejected their {what} (their error says why); "
-                                     f"every rank stops here instead of hanging")
+        raise InconsistentRanksError(
+            f"cp ranks {bad} rejected their {what} (their error says why); every rank stops here instead of hanging"
+        )
     k = len(nonfinite)
     found = [f"{tensor_names[i]} on cp rank {rank}" for rank, r in enumerate(rows) for i in range(k) if r[1 + i]]
     if found:
-        raise NonFiniteError(f"NaN or inf in {', '.join(found)} ({what}, validate=\"debug\"); every rank stops "
-                             f"here; find where that rank's activations overflow")
+        raise NonFiniteError(
+            f'NaN or inf in {", ".join(found)} ({what}, validate="debug"); every rank stops '
+            f"here; find where that rank's activations overflow"
+        )
     for rank, r in enumerate(rows):
-        if r[1 + k:] != list(values):
-            diffs = [f"{name}: {theirs} on cp rank {rank} vs {ours} here"
-                     for name, theirs, ours in zip(names, r[1 + k:], values) if theirs != ours]
-            raise InconsistentRanksError(f"inconsistent {what} across the cp group (" + "; ".join(diffs) +
-                                         "); every rank must pass its shard of the same batch with the same settings")
+        if r[1 + k :] != list(values):
+            diffs = [
+                f"{name}: {theirs} on cp rank {rank} vs {ours} here"
+                for name, theirs, ours in zip(names, r[1 + k :], values)
+                if theirs != ours
+            ]
+            raise InconsistentRanksError(
+                f"inconsistent {what} across the cp group ("
+                + "; ".join(diffs)
+                + "); every rank must pass its shard of the same batch with the same settings"
+            )

@@ -34,13 +34,26 @@ def _needs_grad(*tensors) -> int:
     return int(torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, causal: bool = False,  # noqa: PLR0913 (public entry point)
-              softmax_scale: float | None = None, return_lse: bool = False,
-              backend: str | AttentionKernel | LocalAttention = "auto", seq_len: int | None = None,
-              cu_seqlens: torch.Tensor | list[int] | None = None, window: int | tuple[int, int] | None = None,
-              head_chunks: int = 1, sinks: torch.Tensor | None = None, softcap: float | None = None,
-              chunk_size: int | None = None, overlap: bool = False,
-              mask: AttnMask | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def attention(  # noqa: PLR0913 (public entry point)
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: CPMesh,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | AttentionKernel | LocalAttention = "auto",
+    seq_len: int | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    window: int | tuple[int, int] | None = None,
+    head_chunks: int = 1,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    overlap: bool = False,
+    mask: AttnMask | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the whole row from this rank's shards.
 
     Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
@@ -99,14 +112,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, *, 
         InconsistentRanksError: The cp ranks were called with different arguments (`cp.validate`).
         CommTimeoutError: A peer rank died or stopped calling (with `init_cp_mesh(timeout=...)`).
     """
-    spec = AttentionSpec(causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, backend=backend,
-                         seq_len=seq_len, cu_seqlens=cu_seqlens, window=window, head_chunks=head_chunks,
-                         softcap=softcap, chunk_size=chunk_size, overlap=overlap, mask=mask)
+    spec = AttentionSpec(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+        backend=backend,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
+        window=window,
+        head_chunks=head_chunks,
+        softcap=softcap,
+        chunk_size=chunk_size,
+        overlap=overlap,
+        mask=mask,
+    )
     return run_attention(q, k, v, cp, spec, sinks)
 
 
-def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, spec: AttentionSpec,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def run_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: CPMesh,
+    spec: AttentionSpec,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`hcp.attention` with its settings as one `AttentionSpec` (the transformers attention function calls this)."""
     if torch.compiler.is_compiling():  # dynamo cannot trace the collectives: hand the call to the custom op
         from .compiled import compiled_attention  # on the first trace: `import hybrid_cp` leaves torch._dynamo out
@@ -138,9 +168,11 @@ def _local_callable(q, k, v, cp: CPMesh, lay: Layout, backend: LocalAttention) -
     out_h = backend(qh, kh, vh)
     want = (*qh.shape[:3], vh.shape[3])
     if not isinstance(out_h, torch.Tensor) or tuple(out_h.shape) != want:
-        raise ShapeError(f"the local attention callable returned "
-                         f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
-                         f"shaped like its q input with v's head dim, {want}")
+        raise ShapeError(
+            f"the local attention callable returned "
+            f"{getattr(out_h, 'shape', type(out_h).__name__)}; it must return a tensor "
+            f"shaped like its q input with v's head dim, {want}"
+        )
     return HeadToSeq.apply(cp, split, lay, out_h)
 
 
@@ -148,4 +180,4 @@ def _eager_attention(*args, **kwargs):
     return run_attention(*args, **kwargs)
 
 
-_outside_graph = eager_only(_eager_attention)   # a graph break, run eagerly
+_outside_graph = eager_only(_eager_attention)  # a graph break, run eagerly

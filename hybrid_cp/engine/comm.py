@@ -21,7 +21,7 @@ from ..errors import CommTimeoutError, CPError
 if TYPE_CHECKING:
     from .mesh import CPMesh
 
-Ranges = tuple[tuple[int, int], ...]   # a head range per ulysses rank
+Ranges = tuple[tuple[int, int], ...]  # a head range per ulysses rank
 
 
 @dataclass
@@ -81,7 +81,8 @@ def comm_guard(cp: "CPMesh", what: str) -> Iterator[None]:
             f"{what} failed on cp rank {cp.rank} (ulysses {cp.ulysses_rank}, ring {cp.ring_rank}) within the "
             f"group timeout {getattr(cp, 'timeout', None)}: a peer rank died, hung, or raised on its own. "
             f"Backend said: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Look for the first "
-            f"error on the other ranks; set init_cp_mesh(timeout=...) to fail sooner") from exc
+            f"error on the other ranks; set init_cp_mesh(timeout=...) to fail sooner"
+        ) from exc
 
 
 class Posted:
@@ -90,8 +91,7 @@ class Posted:
     engine. With `timed`, the time blocked in `wait()` is what a head-chunk schedule left exposed
     (`counters(cp).chunk_wait_s`)."""
 
-    def __init__(self, cp: "CPMesh", work, keep: tuple, finish: Callable[[], list], stage: str,
-                 timed: bool = False):
+    def __init__(self, cp: "CPMesh", work, keep: tuple, finish: Callable[[], list], stage: str, timed: bool = False):
         self.cp, self.work, self.keep, self.finish, self.stage, self.timed = cp, work, keep, finish, stage, timed
 
     @classmethod
@@ -108,12 +108,19 @@ class Posted:
                 counters(self.cp).chunk_wait_s += time.perf_counter() - start
         # the work object holds both buffers: dropped with the send buffer before `finish` makes its copies
         self.keep, self.work = (), None
-        result, self.finish = self.finish(), None   # drop the receive buffer with the closure
+        result, self.finish = self.finish(), None  # drop the receive buffer with the closure
         return result
 
 
-def _post(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], stage: str,
-          finish: Callable[[torch.Tensor], list], timed: bool) -> Posted:
+def _post(
+    cp: "CPMesh",
+    send: torch.Tensor,
+    send_sizes: list[int],
+    recv_sizes: list[int],
+    stage: str,
+    finish: Callable[[torch.Tensor], list],
+    timed: bool,
+) -> Posted:
     """Post the ulysses all-to-all of `send`; the handle's result is `finish(receive buffer)`."""
     recv = send.new_empty(sum(recv_sizes))
     count(cp, stage, (sum(send_sizes) - send_sizes[cp.ulysses_rank]) * send.element_size())
@@ -122,8 +129,15 @@ def _post(cp: "CPMesh", send: torch.Tensor, send_sizes: list[int], recv_sizes: l
     return Posted(cp, work, (send,), lambda: finish(recv), stage, timed)
 
 
-def post_seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], stage: str, *,
-                     then: Callable[[torch.Tensor], torch.Tensor] | None = None, timed: bool = False) -> Posted:
+def post_seq_to_head(
+    cp: "CPMesh",
+    parts: list[torch.Tensor],
+    ranges: list[Ranges],
+    stage: str,
+    *,
+    then: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    timed: bool = False,
+) -> Posted:
     """Post one fused all-to-all: [B, S, h_i, D_i] per part -> [B, u*S, own heads of part i, D_i].
 
     `ranges[i][p]` is the head range of part i that ulysses rank p receives; each part keeps its own head
@@ -133,22 +147,23 @@ def post_seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Range
     """
     u, me = cp.ulysses_size, cp.ulysses_rank
     then = then or (lambda x: x)
-    if u == 1:   # no exchange; a part whose range is all its heads is passed on as it is (no view)
-        return Posted.done(cp, [then(x if r[0] == (0, x.shape[2]) else x[:, :, r[0][0]:r[0][1]])
-                                for x, r in zip(parts, ranges)])
+    if u == 1:  # no exchange; a part whose range is all its heads is passed on as it is (no view)
+        return Posted.done(
+            cp, [then(x if r[0] == (0, x.shape[2]) else x[:, :, r[0][0] : r[0][1]]) for x, r in zip(parts, ranges)]
+        )
     b, s = parts[0].shape[:2]
     dims = [x.shape[3] for x in parts]
     send_sizes = [b * s * sum((r[p][1] - r[p][0]) * d for r, d in zip(ranges, dims)) for p in range(u)]
     send = parts[0].new_empty(sum(send_sizes))
     offset = 0
-    for p, size in enumerate(send_sizes):   # peer p's block: [B, S, its heads of part 0 | of part 1 | ...]
-        block, col = send[offset:offset + size].view(b, s, size // (b * s)), 0
+    for p, size in enumerate(send_sizes):  # peer p's block: [B, S, its heads of part 0 | of part 1 | ...]
+        block, col = send[offset : offset + size].view(b, s, size // (b * s)), 0
         offset += size
         for x, r, d in zip(parts, ranges, dims):
             h = r[p][1] - r[p][0]
-            block[:, :, col:col + h * d].view(b, s, h, d).copy_(x[:, :, r[p][0]:r[p][1]])
+            block[:, :, col : col + h * d].view(b, s, h, d).copy_(x[:, :, r[p][0] : r[p][1]])
             col += h * d
-    parts.clear()   # consumed: what the caller handed over is freed before the receive buffer is allocated
+    parts.clear()  # consumed: what the caller handed over is freed before the receive buffer is allocated
     mine = [r[me][1] - r[me][0] for r in ranges]
     widths = [h * d for h, d in zip(mine, dims)]
 
@@ -164,19 +179,27 @@ def seq_to_head(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], s
     return post_seq_to_head(cp, parts, ranges, stage).wait()
 
 
-def post_head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], targets: list[torch.Tensor],
-                     stage: str, accumulate: bool = False, *, timed: bool = False) -> Posted:
+def post_head_to_seq(
+    cp: "CPMesh",
+    parts: list[torch.Tensor],
+    ranges: list[Ranges],
+    targets: list[torch.Tensor],
+    stage: str,
+    accumulate: bool = False,
+    *,
+    timed: bool = False,
+) -> Posted:
     """Post the inverse all-to-all: [B, u*S (gathered order), own heads, D_i] -> write (or, with
     `accumulate`, add: the gradient of a replicated KV head is the sum of its replicas') each rank's
     heads into targets[i] [B, S, heads, D] at ranges[i][p]. The handle's result is `targets`. `parts` (the
     list) is emptied once packed."""
     if cp.ulysses_size == 1:
         for x, r, t in zip(parts, ranges, targets):
-            view = t[:, :, r[0][0]:r[0][1]]
+            view = t[:, :, r[0][0] : r[0][1]]
             view.add_(x) if accumulate else view.copy_(x)
         return Posted.done(cp, targets)
     send, sizes_out, sizes_in = pack_head_to_seq(parts, ranges, cp.ulysses_size)
-    parts.clear()   # consumed: what the caller handed over is freed before the receive buffer is allocated
+    parts.clear()  # consumed: what the caller handed over is freed before the receive buffer is allocated
 
     def finish(recv: torch.Tensor) -> list:
         unpack_head_to_seq_(recv, targets, ranges, sizes_in, accumulate)
@@ -185,8 +208,14 @@ def post_head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Range
     return _post(cp, send, sizes_out, sizes_in, stage, finish, timed)
 
 
-def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], heads: list[int], stage: str,
-                accumulate: bool = False) -> list[torch.Tensor]:
+def head_to_seq(
+    cp: "CPMesh",
+    parts: list[torch.Tensor],
+    ranges: list[Ranges],
+    heads: list[int],
+    stage: str,
+    accumulate: bool = False,
+) -> list[torch.Tensor]:
     """`post_head_to_seq` into new [B, S, heads[i], D] tensors (fp32 sums with `accumulate`), waited for;
     with ulysses = 1 the parts themselves."""
     u = cp.ulysses_size
@@ -194,8 +223,10 @@ def head_to_seq(cp: "CPMesh", parts: list[torch.Tensor], ranges: list[Ranges], h
         return list(parts)
     b, n = parts[0].shape[:2]
     dtypes = [x.dtype for x in parts]
-    outs = [torch.zeros(b, n // u, h, x.shape[3], dtype=acc_dtype(x.dtype) if accumulate else x.dtype,
-                        device=x.device) for x, h in zip(parts, heads)]
+    outs = [
+        torch.zeros(b, n // u, h, x.shape[3], dtype=acc_dtype(x.dtype) if accumulate else x.dtype, device=x.device)
+        for x, h in zip(parts, heads)
+    ]
     post_head_to_seq(cp, parts, ranges, outs, stage, accumulate).wait()
     return [o.to(dt) for o, dt in zip(outs, dtypes)]
 
@@ -205,8 +236,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def pack_head_to_seq(parts: list[torch.Tensor], ranges: list[Ranges],
-                     u: int) -> tuple[torch.Tensor, list[int], list[int]]:
+def pack_head_to_seq(
+    parts: list[torch.Tensor], ranges: list[Ranges], u: int
+) -> tuple[torch.Tensor, list[int], list[int]]:
     """The send buffer of the head -> sequence all-to-all (rank-major tokens, my heads of every part
     fused, each part with its own head dim), its per-peer sizes, and the per-peer sizes to receive (peer
     p's heads of each part)."""
@@ -218,18 +250,19 @@ def pack_head_to_seq(parts: list[torch.Tensor], ranges: list[Ranges],
     return send, [b * s * sum(widths)] * u, sizes_in
 
 
-def unpack_head_to_seq_(recv: torch.Tensor, targets: list[torch.Tensor], ranges: list[Ranges],
-                        sizes_in: list[int], accumulate: bool) -> None:
+def unpack_head_to_seq_(
+    recv: torch.Tensor, targets: list[torch.Tensor], ranges: list[Ranges], sizes_in: list[int], accumulate: bool
+) -> None:
     """Write (or, for replicated KV gradients, add) each peer's heads into targets[i] [B, S, heads, D_i]."""
     b, s = targets[0].shape[:2]
     offset = 0
     for p, size in enumerate(sizes_in):
         heads = [r[p][1] - r[p][0] for r in ranges]
         widths = [h * t.shape[3] for h, t in zip(heads, targets)]
-        block = recv[offset:offset + size].view(b, s, sum(widths))
+        block = recv[offset : offset + size].view(b, s, sum(widths))
         offset += size
         for t, r, h, piece in zip(targets, ranges, heads, block.split(widths, dim=2)):
-            view = t[:, :, r[p][0]:r[p][1]]
+            view = t[:, :, r[p][0] : r[p][1]]
             piece = piece.view(b, s, h, t.shape[3])
             view.add_(piece) if accumulate else view.copy_(piece)
 
@@ -242,8 +275,10 @@ class RingExchange:
 
     def start(self, send: torch.Tensor, recv: torch.Tensor) -> list:
         count(self.cp, self.stage, send.numel() * send.element_size())
-        ops = [dist.P2POp(dist.isend, send, self.cp.ring_next, self.group),
-               dist.P2POp(dist.irecv, recv, self.cp.ring_prev, self.group)]
+        ops = [
+            dist.P2POp(dist.isend, send, self.cp.ring_next, self.group),
+            dist.P2POp(dist.irecv, recv, self.cp.ring_prev, self.group),
+        ]
         with comm_guard(self.cp, f"the ring exchange ({self.stage})"):
             return dist.batch_isend_irecv(ops)
 
@@ -261,7 +296,8 @@ class RingExchange:
                 f"a ring exchange failed{'' if cp is None else f' on cp rank {cp.rank} (timeout {cp.timeout})'}: "
                 f"a peer rank died, hung, or raised on its own. Backend said: "
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Look for the first error on "
-                f"the other ranks; set init_cp_mesh(timeout=...) to fail sooner") from exc
+                f"the other ranks; set init_cp_mesh(timeout=...) to fail sooner"
+            ) from exc
 
 
 class _GatherSummaries(torch.autograd.Function):
@@ -305,8 +341,9 @@ class _SummaryExchange(torch.autograd.Function):
     its sender. `tie` chains the rounds, so that every rank runs their backwards in the same order."""
 
     @staticmethod
-    def forward(ctx, tie: torch.Tensor, cp: "CPMesh", stage: str, to: tuple, frm: tuple, sizes: tuple,
-                *sent: torch.Tensor):
+    def forward(
+        ctx, tie: torch.Tensor, cp: "CPMesh", stage: str, to: tuple, frm: tuple, sizes: tuple, *sent: torch.Tensor
+    ):
         ctx.cp, ctx.stage, ctx.to, ctx.frm = cp, stage, to, frm
         ctx.sent = [(t.numel(), t.dtype, t.device) for t in sent]
         dtype = sent[0].dtype if sent else tie.dtype
@@ -335,8 +372,9 @@ def _p2p(cp: "CPMesh", stage: str, send: list, to: tuple, recv: list, frm: tuple
             work.wait()
 
 
-def exchange_summaries(cp: "CPMesh", tie: torch.Tensor, send: dict[int, torch.Tensor], recv: dict[int, int],
-                       stage: str) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def exchange_summaries(
+    cp: "CPMesh", tie: torch.Tensor, send: dict[int, torch.Tensor], recv: dict[int, int], stage: str
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """One round of a summary scan: send `send[r]` (flat) to cp rank r, receive `recv[r]` numbers from cp rank
     r; differentiable (the gradients travel back). Returns (the next round's `tie`, {r: received}); stages
     `<stage>_fwd` / `<stage>_bwd` in `comm_bytes`."""

@@ -52,6 +52,7 @@ log = logging.getLogger("hybrid_cp")
 
 __all__ = ["compiled_attention", "registered_mesh"]
 
+
 class _Registry:
     """Objects that cannot be op arguments, by small integer key in first-use order (the same on every
     rank of an SPMD program, so every rank compiles the same graph). Entries stay alive: a key must
@@ -69,7 +70,7 @@ class _Registry:
 
 
 _MESHES = _Registry()
-_KERNELS = _Registry()   # kernel objects passed as backend=
+_KERNELS = _Registry()  # kernel objects passed as backend=
 _KERNEL_PREFIX = "#kernel:"
 
 
@@ -96,21 +97,25 @@ def _kernel_key(backend: Any) -> str:
 
 
 def _backend(arg: str) -> Any:
-    return _KERNELS.items[int(arg[len(_KERNEL_PREFIX):])] if arg.startswith(_KERNEL_PREFIX) else arg
+    return _KERNELS.items[int(arg[len(_KERNEL_PREFIX) :])] if arg.startswith(_KERNEL_PREFIX) else arg
 
 
-def _call(cp: CPMesh, spec: AttentionSpec, shape: tuple[int, int, int, int], kv_heads: int, like: torch.Tensor,
-          v_dim: int) -> AttentionCall:
+def _call(
+    cp: CPMesh, spec: AttentionSpec, shape: tuple[int, int, int, int], kv_heads: int, like: torch.Tensor, v_dim: int
+) -> AttentionCall:
     """The call's plan handle in backward, recomputed without checks (forward checked the same arguments).
     `shape` is q's, `like` a tensor of q's dtype and device, `v_dim` v's head dim."""
-    if spec.mask is not None:   # as validate's checks: the mask's own layout, its window folded into the mask
+    if spec.mask is not None:  # as validate's checks: the mask's own layout, its window folded into the mask
         lay, window, mask = row_layout(cp, local_len=shape[1], mask=spec.mask), None, mask_in_effect(spec)
     else:
-        lay, mask = row_layout(cp, local_len=shape[1], seq_len=spec.seq_len, cu_seqlens=spec.cu_seqlens,
-                               causal=spec.causal), None
+        lay, mask = (
+            row_layout(cp, local_len=shape[1], seq_len=spec.seq_len, cu_seqlens=spec.cu_seqlens, causal=spec.causal),
+            None,
+        )
         window = lay.effective_window(spec.causal, spec.window)
-    needs = kernel_keywords(lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v_dim != shape[3],
-                            mask is not None)
+    needs = kernel_keywords(
+        lay, spec.cu_seqlens, window, spec.chunk_size, spec.softcap, v_dim != shape[3], mask is not None
+    )
     kernel = get_kernel(spec.backend, like.device, like.dtype, shape[3], needs=needs)  # as forward
     return plan_call(cp, spec, Checked(lay, kernel, window, mask), shape, kv_heads, like.device)
 
@@ -136,25 +141,36 @@ def _unaliased(outs: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
 _FWD_OUT = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mesh: int,
-                   needs_grad: bool, *spec_args) -> tuple[torch.Tensor, ...]:
+def _attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+    mesh: int,
+    needs_grad: bool,
+    *spec_args,
+) -> tuple[torch.Tensor, ...]:
     """Validated hybrid attention forward. Returns (out, lse or an empty tensor, and for backward: q, k, v,
     out [B, u*S, own heads, D] and lse [B, own heads, u*S] in ring-block order, the sinks merged in)."""
     cp = registered_mesh(mesh)
     spec = _with_backend(AttentionSpec.from_op_args(*spec_args))
     ready = prepared(q, k, v, cp, spec, sinks, int(needs_grad))
     call = ready.plan(lambda: plan_call(cp, spec, ready.checked, tuple(q.shape), k.shape[2], q.device))
-    out, lse, saved = forward(call, q, k, v, want_lse=spec.return_lse, sinks=sinks)   # backward receives the halo again
+    out, lse, saved = forward(call, q, k, v, want_lse=spec.return_lse, sinks=sinks)  # backward receives the halo again
     if lse is None:
         lse = saved.lse_h.new_empty(0)
-    return tuple(_unaliased([out, lse, saved.qh, saved.kh, saved.vh, saved.out_h, saved.lse_h],
-                            (q, k, v, spec.cu_seqlens)))
+    return tuple(
+        _unaliased([out, lse, saved.qh, saved.kh, saved.vh, saved.out_h, saved.lse_h], (q, k, v, spec.cu_seqlens))
+    )
 
 
 attention_fwd = torch.library.custom_op(
-    "hybrid_cp::attention_fwd", _attention_fwd, mutates_args=(),
+    "hybrid_cp::attention_fwd",
+    _attention_fwd,
+    mutates_args=(),
     schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, int mesh, bool needs_grad, {AttentionSpec.OP_SCHEMA}) "
-           f"-> {_FWD_OUT}")
+    f"-> {_FWD_OUT}",
+)
 
 
 def _with_backend(spec: AttentionSpec) -> AttentionSpec:
@@ -183,13 +199,20 @@ def _attention_fwd_fake(q, k, v, sinks, mesh, needs_grad, *spec_args):
     acc = acc_dtype(q.dtype)
     dv = v.shape[3]
     lse = q.new_empty(b, h, s, dtype=acc) if spec.return_lse else q.new_empty(0, dtype=acc)
-    return (q.new_empty(b, s, h, dv), lse, q.new_empty(b, n, nq, d),
-            k.new_empty(b, n, nkv, d), v.new_empty(b, n, nkv, dv), q.new_empty(b, n, nq, dv),
-            q.new_empty(b, nq, n, dtype=acc))
+    return (
+        q.new_empty(b, s, h, dv),
+        lse,
+        q.new_empty(b, n, nq, d),
+        k.new_empty(b, n, nkv, d),
+        v.new_empty(b, n, nkv, dv),
+        q.new_empty(b, n, nq, dv),
+        q.new_empty(b, nq, n, dtype=acc),
+    )
 
 
-def _attention_bwd(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh: int,
-                   kv_heads: int, *spec_args) -> tuple[torch.Tensor, ...]:
+def _attention_bwd(
+    dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh: int, kv_heads: int, *spec_args
+) -> tuple[torch.Tensor, ...]:
     """Gradients of `attention_fwd` w.r.t. q, k, v and sinks (this rank's share; an empty tensor without
     sinks), eager backward's code, in its order. `saved`: the forward's q, k, v, out and lse in ring-block
     order."""
@@ -203,17 +226,24 @@ def _attention_bwd(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optiona
 
 
 attention_bwd = torch.library.custom_op(
-    "hybrid_cp::attention_bwd", _attention_bwd, mutates_args=(),
+    "hybrid_cp::attention_bwd",
+    _attention_bwd,
+    mutates_args=(),
     schema=f"(Tensor dout, Tensor[] saved, Tensor? sinks, int mesh, int kv_heads, {AttentionSpec.OP_SCHEMA}) "
-           f"-> (Tensor, Tensor, Tensor, Tensor)")
+    f"-> (Tensor, Tensor, Tensor, Tensor)",
+)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, saved, sinks, mesh, kv_heads, *spec_args):
     qh, kh, vh = saved[:3]
     b, s, h = dout.shape[:3]
-    return (qh.new_empty(b, s, h, qh.shape[3]), kh.new_empty(b, s, kv_heads, kh.shape[3]),
-            vh.new_empty(b, s, kv_heads, vh.shape[3]), dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
+    return (
+        qh.new_empty(b, s, h, qh.shape[3]),
+        kh.new_empty(b, s, kv_heads, kh.shape[3]),
+        vh.new_empty(b, s, kv_heads, vh.shape[3]),
+        dout.new_empty(0) if sinks is None else torch.empty_like(sinks),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -244,8 +274,9 @@ def _mask_arg(mask: Any) -> torch.Tensor | None:
     return mask.encoded if isinstance(mask, AttnMask) else encode_mask(mask)
 
 
-def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, spec: AttentionSpec,
-                       sinks: Any = None):
+def compiled_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPMesh, spec: AttentionSpec, sinks: Any = None
+):
     """`hcp.attention` while dynamo traces (`run_attention` calls this): one `hybrid_cp::attention_fwd` node in
     the graph. Same results as `hcp.attention`, or None for a call the op cannot express (it then runs eagerly
     outside the graph, which raises eager's error for invalid arguments).
@@ -263,8 +294,11 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CP
         reason = "a plain local-attention callable" if plain_callable else f"head_chunks={head_chunks}"
         if reason not in _WARNED:
             _WARNED.add(reason)
-            log.warning("hcp.attention with %s runs outside the compiled graph (a graph break per call); "
-                        "under torch.compile use a kernel backend and head_chunks=1", reason)
+            log.warning(
+                "hcp.attention with %s runs outside the compiled graph (a graph break per call); "
+                "under torch.compile use a kernel backend and head_chunks=1",
+                reason,
+            )
     if not isinstance(cp, CPMesh) or not op_expressible(q, k, v, cp, spec, sinks, backend_arg):
         return None
     cu_seqlens = spec.cu_seqlens

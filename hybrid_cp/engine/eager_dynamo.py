@@ -12,4 +12,4 @@ def _run(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-run_eagerly = torch.compiler.disable(_run, recursive=True)   # a graph break; fn and all it calls run eagerly
+run_eagerly = torch.compiler.disable(_run, recursive=True)  # a graph break; fn and all it calls run eagerly

@@ -54,8 +54,11 @@ class _ChunkedAttention(torch.autograd.Function):
         cp, lay, split, chunks = call.cp, call.lay, call.split, call.stages
         kv_flight = post_heads(cp, lay, [k, v], [split.kv, split.kv], "ulysses_fwd")
         out = q.new_empty(*q.shape[:3], v.shape[3])
-        lse_seq = torch.empty(q.shape[0], q.shape[1], q.shape[2], 1, dtype=acc_dtype(q.dtype), device=q.device) \
-            if want_lse else None
+        lse_seq = (
+            torch.empty(q.shape[0], q.shape[1], q.shape[2], 1, dtype=acc_dtype(q.dtype), device=q.device)
+            if want_lse
+            else None
+        )
         lses, halos, kv = [], [], []
 
         def post(j):
@@ -69,8 +72,16 @@ class _ChunkedAttention(torch.autograd.Function):
             halos.append(halo)
             landed = [post_home(cp, lay, [out_h], [chunks.q[j]], [out], "ulysses_fwd")]
             if want_lse:
-                landed.append(post_home(cp, lay, [lse_h.transpose(1, 2).unsqueeze(-1).contiguous()],
-                                        [chunks.q[j]], [lse_seq], "ulysses_lse"))
+                landed.append(
+                    post_home(
+                        cp,
+                        lay,
+                        [lse_h.transpose(1, 2).unsqueeze(-1).contiguous()],
+                        [chunks.q[j]],
+                        [lse_seq],
+                        "ulysses_lse",
+                    )
+                )
             return landed, None
 
         drive(list(range(chunks.count)), post, compute, overlap)
@@ -91,7 +102,7 @@ class _ChunkedAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         dkv_h = [torch.zeros(x.shape, dtype=acc, device=kh.device) for x in (kh, vh)]
         dq = torch.empty_like(q)
-        dsinks = None if sinks is None else torch.zeros_like(sinks)   # each stage adds its heads' share
+        dsinks = None if sinks is None else torch.zeros_like(sinks)  # each stage adds its heads' share
 
         def post(j):
             r = chunks.q[j]
@@ -116,8 +127,9 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq, dk.to(k_dtype), dv.to(k_dtype), dsinks, None, None, None
 
 
-def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *,
-                      sinks: torch.Tensor | None = None):
+def chunked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *, sinks: torch.Tensor | None = None
+):
     """The attention pipeline of `hcp.attention` over the head stages of `call` (`head_chunks` of them,
     see the module docstring), on the schedule `call.spec.overlap` says: False runs the chunks one after
     another, the least memory, which is what head chunks are for; True posts the next chunk's all-to-all
@@ -142,6 +154,8 @@ class _Removed(types.ModuleType):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_OVERLAP_MOVED = ("hybrid_cp.engine.headchunk.OVERLAP was replaced by a setting of each call: pass "
-                  "hcp.attention(..., overlap=True) or apply_context_parallel(..., overlap=True)")
+_OVERLAP_MOVED = (
+    "hybrid_cp.engine.headchunk.OVERLAP was replaced by a setting of each call: pass "
+    "hcp.attention(..., overlap=True) or apply_context_parallel(..., overlap=True)"
+)
 sys.modules[__name__].__class__ = _Removed

@@ -21,7 +21,7 @@ from ..errors import ConfigError
 class HeadSplit:
     """Which query heads and which (replicated) KV heads each ulysses rank works on."""
 
-    q: tuple[tuple[int, int], ...]   # per ulysses rank: [start, end) of its query heads
+    q: tuple[tuple[int, int], ...]  # per ulysses rank: [start, end) of its query heads
     kv: tuple[tuple[int, int], ...]  # per ulysses rank: [start, end) of the KV heads it needs
     heads: int
     kv_heads: int
@@ -50,8 +50,12 @@ def head_split(heads: int, kv_heads: int, ulysses: int) -> HeadSplit:
         ranks = _split(heads, kv_heads, ulysses)
     except ValueError as exc:  # topology's arithmetic raises plain ValueErrors; hybrid-cp raises CPErrors
         raise ConfigError(str(exc)) from None
-    return HeadSplit(tuple((start, start + c) for c, start, _, _ in ranks),
-                     tuple((lo, lo + k) for _, _, lo, k in ranks), heads, kv_heads)
+    return HeadSplit(
+        tuple((start, start + c) for c, start, _, _ in ranks),
+        tuple((lo, lo + k) for _, _, lo, k in ranks),
+        heads,
+        kv_heads,
+    )
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from topology import masks as range_masks
 
 from ..errors import ConfigError
 
-_FIELDS = 6   # (q_start, q_end, k_start, k_end, lo, hi) per slice
+_FIELDS = 6  # (q_start, q_end, k_start, k_end, lo, hi) per slice
 
 
 def encode_mask(mask: range_masks.AttnMask) -> torch.Tensor:
@@ -37,8 +37,10 @@ def decode_mask(encoded: torch.Tensor) -> AttnMask:
     `AttnMask.from_slices`, which checks the slices and gives the canonical form (sentinel bands -> None)."""
     values = tuple(encoded.tolist())
     if len(values) < 1 or (len(values) - 1) % _FIELDS:
-        raise ConfigError(f"an encoded mask holds seq_len and {_FIELDS} ints per slice, got {len(values)} ints; "
-                          f"build it with hybrid_cp.engine.masks.encode_mask")
+        raise ConfigError(
+            f"an encoded mask holds seq_len and {_FIELDS} ints per slice, got {len(values)} ints; "
+            f"build it with hybrid_cp.engine.masks.encode_mask"
+        )
     return _decoded(values)
 
 
@@ -46,7 +48,7 @@ def decode_mask(encoded: torch.Tensor) -> AttnMask:
 def _decoded(values: tuple[int, ...]) -> AttnMask:
     """The mask of valid encoded `values`, remembered: the compiled op decodes each mask in forward and again
     in backward, and `from_slices`' checks cost about 25 ms for 4000 slices."""
-    slices = [values[i:i + _FIELDS] for i in range(1, len(values), _FIELDS)]
+    slices = [values[i : i + _FIELDS] for i in range(1, len(values), _FIELDS)]
     return AttnMask.from_slices(values[0], slices)
 
 
@@ -76,7 +78,7 @@ class AttnMask(range_masks.AttnMask):
         super().__post_init__()
         encoded = encode_mask(self)
         dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is not None:   # loaded by a torch.compile; otherwise left out (about 1 s of import)
+        if dynamo is not None:  # loaded by a torch.compile; otherwise left out (about 1 s of import)
             dynamo.maybe_mark_dynamic(encoded, 0)
         object.__setattr__(self, "encoded", encoded)
 

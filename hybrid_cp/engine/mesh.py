@@ -24,7 +24,7 @@ from .agreement import DestroyedGroup
 from .rules import is_int, positive_int
 
 log = logging.getLogger("hybrid_cp")
-_SERIAL = itertools.count()   # meshes built by this process, in order (the same on every rank)
+_SERIAL = itertools.count()  # meshes built by this process, in order (the same on every rank)
 
 
 # ---- init_cp_mesh's arguments ------------------------------------------------------------------
@@ -33,13 +33,19 @@ VALIDATE_MODES = (True, "always", "debug", False)
 
 
 def _divisor_hint(world: int) -> str:
-    pairs = [f"(ulysses={u}, ring={d // u})" for d in range(1, world + 1) if world % d == 0
-             for u in range(1, d + 1) if d % u == 0]
+    pairs = [
+        f"(ulysses={u}, ring={d // u})"
+        for d in range(1, world + 1)
+        if world % d == 0
+        for u in range(1, d + 1)
+        if d % u == 0
+    ]
     return ", ".join(pairs[-12:])
 
 
-def mesh_arguments(ulysses: Any, ring: Any, dp: Any, plan: Any, layout: Any, validate: Any, timeout: Any,
-                   world: int) -> tuple[int, int, int]:
+def mesh_arguments(
+    ulysses: Any, ring: Any, dp: Any, plan: Any, layout: Any, validate: Any, timeout: Any, world: int
+) -> tuple[int, int, int]:
     """`init_cp_mesh`'s arguments checked against the world size; returns (ulysses, ring, dp)."""
     if plan is not None:
         if ulysses is not None or ring is not None:
@@ -53,25 +59,33 @@ def mesh_arguments(ulysses: Any, ring: Any, dp: Any, plan: Any, layout: Any, val
     except ValueError as exc:
         raise ConfigError(f"layout={layout!r}: {exc}") from None
     if not (isinstance(validate, bool) or validate in ("always", "debug")):
-        raise ConfigError(f"validate={validate!r} must be True (check each new call signature), \"always\" (a "
-                          f"cheap check on every call), \"debug\" (full check, metadata checksum, NaN/inf) or "
-                          f"False (no check)")
+        raise ConfigError(
+            f'validate={validate!r} must be True (check each new call signature), "always" (a '
+            f'cheap check on every call), "debug" (full check, metadata checksum, NaN/inf) or '
+            f"False (no check)"
+        )
     if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
-        raise ConfigError(f"timeout={timeout!r} must be a positive datetime.timedelta (or None to inherit "
-                          f"the default process group's timeout)")
+        raise ConfigError(
+            f"timeout={timeout!r} must be a positive datetime.timedelta (or None to inherit "
+            f"the default process group's timeout)"
+        )
     positive_int("ulysses", ulysses)
     positive_int("ring", ring)
     if dp is not None and not is_int(dp):  # ints are judged against the world size below
         positive_int("dp", dp)
     cp = ulysses * ring
     if world % cp != 0:
-        raise ConfigError(f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
-                          f"{world}; degrees that would work: {_divisor_hint(world)}")
+        raise ConfigError(
+            f"ulysses={ulysses} x ring={ring} = {cp} does not divide the world size "
+            f"{world}; degrees that would work: {_divisor_hint(world)}"
+        )
     if dp is None:
         dp = world // cp
     if dp * cp != world:
-        raise ConfigError(f"dp={dp} x ulysses={ulysses} x ring={ring} = {dp * cp} != world size "
-                          f"{world}; use dp={world // cp} (or leave dp unset)")
+        raise ConfigError(
+            f"dp={dp} x ulysses={ulysses} x ring={ring} = {dp * cp} != world size "
+            f"{world}; use dp={world // cp} (or leave dp unset)"
+        )
     return ulysses, ring, dp
 
 
@@ -83,10 +97,11 @@ def mesh_device(device: Any) -> torch.device:
         raise ConfigError(f"device={device!r} is not a device: {exc}") from None
     backend = getattr(torch, device.type, None)
     if device.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
-        raise ConfigError(f"device={str(device)!r}: this process has no {device.type} device; pass device='cpu' (gloo) "
-                          f"or run where {device.type} is available")
+        raise ConfigError(
+            f"device={str(device)!r}: this process has no {device.type} device; pass device='cpu' (gloo) "
+            f"or run where {device.type} is available"
+        )
     return device
-
 
 
 @dataclass(eq=False)  # identity: a mesh is one set of process groups (and a weak-dictionary key)
@@ -154,14 +169,24 @@ class CPMesh:
         return self.ring_ranks[(self.ring_rank - 1) % self.ring_size]
 
     def __repr__(self) -> str:
-        return (f"CPMesh(ulysses={self.ulysses_size}, ring={self.ring_size}, dp={self.dp_size}, "
-                f"layout={self.layout!r}, rank={self.rank}, device={self.device})")
+        return (
+            f"CPMesh(ulysses={self.ulysses_size}, ring={self.ring_size}, dp={self.dp_size}, "
+            f"layout={self.layout!r}, rank={self.rank}, device={self.device})"
+        )
 
 
-def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int | None = None,  # noqa: PLR0913 (public entry point)
-                 layout: str = "zigzag", plan: Any = None, device: str | torch.device | None = None,
-                 validate: bool | str = True, timeout: datetime.timedelta | None = None,
-                 share_world_with: CPMesh | None = None) -> CPMesh:
+def init_cp_mesh(  # noqa: PLR0913 (public entry point)
+    ulysses: int | None = None,
+    ring: int | None = None,
+    *,
+    dp: int | None = None,
+    layout: str = "zigzag",
+    plan: Any = None,
+    device: str | torch.device | None = None,
+    validate: bool | str = True,
+    timeout: datetime.timedelta | None = None,
+    share_world_with: CPMesh | None = None,
+) -> CPMesh:
     """Build the ("dp", "ring", "ulysses") mesh after `torch.distributed.init_process_group`.
 
     `plan` may be a `topology` plan (anything with integer `ulysses`, `ring`, `dp` attributes)
@@ -194,8 +219,10 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
         SetupError: No process group (call `torch.distributed.init_process_group` first).
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise SetupError("init_cp_mesh needs torch.distributed: call "
-                         "torch.distributed.init_process_group(...) first (or launch with torchrun)")
+        raise SetupError(
+            "init_cp_mesh needs torch.distributed: call "
+            "torch.distributed.init_process_group(...) first (or launch with torchrun)"
+        )
     world = dist.get_world_size()
     ulysses, ring, dp = mesh_arguments(ulysses, ring, dp, plan, layout, validate, timeout, world)
     if device is None:
@@ -218,19 +245,36 @@ def init_cp_mesh(ulysses: int | None = None, ring: int | None = None, *, dp: int
     # mesh keeps a destroyed mesh's cached plans (and groups) from reaching this one (destroy_cp_mesh)
     serial = next(_SERIAL)
     cp_flat = _flattened(mesh, ("ring", "ulysses"), f"cp_{serial}", timeout)
-    dp_cp = (share_world_with.dp_cp_mesh if share_world_with is not None   # the loss's and FSDP2's
-             else _flattened(mesh, ("dp", "ring", "ulysses"), f"dp_cp_{serial}", timeout))
+    dp_cp = (
+        share_world_with.dp_cp_mesh
+        if share_world_with is not None  # the loss's and FSDP2's
+        else _flattened(mesh, ("dp", "ring", "ulysses"), f"dp_cp_{serial}", timeout)
+    )
     # The validation all-reduce has a host (gloo) group of its own: it never syncs the device, and a
     # rank that checks while the others skip (validate=True) can only time out, never pair its
     # check with another collective.
     check_group = _my_group(cp_lists, timeout, backend="gloo")
     out = CPMesh(
-        ulysses_size=ulysses, ring_size=ring, dp_size=dp, layout=layout, device=device,
-        device_mesh=mesh, ulysses_group=mesh.get_group("ulysses"), ring_group=mesh.get_group("ring"),
-        ring_group_bwd=ring_bwd, cp_group=cp_flat.get_group(),
-        dp_cp_group=dp_cp.get_group(), dp_cp_mesh=dp_cp,
-        ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=dp_rank, ring_ranks=ring_ranks,
-        validate=validate, timeout=timeout, check_group=check_group)
+        ulysses_size=ulysses,
+        ring_size=ring,
+        dp_size=dp,
+        layout=layout,
+        device=device,
+        device_mesh=mesh,
+        ulysses_group=mesh.get_group("ulysses"),
+        ring_group=mesh.get_group("ring"),
+        ring_group_bwd=ring_bwd,
+        cp_group=cp_flat.get_group(),
+        dp_cp_group=dp_cp.get_group(),
+        dp_cp_mesh=dp_cp,
+        ulysses_rank=ulysses_rank,
+        ring_rank=ring_rank,
+        dp_rank=dp_rank,
+        ring_ranks=ring_ranks,
+        validate=validate,
+        timeout=timeout,
+        check_group=check_group,
+    )
     _announce(out, grid)
     return out
 
@@ -246,7 +290,7 @@ def destroy_cp_mesh(cp: CPMesh) -> None:
     Args:
         cp: The mesh (or family of meshes) to destroy.
     """
-    if isinstance(getattr(cp, "meshes", None), dict):   # a CPMeshes (engine/meshes.py): it knows what it shares
+    if isinstance(getattr(cp, "meshes", None), dict):  # a CPMeshes (engine/meshes.py): it knows what it shares
         cp.destroy()
         return
     default = dist.distributed_c10d._get_default_group()
@@ -260,11 +304,19 @@ def destroy_cp_mesh(cp: CPMesh) -> None:
         seen.add(id(group))
         dist.destroy_process_group(group)
     del groups, group
-    if cp.device_mesh is not None:   # DTensor's caches may keep the DeviceMesh: it must not keep the groups
+    if cp.device_mesh is not None:  # DTensor's caches may keep the DeviceMesh: it must not keep the groups
         getattr(cp.device_mesh, "_pg_registry", {}).clear()
     # a destroyed group's threads end with its last reference: the mesh lets go of them (using it raises)
-    for name in ("ulysses_group", "ring_group", "ring_group_bwd", "cp_group", "dp_cp_group", "check_group",
-                 "device_mesh", "dp_cp_mesh"):
+    for name in (
+        "ulysses_group",
+        "ring_group",
+        "ring_group_bwd",
+        "cp_group",
+        "dp_cp_group",
+        "check_group",
+        "device_mesh",
+        "dp_cp_mesh",
+    ):
         setattr(cp, name, DestroyedGroup())
 
 
@@ -304,8 +356,9 @@ def _device_mesh(device: torch.device, shape: tuple[int, int, int], timeout: dat
     options = _group_options(timeout)
     if options is not None:
         try:
-            return init_device_mesh(device.type, shape, mesh_dim_names=names,
-                                    backend_override={n: options for n in names})
+            return init_device_mesh(
+                device.type, shape, mesh_dim_names=names, backend_override={n: options for n in names}
+            )
         except TypeError:  # torch without backend_override
             pass
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
@@ -333,8 +386,9 @@ def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:
     try:
         c10d._set_pg_timeout(timeout, group)
     except Exception as exc:  # torch without per-group timeouts: say so once instead of hanging silently
-        log.warning("could not set timeout=%s on a DeviceMesh group (%s); that group keeps its own timeout",
-                    timeout, exc)
+        log.warning(
+            "could not set timeout=%s on a DeviceMesh group (%s); that group keeps its own timeout", timeout, exc
+        )
 
 
 def _announce(cp: CPMesh, grid: list) -> None:
@@ -347,16 +401,36 @@ def _announce(cp: CPMesh, grid: list) -> None:
     me = dist.get_rank()
     ulysses_ranks = grid[cp.dp_rank][cp.ring_rank]
     nodes = sorted({r // local for r in ulysses_ranks}) if local > 0 else None
-    placement = (f"ulysses ranks {ulysses_ranks} on node(s) {nodes}" if nodes is not None
-                 else f"ulysses ranks {ulysses_ranks} (LOCAL_WORLD_SIZE unset: node placement unknown)")
+    placement = (
+        f"ulysses ranks {ulysses_ranks} on node(s) {nodes}"
+        if nodes is not None
+        else f"ulysses ranks {ulysses_ranks} (LOCAL_WORLD_SIZE unset: node placement unknown)"
+    )
     if me == 0 or log.isEnabledFor(logging.DEBUG):
-        log.info("hybrid-cp mesh: ulysses=%d ring=%d dp=%d layout=%s backend=%s device=%s validate=%s "
-                 "timeout=%s; rank %d: %s, ring ranks %s", cp.ulysses_size, cp.ring_size, cp.dp_size, cp.layout,
-                 backend, cp.device, cp.validate, cp.timeout, me, placement, cp.ring_ranks)
+        log.info(
+            "hybrid-cp mesh: ulysses=%d ring=%d dp=%d layout=%s backend=%s device=%s validate=%s "
+            "timeout=%s; rank %d: %s, ring ranks %s",
+            cp.ulysses_size,
+            cp.ring_size,
+            cp.dp_size,
+            cp.layout,
+            backend,
+            cp.device,
+            cp.validate,
+            cp.timeout,
+            me,
+            placement,
+            cp.ring_ranks,
+        )
     if nodes is not None and len(nodes) > 1:
-        log.warning("the ulysses group %s spans nodes %s (LOCAL_WORLD_SIZE=%d): its all-to-all runs over the "
-                    "inter-node network; use ulysses <= %d and put the rest of the degree into ring",
-                    ulysses_ranks, nodes, local, local)
+        log.warning(
+            "the ulysses group %s spans nodes %s (LOCAL_WORLD_SIZE=%d): its all-to-all runs over the "
+            "inter-node network; use ulysses <= %d and put the rest of the degree into ring",
+            ulysses_ranks,
+            nodes,
+            local,
+            local,
+        )
 
 
 def _my_group(rank_lists: list[list[int]], timeout: datetime.timedelta | None = None, backend: str | None = None):

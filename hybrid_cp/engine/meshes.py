@@ -62,8 +62,9 @@ class CPMeshes:
         return f"CPMeshes(world={self.world}, degree: ulysses x ring = {{{splits}}})"
 
 
-def default_splits(world: int, degrees: list[int], heads: int | None = None,
-                   per_node: int | None = None) -> dict[int, tuple[int, int]]:
+def default_splits(
+    world: int, degrees: list[int], heads: int | None = None, per_node: int | None = None
+) -> dict[int, tuple[int, int]]:
     """(ulysses, ring) per degree without a cost model: ulysses inside a node first (`per_node`,
     default LOCAL_WORLD_SIZE, else the world), as large as divides the heads, the rest ring."""
     node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world
@@ -85,15 +86,24 @@ def _degree_list(degrees: list[int] | None, world: int) -> list[int]:
         return out
     bad = [k for k in degrees if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k & (k - 1) or world % k]
     if bad or 1 not in degrees:
-        raise ConfigError(f"degrees={degrees!r}: each must be a power of two dividing the world size {world}, and "
-                          f"1 must be among them (short documents run on one rank); e.g. degrees=[1, 2, 4]")
+        raise ConfigError(
+            f"degrees={degrees!r}: each must be a power of two dividing the world size {world}, and "
+            f"1 must be among them (short documents run on one rank); e.g. degrees=[1, 2, 4]"
+        )
     return sorted(set(degrees))
 
 
-def init_cp_meshes(degrees: list[int] | None = None, *, splits: dict[int, tuple[int, int]] | None = None,
-                   heads: int | None = None, per_node: int | None = None, cost: list[Degree] | None = None,
-                   layout: str = "zigzag", validate: bool | str = True,
-                   timeout: datetime.timedelta | None = None) -> CPMeshes:
+def init_cp_meshes(
+    degrees: list[int] | None = None,
+    *,
+    splits: dict[int, tuple[int, int]] | None = None,
+    heads: int | None = None,
+    per_node: int | None = None,
+    cost: list[Degree] | None = None,
+    layout: str = "zigzag",
+    validate: bool | str = True,
+    timeout: datetime.timedelta | None = None,
+) -> CPMeshes:
     """Build, collectively on every rank, one mesh per allowed degree (default every power of two that
     divides the world). Each degree's (ulysses, ring): `cost` (from `topology.degree_table`, which asks the
     planner and the memory model, and also prices the groups for the scheduler), else `splits`, else
@@ -124,10 +134,11 @@ def init_cp_meshes(degrees: list[int] | None = None, *, splits: dict[int, tuple[
         table = {d.size: d for d in uniform_degrees(world, splits or default_splits(world, ks, heads, per_node))}
         cost = [table[k] for k in ks]
     meshes: dict[int, CPMesh] = {}
-    for d in sorted(cost, key=lambda d: d.size):   # one fixed order on every rank
+    for d in sorted(cost, key=lambda d: d.size):  # one fixed order on every rank
         first = meshes[min(meshes)] if meshes else None
-        meshes[d.size] = init_cp_mesh(d.ulysses, d.ring, layout=layout, validate=validate, timeout=timeout,
-                                      share_world_with=first)
+        meshes[d.size] = init_cp_mesh(
+            d.ulysses, d.ring, layout=layout, validate=validate, timeout=timeout, share_world_with=first
+        )
     check = dist.new_group(list(range(world)), backend="gloo", timeout=meshes[min(meshes)].timeout)
     out = CPMeshes(meshes, tuple(sorted(cost, key=lambda d: d.size)), world, check)
     _warm(out)

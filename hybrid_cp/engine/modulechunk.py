@@ -82,18 +82,18 @@ class _Chunk:
     """A module chunk while it is in flight: its tensors and its attention call (head split, stages, plan)."""
 
     j: int
-    x: Projected | None   # None once the chunk's last stage is posted
+    x: Projected | None  # None once the chunk's last stage is posted
     call: AttentionCall
     kh: torch.Tensor | None = None
     vh: torch.Tensor | None = None
-    out: torch.Tensor | None = None       # the chunk's attention output, back in sequence layout
-    dout: torch.Tensor | None = None      # backward: d(out) of the chunk's heads
+    out: torch.Tensor | None = None  # the chunk's attention output, back in sequence layout
+    dout: torch.Tensor | None = None  # backward: d(out) of the chunk's heads
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.q_like = torch.empty(0, dtype=self.x.q.dtype, device=self.x.q.device)   # for late allocations
+        self.q_like = torch.empty(0, dtype=self.x.q.dtype, device=self.x.q.device)  # for late allocations
         self.q_shape, self.kv_shape, self.v_shape = self.x.q.shape, self.x.k.shape, self.x.v.shape
-        self.out_shape = (*self.q_shape[:3], self.v_shape[3])   # the attention output has v's head dim
+        self.out_shape = (*self.q_shape[:3], self.v_shape[3])  # the attention output has v's head dim
 
     @property
     def stages(self) -> HeadChunks:
@@ -114,18 +114,27 @@ class _Engine:
     def chunk(self, j: int, x: Projected) -> _Chunk:
         if j not in self.per_chunk:
             if x.sinks is not None:
-                raise ConfigError("module-level head chunks do not take attention sinks (the sinks' gradient would "
-                                  "have to flow back through the chunk's recomputed projections); use engine-level "
-                                  "head chunks (chunk_projections=False) or head_chunks=1 for models with sinks")
+                raise ConfigError(
+                    "module-level head chunks do not take attention sinks (the sinks' gradient would "
+                    "have to flow back through the chunk's recomputed projections); use engine-level "
+                    "head chunks (chunk_projections=False) or head_chunks=1 for models with sinks"
+                )
             spec = replace(x.spec, backend="auto", head_chunks=1, return_lse=False)
             checked = prepared(x.q, x.k, x.v, self.cp, spec, None, self.needs_grad).checked
-            self.per_chunk[j] = plan_call(self.cp, replace(spec, head_chunks=self.engine_chunks), checked,
-                                          tuple(x.q.shape), x.k.shape[2], x.q.device)
+            self.per_chunk[j] = plan_call(
+                self.cp,
+                replace(spec, head_chunks=self.engine_chunks),
+                checked,
+                tuple(x.q.shape),
+                x.k.shape[2],
+                x.q.device,
+            )
         return _Chunk(j, x, self.per_chunk[j])
 
     def stage_count(self, heads: int, kv_heads: int) -> int:
-        return chunk_heads(head_split(heads, kv_heads, self.cp.ulysses_size), self.engine_chunks,
-                           self.cp.ulysses_rank).count
+        return chunk_heads(
+            head_split(heads, kv_heads, self.cp.ulysses_size), self.engine_chunks, self.cp.ulysses_rank
+        ).count
 
 
 def _post_inputs(c: _Chunk, e: int, parts: list[torch.Tensor], stage: str) -> Posted:
@@ -134,10 +143,10 @@ def _post_inputs(c: _Chunk, e: int, parts: list[torch.Tensor], stage: str) -> Po
     stage is posted its local Q/K/V are dropped (the send buffer holds what is still travelling)."""
     call = c.call
     ranges = [c.stages.q[e]] * len(parts)
-    if e == 0:   # in place: the caller's list is the one handed over
+    if e == 0:  # in place: the caller's list is the one handed over
         parts.extend([c.x.k, c.x.v])
         ranges += [call.split.kv, call.split.kv]
-    if c.last(e):   # handed over with `parts`: freed once packed, before the receive buffer is allocated
+    if c.last(e):  # handed over with `parts`: freed once packed, before the receive buffer is allocated
         c.x = None
     return post_heads(call.cp, call.lay, parts, ranges, stage)
 
@@ -154,7 +163,7 @@ class _Forward:
         self.project, self.q_ranges, self.engine, self.tensors, self.keep = project, q_ranges, engine, tensors, keep
         self.chunks: dict[int, _Chunk] = {}
         self.y: list[torch.Tensor] = []
-        self.kept: list[torch.Tensor] = []   # with keep, per stage in order: its output (head layout) and lse
+        self.kept: list[torch.Tensor] = []  # with keep, per stage in order: its output (head layout) and lse
 
     def post(self, stage) -> Posted:
         j, e = stage
@@ -177,15 +186,15 @@ class _Forward:
         landed = [post_home(c.call.cp, c.call.lay, [out_h], [c.stages.q[e]], [c.out], "ulysses_fwd")]
         if not c.last(e):
             return landed, None
-        del self.chunks[j]   # its Q/K/V and exchanged K/V go with its last stage; the output follows when landed
+        del self.chunks[j]  # its Q/K/V and exchanged K/V go with its last stage; the output follows when landed
         c.kh = c.vh = None
         return landed, c
 
-    def finish(self, c: _Chunk) -> None:   # the output projection of the chunk's heads (the bias once)
+    def finish(self, c: _Chunk) -> None:  # the output projection of the chunk's heads (the bias once)
         w_o, b_o = self.tensors[-2], self.tensors[-1]
         qa, qb = self.q_ranges[c.j]
         d = c.out.shape[-1]
-        part = F.linear(c.out.flatten(2), w_o[:, qa * d:qb * d], b_o if not self.y else None)
+        part = F.linear(c.out.flatten(2), w_o[:, qa * d : qb * d], b_o if not self.y else None)
         c.out = None
         self.y.append(part if not self.y else self.y.pop().add_(part))
 
@@ -198,7 +207,7 @@ class _Backward:
     def __init__(self, project, q_ranges, engine: _Engine, tensors, dy: torch.Tensor, kept: dict, overlap: bool):
         self.project, self.q_ranges, self.engine, self.tensors, self.dy = project, q_ranges, engine, tensors, dy
         self.overlap = overlap
-        self.kept = kept   # stage -> (output in head layout, lse) from forward; empty: recompute them
+        self.kept = kept  # stage -> (output in head layout, lse) from forward; empty: recompute them
         self.w_o = tensors[-2]
         self.wanted = [t for t in tensors[:-2] if t.requires_grad]
         self.dw_o = torch.empty_like(self.w_o) if self.w_o.requires_grad else None
@@ -211,15 +220,15 @@ class _Backward:
             x = self.project(j, self.tensors)
         c = self.chunks[j] = self.engine.chunk(j, x)
         qa, qb = self.q_ranges[j]
-        d = x.v.shape[-1]   # the output projection reads the attention output, v's head dim
-        c.dout = F.linear(self.dy, self.w_o[:, qa * d:qb * d].t()).view(c.out_shape)
+        d = x.v.shape[-1]  # the output projection reads the attention output, v's head dim
+        c.dout = F.linear(self.dy, self.w_o[:, qa * d : qb * d].t()).view(c.out_shape)
         return c
 
     def post(self, stage) -> Posted:
         j, e = stage
         c = self.chunks[j] if j in self.chunks else self._start(j)
         parts = [c.x.q, c.dout]
-        if c.last(e):   # the chunk's last stage: its d(out) travels in the send buffer
+        if c.last(e):  # the chunk's last stage: its d(out) travels in the send buffer
             c.dout = None
         return _post_inputs(c, e, parts, "ulysses_bwd")
 
@@ -230,10 +239,10 @@ class _Backward:
         if e == 0:
             c.kh, c.vh = got[2], got[3]
         del got
-        if stage in self.kept:   # kept by forward: no attention forward again (a halo is received again)
+        if stage in self.kept:  # kept by forward: no attention forward again (a halo is received again)
             (oh, lse), halo = self.kept.pop(stage), None
         else:
-            oh, lse, halo = stage_forward(c.call, e, qh, c.kh, c.vh)   # recomputed
+            oh, lse, halo = stage_forward(c.call, e, qh, c.kh, c.vh)  # recomputed
         dqh, dkh, dvh, _ = stage_backward(c.call, e, doh, Saved(qh, c.kh, c.vh, oh, lse, halo))
         del halo
         del qh, doh, lse
@@ -241,15 +250,15 @@ class _Backward:
         if c.out is None:
             c.out, c.grads["q"] = c.q_like.new_empty(c.out_shape), c.q_like.new_empty(c.q_shape)
         cp, lay = c.call.cp, c.call.lay
-        if c.last(e):   # the chunk's K/V are done with
+        if c.last(e):  # the chunk's K/V are done with
             c.kh = c.vh = None
-        parts = [dqh, oh]   # handed over: post_home frees each as it is reordered
+        parts = [dqh, oh]  # handed over: post_home frees each as it is reordered
         del dqh, oh
         landed = [post_home(cp, lay, parts, [c.stages.q[e]] * 2, [c.grads["q"], c.out], "ulysses_bwd")]
         if not c.last(e):
             return landed, None
         del self.chunks[j]
-        if not self.overlap:   # serial: dq and the output land before dK/dV's exchange is packed
+        if not self.overlap:  # serial: dq and the output land before dK/dV's exchange is packed
             for f in landed:
                 f.wait()
             landed = []
@@ -258,10 +267,8 @@ class _Backward:
         c.grads.pop("kv_h", None)
         parts = [dkh, dvh]
         del dkh, dvh
-        c.grads["k"], c.grads["v"] = (torch.zeros(shape, dtype=acc, device=device)
-                                      for shape in (c.kv_shape, c.v_shape))
-        landed.append(post_home(cp, lay, parts, [kv, kv], [c.grads["k"], c.grads["v"]], "ulysses_bwd",
-                                accumulate=True))
+        c.grads["k"], c.grads["v"] = (torch.zeros(shape, dtype=acc, device=device) for shape in (c.kv_shape, c.v_shape))
+        landed.append(post_home(cp, lay, parts, [kv, kv], [c.grads["k"], c.grads["v"]], "ulysses_bwd", accumulate=True))
         return landed, c
 
     @staticmethod
@@ -270,7 +277,9 @@ class _Backward:
         if c.stages.count == 1:
             return dkh, dvh
         if "kv_h" not in c.grads:
-            c.grads["kv_h"] = [torch.zeros(x.shape, dtype=acc_dtype(dkh.dtype), device=dkh.device) for x in (c.kh, c.vh)]
+            c.grads["kv_h"] = [
+                torch.zeros(x.shape, dtype=acc_dtype(dkh.dtype), device=dkh.device) for x in (c.kh, c.vh)
+            ]
         dkv = c.grads["kv_h"]
         lo, hi = c.stages.kv_local[e]
         dkv[0][:, :, lo:hi] += dkh
@@ -284,7 +293,7 @@ class _Backward:
         qa, qb = self.q_ranges[c.j]
         d = c.out.shape[-1]
         if self.dw_o is not None:
-            self.dw_o[:, qa * d:qb * d] = self.dy2.t() @ c.out.reshape(-1, (qb - qa) * d)
+            self.dw_o[:, qa * d : qb * d] = self.dy2.t() @ c.out.reshape(-1, (qb - qa) * d)
         c.out = None
         g = c.grads
         with torch.enable_grad():
@@ -303,7 +312,7 @@ class _Pipelined(torch.autograd.Function):
         run = _Forward(project, q_ranges, engine, tensors, keep)
         drive(_stages(counts), run.post, run.compute, overlap, run.finish)
         ctx.save_for_backward(*tensors[:n_in], *run.kept)
-        ctx.params = tensors[n_in:]   # parameters: by reference (FSDP2 re-fills their storage for backward)
+        ctx.params = tensors[n_in:]  # parameters: by reference (FSDP2 re-fills their storage for backward)
         ctx.args = (project, q_ranges, counts, engine, overlap, n_in)
         return run.y[0]
 
@@ -312,11 +321,13 @@ class _Pipelined(torch.autograd.Function):
         project, q_ranges, counts, engine, overlap, n_in = ctx.args
         saved = ctx.saved_tensors
         stages = _stages(counts)
-        kept = {stage: (saved[n_in + 2 * i], saved[n_in + 2 * i + 1]) for i, stage in enumerate(stages)
-                if len(saved) > n_in}
+        kept = {
+            stage: (saved[n_in + 2 * i], saved[n_in + 2 * i + 1]) for i, stage in enumerate(stages) if len(saved) > n_in
+        }
         # leaves of the recomputed projections: every chunk's gradients accumulate into their .grad in place
-        tensors = [x.detach().requires_grad_(x.requires_grad) if x is not None else None
-                   for x in (*saved[:n_in], *ctx.params)]
+        tensors = [
+            x.detach().requires_grad_(x.requires_grad) if x is not None else None for x in (*saved[:n_in], *ctx.params)
+        ]
         del saved
         run = _Backward(project, q_ranges, engine, tensors, dy, kept, overlap)
         drive(stages, run.post, run.compute, overlap, run.finish)
@@ -326,11 +337,20 @@ class _Pipelined(torch.autograd.Function):
         return (None, None, None, None, None, None, None, *grads, run.dw_o, db_o)
 
 
-def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Projected],  # noqa: PLR0913 (public entry point)
-                            q_ranges: Sequence[tuple[int, int]], kv_counts: Sequence[int], cp: "CPMesh",
-                            engine_chunks: int, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                            o_weight: torch.Tensor, o_bias: torch.Tensor | None, *,
-                            overlap: bool = False, keep_output: bool = True) -> torch.Tensor:
+def pipelined_module_chunks(  # noqa: PLR0913 (public entry point)
+    project: Callable[[int, Sequence[torch.Tensor]], Projected],
+    q_ranges: Sequence[tuple[int, int]],
+    kv_counts: Sequence[int],
+    cp: "CPMesh",
+    engine_chunks: int,
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    *,
+    overlap: bool = False,
+    keep_output: bool = True,
+) -> torch.Tensor:
     """The output of an attention module whose heads run in module chunks: its output projection
     (`o_weight`, `o_bias`) applied to the attention output [B, S_local, H, D] of all chunks.
 
@@ -349,5 +369,6 @@ def pipelined_module_chunks(project: Callable[[int, Sequence[torch.Tensor]], Pro
     tensors = [*inputs, *params, o_weight, o_bias]
     needs_grad = int(torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
     engine = _Engine(cp, engine_chunks, needs_grad)
-    return _Pipelined.apply(project, tuple(q_ranges), tuple(kv_counts), engine, overlap, bool(keep_output),
-                            len(inputs), *tensors)
+    return _Pipelined.apply(
+        project, tuple(q_ranges), tuple(kv_counts), engine, overlap, bool(keep_output), len(inputs), *tensors
+    )

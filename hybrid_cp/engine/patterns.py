@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Prepared", "prepared"]
 
-_PATTERNS = 64   # per mesh: a model's layer kinds times forward/backward recomputation fit; packed rows add one a step
+_PATTERNS = 64  # per mesh: a model's layer kinds times forward/backward recomputation fit; packed rows add one a step
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Prepared:
     spec: "AttentionSpec"
     checked: Checked
     signature: AttentionSignature
-    agrees: bool                      # whether calls on this mesh take part in the agreement
+    agrees: bool  # whether calls on this mesh take part in the agreement
     call: "AttentionCall | None" = None
 
     def plan(self, build: Callable[[], "AttentionCall"]) -> "AttentionCall":
@@ -64,18 +64,31 @@ def _tensor_key(x: Any) -> tuple:
 def _pattern(q, k, v, cp: "CPMesh", spec: "AttentionSpec", sinks, needs_grad: int) -> tuple | None:
     """The call's pattern key, or None for a call that has none (checked in full every time)."""
     tensor = torch.Tensor
-    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or (sinks is not None and
-                                                                                   type(sinks) is not tensor):
+    if (
+        type(q) is not tensor
+        or type(k) is not tensor
+        or type(v) is not tensor
+        or (sinks is not None and type(sinks) is not tensor)
+    ):
         return None
     try:
         settings = spec.key()
     except TypeError:
         return None
     lengths = ()
-    if spec.seq_len is None and spec.cu_seqlens is None:   # the length comes from what `hcp.shard` recorded
+    if spec.seq_len is None and spec.cu_seqlens is None:  # the length comes from what `hcp.shard` recorded
         lengths = tuple(sorted(recorded_lengths(cp).get(q.shape[1] * cp.size, ())))
-    return (settings, _tensor_key(q), _tensor_key(k), _tensor_key(v), None if sinks is None else _tensor_key(sinks),
-            int(needs_grad), (type(cp.validate), cp.validate), registry_version(), lengths)
+    return (
+        settings,
+        _tensor_key(q),
+        _tensor_key(k),
+        _tensor_key(v),
+        None if sinks is None else _tensor_key(sinks),
+        int(needs_grad),
+        (type(cp.validate), cp.validate),
+        registry_version(),
+        lengths,
+    )
 
 
 def prepared(q, k, v, cp: "CPMesh", spec: "AttentionSpec", sinks=None, needs_grad: int = 0) -> Prepared:
@@ -89,14 +102,14 @@ def prepared(q, k, v, cp: "CPMesh", spec: "AttentionSpec", sinks=None, needs_gra
         if type(cp.cp_group) is DestroyedGroup:
             raise SetupError(DESTROYED)
         try:
-            check_shards(cp, tensors, 1, entry.checked.lay, "hcp.attention")   # provenance: per tensor, every call
+            check_shards(cp, tensors, 1, entry.checked.lay, "hcp.attention")  # provenance: per tensor, every call
         except (TypeError, ValueError):
-            entry = None   # the full checks raise it, agreed across the ranks
+            entry = None  # the full checks raise it, agreed across the ranks
     if entry is not None:
         seen.move_to_end(key)
         if entry.agrees:
             signature = entry.signature
-            if sinks is not None and cp.validate in ("always", "debug"):   # their values, every call
+            if sinks is not None and cp.validate in ("always", "debug"):  # their values, every call
                 signature = signature._replace(sinks=sinks_digest(cp, sinks))
             agree_on_attention(cp, signature, None, tensors)
         return entry

@@ -40,9 +40,25 @@ if TYPE_CHECKING:
 
 Ranges = tuple[tuple[int, int], ...]
 
-__all__ = ["AttentionCall", "HeadChunks", "HeadToSeq", "RingStage", "Saved", "SeqToHead", "backward", "chunk_heads",
-           "drive", "forward", "heads_home", "heads_in", "plan_call", "post_heads", "post_home", "stage_backward",
-           "stage_forward"]
+__all__ = [
+    "AttentionCall",
+    "HeadChunks",
+    "HeadToSeq",
+    "RingStage",
+    "Saved",
+    "SeqToHead",
+    "backward",
+    "chunk_heads",
+    "drive",
+    "forward",
+    "heads_home",
+    "heads_in",
+    "plan_call",
+    "post_heads",
+    "post_home",
+    "stage_backward",
+    "stage_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -89,8 +105,8 @@ class AttentionCall:
     plan: Plan
     scale: float
     stages: HeadChunks
-    kv_index: tuple[int, ...] = ()     # per query head of this rank, its KV head among the local ones (one stage)
-    local: bool = False                # ulysses = 1 and ring-block order = local order: the exchange is the identity
+    kv_index: tuple[int, ...] = ()  # per query head of this rank, its KV head among the local ones (one stage)
+    local: bool = False  # ulysses = 1 and ring-block order = local order: the exchange is the identity
 
     @property
     def softcap(self) -> float | None:
@@ -98,8 +114,14 @@ class AttentionCall:
         return None if self.spec.softcap is None else float(self.spec.softcap)
 
 
-def plan_call(cp: "CPMesh", spec: "AttentionSpec", checked: "Checked", q_shape: tuple[int, ...], kv_heads: int,
-              device: torch.device) -> AttentionCall:
+def plan_call(
+    cp: "CPMesh",
+    spec: "AttentionSpec",
+    checked: "Checked",
+    q_shape: tuple[int, ...],
+    kv_heads: int,
+    device: torch.device,
+) -> AttentionCall:
     """The call's head split, block plan, scale and head stages (`spec.head_chunks` of them), from its checked
     layout, kernel and window (`checked`; the default scale is 1/sqrt(q's head dim))."""
     lay, kernel, window, mask = checked
@@ -107,21 +129,39 @@ def plan_call(cp: "CPMesh", spec: "AttentionSpec", checked: "Checked", q_shape: 
     split = head_split(heads, kv_heads, cp.ulysses_size)
     scale = float(spec.softmax_scale) if spec.softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     plan = block_plan(lay, cp.ring_rank, spec.causal, device, window, spec.chunk_size, mask)
-    return AttentionCall(cp, spec, lay, kernel, split, plan, scale, chunk_heads(split, spec.head_chunks, cp.ulysses_rank),
-                         tuple(split.kv_index(cp.ulysses_rank)),
-                         cp.ulysses_size == 1 and gathered_rows_identity(lay, device))
+    return AttentionCall(
+        cp,
+        spec,
+        lay,
+        kernel,
+        split,
+        plan,
+        scale,
+        chunk_heads(split, spec.head_chunks, cp.ulysses_rank),
+        tuple(split.kv_index(cp.ulysses_rank)),
+        cp.ulysses_size == 1 and gathered_rows_identity(lay, device),
+    )
 
 
 # --- the exchange in ring-block row order ---------------------------------------------------------------
 
-def heads_in(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges],
-             stage: str) -> list[torch.Tensor]:
+
+def heads_in(
+    cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges], stage: str
+) -> list[torch.Tensor]:
     """[B, S, h_i, D] (sequence layout) -> [B, u*S, my heads of ranges[i], D] in ring-block order."""
     return [gathered_to_ring_block(x, lay) for x in seq_to_head(cp, parts, ranges, stage)]
 
 
-def heads_home(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges], heads: list[int],
-               stage: str, accumulate: bool = False) -> list[torch.Tensor]:
+def heads_home(
+    cp: "CPMesh",
+    lay: "Layout",
+    parts: list[torch.Tensor],
+    ranges: list[Ranges],
+    heads: list[int],
+    stage: str,
+    accumulate: bool = False,
+) -> list[torch.Tensor]:
     """[B, u*S (ring-block order), my heads, D] -> new [B, S, heads[i], D] (sequence layout)."""
     gathered = [ring_block_to_gathered(x, lay) for x in parts]
     return head_to_seq(cp, gathered, ranges, heads, stage, accumulate=accumulate)
@@ -132,8 +172,15 @@ def post_heads(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: l
     return post_seq_to_head(cp, parts, ranges, stage, then=lambda x: gathered_to_ring_block(x, lay), timed=True)
 
 
-def post_home(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: list[Ranges],
-              targets: list[torch.Tensor], stage: str, accumulate: bool = False) -> Posted:
+def post_home(
+    cp: "CPMesh",
+    lay: "Layout",
+    parts: list[torch.Tensor],
+    ranges: list[Ranges],
+    targets: list[torch.Tensor],
+    stage: str,
+    accumulate: bool = False,
+) -> Posted:
     """Post [B, u*S (ring-block order), my heads, D] -> write (or add, for replicated KV gradients) each
     rank's heads into targets[i] [B, S, heads, D] at ranges[i][p]. `parts` is consumed: each part is taken
     out of the list as it is reordered, so a part the caller handed over (no other reference) is freed
@@ -147,14 +194,23 @@ def post_home(cp: "CPMesh", lay: "Layout", parts: list[torch.Tensor], ranges: li
 
 # --- the ring over one head stage ------------------------------------------------------------------------
 
-def stage_forward(call: AttentionCall, e: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
-                  sinks: torch.Tensor | None = None):
+
+def stage_forward(
+    call: AttentionCall, e: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, sinks: torch.Tensor | None = None
+):
     """Ring attention of head stage e: qh holds the stage's query heads, kh/vh all of this rank's KV heads
     (ring-block order); `sinks` [H] the sink logits of all H query heads (or None). Returns (out, lse, halo)
     as `ring_forward` (with the stage's sinks merged in)."""
     lo, hi = call.stages.kv_local[e]
-    return _ring_forward(call, qh, kh[:, :, lo:hi], vh[:, :, lo:hi], list(call.stages.kv_index[e]),
-                         call.stages.q[e][call.cp.ulysses_rank], sinks)
+    return _ring_forward(
+        call,
+        qh,
+        kh[:, :, lo:hi],
+        vh[:, :, lo:hi],
+        list(call.stages.kv_index[e]),
+        call.stages.q[e][call.cp.ulysses_rank],
+        sinks,
+    )
 
 
 def stage_backward(call: AttentionCall, e: int, doh: torch.Tensor, saved: "Saved"):
@@ -168,7 +224,7 @@ def stage_backward(call: AttentionCall, e: int, doh: torch.Tensor, saved: "Saved
 
 def _ring_forward(call: AttentionCall, qh, kh, vh, kv_index: list[int], heads: tuple[int, int], sinks):
     """The ring over query heads `heads` (a range of the H query heads), their sinks merged in."""
-    return ring_forward(call, qh, kh, vh, kv_index, None if sinks is None else sinks[heads[0]:heads[1]])
+    return ring_forward(call, qh, kh, vh, kv_index, None if sinks is None else sinks[heads[0] : heads[1]])
 
 
 def _ring_backward_heads(call: AttentionCall, doh, s: "Saved", kv_index: list[int], heads: tuple[int, int]):
@@ -179,11 +235,12 @@ def _ring_backward_heads(call: AttentionCall, doh, s: "Saved", kv_index: list[in
     dsinks = None
     if s.sinks is not None:
         dsinks = torch.zeros_like(s.sinks)
-        dsinks[heads[0]:heads[1]] = sink_grad(doh, s.out_h, s.lse_h, s.sinks[heads[0]:heads[1]])
+        dsinks[heads[0] : heads[1]] = sink_grad(doh, s.out_h, s.lse_h, s.sinks[heads[0] : heads[1]])
     return dq, dk, dv, dsinks
 
 
 # --- all heads as one stage: eager autograd and the compiled ops -----------------------------------------
+
 
 @dataclass
 class Saved:
@@ -199,15 +256,23 @@ class Saved:
     sinks: torch.Tensor | None = None
 
 
-def forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, want_lse: bool = False,
-            autograd: bool = False, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Saved]:
+def forward(
+    call: AttentionCall,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    want_lse: bool = False,
+    autograd: bool = False,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, Saved]:
     """q [B, S, H, D], k/v [B, S, H_kv, D] (sequence layout), sinks [H] or None -> (out [B, S, H, D], lse [B, H, S]
     (with the sinks) or None, what `backward` needs): one exchange of q/k/v, the ring over all of this rank's
     heads, out (and lse) home. With `autograd` each step is its own autograd node (eager: each node frees what
     it saved as soon as its backward ran); without, the caller keeps `Saved` (the compiled op returns it)."""
     cp, lay, split = call.cp, call.lay, call.split
     halo = None
-    if call.local:   # ulysses = 1, no reordering: the exchange would give back its inputs
+    if call.local:  # ulysses = 1, no reordering: the exchange would give back its inputs
         qh, kh, vh = q, k, v
         if autograd:
             out_h, lse_h = RingStage.apply(call, q, k, v, sinks)
@@ -223,7 +288,7 @@ def forward(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out_h, lse_h, halo = _ring_forward(call, qh, kh, vh, call.kv_index, split.q[cp.ulysses_rank], sinks)
         (out,) = heads_home(cp, lay, [out_h], [split.q], [split.heads], "ulysses_fwd")
     lse = None
-    if want_lse:   # not differentiable
+    if want_lse:  # not differentiable
         (lse,) = heads_home(cp, lay, [lse_h.transpose(1, 2).unsqueeze(-1)], [split.q], [split.heads], "ulysses_lse")
         lse = lse.squeeze(-1).transpose(1, 2).contiguous()
     return out, lse, Saved(qh, kh, vh, out_h, lse_h, halo, sinks)
@@ -245,8 +310,15 @@ def _ring_backward(call: AttentionCall, doh: torch.Tensor, s: Saved) -> tuple[to
 
 
 def _grads_home(cp: "CPMesh", split: HeadSplit, lay: "Layout", grads) -> list[torch.Tensor]:
-    return heads_home(cp, lay, list(grads), [split.q, split.kv, split.kv],
-                      [split.heads, split.kv_heads, split.kv_heads], "ulysses_bwd", accumulate=True)
+    return heads_home(
+        cp,
+        lay,
+        list(grads),
+        [split.q, split.kv, split.kv],
+        [split.heads, split.kv_heads, split.kv_heads],
+        "ulysses_bwd",
+        accumulate=True,
+    )
 
 
 class SeqToHead(torch.autograd.Function):
@@ -297,8 +369,8 @@ class HeadToSeq(torch.autograd.Function):
 
 # --- the stage driver ------------------------------------------------------------------------------------
 
-def drive(order: list, post: Callable, compute: Callable, overlap: bool,
-          finish: Callable | None = None) -> None:
+
+def drive(order: list, post: Callable, compute: Callable, overlap: bool, finish: Callable | None = None) -> None:
     """Run pipeline stages in order: `post(stage)` sends a stage's inputs (a `Posted`), `compute(stage,
     received)` runs it and returns (the flights taking its results home, an item for `finish` or None),
     `finish(item)` uses results once they have landed. Overlapped: the next stage is posted before this one
@@ -310,7 +382,7 @@ def drive(order: list, post: Callable, compute: Callable, overlap: bool,
         nxt = order[at + 1] if at + 1 < len(order) else None
         if overlap and nxt is not None:
             flight = post(nxt)
-        landed, item = compute(stage, got.pop())   # compute owns the received tensors and may free them early
+        landed, item = compute(stage, got.pop())  # compute owns the received tensors and may free them early
         if overlap:
             for f in back:
                 f.wait()

@@ -103,8 +103,15 @@ def scan_plan(lay: Layout, size: int) -> ScanPlan:
             if run.continues:
                 pred[(rank, i)] = by_end[run.tok]
     slot_pred = {slot_of[key]: p for key, p in pred.items() if key in slot_of}
-    return ScanPlan(tuple(runs), max((sum(r.exports for r in m) for m in runs), default=0), slot_of, pred,
-                    slot_pred, tuple(sorted(slot_tok, key=slot_tok.get)), lens)
+    return ScanPlan(
+        tuple(runs),
+        max((sum(r.exports for r in m) for m in runs), default=0),
+        slot_of,
+        pred,
+        slot_pred,
+        tuple(sorted(slot_tok, key=slot_tok.get)),
+        lens,
+    )
 
 
 class RecurrenceKind(Protocol):
@@ -134,8 +141,9 @@ def state_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _gathered_states(cp: "CPMesh", plan: ScanPlan, kind: RecurrenceKind, inputs: Sequence[torch.Tensor],
-                     exports: dict, stage: str) -> tuple[dict, torch.Tensor]:
+def _gathered_states(
+    cp: "CPMesh", plan: ScanPlan, kind: RecurrenceKind, inputs: Sequence[torch.Tensor], exports: dict, stage: str
+) -> tuple[dict, torch.Tensor]:
     """All-gather (M, E) of every exporting run and compose, in global order, the state after each."""
     m_shape, e_shape = kind.shapes(inputs)
     dtype = state_dtype(inputs[0])
@@ -160,8 +168,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def linear_scan(cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequence[torch.Tensor],
-                stage: str = "linear_state") -> torch.Tensor:
+def linear_scan(
+    cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequence[torch.Tensor], stage: str = "linear_state"
+) -> torch.Tensor:
     """The recurrence `kind` over the whole (global) sequence, for this rank's rows of `inputs`
     ([B, local rows, ...] each): exact, documents reset the state; see the module docstring. The summaries
     travel by all-gather or by a log-step scan, whichever `topology.summary_scan.exchange_kind` picks."""
@@ -169,7 +178,7 @@ def linear_scan(cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequenc
     outs, probes, exports = [], {}, {}
     for i, run in enumerate(plan.runs[cp.rank]):
         xs = [x.narrow(1, run.start, run.n) for x in inputs]
-        if run.tok == PAD:   # zero output, but every input gets a (zero) gradient on every rank
+        if run.tok == PAD:  # zero output, but every input gets a (zero) gradient on every rank
             outs.append(kind.plain(xs, final=False)[0] * 0)
             continue
         if run.continues:
@@ -183,22 +192,29 @@ def linear_scan(cp: "CPMesh", lay: Layout, kind: RecurrenceKind, inputs: Sequenc
         return torch.cat(outs, dim=1)
     m_shape, e_shape = kind.shapes(inputs)
     if exchange_kind(lay, cp.size, plan.slots, _numel(m_shape), _numel(e_shape)) == "scan":
-        incoming, tie = _scanned_states(cp, summary_scan(lay, cp.size), kind, (m_shape, e_shape), exports,
-                                        inputs[0].new_zeros((), dtype=state_dtype(inputs[0])), stage)
+        incoming, tie = _scanned_states(
+            cp,
+            summary_scan(lay, cp.size),
+            kind,
+            (m_shape, e_shape),
+            exports,
+            inputs[0].new_zeros((), dtype=state_dtype(inputs[0])),
+            stage,
+        )
         for i, aux in probes.items():
             outs[i] = kind.correct(outs[i], aux, incoming[i])
-        outs[0] = outs[0] + tie.to(outs[0].dtype)   # every rank runs every round's backward, in order
+        outs[0] = outs[0] + tie.to(outs[0].dtype)  # every rank runs every round's backward, in order
         return torch.cat(outs, dim=1)
     slots = {plan.slot_of[(cp.rank, i)][1]: summary for i, summary in exports.items()}
     after, gathered = _gathered_states(cp, plan, kind, inputs, slots, stage)
     for i, aux in probes.items():
         outs[i] = kind.correct(outs[i], aux, after[plan.pred[(cp.rank, i)]])
-    if not probes:   # the gather's backward (a collective) must run on every rank
+    if not probes:  # the gather's backward (a collective) must run on every rank
         outs[0] = outs[0] + (gathered.sum() * 0).to(outs[0].dtype)
     return torch.cat(outs, dim=1)
 
 
-Summary = tuple["torch.Tensor | None", torch.Tensor]   # (M, or None where it is zero or not needed; E)
+Summary = tuple["torch.Tensor | None", torch.Tensor]  # (M, or None where it is zero or not needed; E)
 
 
 def _then(kind: RecurrenceKind, late: Summary, early: Summary | None) -> Summary:
@@ -209,16 +225,18 @@ def _then(kind: RecurrenceKind, late: Summary, early: Summary | None) -> Summary
     return m, late[1] if late[0] is None else kind.apply(late[0], early[1]) + late[1]
 
 
-def _scanned_states(cp: "CPMesh", scan: SummaryScan, kind: RecurrenceKind, shapes: tuple, exports: dict,
-                    tie: torch.Tensor, stage: str) -> tuple[dict, torch.Tensor]:
+def _scanned_states(
+    cp: "CPMesh", scan: SummaryScan, kind: RecurrenceKind, shapes: tuple, exports: dict, tie: torch.Tensor, stage: str
+) -> tuple[dict, torch.Tensor]:
     """The state entering each of this rank's continuing runs ({run index: E}) by the log-step scan
     (`topology.summary_scan`), and the rounds' tie (0, to add to the output; `tie` a zero of the summaries'
     dtype): a summary sent in one round is this rank's window, its own (M, E) after what it has received."""
     (m_shape, e_shape), me = shapes, cp.rank
     owner = [rank for rank, _, _ in scan.elements]
     own = {e: exports.get(index, (None, None)) for e, (rank, index, _) in enumerate(scan.elements) if rank == me}
-    own = {e: (None if m is None else m.to(tie.dtype), None if s is None else s.to(tie.dtype))
-           for e, (m, s) in own.items()}
+    own = {
+        e: (None if m is None else m.to(tie.dtype), None if s is None else s.to(tie.dtype)) for e, (m, s) in own.items()
+    }
     prefix: dict = {}
     if torch.is_grad_enabled():
         tie.requires_grad_()
@@ -240,8 +258,8 @@ def _scanned_states(cp: "CPMesh", scan: SummaryScan, kind: RecurrenceKind, shape
         for j, i, with_m in transfers:
             if owner[i] == me and owner[j] != me:
                 flat, start = got[owner[j]], at[owner[j]]
-                e = flat[start:start + _numel(e_shape)].view(e_shape)
-                m = flat[start + e.numel():start + e.numel() + _numel(m_shape)].view(m_shape) if with_m else None
+                e = flat[start : start + _numel(e_shape)].view(e_shape)
+                m = flat[start + e.numel() : start + e.numel() + _numel(m_shape)].view(m_shape) if with_m else None
                 at[owner[j]] = start + e.numel() + (m.numel() if with_m else 0)
                 local.append((i, (m, e)))
         for i, window in local:
@@ -256,14 +274,20 @@ def _halo(plan: ScanPlan, gathered: torch.Tensor, key: tuple, width: int) -> lis
     parts, need = [], width
     while key is not None and need > 0:
         take = min(need, plan.lens[key])
-        parts.insert(0, gathered[key][:, width - take:])
+        parts.insert(0, gathered[key][:, width - take :])
         need -= take
         key = plan.slot_pred.get(key)
     return parts
 
 
-def causal_conv(cp: "CPMesh", lay: Layout, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                stage: str = "linear_halo") -> torch.Tensor:
+def causal_conv(
+    cp: "CPMesh",
+    lay: Layout,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stage: str = "linear_halo",
+) -> torch.Tensor:
     """The depthwise causal convolution (weight [C, K], x [B, local rows, C]) of the global sequence
     at this rank's rows, documents starting from zeros; no activation. The K - 1 rows before each
     continuing run come from the ranks that hold them (one all-gather of every exporting run's tail)."""
@@ -289,9 +313,9 @@ def causal_conv(cp: "CPMesh", lay: Layout, x: torch.Tensor, weight: torch.Tensor
         pre = x.new_zeros(b, width, c) if pre is None else pre
         xe = torch.cat([pre, x.narrow(1, run.start, run.n)], dim=1).transpose(1, 2)
         out = F.conv1d(xe, weight.unsqueeze(1), bias, groups=c).transpose(1, 2)
-        outs.append(out * 0 if run.tok == PAD else out)   # padding: zero output, zero (not missing) gradients
+        outs.append(out * 0 if run.tok == PAD else out)  # padding: zero output, zero (not missing) gradients
     out = torch.cat(outs, dim=1)
-    if gathered is not None and not halos:   # the gather's backward must run on every rank
+    if gathered is not None and not halos:  # the gather's backward must run on every rank
         out = out + gathered.sum() * 0
     return out
 
@@ -313,8 +337,9 @@ class GatedDelta:
 
     def _call(self, xs, v, initial, final):
         q, k, _, g, beta = xs
-        return self.kernel(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=final,
-                           use_qk_l2norm_in_kernel=self.l2)
+        return self.kernel(
+            q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=final, use_qk_l2norm_in_kernel=self.l2
+        )
 
     def shapes(self, inputs):
         b, _, hv, dv = inputs[2].shape
@@ -356,14 +381,32 @@ class Mamba2:
     (x, dt, A, B, C, chunk_size, D=, dt_bias=, initial_states=, dt_softplus=, dt_limit=,
     return_final_states=); on CPU transformers' torch `mamba2_chunk_scan`."""
 
-    def __init__(self, kernel: Kernel, A: torch.Tensor, chunk_size: int, D: torch.Tensor | None = None,
-                 dt_bias: torch.Tensor | None = None, dt_limit: tuple[float, float] = (0.0, float("inf"))):
+    def __init__(
+        self,
+        kernel: Kernel,
+        A: torch.Tensor,
+        chunk_size: int,
+        D: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        dt_limit: tuple[float, float] = (0.0, float("inf")),
+    ):
         self.kernel, self.A, self.chunk, self.D, self.dt_bias, self.limit = kernel, A, chunk_size, D, dt_bias, dt_limit
 
     def _call(self, xs, final):
         x, dt, b, c = xs
-        return self.kernel(x, dt, self.A, b, c, chunk_size=self.chunk, D=self.D, dt_bias=self.dt_bias,
-                           dt_softplus=True, dt_limit=self.limit, return_final_states=final)
+        return self.kernel(
+            x,
+            dt,
+            self.A,
+            b,
+            c,
+            chunk_size=self.chunk,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            dt_limit=self.limit,
+            return_final_states=final,
+        )
 
     def shapes(self, inputs):
         b, _, h, p = inputs[0].shape
@@ -374,9 +417,9 @@ class Mamba2:
 
     def probe(self, xs):
         out, state = self._call(xs, True)
-        dt = xs[1] if self.dt_bias is None else xs[1] + self.dt_bias.to(xs[1].dtype)   # as the kernel does
+        dt = xs[1] if self.dt_bias is None else xs[1] + self.dt_bias.to(xs[1].dtype)  # as the kernel does
         dt = F.softplus(dt).clamp(*self.limit).to(state_dtype(xs[0]))
-        decay = torch.cumsum(dt * self.A.to(dt.dtype), dim=1).exp()   # [B, n, H]: prefix transitions
+        decay = torch.cumsum(dt * self.A.to(dt.dtype), dim=1).exp()  # [B, n, H]: prefix transitions
         h = xs[0].shape[2]
         c = xs[3].to(dt.dtype).repeat_interleave(h // xs[3].shape[2], dim=2)
         return out, state, decay[:, -1], c * decay[..., None]
@@ -403,14 +446,16 @@ class Mamba:
     A, B, C [B, N, n], D=, z=, delta_bias=, delta_softplus=, return_last_state=); on CPU transformers' torch
     `mamba_selective_scan` (its token loop, in the inputs' dtype). The gate z stays outside (elementwise)."""
 
-    def __init__(self, kernel: Kernel, A: torch.Tensor, D: torch.Tensor | None = None,
-                 dt_bias: torch.Tensor | None = None):
+    def __init__(
+        self, kernel: Kernel, A: torch.Tensor, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None
+    ):
         self.kernel, self.A, self.D, self.dt_bias = kernel, A, D, dt_bias
 
     def _call(self, xs, final):
         x, dt, b, c = (t.transpose(1, 2) for t in xs)
-        got = self.kernel(x, dt, self.A, b, c, D=self.D, delta_bias=self.dt_bias, delta_softplus=True,
-                          return_last_state=final)
+        got = self.kernel(
+            x, dt, self.A, b, c, D=self.D, delta_bias=self.dt_bias, delta_softplus=True, return_last_state=final
+        )
         return (got[0].transpose(1, 2), got[1]) if final else (got.transpose(1, 2), None)
 
     def shapes(self, inputs):
@@ -422,9 +467,9 @@ class Mamba:
 
     def probe(self, xs):
         out, state = self._call(xs, True)
-        dt = xs[1] if self.dt_bias is None else xs[1] + self.dt_bias.to(xs[1].dtype)   # as the kernel does
+        dt = xs[1] if self.dt_bias is None else xs[1] + self.dt_bias.to(xs[1].dtype)  # as the kernel does
         dt = F.softplus(dt).to(state_dtype(xs[0]))
-        decay = torch.cumsum(dt[..., None] * self.A.to(dt.dtype), dim=1).exp()   # [B, n, D, N]
+        decay = torch.cumsum(dt[..., None] * self.A.to(dt.dtype), dim=1).exp()  # [B, n, D, N]
         return out, state, decay[:, -1], decay * xs[3].to(dt.dtype)[:, :, None, :]
 
     def apply(self, m, s):
@@ -452,15 +497,16 @@ class Lightning:
         self.slope, self.block, self.kernel = slope, block_size, kernel or Lightning.blocks
 
     @staticmethod
-    def blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
-               block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def blocks(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor, block: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [B, n, H, dv], final state [B, H, dk, dv]) from zero, `block` tokens at a time."""
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # [B, H, n, d]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, n, d]
         s = slope.to(q.dtype)[:, None, None]
         state = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
         outs = []
         for start in range(0, q.shape[2], block):
-            qb, kb, vb = (t[:, :, start:start + block] for t in (q, k, v))
+            qb, kb, vb = (t[:, :, start : start + block] for t in (q, k, v))
             t = torch.arange(1, qb.shape[2] + 1, device=q.device, dtype=q.dtype)
             diff = t[:, None] - t[None, :]
             mask = torch.where(diff >= 0, (-s * diff.clamp_min(0)).exp(), torch.zeros((), dtype=q.dtype))
@@ -482,7 +528,7 @@ class Lightning:
         dtype = state_dtype(xs[0])
         s = self.slope.to(dtype)
         t = torch.arange(1, xs[0].shape[1] + 1, device=s.device, dtype=dtype)
-        decay = (-t[:, None] * s).exp()   # [n, H]: prefix transitions
+        decay = (-t[:, None] * s).exp()  # [n, H]: prefix transitions
         m = decay[-1].expand(xs[0].shape[0], -1)
         return out, state, m, xs[0].to(dtype) * decay[None, :, :, None]
 
@@ -496,5 +542,16 @@ class Lightning:
         return out + torch.einsum("bthk,bhkv->bthv", aux, s_in.to(aux.dtype)).to(out.dtype)
 
 
-__all__ = ["Run", "ScanPlan", "scan_plan", "RecurrenceKind", "linear_scan", "causal_conv", "GatedDelta", "Mamba2",
-           "state_dtype", "Mamba", "Lightning"]
+__all__ = [
+    "Run",
+    "ScanPlan",
+    "scan_plan",
+    "RecurrenceKind",
+    "linear_scan",
+    "causal_conv",
+    "GatedDelta",
+    "Mamba2",
+    "state_dtype",
+    "Mamba",
+    "Lightning",
+]

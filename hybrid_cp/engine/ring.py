@@ -76,8 +76,8 @@ class Plan:
 
     steps: tuple[tuple[Task, ...], ...]
     halo: bool = False
-    recv_rows: tuple[tuple[tuple[int, int], ...], ...] = ()   # per step s: runs of rank (me - s)'s block
-    send_rows: tuple[Rows | None, ...] = ()                    # per step s: my rows that rank (me + s) reads
+    recv_rows: tuple[tuple[tuple[int, int], ...], ...] = ()  # per step s: runs of rank (me - s)'s block
+    send_rows: tuple[Rows | None, ...] = ()  # per step s: my rows that rank (me + s) reads
 
 
 @dataclass(frozen=True)
@@ -115,18 +115,28 @@ def _task(step: Step, device: torch.device, key_runs: list[tuple[int, int]] | No
     k = [(a if key_runs is None else _compact(a, key_runs), n) for _, _, a, n in step.pairs]
     varlen = None
     if len(step.pairs) > 1:
+
         def cu(ranges):
             out = [0]
             for _, n in ranges:
                 out.append(out[-1] + n)
             return remember_host(torch.tensor(out, dtype=torch.int32, device=device), out)
-        varlen = dict(cu_seqlens_q=cu(q), cu_seqlens_k=cu(k), max_seqlen_q=max(n for _, n in q),
-                      max_seqlen_k=max(n for _, n in k))
+
+        varlen = dict(
+            cu_seqlens_q=cu(q), cu_seqlens_k=cu(k), max_seqlen_q=max(n for _, n in q), max_seqlen_k=max(n for _, n in k)
+        )
     return Task(_rows(q, device), _rows(k, device), step.causal, step.window, varlen)
 
 
-def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window=None,  # noqa: PLR0913 (the layout's own arguments)
-               chunk_size: int | None = None, mask: AttnMask | None = None) -> Plan:
+def block_plan(
+    lay: Layout,
+    ring_rank: int,
+    causal: bool,
+    device: torch.device,
+    window=None,  # noqa: PLR0913 (the layout's own arguments)
+    chunk_size: int | None = None,
+    mask: AttnMask | None = None,
+) -> Plan:
     """This rank's plan for one call, cached per (layout, rank, mask, window, chunk size, device): every
     layer of a model asks for the same one (bounded to a few layouts: packed rows bring a new layout every
     step, and a packed plan's row indices take about 28 bytes per local token at u=1 r=8). Halo
@@ -134,15 +144,28 @@ def block_plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, 
     move fewer rows."""
     if mask is not None:
         return _plan(lay, ring_rank, False, torch.device(device), None, None, mask)
-    return _plan(lay, ring_rank, causal, torch.device(device), tuple(window) if isinstance(window, list) else window,
-                 lay.effective_chunk(chunk_size))
+    return _plan(
+        lay,
+        ring_rank,
+        causal,
+        torch.device(device),
+        tuple(window) if isinstance(window, list) else window,
+        lay.effective_chunk(chunk_size),
+    )
 
 
 @lru_cache(maxsize=16)
-def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, window, chunk: int | None,  # noqa: PLR0913
-          mask: AttnMask | None = None) -> Plan:
+def _plan(
+    lay: Layout,
+    ring_rank: int,
+    causal: bool,
+    device: torch.device,
+    window,
+    chunk: int | None,  # noqa: PLR0913
+    mask: AttnMask | None = None,
+) -> Plan:
     r = lay.ring
-    visible = (causal, window, chunk, mask)   # what `Layout.tasks` reads after the ranks
+    visible = (causal, window, chunk, mask)  # what `Layout.tasks` reads after the ranks
 
     def tasks(s: int):
         return lay.tasks(ring_rank, s, *visible)
@@ -150,14 +173,16 @@ def _plan(lay: Layout, ring_rank: int, causal: bool, device: torch.device, windo
     if not lay.halo(*visible):
         return Plan(tuple(tuple(_task(t, device) for t in tasks(s)) for s in range(r)))
     recv = [lay.needed_rows(ring_rank, s, *visible) if s else [] for s in range(r)]
-    send = [None] + [(lambda runs: _rows(runs, device) if runs else None)(
-        lay.needed_rows((ring_rank + s) % r, s, *visible)) for s in range(1, r)]
+    send = [None] + [
+        (lambda runs: _rows(runs, device) if runs else None)(lay.needed_rows((ring_rank + s) % r, s, *visible))
+        for s in range(1, r)
+    ]
     steps = tuple(tuple(_task(t, device, recv[s] if s else None) for t in tasks(s)) for s in range(r))
     return Plan(steps, True, tuple(tuple(x) for x in recv), tuple(send))
 
 
 def _take(x: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
-    if isinstance(rows, slice):   # all rows: x itself (a whole-block task), else a view
+    if isinstance(rows, slice):  # all rows: x itself (a whole-block task), else a view
         return x if rows.start == 0 and rows.stop == x.shape[dim] else x[(slice(None),) * dim + (rows,)]
     return x.index_select(dim, rows)
 
@@ -176,8 +201,14 @@ def _split_kv(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.
     return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
 
 
-def _fused(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None, rows: int | None = None,
-           double: bool = False, zero: bool = False) -> tuple[torch.Tensor, list]:
+def _fused(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    rows: int | None = None,
+    double: bool = False,
+    zero: bool = False,
+) -> tuple[torch.Tensor, list]:
     """A flat K|V buffer shaped like k and v (with `rows` rows instead of theirs), in `dtype` (default k's),
     zeroed or empty; with `double` two of them ([2, n], the ring's double buffer). Returns (buffer, [(K view,
     V view)] per buffer)."""
@@ -225,8 +256,9 @@ def _contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.contiguous() if x.dtype == dtype else x.to(dtype=dtype, memory_format=torch.contiguous_format)
 
 
-def _task_forward(call: RingCall, heads: HeadMap, task: Task, q: torch.Tensor, kb_full: torch.Tensor,
-                  vb_full: torch.Tensor):
+def _task_forward(
+    call: RingCall, heads: HeadMap, task: Task, q: torch.Tensor, kb_full: torch.Tensor, vb_full: torch.Tensor
+):
     """One task's kernel forward: (out, lse) of my query rows `task.q_rows` against the visiting block's rows."""
     kernel = call.kernel
     kb, vb = (heads.expand(_take(x, task.k_rows)) for x in (kb_full, vb_full))
@@ -234,30 +266,52 @@ def _task_forward(call: RingCall, heads: HeadMap, task: Task, q: torch.Tensor, k
     out, lse = kernel.forward(qt, kb, vb, causal=task.causal, scale=call.scale, **task.kernel_kwargs(call.softcap))
     b, n, h = qt.shape[:3]
     if tuple(out.shape) != (b, n, h, vb.shape[3]) or tuple(lse.shape) != (b, h, n):
-        raise ShapeError(f"kernel {getattr(kernel, 'name', kernel)!r} returned out {tuple(out.shape)} and lse "
-                         f"{tuple(lse.shape)} for q {tuple(qt.shape)}; its forward must return out [B, S, H, D_v] = "
-                         f"{[b, n, h, vb.shape[3]]} and lse [B, H, S] = {[b, h, n]} (hybrid_cp/engine/kernels/protocol.py); "
-                         f"ring exchanges are in flight: rebuild the mesh (hcp.destroy_cp_mesh, hcp.init_cp_mesh)")
+        raise ShapeError(
+            f"kernel {getattr(kernel, 'name', kernel)!r} returned out {tuple(out.shape)} and lse "
+            f"{tuple(lse.shape)} for q {tuple(qt.shape)}; its forward must return out [B, S, H, D_v] = "
+            f"{[b, n, h, vb.shape[3]]} and lse [B, H, S] = {[b, h, n]} (hybrid_cp/engine/kernels/protocol.py); "
+            f"ring exchanges are in flight: rebuild the mesh (hcp.destroy_cp_mesh, hcp.init_cp_mesh)"
+        )
     return out, lse
 
 
-def _task_backward(call: RingCall, heads: HeadMap, task: Task, dout: torch.Tensor, q: torch.Tensor,
-                   kv_block: tuple[torch.Tensor, torch.Tensor], result: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _task_backward(
+    call: RingCall,
+    heads: HeadMap,
+    task: Task,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv_block: tuple[torch.Tensor, torch.Tensor],
+    result: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One task's kernel backward: (dq of my rows `task.q_rows`, dk and dv of the visiting block's rows
     `task.k_rows`, reduced onto the KV heads). `kv_block`: the visiting (K, V); `result`: forward's final
     (out, lse)."""
     rows = task.q_rows
     (out, lse) = result
     kb, vb = (heads.expand(_take(x, task.k_rows)) for x in kv_block)
-    dq_b, dk_b, dv_b = call.kernel.backward(_take(dout, rows), _take(q, rows), kb, vb, _take(out, rows),
-                                            _take(lse, rows, 2), causal=task.causal, scale=call.scale,
-                                            **task.kernel_kwargs(call.softcap))
+    dq_b, dk_b, dv_b = call.kernel.backward(
+        _take(dout, rows),
+        _take(q, rows),
+        kb,
+        vb,
+        _take(out, rows),
+        _take(lse, rows, 2),
+        causal=task.causal,
+        scale=call.scale,
+        **task.kernel_kwargs(call.softcap),
+    )
     return dq_b, heads.reduce(dk_b), heads.reduce(dv_b)
 
 
-def ring_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: list[int],
-                 sinks: torch.Tensor | None = None):
+def ring_forward(
+    call: RingCall,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_index: list[int],
+    sinks: torch.Tensor | None = None,
+):
     """q [B, L, Hq, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] (this ring rank's block) -> (out [B, L, Hq, Dv]
     in q.dtype, lse fp32,
     the halo K/V received from each peer (halo mode; kept for backward) or None), over `call`'s block plan
@@ -297,7 +351,7 @@ def ring_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         if sinks is not None:
             merge_sink_(out, lse, sinks)
         return out.to(q.dtype), lse, halo
-    kv, kv_views = _fused(k, v, double=True)   # double buffer of fused K/V
+    kv, kv_views = _fused(k, v, double=True)  # double buffer of fused K/V
     kv_views[0][0].copy_(k)
     kv_views[0][1].copy_(v)
     exchange = RingExchange(cp, cp.ring_group, "ring_fwd")
@@ -310,9 +364,16 @@ def ring_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out.to(q.dtype), lse, None
 
 
-def ring_backward(call: RingCall, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  result: tuple[torch.Tensor, torch.Tensor], kv_index: list[int],
-                  halo: list | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_backward(
+    call: RingCall,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    result: tuple[torch.Tensor, torch.Tensor],
+    kv_index: list[int],
+    halo: list | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `ring_forward` for this ring rank's block (dq, dk, dv in the inputs' dtypes), from its final
     `result` = (out, lse). `halo`:
     what `ring_forward` received in halo mode, or None to receive those rows again (the compiled op
@@ -366,8 +427,15 @@ def ring_backward(call: RingCall, dout: torch.Tensor, q: torch.Tensor, k: torch.
     return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
 
 
-def _halo_backward(call: RingCall, compute, add, dq: torch.Tensor, q_dtype: torch.dtype,
-                   kv: tuple[torch.Tensor, torch.Tensor], halo: list | None):
+def _halo_backward(
+    call: RingCall,
+    compute,
+    add,
+    dq: torch.Tensor,
+    q_dtype: torch.dtype,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    halo: list | None,
+):
     """`ring_backward` in halo mode: the gradients of the rows read from each peer go back to it (fused
     dK|dV), and those of my rows the peers read come home and are added."""
     cp, plan, (k, v) = call.cp, call.plan, kv

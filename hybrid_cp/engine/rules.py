@@ -18,8 +18,9 @@ def is_positive_int(value: Any) -> bool:
     return is_int(value) and value >= 1
 
 
-def positive_int(name: str, value: Any, meaning: str = "a positive integer", *, where: str = "",
-                 allow_none: bool = False) -> Any:
+def positive_int(
+    name: str, value: Any, meaning: str = "a positive integer", *, where: str = "", allow_none: bool = False
+) -> Any:
     """`value` if it is a positive int (or None with `allow_none`), else ConfigError
     "[where: ]name=value must be <meaning>"."""
     if (value is None and allow_none) or is_positive_int(value):

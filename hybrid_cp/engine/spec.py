@@ -57,8 +57,16 @@ class AttentionSpec:
         elif cu is not None:
             cu = _typed(list(cu) if isinstance(cu, (list, tuple)) else cu)
         backend = self.backend if type(self.backend) is str else ("object", id(self.backend))
-        values = (self.causal, self.softmax_scale, self.return_lse, self.seq_len, self.head_chunks, self.softcap,
-                  self.chunk_size, self.overlap)
+        values = (
+            self.causal,
+            self.softmax_scale,
+            self.return_lse,
+            self.seq_len,
+            self.head_chunks,
+            self.softcap,
+            self.chunk_size,
+            self.overlap,
+        )
         kinds = tuple(map(type, values))
         if not _SCALARS.issuperset(kinds):
             raise TypeError("a setting of no plain scalar type")
@@ -68,8 +76,10 @@ class AttentionSpec:
 
     # ---- the compiled op's flat encoding (hybrid_cp/engine/compiled.py): the only place that knows its order ----
 
-    OP_SCHEMA = ("Tensor? cu_seqlens, str backend, bool causal, float? softmax_scale, int? seq_len, int[]? window, "
-                 "float? softcap, int? chunk_size, bool return_lse, Tensor? mask")
+    OP_SCHEMA = (
+        "Tensor? cu_seqlens, str backend, bool causal, float? softmax_scale, int? seq_len, int[]? window, "
+        "float? softcap, int? chunk_size, bool return_lse, Tensor? mask"
+    )
 
     def op_args(self) -> tuple:
         """The spec as the compiled op's arguments (`OP_SCHEMA`): `backend` must already be a str (a kernel
@@ -77,9 +87,18 @@ class AttentionSpec:
         (`engine.masks.encode_mask`) or None; a window int W is [W], (left, right) is [left, right]. Head chunks
         and their schedule are not op arguments (such calls run eagerly)."""
         window = None if self.window is None else [self.window] if isinstance(self.window, int) else list(self.window)
-        return (self.cu_seqlens, self.backend, self.causal,
-                None if self.softmax_scale is None else float(self.softmax_scale), self.seq_len, window,
-                None if self.softcap is None else float(self.softcap), self.chunk_size, self.return_lse, self.mask)
+        return (
+            self.cu_seqlens,
+            self.backend,
+            self.causal,
+            None if self.softmax_scale is None else float(self.softmax_scale),
+            self.seq_len,
+            window,
+            None if self.softcap is None else float(self.softcap),
+            self.chunk_size,
+            self.return_lse,
+            self.mask,
+        )
 
     @classmethod
     def from_op_args(cls, *args: Any, values: bool = True) -> "AttentionSpec":
@@ -90,8 +109,18 @@ class AttentionSpec:
             window = window[0] if len(window) == 1 else (window[0], window[1])
         if mask is not None and values:
             mask = decode_mask(mask)
-        return cls(causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, backend=backend, seq_len=seq_len,
-                   cu_seqlens=cu_seqlens, window=window, softcap=softcap, chunk_size=chunk_size, mask=mask)
+        return cls(
+            causal=causal,
+            softmax_scale=softmax_scale,
+            return_lse=return_lse,
+            backend=backend,
+            seq_len=seq_len,
+            cu_seqlens=cu_seqlens,
+            window=window,
+            softcap=softcap,
+            chunk_size=chunk_size,
+            mask=mask,
+        )
 
 
 _SCALARS = frozenset((type(None), bool, int, float, str))

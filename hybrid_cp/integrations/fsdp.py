@@ -65,8 +65,9 @@ def shard_model(model: nn.Module, cp: CPMesh, **fully_shard_kwargs: Any) -> nn.M
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     if "mesh" in fully_shard_kwargs:
-        raise ConfigError("shard_model picks the mesh (all dp x ring x ulysses ranks); drop mesh=... or call "
-                         "fully_shard yourself")
+        raise ConfigError(
+            "shard_model picks the mesh (all dp x ring x ulysses ranks); drop mesh=... or call fully_shard yourself"
+        )
     mesh = flat_mesh(cp)
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
@@ -92,7 +93,7 @@ def average_gradients(model: nn.Module) -> None:
         flat /= world
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 

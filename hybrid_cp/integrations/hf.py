@@ -75,9 +75,18 @@ class CPTrainerMixin:
     `self.cp` its degree-1 mesh and `self.cp_schedule` the last step's schedule (`explain()` prints it).
     """
 
-    def __init__(self, *args: Any, ulysses: int | str | None = None, ring: int | str | None = None,
-                 layout: str = "zigzag", cp_validate: bool | str = True, cp_seq_len: int | None = None,
-                 fsdp2: bool | dict = False, dynamic_cp: DynamicCP | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        ulysses: int | str | None = None,
+        ring: int | str | None = None,
+        layout: str = "zigzag",
+        cp_validate: bool | str = True,
+        cp_seq_len: int | None = None,
+        fsdp2: bool | dict = False,
+        dynamic_cp: DynamicCP | None = None,
+        **kwargs: Any,
+    ):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         check_constructor(bound)
         training_args = bound.arguments.get("args")
@@ -93,24 +102,38 @@ class CPTrainerMixin:
             raise refuse("model", model, "pass an instantiated model (from_pretrained), not a name")
         self.cp_dynamic, self.cp_meshes, self.cp_schedule = dynamic_cp, None, None
         timeout = ddp_timeout(training_args)
-        if dynamic_cp is not None:   # a mesh per degree; the degree-1 mesh is the home one (evaluation, FSDP2)
-            self.cp_meshes = init_cp_meshes(None if dynamic_cp.degrees is None else list(dynamic_cp.degrees),
-                                            splits=dynamic_cp.split_map, layout=layout, validate=cp_validate,
-                                            heads=getattr(model.config, "num_attention_heads", None), timeout=timeout)
+        if dynamic_cp is not None:  # a mesh per degree; the degree-1 mesh is the home one (evaluation, FSDP2)
+            self.cp_meshes = init_cp_meshes(
+                None if dynamic_cp.degrees is None else list(dynamic_cp.degrees),
+                splits=dynamic_cp.split_map,
+                layout=layout,
+                validate=cp_validate,
+                heads=getattr(model.config, "num_attention_heads", None),
+                timeout=timeout,
+            )
             self.cp = self.cp_meshes.mesh(1)
         else:
-            if cp_seq_len is None:   # what "auto" plans for: TRL's max_length, else the model's context
-                cp_seq_len = getattr(training_args, "max_length", None) or \
-                    getattr(model.config, "max_position_embeddings", None)
-            self.cp = resolve_mesh(model, "auto" if ulysses is None else ulysses, "auto" if ring is None else ring,
-                                   layout, cp_validate, cp_seq_len, timeout)
+            if cp_seq_len is None:  # what "auto" plans for: TRL's max_length, else the model's context
+                cp_seq_len = getattr(training_args, "max_length", None) or getattr(
+                    model.config, "max_position_embeddings", None
+                )
+            self.cp = resolve_mesh(
+                model,
+                "auto" if ulysses is None else ulysses,
+                "auto" if ring is None else ring,
+                layout,
+                cp_validate,
+                cp_seq_len,
+                timeout,
+            )
         apply_context_parallel(model, self.cp)
         if dynamic_cp is not None:
-            with use_mesh(model, self.cp):   # the models use_mesh refuses (the same answer on every rank)
+            with use_mesh(model, self.cp):  # the models use_mesh refuses (the same answer on every rank)
                 pass
         if self.cp_fsdp2 is not None:
-            shard_model(model.to(training_args.device if training_args is not None else "cpu"), self.cp,
-                        **self.cp_fsdp2)
+            shard_model(
+                model.to(training_args.device if training_args is not None else "cpu"), self.cp, **self.cp_fsdp2
+            )
             # the stock Trainer's path for a model that owns its sharding and gradient reduction (sharded at load
             # time): not moved, no DDP wrap, no second sharding; and transformers' FSDP2 marker, so the reduce-
             # scatter is deferred under gradient accumulation (and generation syncs its ranks)
@@ -127,8 +150,9 @@ class CPTrainerMixin:
         (one all-reduce: every rank logs at the same steps)."""
         if "loss" in logs and dist.is_initialized():
             meshes = self.cp_meshes.meshes.values() if self.cp_meshes is not None else [self.cp]
-            sent = torch.tensor([sum(sum(comm_bytes(m).values()) for m in meshes)], dtype=torch.int64,
-                                device=self.cp.device)
+            sent = torch.tensor(
+                [sum(sum(comm_bytes(m).values()) for m in meshes)], dtype=torch.int64, device=self.cp.device
+            )
             dist.all_reduce(sent, group=self.cp.dp_cp_group)
             total = int(sent.item())
             logs = {**logs, "cp_comm_bytes": total - getattr(self, "_cp_bytes_logged", 0)}
@@ -176,15 +200,24 @@ class CPTrainerMixin:
         if bad:
             raise ConfigError(f"dynamic_cp: rank {bad[0][0]}'s batch: {bad[0][1]}")
         docs = [d for _, ds in every for d in ds]
-        sched = schedule_documents([len(ids) for ids, _ in docs], self.cp_meshes, self.cp_dynamic.tokens_per_rank,
-                                   targets=[int((t != -100).sum()) for _, t in docs])
+        sched = schedule_documents(
+            [len(ids) for ids, _ in docs],
+            self.cp_meshes,
+            self.cp_dynamic.tokens_per_rank,
+            targets=[int((t != -100).sum()) for _, t in docs],
+        )
         self.cp_schedule = sched
         work = []
         for mb in micro_batches(sched, self.cp_meshes):
-            row = None if mb.idle else {
-                "input_ids": torch.cat([docs[d][0] for d in mb.docs])[None],
-                "shift_labels": torch.cat([docs[d][1] for d in mb.docs])[None],
-                "cu_seq_lens_q": torch.tensor(mb.cu_seqlens, dtype=torch.int32)}
+            row = (
+                None
+                if mb.idle
+                else {
+                    "input_ids": torch.cat([docs[d][0] for d in mb.docs])[None],
+                    "shift_labels": torch.cat([docs[d][1] for d in mb.docs])[None],
+                    "cu_seq_lens_q": torch.tensor(mb.cu_seqlens, dtype=torch.int32),
+                }
+            )
             work.append((mb, row))
         return work, sched.targets
 
@@ -201,7 +234,7 @@ class CPTrainerMixin:
         work = inputs.get(_STEP_KEY, ())
         for i, (mb, row) in enumerate(work):
             defer = self._no_sync(model) if i < len(work) - 1 else contextlib.nullcontext()
-            with defer, use_mesh(self.model, mb.cp):   # backward inside: checkpointed layers recompute on mb.cp
+            with defer, use_mesh(self.model, mb.cp):  # backward inside: checkpointed layers recompute on mb.cp
                 with self.compute_loss_context_manager():
                     loss = self._micro_batch_loss(model, mb, row, num_items_in_batch)
                 self.accelerator.backward(loss)
@@ -228,8 +261,12 @@ class CPTrainerMixin:
         labels = local.pop("labels")
         local.pop("shift_labels")
         logits = model(**local).logits
-        own = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
-                              ignore_index=-100, reduction="sum")
+        own = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1).to(logits.device),
+            ignore_index=-100,
+            reduction="sum",
+        )
         return own * (self.cp_meshes.world / max(int(targets), 1))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -265,9 +302,12 @@ class CPTrainerMixin:
         if self.cp_fsdp2 is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         if not os.path.isdir(os.path.join(resume_from_checkpoint, SHARDED_FOLDER)):
-            raise refuse("resume_from_checkpoint", resume_from_checkpoint,
-                         f"with fsdp2 resume from a checkpoint that holds {SHARDED_FOLDER}/ (written with "
-                         f"save_only_model=False); load a save_only_model checkpoint with from_pretrained instead")
+            raise refuse(
+                "resume_from_checkpoint",
+                resume_from_checkpoint,
+                f"with fsdp2 resume from a checkpoint that holds {SHARDED_FOLDER}/ (written with "
+                f"save_only_model=False); load a save_only_model checkpoint with from_pretrained instead",
+            )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """With fsdp2: the sharded model and optimizer from `checkpoint/hybrid_cp_sharded` (DCP, into the current
@@ -298,24 +338,32 @@ class CPTrainerMixin:
         loader = super()._get_dataloader(*args, **kwargs)
         shard = getattr(loader, "batch_sampler", None)
         if not (hasattr(shard, "num_processes") and hasattr(shard, "process_index")):
-            raise ConfigError(f"the dataloader is a {type(loader).__name__} with batch sampler "
-                              f"{type(shard).__name__}: the context-parallel trainer splits batches per dp replica "
-                              f"through accelerate's BatchSamplerShard; use a map-style dataset and leave "
-                              f"accelerator_config.dispatch_batches unset")
+            raise ConfigError(
+                f"the dataloader is a {type(loader).__name__} with batch sampler "
+                f"{type(shard).__name__}: the context-parallel trainer splits batches per dp replica "
+                f"through accelerate's BatchSamplerShard; use a map-style dataset and leave "
+                f"accelerator_config.dispatch_batches unset"
+            )
         shard.num_processes = self.cp.dp_size
         shard.process_index = self.cp.dp_rank
         return loader
 
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None):
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ):
         """The stock loss on this rank's shard of the batch. Sharding happens here, after the Trainer has counted
         the label tokens of the whole batch (`num_items_in_batch`); where a caller passed no count (TRL's
         evaluation) it is counted here, so every rank's loss is its own tokens' share of the global mean, as
         on a DDP rank (the stock world-size factor and DDP's gradient average then hold as they are)."""
         if num_items_in_batch is None and (inputs.get("labels") is not None or inputs.get("shift_labels") is not None):
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
-        return super().compute_loss(model, self.shard(inputs), return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(
+            model, self.shard(inputs), return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def shard(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """This rank's shard of a batch of whole rows (`hcp.shard_batch`: labels shifted on the whole sequence)."""
@@ -333,8 +381,13 @@ class CPTrainerMixin:
         with comm_guard(self.cp, "the Trainer's count of label tokens (its gather across processes)"):
             return super()._get_num_items_in_batch(batch_samples, device)
 
-    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None):
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ):
         """Losses only: logits and labels are this rank's shards."""
         return super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
 
@@ -352,13 +405,13 @@ class CPTrainerMixin:
         rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         with comm_guard(self.cp, "the evaluation's loss gather"):
             dist.all_gather(rows, tensor.contiguous(), group=group)
-        by_rank = dict(zip(dist.get_process_group_ranks(group), rows))   # global rank -> its losses
-        grid = self.cp.device_mesh.mesh.reshape(self.cp.dp_size, self.cp.size)   # [dp, cp] -> global rank
+        by_rank = dict(zip(dist.get_process_group_ranks(group), rows))  # global rank -> its losses
+        grid = self.cp.device_mesh.mesh.reshape(self.cp.dp_size, self.cp.size)  # [dp, cp] -> global rank
         out = torch.stack([by_rank[g] for g in grid.flatten().tolist()]).reshape(*grid.shape, *tensor.shape)
         out = out.to(torch.float64).mean(1).to(tensor.dtype).reshape(-1, *tensor.shape[1:])
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
-            out = out[:state.remainder]
+            out = out[: state.remainder]
         return out
 
 
@@ -374,8 +427,12 @@ def _check_dynamic(trainer: Any, dynamic_cp: Any, ulysses: Any, ring: Any) -> No
     if not isinstance(dynamic_cp, DynamicCP):
         raise refuse("dynamic_cp", dynamic_cp, "pass hybrid_cp.DynamicCP(tokens_per_rank=C)")
     if ulysses is not None or ring is not None:
-        raise refuse("ulysses/ring", (ulysses, ring), "give either dynamic_cp= (a degree per group of documents, "
-                                                      "chosen every step) or ulysses=/ring= (one fixed mesh)")
+        raise refuse(
+            "ulysses/ring",
+            (ulysses, ring),
+            "give either dynamic_cp= (a degree per group of documents, "
+            "chosen every step) or ulysses=/ring= (one fixed mesh)",
+        )
     from transformers import Trainer
 
     for cls in type(trainer).__mro__:
@@ -383,8 +440,12 @@ def _check_dynamic(trainer: Any, dynamic_cp: Any, ulysses: Any, ring: Any) -> No
             break
         hit = [n for n in _DYNAMIC_OVERRIDES if n in vars(cls)] if cls is not CPTrainerMixin else []
         if hit:
-            raise refuse("dynamic_cp", dynamic_cp, f"{cls.__name__} overrides {hit}: dynamic degrees are verified "
-                                                   f"with transformers.Trainer's own loss path only (CPTrainer)")
+            raise refuse(
+                "dynamic_cp",
+                dynamic_cp,
+                f"{cls.__name__} overrides {hit}: dynamic degrees are verified "
+                f"with transformers.Trainer's own loss path only (CPTrainer)",
+            )
 
 
 def _trainer_class():
@@ -420,6 +481,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CPTrainerMixin", "CPTrainer", "CPSFTTrainer",  # noqa: F822 (the two trainers: built on first access)
-           "check_training_arguments", "resolve_mesh", "auto_degrees", "model_shape", "GATED_DELTA_TYPES", "MAMBA2_TYPES", "cp_mesh_from_device_mesh",
-           "cp_mesh_from_accelerator"]
+__all__ = [
+    "CPTrainerMixin",
+    "CPTrainer",  # noqa: F822 (built on first access)
+    "CPSFTTrainer",  # noqa: F822 (built on first access)
+    "check_training_arguments",
+    "resolve_mesh",
+    "auto_degrees",
+    "model_shape",
+    "GATED_DELTA_TYPES",
+    "MAMBA2_TYPES",
+    "cp_mesh_from_device_mesh",
+    "cp_mesh_from_accelerator",
+]

@@ -49,11 +49,22 @@ from ..engine.recurrence import GatedDelta, Lightning, Mamba, Mamba2, causal_con
 from ..errors import ConfigError
 
 # the Gated DeltaNet classes whose forward `_GatedDeltaNetForward` reproduces (verified by a parity test)
-GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                          "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet")
+GATED_DELTANET_CLASSES = (
+    "Qwen3NextGatedDeltaNet",
+    "Qwen3_5GatedDeltaNet",
+    "Qwen3_5MoeGatedDeltaNet",
+    "LaraMiniGatedDeltaNet",
+    "OlmoHybridGatedDeltaNet",
+)
 # the Mamba2 mixers whose forward `_Mamba2Forward` reproduces (verified by a parity test)
-MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer", "GraniteMoeHybridMambaLayer", "Mamba2Mixer",
-                  "Zamba2MambaMixer")
+MAMBA2_CLASSES = (
+    "BambaMixer",
+    "NemotronHMamba2Mixer",
+    "FalconH1Mixer",
+    "GraniteMoeHybridMambaLayer",
+    "Mamba2Mixer",
+    "Zamba2MambaMixer",
+)
 # LFM2's gated short convolutions, Jamba's Mamba-1 mixer, MiniMax's lightning attention (each parity-tested)
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 MAMBA_CLASSES = ("JambaMambaMixer", "FalconMambaMixer", "MambaMixer")
@@ -69,8 +80,9 @@ def _model_class(module: torch.nn.Module, names: tuple[str, ...] = GATED_DELTANE
     return next((c for c in type(module).__mro__ if c.__name__ in names), None)
 
 
-def _reference_kernel(module: torch.nn.Module, name: str = "torch_chunk_gated_delta_rule",
-                      names: tuple[str, ...] = GATED_DELTANET_CLASSES):
+def _reference_kernel(
+    module: torch.nn.Module, name: str = "torch_chunk_gated_delta_rule", names: tuple[str, ...] = GATED_DELTANET_CLASSES
+):
     """transformers' torch function `name` of the module's model, without the hub-kernel dispatch."""
     fn = getattr(sys.modules[_model_class(module, names).__module__], name)
     return getattr(fn, "__wrapped__", fn)
@@ -79,9 +91,10 @@ def _reference_kernel(module: torch.nn.Module, name: str = "torch_chunk_gated_de
 # transformers' torch function -> the CUDA kernel with its signature (module, function, package, the package's
 # first version with what the engine passes: fla 0.5.0 takes fewer q/k heads than v heads (GVA, Qwen3-Next's
 # layout; before it q, k and v needed the same head count), mamba_ssm 2.0.0 has mamba_chunk_scan_combined)
-CUDA_KERNELS = {"torch_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fla", "0.5.0"),
-                "mamba2_chunk_scan": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba_ssm",
-                                      "2.0.0")}
+CUDA_KERNELS = {
+    "torch_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fla", "0.5.0"),
+    "mamba2_chunk_scan": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba_ssm", "2.0.0"),
+}
 # "torch" (default): transformers' reference everywhere (what the parity tests verify); "auto": the CUDA kernel on
 # CUDA tensors when importable (checked against stand-ins only until gpu_check.py runs on a GPU)
 KERNEL_ENV = "HYBRID_CP_LINEAR_KERNEL"
@@ -102,9 +115,11 @@ def cuda_kernel(name: str) -> Callable | None:
 
     version = str(getattr(sys.modules[package], "__version__", "0"))
     if Version(version) < Version(oldest):
-        raise ConfigError(f"{package} {version} is installed, but its {attr} is used from {package} {oldest} on "
-                          f"(the keywords and head layout the linear layers pass): upgrade {package}, or set "
-                          f"{KERNEL_ENV}=torch (the default) for transformers' torch reference")
+        raise ConfigError(
+            f"{package} {version} is installed, but its {attr} is used from {package} {oldest} on "
+            f"(the keywords and head layout the linear layers pass): upgrade {package}, or set "
+            f"{KERNEL_ENV}=torch (the default) for transformers' torch reference"
+        )
     return fn
 
 
@@ -112,8 +127,10 @@ def kernel_choice() -> str:
     """`HYBRID_CP_LINEAR_KERNEL` (default "torch"), refused when it is not one of KERNEL_CHOICES."""
     choice = os.environ.get(KERNEL_ENV, "torch").strip().lower() or "torch"
     if choice not in KERNEL_CHOICES:
-        raise ConfigError(f"{KERNEL_ENV}={os.environ[KERNEL_ENV]!r} is not one of {KERNEL_CHOICES}: unset it (or "
-                          f"'torch') for transformers' reference, 'auto' for fla / mamba_ssm on CUDA when installed")
+        raise ConfigError(
+            f"{KERNEL_ENV}={os.environ[KERNEL_ENV]!r} is not one of {KERNEL_CHOICES}: unset it (or "
+            f"'torch') for transformers' reference, 'auto' for fla / mamba_ssm on CUDA when installed"
+        )
     return choice
 
 
@@ -129,8 +146,10 @@ def _kernel_for(module: torch.nn.Module, device: torch.device, name: str, names:
 
 def _refuse_cache(m: torch.nn.Module, cache: Any, kwargs: dict) -> None:
     if cache is not None or kwargs.get("cache_params") is not None:
-        raise ConfigError(f"{type(m).__name__} received a cache: generation is not supported under context "
-                          f"parallelism; run it on one device")
+        raise ConfigError(
+            f"{type(m).__name__} received a cache: generation is not supported under context "
+            f"parallelism; run it on one device"
+        )
 
 
 def _call_layout(cp: CPMesh, m: torch.nn.Module, hidden_states: torch.Tensor, cache: Any, kwargs: dict):
@@ -140,12 +159,15 @@ def _call_layout(cp: CPMesh, m: torch.nn.Module, hidden_states: torch.Tensor, ca
     scan would run across documents."""
     _refuse_cache(m, cache, kwargs)
     if kwargs.get("cu_seq_lens_q") is None and getattr(m.__dict__.get("_hybrid_cp_mesh"), "packed", False):
-        raise ConfigError(f"{type(m).__name__} received no cu_seq_lens_q although the model was called with a packed "
-                          f"row: its model or decoder layer does not pass the row's document boundaries on to it, so "
-                          f"its scan would run across documents. Packed rows are not supported for this family; "
-                          f"pass dense (padded) rows")
-    return row_layout(cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"), causal=True,
-                      what=type(m).__name__)
+        raise ConfigError(
+            f"{type(m).__name__} received no cu_seq_lens_q although the model was called with a packed "
+            f"row: its model or decoder layer does not pass the row's document boundaries on to it, so "
+            f"its scan would run across documents. Packed rows are not supported for this family; "
+            f"pass dense (padded) rows"
+        )
+    return row_layout(
+        cp, local_len=hidden_states.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"), causal=True, what=type(m).__name__
+    )
 
 
 class _Routed:
@@ -180,13 +202,14 @@ class _GatedDeltaNetForward(_Routed):
         kernel = _kernel_for(self.module, device, "torch_chunk_gated_delta_rule", GATED_DELTANET_CLASSES)
         return GatedDelta(kernel, use_qk_l2norm_in_kernel=True)
 
-    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
+    ) -> torch.Tensor:
         from transformers.activations import ACT2FN
 
         m = self.module
         lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
-        if attention_mask is not None:   # what the block does itself (the pre-hook drops right-padding masks)
+        if attention_mask is not None:  # what the block does itself (the pre-hook drops right-padding masks)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         mixed, z, b, a = _projections(m, hidden_states)
         weight = m.conv1d.weight.squeeze(1)
@@ -196,7 +219,7 @@ class _GatedDeltaNetForward(_Routed):
         q, k = q.reshape(*shape, m.head_k_dim), k.reshape(*shape, m.head_k_dim)
         v = v.reshape(*shape, m.head_v_dim)
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
-        beta = b.sigmoid() * 2.0 if getattr(m, "allow_neg_eigval", False) else b.sigmoid()   # OLMo: beta in [0, 2]
+        beta = b.sigmoid() * 2.0 if getattr(m, "allow_neg_eigval", False) else b.sigmoid()  # OLMo: beta in [0, 2]
         core = linear_scan(self.cp, lay, self.kind(q.device), (q, k, v, g, beta))
         norm, out_proj = (m.o_norm, m.o_proj) if hasattr(m, "o_norm") else (m.norm, m.out_proj)
         out = norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
@@ -207,10 +230,10 @@ def _projections(m: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, ...
     """The block's own input projections: (q|k|v before the convolution [B, S, 2 key_dim + value_dim],
     the gate z [B, S, Hv, dv], b and a [B, S, Hv]), for Qwen3-Next's fused, Qwen3.5's and OLMo hybrid's separate
     ones."""
-    if hasattr(m, "in_proj_qkvz"):   # Qwen3-Next: fused projections, interleaved per key head
+    if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next: fused projections, interleaved per key head
         q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
         return torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1), z, b, a
-    if hasattr(m, "g_proj"):   # OLMo hybrid: q, k, v, a, b each its own projection, the gate from g_proj
+    if hasattr(m, "g_proj"):  # OLMo hybrid: q, k, v, a, b each its own projection, the gate from g_proj
         z = m.g_proj(h)
         qkv = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
         return qkv, z.reshape(z.shape[0], z.shape[1], -1, m.head_v_dim), m.b_proj(h), m.a_proj(h)
@@ -222,7 +245,7 @@ class _Mamba2Forward(_Routed):
     """The Mamba2 mixer's forward (Bamba's, Nemotron-H's; Falcon-H1's with its multipliers and optional
     norm) with the convolution and the SSD scan made context parallel."""
 
-    dynamic_verified = True   # tests/test_dynamic_cp.py (Bamba)
+    dynamic_verified = True  # tests/test_dynamic_cp.py (Bamba)
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)
@@ -233,8 +256,9 @@ class _Mamba2Forward(_Routed):
         kernel = _kernel_for(m, device, "mamba2_chunk_scan", MAMBA2_CLASSES)
         return Mamba2(kernel, -torch.exp(m.A_log.float()), m.chunk_size, m.D, m.dt_bias, m.time_step_limit)
 
-    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
+    ) -> torch.Tensor:
         from transformers.activations import ACT2FN
 
         m, dtype = self.module, hidden_states.dtype
@@ -250,8 +274,17 @@ class _Mamba2Forward(_Routed):
         groups = m.n_groups * m.ssm_state_size
         x, b, c = xbc.split([m.intermediate_size, groups, groups], dim=-1)
         shape = (x.shape[0], x.shape[1])
-        y = linear_scan(self.cp, lay, self.kind(x.device), (x.reshape(*shape, m.num_heads, m.head_dim), dt,
-                                             b.reshape(*shape, m.n_groups, -1), c.reshape(*shape, m.n_groups, -1)))
+        y = linear_scan(
+            self.cp,
+            lay,
+            self.kind(x.device),
+            (
+                x.reshape(*shape, m.num_heads, m.head_dim),
+                dt,
+                b.reshape(*shape, m.n_groups, -1),
+                c.reshape(*shape, m.n_groups, -1),
+            ),
+        )
         y = y.reshape(*shape, -1)
         y = y * F.silu(gate) if falcon and not m.mamba_rms_norm else m.norm(y, gate)
         return m.out_proj(y.to(dtype))
@@ -263,8 +296,9 @@ class _ShortConvForward(_Routed):
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)
 
-    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
+    ) -> torch.Tensor:
         m = self.module
         lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
         b, c, x = m.in_proj(_masked(hidden_states, attention_mask)).chunk(3, dim=-1)
@@ -282,8 +316,9 @@ class _MambaForward(_Routed):
         super().__init__(module, cp)
         self.kernel = _reference_kernel(module, "mamba_selective_scan", MAMBA_CLASSES)
 
-    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
+    ) -> torch.Tensor:
         from transformers.activations import ACT2FN
 
         m, dtype = self.module, hidden_states.dtype
@@ -293,7 +328,9 @@ class _MambaForward(_Routed):
         x = ACT2FN[m.activation](causal_conv(self.cp, lay, x.to(weight.dtype), weight, m.conv1d.bias))
         x = _masked(x.to(dtype), attention_mask)
         dt, b, c = m.x_proj(x).split([m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
-        dt = _norm(m, "dt_layernorm", dt)   # dt_proj without its bias, as the module computes it (quantized: the layer, - bias)
+        dt = _norm(
+            m, "dt_layernorm", dt
+        )  # dt_proj without its bias, as the module computes it (quantized: the layer, - bias)
         dt = m.dt_proj(dt) - m.dt_proj.bias if hasattr(m.config, "_is_quantized") else F.linear(dt, m.dt_proj.weight)
         bias = None if m.dt_proj.bias is None else m.dt_proj.bias.float()
         kind = Mamba(self.kernel, -torch.exp(m.A_log.float()), m.D.float(), bias)
@@ -314,12 +351,21 @@ class _MambaLayerForward:
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
-    def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
-                 cache: Any = None, **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Any = None,
+        position_ids: Any = None,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         m = self.module
         _refuse_cache(m, cache, kwargs)
-        h = hidden_states + m.mamba(hidden_states=m.input_layernorm(hidden_states), attention_mask=attention_mask,
-                                    cu_seq_lens_q=kwargs.get("cu_seq_lens_q"))
+        h = hidden_states + m.mamba(
+            hidden_states=m.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+        )
         return h + m.feed_forward(m.pre_ff_layernorm(h))
 
 
@@ -330,8 +376,14 @@ class _LightningForward(_Routed):
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)
 
-    def __call__(self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-                 cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: Any = None,
+        attention_mask: Any = None,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         m = self.module
         lay = _call_layout(self.cp, m, hidden_states, cache, kwargs)
         qkv = _masked(m.act_fn(m.qkv_proj(hidden_states)), attention_mask)
@@ -350,11 +402,13 @@ class _KimiDeltaForward(_Routed):
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)
-        self.kind = GatedDelta(_reference_kernel(module, "chunk_kimi_delta_attention", KDA_CLASSES),
-                               use_qk_l2norm_in_kernel=True)
+        self.kind = GatedDelta(
+            _reference_kernel(module, "chunk_kimi_delta_attention", KDA_CLASSES), use_qk_l2norm_in_kernel=True
+        )
 
-    def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
+    ) -> torch.Tensor:
         from transformers.activations import ACT2FN
 
         m = self.module
@@ -376,9 +430,14 @@ def _masked(h: torch.Tensor, attention_mask: Any) -> torch.Tensor:
 
 
 # routed class names -> the forward that replaces theirs
-_ROUTES = ((GATED_DELTANET_CLASSES, _GatedDeltaNetForward), (MAMBA2_CLASSES, _Mamba2Forward),
-           (SHORT_CONV_CLASSES, _ShortConvForward), (MAMBA_CLASSES, _MambaForward),
-           (LIGHTNING_CLASSES, _LightningForward), (KDA_CLASSES, _KimiDeltaForward))
+_ROUTES = (
+    (GATED_DELTANET_CLASSES, _GatedDeltaNetForward),
+    (MAMBA2_CLASSES, _Mamba2Forward),
+    (SHORT_CONV_CLASSES, _ShortConvForward),
+    (MAMBA_CLASSES, _MambaForward),
+    (LIGHTNING_CLASSES, _LightningForward),
+    (KDA_CLASSES, _KimiDeltaForward),
+)
 # every routed mixer class (the guard, `model_support`, accepts these in the families verified with them)
 ROUTED_CLASSES = tuple(name for names, _ in _ROUTES for name in names)
 
@@ -405,6 +464,19 @@ def route_linear_layers(model: torch.nn.Module, cp: CPMesh) -> int:
     return routed
 
 
-__all__ = ["CUDA_KERNELS", "KERNEL_ENV", "KERNEL_CHOICES", "cuda_kernel", "kernel_choice", "GATED_DELTANET_CLASSES",
-           "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "MAMBA_CLASSES", "LIGHTNING_CLASSES", "KDA_CLASSES", "ROUTED_CLASSES",
-           "is_routed", "route_linear_layers"]
+__all__ = [
+    "CUDA_KERNELS",
+    "KERNEL_ENV",
+    "KERNEL_CHOICES",
+    "cuda_kernel",
+    "kernel_choice",
+    "GATED_DELTANET_CLASSES",
+    "MAMBA2_CLASSES",
+    "SHORT_CONV_CLASSES",
+    "MAMBA_CLASSES",
+    "LIGHTNING_CLASSES",
+    "KDA_CLASSES",
+    "ROUTED_CLASSES",
+    "is_routed",
+    "route_linear_layers",
+]

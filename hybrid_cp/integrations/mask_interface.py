@@ -34,14 +34,16 @@ from typing import Any, Callable
 import torch
 
 # transformers.masking_utils functions whose mask the attention function rebuilds from its own arguments
-READ_PARTS = frozenset({
-    "causal_mask_function",
-    "and_masks.<locals>.and_mask",
-    "sliding_window_overlay.<locals>.inner_mask",
-    "chunked_overlay.<locals>.inner_mask",
-    "padding_mask_function.<locals>.inner_mask",
-    "packed_sequence_mask_function.<locals>.inner_mask",
-})
+READ_PARTS = frozenset(
+    {
+        "causal_mask_function",
+        "and_masks.<locals>.and_mask",
+        "sliding_window_overlay.<locals>.inner_mask",
+        "chunked_overlay.<locals>.inner_mask",
+        "padding_mask_function.<locals>.inner_mask",
+        "packed_sequence_mask_function.<locals>.inner_mask",
+    }
+)
 _PACKED_REMAP = "remap_positions_for_packed_sequence.<locals>."
 _AND = "and_masks.<locals>.and_mask"
 # how a modeling file hands transformers' mask builders parts beyond causal/window/chunk/packing
@@ -79,7 +81,7 @@ def mask_parts(mask_function: Callable) -> set[str]:
         for cell in getattr(value, "__closure__", None) or ():
             try:
                 walk(cell.cell_contents)
-            except ValueError:   # an empty cell
+            except ValueError:  # an empty cell
                 continue
 
     walk(mask_function)
@@ -109,20 +111,22 @@ def _traced_mask(mask_function: Callable, allow_is_causal_skip: bool, config: An
     """The decision of `transformers_mask` while torch.compile traces (see the module docstring)."""
     name = mask_function.__code__.co_qualname
     if name == "causal_mask_function" or (name == _AND and allow_is_causal_skip):
-        return None   # causal, or transformers' own sliding/chunked builders (and_mask of an overlay and causal)
+        return None  # causal, or transformers' own sliding/chunked builders (and_mask of an overlay and causal)
     if name == _AND and not _COMPOSES_EXTRA.get(type(config), True):
-        return None   # a model that never passes extra parts: the cleared skip is packing
+        return None  # a model that never passes extra parts: the cleared skip is packing
     return UnreadMask((f"{name} (its parts are hidden while torch.compile traces)",))
 
 
-def transformers_mask(*, mask_function: Callable, allow_is_causal_skip: bool = True, config: Any = None,
-                      **_: Any) -> UnreadMask | None:
+def transformers_mask(
+    *, mask_function: Callable, allow_is_causal_skip: bool = True, config: Any = None, **_: Any
+) -> UnreadMask | None:
     """transformers' mask-interface entry for hybrid-cp: None when the attention function's own arguments
     describe the mask, else an `UnreadMask` naming the parts it would drop."""
     if torch.compiler.is_compiling():
         return _traced_mask(mask_function, allow_is_causal_skip, config)
-    unread = sorted(name for name in mask_parts(mask_function)
-                    if name not in READ_PARTS and not name.startswith(_PACKED_REMAP))
+    unread = sorted(
+        name for name in mask_parts(mask_function) if name not in READ_PARTS and not name.startswith(_PACKED_REMAP)
+    )
     if "causal_mask_function" not in mask_parts(mask_function) and not unread:
         unread = ["(no causal part)"]
     return UnreadMask(tuple(unread)) if unread else None

@@ -73,12 +73,14 @@ def row_extent(cp: CPMesh, kwargs: dict) -> RowExtent:
     lay = row_layout(cp, local_len=s, causal=True, what="the model's input")
     seen = sorted(recorded_lengths(cp).get(lay.padded_len, ()))
     if len(seen) > 1:
-        raise ConfigError(f"the model has a rotary embedding whose frequencies depend on the row's length (a dynamic "
-                          f"rope type: longrope, dynamic NTK) but this row's length is ambiguous: hcp.shard_batch has "
-                          f"sharded lengths {seen} that all pad to {lay.padded_len} tokens on this mesh; pad every "
-                          f"batch to a multiple of {granularity(cp.layout, cp.ulysses_size, cp.ring_size)} "
-                          f"tokens with an attention_mask (e.g. DataCollatorWithPadding(pad_to_multiple_of=...)) so "
-                          f"that each padded size has one length")
+        raise ConfigError(
+            f"the model has a rotary embedding whose frequencies depend on the row's length (a dynamic "
+            f"rope type: longrope, dynamic NTK) but this row's length is ambiguous: hcp.shard_batch has "
+            f"sharded lengths {seen} that all pad to {lay.padded_len} tokens on this mesh; pad every "
+            f"batch to a multiple of {granularity(cp.layout, cp.ulysses_size, cp.ring_size)} "
+            f"tokens with an attention_mask (e.g. DataCollatorWithPadding(pad_to_multiple_of=...)) so "
+            f"that each padded size has one length"
+        )
     pos = kwargs["position_ids"].reshape(-1, s)
     first = positions(lay.seq_len, cp, pos.device)[0]
     return RowExtent(s, ((lay.seq_len + (pos[:, 0] - first).max(), None),))
@@ -96,11 +98,12 @@ def _packed_extent(cp: CPMesh, s: int, cu: Any, device: torch.device) -> RowExte
         else:
             slots.setdefault(lay.doc_lens[bisect.bisect_right(starts, tok) - 1], []).extend(range(at, at + n))
         at += n
-    if not slots:   # a shard of pad slots only
+    if not slots:  # a shard of pad slots only
         slots[1] = []
     slots[max(slots)] += pads
-    return RowExtent(s, tuple((e, torch.tensor(sorted(ix), dtype=torch.long, device=device))
-                              for e, ix in sorted(slots.items())))
+    return RowExtent(
+        s, tuple((e, torch.tensor(sorted(ix), dtype=torch.long, device=device)) for e, ix in sorted(slots.items()))
+    )
 
 
 class RowRotary:
@@ -115,16 +118,20 @@ class RowRotary:
         row = self.holder.row
         name = type(self.module).__name__
         if row is None:
-            raise SetupError(f"{name} ran outside a call of the model apply_context_parallel prepared (its forward "
-                             f"pre-hook tells the rotary the row's extent); call the model itself")
+            raise SetupError(
+                f"{name} ran outside a call of the model apply_context_parallel prepared (its forward "
+                f"pre-hook tells the rotary the row's extent); call the model itself"
+            )
         if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != row.local_len:
-            raise ConfigError(f"{name} has a rope type whose frequencies depend on the row's length, and was called "
-                              f"with position_ids of shape {getattr(position_ids, 'shape', None)}, not this rank's "
-                              f"[batch, {row.local_len}]: such rotaries (e.g. multi-axis position ids) are not supported "
-                              f"under context parallelism; use a static rope type (default, linear, yarn, llama3)")
+            raise ConfigError(
+                f"{name} has a rope type whose frequencies depend on the row's length, and was called "
+                f"with position_ids of shape {getattr(position_ids, 'shape', None)}, not this rank's "
+                f"[batch, {row.local_len}]: such rotaries (e.g. multi-axis position ids) are not supported "
+                f"under context parallelism; use a static rope type (default, linear, yarn, llama3)"
+            )
         if not row.packed:
             return self._with_extent(x, position_ids, row.groups[0][0], args, kwargs)
-        self.original(self.module, x, position_ids[:, :1] * 0, *args, **kwargs)   # back to the initial frequencies
+        self.original(self.module, x, position_ids[:, :1] * 0, *args, **kwargs)  # back to the initial frequencies
         out = None
         for extent, slots in row.groups:
             if not len(slots):
@@ -142,8 +149,10 @@ class RowRotary:
         out = self.original(self.module, x, full, *args, **kwargs)
         n = pos.shape[-1]
         if not isinstance(out, tuple) or any(o.dim() < 2 or o.shape[-2] != n + 1 for o in out):
-            raise SetupError(f"{type(self.module).__name__} returned {type(out).__name__} without the [..., positions, "
-                             f"dim] tensors of a rotary embedding; its row extent cannot be applied")
+            raise SetupError(
+                f"{type(self.module).__name__} returned {type(out).__name__} without the [..., positions, "
+                f"dim] tensors of a rotary embedding; its row extent cannot be applied"
+            )
         return tuple(o[..., :n, :] for o in out)
 
 
@@ -152,7 +161,7 @@ def route_rotaries(model: torch.nn.Module, holder) -> int:
     model's forward pre-hook, `row_extent`); returns how many there are."""
     count = 0
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), RowRotary):   # applied before: start from the class's
+        if isinstance(module.__dict__.get("forward"), RowRotary):  # applied before: start from the class's
             del module.__dict__["forward"]
         if extent_dependent(module):
             module.__dict__["forward"] = RowRotary(module, type(module).forward, holder)

@@ -47,8 +47,9 @@ COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
 _HOOK = "_hybrid_cp_router_aux_hook"
 
 
-def router_statistics(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
-                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def router_statistics(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three sums of the load-balancing loss over the given tokens and every layer: (picks [E], probs [E],
     rows), fp32; `weights` [rows] is 1 at a token that counts, 0 elsewhere (only `probs` carries a gradient).
 
@@ -87,7 +88,7 @@ def matches_family(function: Any) -> bool:
     for m in (None, mask):
         try:
             theirs = function(logits, 6, 2, m)
-        except Exception:   # another signature: not the formula we compute
+        except Exception:  # another signature: not the formula we compute
             return False
         ours = switch_loss(*router_statistics(logits, 6, 2, torch.ones(10) if m is None else m.reshape(-1)), 6)
         if not isinstance(theirs, torch.Tensor) or abs(theirs.item() - ours.item()) > 1e-6 * abs(ours.item()):
@@ -100,16 +101,23 @@ def aux_settings(model: torch.nn.Module) -> tuple[str, str]:
     made exact here, else ("", why not)."""
     function = getattr(sys.modules.get(type(model).__module__), AUX_FUNCTION, None)
     if function is None:
-        return "", (f"{type(model).__name__} computes no load-balancing loss in transformers (its router logits "
-                    f"would be this rank's shard only)")
+        return "", (
+            f"{type(model).__name__} computes no load-balancing loss in transformers (its router logits "
+            f"would be this rank's shard only)"
+        )
     coefficient = next((c for c in COEFFICIENTS if isinstance(getattr(model, c, None), (int, float))), None)
-    if coefficient is None or not all(isinstance(getattr(model, a, None), int)
-                                      for a in ("num_experts", "num_experts_per_tok")):
-        return "", (f"{type(model).__name__} does not hold the attributes its {AUX_FUNCTION} is called with "
-                    f"(num_experts, num_experts_per_tok, one of {COEFFICIENTS})")
+    if coefficient is None or not all(
+        isinstance(getattr(model, a, None), int) for a in ("num_experts", "num_experts_per_tok")
+    ):
+        return "", (
+            f"{type(model).__name__} does not hold the attributes its {AUX_FUNCTION} is called with "
+            f"(num_experts, num_experts_per_tok, one of {COEFFICIENTS})"
+        )
     if not matches_family(function):
-        return "", (f"{type(model).__module__}.{AUX_FUNCTION} is not the Switch Transformer loss hybrid-cp "
-                    f"reduces over the cp group")
+        return "", (
+            f"{type(model).__module__}.{AUX_FUNCTION} is not the Switch Transformer loss hybrid-cp "
+            f"reduces over the cp group"
+        )
     return coefficient, ""
 
 
@@ -126,23 +134,32 @@ def row_tokens(cp: CPMesh, kwargs: dict, padding: torch.Tensor | None) -> torch.
     b, s = ref.shape[:2]
     cu, mask = kwargs.get("cu_seq_lens_q"), kwargs.get(MASK_KEY)
     if cu is not None or mask is not None:
-        lay = row_layout(cp, local_len=s, cu_seqlens=cu, mask=mask, causal=True,
-                         what="the router's load-balancing loss")
+        lay = row_layout(
+            cp, local_len=s, cu_seqlens=cu, mask=mask, causal=True, what="the router's load-balancing loss"
+        )
         real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
     else:
         lay = row_layout(cp, local_len=s, causal=True, what="the router's load-balancing loss")
         seen = sorted(recorded_lengths(cp).get(lay.padded_len, ()))
         if len(seen) > 1 and padding is None:
-            raise ConfigError(f"output_router_logits=True: the row's length is ambiguous (hcp.shard_batch has sharded "
-                              f"lengths {seen} that all pad to {lay.padded_len} tokens on this mesh), so which tokens "
-                              f"count in the load-balancing loss is not known; pass shard_batch's attention_mask")
+            raise ConfigError(
+                f"output_router_logits=True: the row's length is ambiguous (hcp.shard_batch has sharded "
+                f"lengths {seen} that all pad to {lay.padded_len} tokens on this mesh), so which tokens "
+                f"count in the load-balancing loss is not known; pass shard_batch's attention_mask"
+            )
         real = positions(lay.seq_len, cp, device="cpu") < lay.seq_len
     real = real.to(ref.device)[None].expand(b, s)
     return real & padding.bool() if padding is not None else real
 
 
-def cp_switch_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, tokens: torch.Tensor,
-                   cp: CPMesh, gradient_scale: float) -> torch.Tensor:
+def cp_switch_loss(
+    router_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    tokens: torch.Tensor,
+    cp: CPMesh,
+    gradient_scale: float,
+) -> torch.Tensor:
     """The load-balancing loss of the whole row: this rank's sums all-reduced over the cp group (one collective),
     the same value on every rank; the gradient reaching this rank's router probabilities is `gradient_scale`
     times the single-process one."""
@@ -153,7 +170,7 @@ def cp_switch_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, to
         with comm_guard(cp, "the router load-balancing loss's all-reduce"):
             dist.all_reduce(total, group=cp.cp_group)
     scale = torch.tensor(gradient_scale, dtype=torch.float32, device=probs.device)
-    probs = GroupReduced.apply(probs, total[num_experts:2 * num_experts], scale)
+    probs = GroupReduced.apply(probs, total[num_experts : 2 * num_experts], scale)
     return switch_loss(total[:num_experts], probs, total[-1], num_experts)
 
 
@@ -173,8 +190,10 @@ def install_router_aux(model: torch.nn.Module, ref: Any) -> None:
 
     def refuse(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if kwargs.get("output_router_logits"):
-            raise ConfigError(f"output_router_logits=True: {why}, so no auxiliary loss over the row can be made exact "
-                              f"under context parallelism; do not pass it")
+            raise ConfigError(
+                f"output_router_logits=True: {why}, so no auxiliary loss over the row can be made exact "
+                f"under context parallelism; do not pass it"
+            )
 
     def replace(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         aux = getattr(output, "aux_loss", None)
@@ -182,17 +201,30 @@ def install_router_aux(model: torch.nn.Module, ref: Any) -> None:
             return output
         tokens = row_tokens(ref.cp, kwargs, ref.padding)
         scale = ref.cp.size if kwargs.get("num_items_in_batch") is None else 1
-        exact = cp_switch_loss(tuple(output.router_logits), module.num_experts, module.num_experts_per_tok,
-                               tokens, ref.cp, scale)
+        exact = cp_switch_loss(
+            tuple(output.router_logits), module.num_experts, module.num_experts_per_tok, tokens, ref.cp, scale
+        )
         if getattr(output, "loss", None) is not None:
             # the model added coefficient * aux (its shard's); this removes it, gradient included, exactly
             output.loss = output.loss + getattr(module, coefficient) * (exact.to(output.loss.device) - aux)
         output.aux_loss = exact
         return output
 
-    model.__dict__[_HOOK] = ([model.register_forward_hook(replace, with_kwargs=True)] if coefficient else
-                             [model.register_forward_pre_hook(refuse, with_kwargs=True)])
+    model.__dict__[_HOOK] = (
+        [model.register_forward_hook(replace, with_kwargs=True)]
+        if coefficient
+        else [model.register_forward_pre_hook(refuse, with_kwargs=True)]
+    )
 
 
-__all__ = ["AUX_FUNCTION", "aux_settings", "cp_switch_loss", "install_router_aux", "matches_family",
-           "router_aux_refusal", "router_statistics", "row_tokens", "switch_loss"]
+__all__ = [
+    "AUX_FUNCTION",
+    "aux_settings",
+    "cp_switch_loss",
+    "install_router_aux",
+    "matches_family",
+    "router_aux_refusal",
+    "router_statistics",
+    "row_tokens",
+    "switch_loss",
+]

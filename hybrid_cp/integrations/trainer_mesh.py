@@ -18,8 +18,9 @@ from .config_shape import model_shape
 log = logging.getLogger("hybrid_cp")
 
 
-def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, seq_len: int,
-                 cp_size: int | None = None) -> tuple[int, int]:
+def auto_degrees(
+    config: Any, ulysses: int | str, ring: int | str, world: int, seq_len: int, cp_size: int | None = None
+) -> tuple[int, int]:
     """(ulysses, ring) from the planner (`topology.planner.plan`) for the detected cluster and the model's shape,
     honouring a degree that was given (and `cp_size`, a fixed ulysses x ring); logs the choice and why. A split
     fits when some rung of `hybrid-cp plan`'s memory ladder fits it, as on the command line."""
@@ -29,59 +30,102 @@ def auto_degrees(config: Any, ulysses: int | str, ring: int | str, world: int, s
 
     for name, value in (("ulysses", ulysses), ("ring", ring)):
         if value != "auto" and not (isinstance(value, int) and value >= 1):
-            raise ConfigError(f"{name}={value!r}: expected a positive int or \"auto\"")
+            raise ConfigError(f'{name}={value!r}: expected a positive int or "auto"')
     if not (isinstance(seq_len, int) and seq_len >= 1):
-        raise ConfigError(f"cp_seq_len={seq_len!r}: \"auto\" needs the training sequence length (a positive int) "
-                          f"to plan for; pass cp_seq_len=... or explicit ulysses= and ring=")
+        raise ConfigError(
+            f'cp_seq_len={seq_len!r}: "auto" needs the training sequence length (a positive int) '
+            f"to plan for; pass cp_seq_len=... or explicit ulysses= and ring="
+        )
     cluster = discover()
-    plans = plan(cluster, model_shape(config), seq_len, world_size=world,   # memory: the first rung that fits
-                 dp=None if cp_size is None else world // cp_size, ladder=memory_ladder())
+    plans = plan(
+        cluster,
+        model_shape(config),
+        seq_len,
+        world_size=world,  # memory: the first rung that fits
+        dp=None if cp_size is None else world // cp_size,
+        ladder=memory_ladder(),
+    )
     fits = [p for p in plans if (ulysses == "auto" or p.ulysses == ulysses) and (ring == "auto" or p.ring == ring)]
     if not fits:
-        raise ConfigError(f"ulysses={ulysses!r}, ring={ring!r}: the planner found no feasible split of {world} ranks "
-                          f"with that degree for seq_len={seq_len}:\n{plans.explain(top=8)}")
+        raise ConfigError(
+            f"ulysses={ulysses!r}, ring={ring!r}: the planner found no feasible split of {world} ranks "
+            f"with that degree for seq_len={seq_len}:\n{plans.explain(top=8)}"
+        )
     best = fits[0]
-    log.info("hybrid_cp: ulysses=%r ring=%r resolved by the planner to ulysses=%d ring=%d dp=%d for seq_len=%d on "
-             "%s: the fastest feasible split (time per layer / dp, ties to more ulysses)\n%s", ulysses, ring,
-             best.ulysses, best.ring, best.dp, seq_len, cluster.name, best.explain())
+    log.info(
+        "hybrid_cp: ulysses=%r ring=%r resolved by the planner to ulysses=%d ring=%d dp=%d for seq_len=%d on "
+        "%s: the fastest feasible split (time per layer / dp, ties to more ulysses)\n%s",
+        ulysses,
+        ring,
+        best.ulysses,
+        best.ring,
+        best.dp,
+        seq_len,
+        cluster.name,
+        best.explain(),
+    )
     return best.ulysses, best.ring
 
 
-def resolve_mesh(model: torch.nn.Module, ulysses: int | str, ring: int | str, layout: str,
-                 validate: bool | str, seq_len: int | None = None, timeout: Any = None) -> CPMesh:
+def resolve_mesh(
+    model: torch.nn.Module,
+    ulysses: int | str,
+    ring: int | str,
+    layout: str,
+    validate: bool | str,
+    seq_len: int | None = None,
+    timeout: Any = None,
+) -> CPMesh:
     """The cp mesh of the trainer: the given degrees, or the planner's choice for "auto"; its groups time out
     after `timeout` (None: the default group's)."""
     if not dist.is_available() or not dist.is_initialized():
         hint = ""
-        if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":   # set by accelerate launch --cpu / use_cpu
-            hint = (" (accelerate launch --cpu, or a config with use_cpu: true, starts ONE process per machine "
-                    "unless given --mpirun_hostfile; on CPU use accelerate launch --multi_gpu --num_processes N, "
-                    "torchrun underneath, with TrainingArguments(use_cpu=True))")
-        raise SetupError("the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
-                         "launch (on CPU with TrainingArguments(use_cpu=True): gloo)" + hint)
+        if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":  # set by accelerate launch --cpu / use_cpu
+            hint = (
+                " (accelerate launch --cpu, or a config with use_cpu: true, starts ONE process per machine "
+                "unless given --mpirun_hostfile; on CPU use accelerate launch --multi_gpu --num_processes N, "
+                "torchrun underneath, with TrainingArguments(use_cpu=True))"
+            )
+        raise SetupError(
+            "the context-parallel trainer needs torch.distributed: launch with torchrun or accelerate "
+            "launch (on CPU with TrainingArguments(use_cpu=True): gloo)" + hint
+        )
     if ulysses == "auto" or ring == "auto":
         ulysses, ring = auto_degrees(model.config, ulysses, ring, dist.get_world_size(), seq_len)
     return init_cp_mesh(ulysses, ring, layout=layout, validate=validate, timeout=timeout)
 
 
-def cp_mesh_from_device_mesh(mesh: Any, ulysses: int | str, *, config: Any = None, seq_len: int | None = None,
-                             layout: str = "zigzag", validate: bool | str = True) -> CPMesh:
+def cp_mesh_from_device_mesh(
+    mesh: Any,
+    ulysses: int | str,
+    *,
+    config: Any = None,
+    seq_len: int | None = None,
+    layout: str = "zigzag",
+    validate: bool | str = True,
+) -> CPMesh:
     """A `CPMesh` whose cp groups are the "cp" groups of `mesh` (accelerate's DeviceMesh), that dimension
     unflattened into (ring, ulysses) with ulysses innermost (consecutive ranks: inside a node). `ulysses` is
     an int dividing the cp size, or "auto" (the planner, for the model `config` and `seq_len`)."""
     names = tuple(mesh.mesh_dim_names or ())
     if "cp" not in names:
-        raise ConfigError(f"the device mesh has dimensions {names} and no 'cp': configure "
-                          f"ParallelismConfig(cp_size=...) (accelerate) or build the mesh with hcp.init_cp_mesh")
+        raise ConfigError(
+            f"the device mesh has dimensions {names} and no 'cp': configure "
+            f"ParallelismConfig(cp_size=...) (accelerate) or build the mesh with hcp.init_cp_mesh"
+        )
     for other in ("tp", "sp"):
         if other in names and mesh[other].size() > 1:
-            raise ConfigError(f"the device mesh has {other}={mesh[other].size()}: hybrid-cp does not combine with "
-                              f"accelerate's {other} dimension; set {other}_size=1")
+            raise ConfigError(
+                f"the device mesh has {other}={mesh[other].size()}: hybrid-cp does not combine with "
+                f"accelerate's {other} dimension; set {other}_size=1"
+            )
     cp_size = mesh["cp"].size()
     grid = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, cp_size)
     if not torch.equal(grid, torch.arange(grid.numel()).reshape(-1, cp_size)):
-        raise ConfigError(f"the device mesh's cp groups {grid.tolist()} are not consecutive ranks in order; hybrid-cp "
-                          f"puts dp outermost and ulysses innermost (accelerate's order with tp = sp = 1)")
+        raise ConfigError(
+            f"the device mesh's cp groups {grid.tolist()} are not consecutive ranks in order; hybrid-cp "
+            f"puts dp outermost and ulysses innermost (accelerate's order with tp = sp = 1)"
+        )
     if ulysses == "auto":
         ulysses, _ = auto_degrees(config, "auto", "auto", grid.numel(), seq_len, cp_size=cp_size)
     if not (isinstance(ulysses, int) and ulysses >= 1 and cp_size % ulysses == 0):
@@ -94,8 +138,10 @@ def cp_mesh_from_accelerator(accelerator: Any, ulysses: int | str, **kwargs: Any
     its `torch_device_mesh`. (accelerate builds that mesh only with FSDP2 or on GPUs: not run on CPU here.)"""
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is None:
-        raise ConfigError("the accelerator has no device mesh: create it with "
-                          "Accelerator(parallelism_config=ParallelismConfig(cp_size=...))")
+        raise ConfigError(
+            "the accelerator has no device mesh: create it with "
+            "Accelerator(parallelism_config=ParallelismConfig(cp_size=...))"
+        )
     return cp_mesh_from_device_mesh(mesh, ulysses, **kwargs)
 
 

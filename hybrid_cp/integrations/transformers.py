@@ -77,11 +77,11 @@ class _MeshRef:
     def __init__(self, cp: CPMesh, head_chunks: int = 1, overlap: bool = False):
         self.cp = cp
         self.head_chunks = head_chunks
-        self.overlap = overlap   # the head-chunk schedule (AttentionSpec.overlap)
-        self.rotaries = 0   # rotary modules that read the row's extent (`rope.route_rotaries`)
-        self.row = None     # ... and that extent, of the model's current call (`rope.row_extent`)
+        self.overlap = overlap  # the head-chunk schedule (AttentionSpec.overlap)
+        self.rotaries = 0  # rotary modules that read the row's extent (`rope.route_rotaries`)
+        self.row = None  # ... and that extent, of the model's current call (`rope.row_extent`)
         self.packed = False  # whether the current call is a packed row (routed mixers check they got its boundaries)
-        self.fixed = ""   # what bound `cp` at patch time (module chunks, linear layers): `use_mesh` refuses then
+        self.fixed = ""  # what bound `cp` at patch time (module chunks, linear layers): `use_mesh` refuses then
         self.padding = None  # the current call's attention mask (`router_aux`: the tokens its statistics count)
 
     def __deepcopy__(self, memo):
@@ -89,9 +89,11 @@ class _MeshRef:
 
 
 def _unsupported(msg: str) -> ConfigError:
-    return ConfigError(msg + " (hybrid_cp.integrations.transformers supports causal attention, with sliding "
-                            "windows, chunked layers, attention sinks, logit soft-capping, right padding or packed "
-                            "documents; no dropout)")
+    return ConfigError(
+        msg + " (hybrid_cp.integrations.transformers supports causal attention, with sliding "
+        "windows, chunked layers, attention sinks, logit soft-capping, right padding or packed "
+        "documents; no dropout)"
+    )
 
 
 def _layer_chunk(module: torch.nn.Module) -> int | None:
@@ -104,14 +106,18 @@ def _layer_chunk(module: torch.nn.Module) -> int | None:
         return None
     i = getattr(module, "layer_idx", None)
     if not is_int(i) or not 0 <= i < len(kinds):
-        raise _unsupported(f"{type(module).__name__} has layer_idx={i!r}, so which of config.layer_types (with "
-                           f"chunked_attention layers) it is cannot be told; its attention would be computed wrong")
+        raise _unsupported(
+            f"{type(module).__name__} has layer_idx={i!r}, so which of config.layer_types (with "
+            f"chunked_attention layers) it is cannot be told; its attention would be computed wrong"
+        )
     if kinds[i] != "chunked_attention":
         return None
     size = getattr(config, "attention_chunk_size", None)
     if not is_positive_int(size):
-        raise _unsupported(f"{type(module).__name__} (layer {i}) is a chunked_attention layer but "
-                           f"config.attention_chunk_size={size!r}; expected a positive int")
+        raise _unsupported(
+            f"{type(module).__name__} (layer {i}) is a chunked_attention layer but "
+            f"config.attention_chunk_size={size!r}; expected a positive int"
+        )
     return size
 
 
@@ -123,13 +129,17 @@ def _variants(module: torch.nn.Module, kwargs: dict) -> tuple[torch.Tensor | Non
     out = {}
     sinks, cap = kwargs.get("s_aux"), kwargs.get("softcap")
     if sinks is not None and sinks is not getattr(module, "sinks", None):
-        raise _unsupported(f"{type(module).__name__} received s_aux (attention sinks) that is not its own "
-                           f"`sinks` parameter; pass no s_aux to the model")
+        raise _unsupported(
+            f"{type(module).__name__} received s_aux (attention sinks) that is not its own "
+            f"`sinks` parameter; pass no s_aux to the model"
+        )
     if cap is not None:
         if cap != getattr(module, "attn_logit_softcapping", None):
-            raise _unsupported(f"{type(module).__name__} received softcap={cap!r} (attention logit soft-capping) but "
-                               f"its config.attn_logit_softcapping is {getattr(module, 'attn_logit_softcapping', None)!r}"
-                               f"; pass no softcap to the model")
+            raise _unsupported(
+                f"{type(module).__name__} received softcap={cap!r} (attention logit soft-capping) but "
+                f"its config.attn_logit_softcapping is {getattr(module, 'attn_logit_softcapping', None)!r}"
+                f"; pass no softcap to the model"
+            )
         out["softcap"] = cap
     chunk = _layer_chunk(module)
     if chunk is not None:
@@ -162,16 +172,21 @@ def _row_of_call(module: torch.nn.Module, cp: CPMesh, local_len: int, kwargs: di
         if cu is not None or kwargs.get("cu_seq_lens_k") is not None:
             raise _unsupported(f"{name} received cu_seq_lens_q/k with {MASK_KEY}=: the AttnMask holds the documents")
         if not isinstance(mask, AttnMask):
-            raise ConfigError(f"{name} received {MASK_KEY}={mask!r}; expected an hcp.AttnMask (from "
-                              f"hcp.shard_batch(batch, cp, mask=m))")
+            raise ConfigError(
+                f"{name} received {MASK_KEY}={mask!r}; expected an hcp.AttnMask (from "
+                f"hcp.shard_batch(batch, cp, mask=m))"
+            )
         if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-            raise _unsupported(f"{name} scales its queries by their positions (attn_temperature_tuning), not "
-                               f"verified with {MASK_KEY}=")
+            raise _unsupported(
+                f"{name} scales its queries by their positions (attn_temperature_tuning), not verified with {MASK_KEY}="
+            )
         return dict(mask=mask), row_layout(cp, local_len=local_len, mask=mask, what=name)
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and (cu is None or boundaries(cu_k) != boundaries(cu)):
-        raise _unsupported(f"{name} received cu_seq_lens_k different from cu_seq_lens_q; packed "
-                           f"self-attention needs the same boundaries for queries and keys")
+        raise _unsupported(
+            f"{name} received cu_seq_lens_k different from cu_seq_lens_q; packed "
+            f"self-attention needs the same boundaries for queries and keys"
+        )
     lay = row_layout(cp, local_len=local_len, cu_seqlens=cu, causal=True, what=name)
     return dict(causal=True, seq_len=None if cu is not None else lay.seq_len, cu_seqlens=cu), lay
 
@@ -181,62 +196,88 @@ def _check_prepared_mask(module: torch.nn.Module, attention_mask: Any, kwargs: d
     mask transformers composed of parts we do not read (`mask_interface.UnreadMask`), unless the batch carries the
     row's `hcp.AttnMask` (`MASK_KEY`), which then says which keys each query sees."""
     name, given = type(module).__name__, kwargs.get(MASK_KEY) is not None
-    fix = ("build the row's mask as an hcp.AttnMask (AttnMask.blocks for image tokens, documents(..., causal=False) "
-           "for bidirectional rows, from_slices for anything else) and pass it with hcp.shard_batch(batch, cp, mask=m)")
+    fix = (
+        "build the row's mask as an hcp.AttnMask (AttnMask.blocks for image tokens, documents(..., causal=False) "
+        "for bidirectional rows, from_slices for anything else) and pass it with hcp.shard_batch(batch, cp, mask=m)"
+    )
     if (not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False) and not given:
         raise _unsupported(f"{name} is not causal; {fix}")
     if isinstance(attention_mask, UnreadMask):
         if not given:
-            raise _unsupported(f"{name}: transformers built this model's mask from {attention_mask.describe()}, "
-                               f"which hybrid-cp does not read from transformers (it would run causally); {fix}")
+            raise _unsupported(
+                f"{name}: transformers built this model's mask from {attention_mask.describe()}, "
+                f"which hybrid-cp does not read from transformers (it would run causally); {fix}"
+            )
     elif attention_mask is not None:
-        raise _unsupported(f"{name} received a prepared attention mask "
-                           f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
-                           f"attention with right padding is supported (pass a 2-D padding mask or none), or {fix}")
+        raise _unsupported(
+            f"{name} received a prepared attention mask "
+            f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}; only causal "
+            f"attention with right padding is supported (pass a 2-D padding mask or none), or {fix}"
+        )
 
 
-def hybrid_cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
-                                dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def hybrid_cp_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: query/key [B, H or H_kv, S_local, D], value [B, H_kv, S_local, Dv].
 
     Returns (attn_output [B, S_local, H, Dv], None).
     """
     ref = getattr(module, "_hybrid_cp_mesh", None)
     if ref is None:
-        raise SetupError(f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but has "
-                           f"no cp mesh; call hybrid_cp.integrations.transformers.apply_context_parallel(model, cp)")
+        raise SetupError(
+            f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but has "
+            f"no cp mesh; call hybrid_cp.integrations.transformers.apply_context_parallel(model, cp)"
+        )
     cp = ref.cp
     if dropout and dropout > 0:
-        raise _unsupported(f"attention dropout={dropout} in {type(module).__name__}; set "
-                           f"config.attention_dropout=0.0 for context-parallel training")
+        raise _unsupported(
+            f"attention dropout={dropout} in {type(module).__name__}; set "
+            f"config.attention_dropout=0.0 for context-parallel training"
+        )
     _check_prepared_mask(module, attention_mask, kwargs)
     check_attention_kwargs(module, kwargs)
-    if _CAPTURE not in module.__dict__:   # a module chunk's call holds its chunk of the heads
+    if _CAPTURE not in module.__dict__:  # a module chunk's call holds its chunk of the heads
         check_head_layout(module, query)
     window = kwargs.get("sliding_window")
     if window is not None and not is_positive_int(window):
-        raise _unsupported(f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
-                           f"number of keys each query sees, itself included)")
+        raise _unsupported(
+            f"{type(module).__name__} passed sliding_window={window!r}; expected a positive int (the "
+            f"number of keys each query sees, itself included)"
+        )
     row, lay = _row_of_call(module, cp, query.shape[2], kwargs)
-    if torch.is_autocast_enabled(query.device.type):   # fp32 weights under autocast (Trainer bf16=True): the
-        dt = torch.get_autocast_dtype(query.device.type)   # projections give bf16, rotary fp32; eager's matmuls
-        query, key, value = (x.to(dt) for x in (query, key, value))   # would run all three in the autocast dtype
+    if torch.is_autocast_enabled(query.device.type):  # fp32 weights under autocast (Trainer bf16=True): the
+        dt = torch.get_autocast_dtype(query.device.type)  # projections give bf16, rotary fp32; eager's matmuls
+        query, key, value = (x.to(dt) for x in (query, key, value))  # would run all three in the autocast dtype
     q = _temperature(module, query.transpose(1, 2), cp, lay, row.get("cu_seqlens")).contiguous()
     k = key.transpose(1, 2).contiguous()
     v = value.transpose(1, 2).contiguous()
     sinks, variants = _variants(module, kwargs)
     if row.get("mask") is not None and "chunk_size" in variants:
-        raise _unsupported(f"{type(module).__name__} is a chunked_attention layer, called with {MASK_KEY}=: its "
-                           f"chunks cannot be cut from an AttnMask shared by every layer (Llama 4); train it on "
-                           f"causal or packed rows")
-    spec = AttentionSpec(softmax_scale=scaling, window=window, overlap=ref.overlap,
-                         head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks), **row,
-                         **variants)
+        raise _unsupported(
+            f"{type(module).__name__} is a chunked_attention layer, called with {MASK_KEY}=: its "
+            f"chunks cannot be cut from an AttnMask shared by every layer (Llama 4); train it on "
+            f"causal or packed rows"
+        )
+    spec = AttentionSpec(
+        softmax_scale=scaling,
+        window=window,
+        overlap=ref.overlap,
+        head_chunks=module.__dict__.get("_hybrid_cp_engine_chunks", ref.head_chunks),
+        **row,
+        **variants,
+    )
     mode = module.__dict__.get(_CAPTURE)
-    if mode == "project":   # a module chunk's projections are done: hand them to the chunk pipeline
+    if mode == "project":  # a module chunk's projections are done: hand them to the chunk pipeline
         raise _Captured(Projected(q, k, v, spec, sinks))
-    if mode == "probe":     # the structure check of module chunks: return q itself as the attention output
+    if mode == "probe":  # the structure check of module chunks: return q itself as the attention output
         module.__dict__[_PROBE_OUT] = q
         return q, None
     return run_attention(q, k, v, cp, spec, sinks), None
@@ -259,9 +300,16 @@ class _CPLoss:
     def __deepcopy__(self, memo):
         return self
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
-                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         targets = shift_labels if shift_labels is not None else labels
         if targets is None:  # the forward pre-hook refuses labels without shift_labels
             raise ConfigError("the context-parallel loss needs shift_labels= (hcp.shard_batch's labels)")
@@ -302,7 +350,7 @@ def _pre_forward(ref: _MeshRef, module: torch.nn.Module, args: tuple, kwargs: di
         _refuse_masked(module)
     if ref.rotaries:
         ref.row = row_extent(cp, kwargs)
-    ref.padding = kwargs.get("attention_mask")   # the router's load-balancing loss counts the real tokens
+    ref.padding = kwargs.get("attention_mask")  # the router's load-balancing loss counts the real tokens
     if kwargs.get("attention_mask") is not None:
         kwargs["attention_mask"] = None
     kwargs["use_cache"] = False
@@ -315,13 +363,17 @@ def _refuse_masked(model: torch.nn.Module) -> None:
     so on every rank alike)."""
     mixers = sorted({type(m).__name__ for m in model.modules() if is_routed(m)})
     if mixers:
-        raise ConfigError(f"{MASK_KEY}= (an hcp.AttnMask) with sequence mixers {mixers}: their scans run along the "
-                          f"row, not under an attention mask; train this model on causal or packed rows")
+        raise ConfigError(
+            f"{MASK_KEY}= (an hcp.AttnMask) with sequence mixers {mixers}: their scans run along the "
+            f"row, not under an attention mask; train this model on causal or packed rows"
+        )
     ref = model.__dict__.get("_hybrid_cp_mesh")
     if ref is not None and ref.rotaries:
-        raise ConfigError(f"{MASK_KEY}= (an hcp.AttnMask) with a rotary embedding whose frequencies depend on the "
-                          f"row's length (longrope, dynamic NTK): its extent under a mask is not defined; use a "
-                          f"static rope type or causal/packed rows")
+        raise ConfigError(
+            f"{MASK_KEY}= (an hcp.AttnMask) with a rotary embedding whose frequencies depend on the "
+            f"row's length (longrope, dynamic NTK): its extent under a mask is not defined; use a "
+            f"static rope type or causal/packed rows"
+        )
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -363,14 +415,23 @@ class _ModuleChunks:
     forward with its q/k/v projections cut to the chunk's heads (views of the parameters), stopped at
     the attention call; the output projection's columns of the chunk's heads are applied inside."""
 
-    def __init__(self, module: torch.nn.Module, cp: CPMesh, kv_ranges: list[tuple[int, int]], engine_chunks: int,
-                 group: int, head_dim: int, layer=None, keep_output: bool | None = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        cp: CPMesh,
+        kv_ranges: list[tuple[int, int]],
+        engine_chunks: int,
+        group: int,
+        head_dim: int,
+        layer=None,
+        keep_output: bool | None = None,
+    ):
         # the class's forward, taken now: the instance's `forward` becomes this object
         self.module, self.original, self.cp, self.engine_chunks = module, type(module).forward, cp, engine_chunks
         self.kv_ranges, self.group, self.d = kv_ranges, group, head_dim
         self.q_ranges = [(a * group, b * group) for a, b in kv_ranges]
         self.checked = False
-        self.layer, self.keep_output = layer, keep_output   # layer: a weakref to the enclosing decoder layer
+        self.layer, self.keep_output = layer, keep_output  # layer: a weakref to the enclosing decoder layer
 
     def _keep(self) -> bool:
         """Keep the attention outputs for backward: by default only inside a checkpointed layer (free there:
@@ -384,13 +445,21 @@ class _ModuleChunks:
     def _cut(self, name: str, p: torch.Tensor, j: int) -> torch.Tensor:
         a, b = self.kv_ranges[j]
         if name.startswith("q_proj."):
-            return p[a * self.group * self.d:b * self.group * self.d]
+            return p[a * self.group * self.d : b * self.group * self.d]
         if name.startswith(("k_proj.", "v_proj.")):
-            return p[a * self.d:b * self.d]
+            return p[a * self.d : b * self.d]
         return p
 
-    def _run(self, mode: str, j: int, leaves: list, spec, names: list[str], params: list[torch.Tensor],
-             extra: dict | None = None):
+    def _run(
+        self,
+        mode: str,
+        j: int,
+        leaves: list,
+        spec,
+        names: list[str],
+        params: list[torch.Tensor],
+        extra: dict | None = None,
+    ):
         from torch.utils._pytree import tree_unflatten
 
         args, kwargs = tree_unflatten(leaves, spec)
@@ -406,15 +475,17 @@ class _ModuleChunks:
         """Once per module: its output must be o_proj(attention output): what the pipeline computes. Runs the
         module's forward for the first chunk with the attention output replaced by q (local, no collective)."""
         qa, qb = self.q_ranges[0]
-        w = self.module.o_proj.weight[:, qa * self.d:qb * self.d]
+        w = self.module.o_proj.weight[:, qa * self.d : qb * self.d]
         with torch.no_grad():
             y = self._run("probe", 0, leaves, spec, names, params, {"o_proj.weight": w})[0]
             q = self.module.__dict__.pop(_PROBE_OUT, None)
             expected = None if q is None else F.linear(q.reshape(*q.shape[:2], -1), w, self.module.o_proj.bias)
         if expected is None or y.shape != expected.shape or not torch.allclose(y, expected, rtol=1e-4, atol=1e-5):
-            raise ConfigError(f"{type(self.module).__name__} does more than o_proj(attention output) after its "
-                              f"attention call, so its heads cannot run in module-level chunks; pass "
-                              f"apply_context_parallel(..., chunk_projections=False) (chunks inside hcp.attention)")
+            raise ConfigError(
+                f"{type(self.module).__name__} does more than o_proj(attention output) after its "
+                f"attention call, so its heads cannot run in module-level chunks; pass "
+                f"apply_context_parallel(..., chunk_projections=False) (chunks inside hcp.attention)"
+            )
         self.checked = True
 
     @torch.compiler.disable  # the chunk loop (collectives, swapped parameters) runs eagerly: a graph break per call
@@ -424,7 +495,7 @@ class _ModuleChunks:
         leaves, spec = tree_flatten((args, kwargs))
         at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         names = [n for n, _ in self.module.named_parameters() if not n.startswith("o_proj.")]
-        params = [self.module.get_parameter(n) for n in names]   # as registered now (FSDP2: unsharded)
+        params = [self.module.get_parameter(n) for n in names]  # as registered now (FSDP2: unsharded)
         if not self.checked:
             self._check_structure(leaves, spec, names, params)
         # every tensor argument goes through the Function (saved for backward there, so that layer
@@ -436,17 +507,29 @@ class _ModuleChunks:
             for i, t in zip(at, tensors):
                 vals[i] = t
             try:
-                self._run("project", j, vals, spec, names, list(tensors[len(at):len(at) + len(names)]))
+                self._run("project", j, vals, spec, names, list(tensors[len(at) : len(at) + len(names)]))
             except _Captured as done:
                 return done.projected
-            raise SetupError(f"{type(self.module).__name__}.forward returned without calling the attention function; "
-                             f"module-level head chunks need attn_implementation={ATTN_IMPLEMENTATION!r}")
+            raise SetupError(
+                f"{type(self.module).__name__}.forward returned without calling the attention function; "
+                f"module-level head chunks need attn_implementation={ATTN_IMPLEMENTATION!r}"
+            )
 
         o = self.module.o_proj
         ref = self.module.__dict__.get("_hybrid_cp_mesh")
-        return pipelined_module_chunks(project, self.q_ranges, [b - a for a, b in self.kv_ranges], self.cp,
-                                       self.engine_chunks, [leaves[i] for i in at], params, o.weight, o.bias,
-                                       overlap=bool(ref is not None and ref.overlap), keep_output=self._keep()), None
+        return pipelined_module_chunks(
+            project,
+            self.q_ranges,
+            [b - a for a, b in self.kv_ranges],
+            self.cp,
+            self.engine_chunks,
+            [leaves[i] for i in at],
+            params,
+            o.weight,
+            o.bias,
+            overlap=bool(ref is not None and ref.overlap),
+            keep_output=self._keep(),
+        ), None
 
 
 # attention modules that use their whole-head K/V or projections outside the attention call: a layer that stores
@@ -458,12 +541,14 @@ _ADAPTER_SUFFIX = "_adapter_list"
 
 def _keeps_whole_heads(module: torch.nn.Module) -> bool:
     """Whether `module` must run its heads whole (module-level chunks would compute something else)."""
-    return (any(getattr(module, flag, False) for flag in _WHOLE_HEAD_FLAGS)
-            or any(name.endswith(_ADAPTER_SUFFIX) for name in module._modules))
+    return any(getattr(module, flag, False) for flag in _WHOLE_HEAD_FLAGS) or any(
+        name.endswith(_ADAPTER_SUFFIX) for name in module._modules
+    )
 
 
-def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=None,
-                  keep_output: bool | None = None) -> bool:
+def _chunk_module(
+    module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=None, keep_output: bool | None = None
+) -> bool:
     """Make an attention module run its heads in chunks from the projections on (UPipe at the module
     level, `_ModuleChunks`); returns False for modules without separate q/k/v/o projections of
     `num_attention_heads` x `head_dim`, for modules with attention sinks (the module chunk pipeline does not
@@ -479,26 +564,28 @@ def _chunk_module(module: torch.nn.Module, cp: CPMesh, head_chunks: int, layer=N
     heads, kv_heads = module.q_proj.out_features // d, module.k_proj.out_features // d
     config_heads = getattr(getattr(module, "config", None), "num_attention_heads", heads)
     if heads % kv_heads or heads != config_heads or module.o_proj.in_features != heads * d:
-        return False   # e.g. a q projection that also produces gates: not a plain [heads, head_dim] layout
+        return False  # e.g. a q projection that also produces gates: not a plain [heads, head_dim] layout
     ranges, engine = module_chunks(heads, kv_heads, cp.ulysses_size, head_chunks)
     module.__dict__["_hybrid_cp_engine_chunks"] = engine
     module.__dict__.pop("forward", None)
     if len(ranges) > 1:
-        module.__dict__["forward"] = _ModuleChunks(module, cp, ranges, engine, heads // kv_heads, d, layer,
-                                                   keep_output)
+        module.__dict__["forward"] = _ModuleChunks(module, cp, ranges, engine, heads // kv_heads, d, layer, keep_output)
     return True
 
 
-def _chunk_attention_modules(model: torch.nn.Module, cp: CPMesh, head_chunks: int, chunk_projections: bool,
-                             keep_attention_output: bool | None) -> None:
+def _chunk_attention_modules(
+    model: torch.nn.Module, cp: CPMesh, head_chunks: int, chunk_projections: bool, keep_attention_output: bool | None
+) -> None:
     """`apply_context_parallel`'s head chunks: module-level where `_chunk_module` can, else inside `hcp.attention`
     (logged when head chunks were asked for)."""
     # linear-attention mixers named self_attn (Kimi's, Ling's KDA) keep their routed forward
     named = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn") and not is_routed(m)]
     attention_modules = [m for _, m in named]
     layers = [weakref.ref(model.get_submodule(name.rpartition(".")[0])) if "." in name else None for name, _ in named]
-    chunked = [_chunk_module(m, cp, head_chunks if chunk_projections else 1, layer, keep_attention_output)
-               for m, layer in zip(attention_modules, layers)]
+    chunked = [
+        _chunk_module(m, cp, head_chunks if chunk_projections else 1, layer, keep_attention_output)
+        for m, layer in zip(attention_modules, layers)
+    ]
     if not chunk_projections:
         for m in attention_modules:
             m.__dict__["_hybrid_cp_engine_chunks"] = head_chunks
@@ -508,13 +595,22 @@ def _chunk_attention_modules(model: torch.nn.Module, cp: CPMesh, head_chunks: in
         logging.getLogger("hybrid_cp").warning(
             "head_chunks=%d: %d of %d attention modules have no separate q/k/v/o projections of num_attention_heads x "
             "head_dim, or have attention sinks, chunked attention, KV-sharing or adapters, and chunk their heads "
-            "inside hcp.attention only (Q/K/V of all heads exist at once there)", head_chunks,
-            chunked.count(False), len(chunked))
+            "inside hcp.attention only (Q/K/V of all heads exist at once there)",
+            head_chunks,
+            chunked.count(False),
+            len(chunked),
+        )
 
 
-def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: int = 1,
-                           chunk_projections: bool = True, keep_attention_output: bool | None = None,
-                           overlap: bool = False) -> torch.nn.Module:
+def apply_context_parallel(
+    model: torch.nn.Module,
+    cp: CPMesh,
+    *,
+    head_chunks: int = 1,
+    chunk_projections: bool = True,
+    keep_attention_output: bool | None = None,
+    overlap: bool = False,
+) -> torch.nn.Module:
     """Make a transformers causal LM run its attention through `hcp.attention` on mesh `cp`.
 
     Afterwards `model(input_ids=local_ids, position_ids=local_pos)` on each rank (the shard from
@@ -551,25 +647,31 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
     """
     positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
     if keep_attention_output is not None and not isinstance(keep_attention_output, bool):
-        raise ConfigError(f"keep_attention_output={keep_attention_output!r}: pass True, False or None (None: keep "
-                          f"inside checkpointed layers only)")
+        raise ConfigError(
+            f"keep_attention_output={keep_attention_output!r}: pass True, False or None (None: keep "
+            f"inside checkpointed layers only)"
+        )
     if not isinstance(overlap, bool):
         raise ConfigError(f"overlap={overlap!r}: pass True (overlapped head chunks) or False (one after another)")
     if not isinstance(cp, CPMesh):
         raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
-        raise InputTypeError(f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
-                        f"pip install 'hybrid-cp[hf]'), got {type(model).__name__}")
+        raise InputTypeError(
+            f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
+            f"pip install 'hybrid-cp[hf]'), got {type(model).__name__}"
+        )
     check_model(model)
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None and heads < cp.ulysses_size:
-        raise ShapeError(f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
-                         f"needs at least one head; use ulysses <= {heads} and put the rest into ring")
+        raise ShapeError(
+            f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
+            f"needs at least one head; use ulysses <= {heads} and put the rest into ring"
+        )
     _register()
     note_model(model)
     model.set_attn_implementation(_implementations(model))
-    route_linear_layers(model, cp)   # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
+    route_linear_layers(model, cp)  # hybrid models: Gated DeltaNet blocks, Mamba2 mixers (docs/linear.md)
     ref = _MeshRef(cp, head_chunks, overlap)
     ref.rotaries = route_rotaries(model, ref)
     for m in model.modules():
@@ -578,7 +680,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: CPMesh, *, head_chunks: i
         model.loss_function = _CPLoss(ref)
     _chunk_attention_modules(model, cp, head_chunks, chunk_projections, keep_attention_output)
     ref.fixed = _mesh_bound_by(model, head_chunks)
-    install_router_aux(model, ref)   # MoE families: the load-balancing loss over the whole row (router_aux.py)
+    install_router_aux(model, ref)  # MoE families: the load-balancing loss over the whole row (router_aux.py)
     old = model.__dict__.get(_HOOK_ATTR)
     if old is not None:
         old.remove()
@@ -594,8 +696,11 @@ def _implementations(model: torch.nn.Module) -> str | dict[str, str]:
     config = model.config
     if getattr(config, "model_type", None) not in VISION_LANGUAGE_FAMILIES:
         return ATTN_IMPLEMENTATION
-    own = {key: getattr(config, key)._attn_implementation for key in config.sub_configs
-           if key != "text_config" and getattr(config, key, None) is not None}
+    own = {
+        key: getattr(config, key)._attn_implementation
+        for key in config.sub_configs
+        if key != "text_config" and getattr(config, key, None) is not None
+    }
     return {"": ATTN_IMPLEMENTATION, "text_config": ATTN_IMPLEMENTATION, **own}
 
 
@@ -603,17 +708,27 @@ def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:
     """Why `use_mesh` refuses this model, with the fix, or "": module-level head chunks (their head ranges are
     cut for the patch-time mesh's ulysses degree) and routed mixers not verified with mixed degrees (Gated
     DeltaNet and Mamba2 are: `linear_layers._Routed.dynamic_verified`)."""
-    chunked = any("forward" in m.__dict__ for name, m in model.named_modules()
-                  if name.endswith("self_attn") and not is_routed(m))
+    chunked = any(
+        "forward" in m.__dict__ for name, m in model.named_modules() if name.endswith("self_attn") and not is_routed(m)
+    )
     if chunked:
-        return (f"head_chunks={head_chunks} module chunks keep the ulysses degree they were patched for; patch it "
-                f"with apply_context_parallel(..., chunk_projections=False) (head chunks inside hcp.attention, which "
-                f"read the call's mesh) or head_chunks=1")
-    mixers = sorted({type(x).__name__ for x in model.modules()   # a routed forward not marked verified: refused
-                     if is_routed(x) and not getattr(x.__dict__.get("forward"), "dynamic_verified", False)})
+        return (
+            f"head_chunks={head_chunks} module chunks keep the ulysses degree they were patched for; patch it "
+            f"with apply_context_parallel(..., chunk_projections=False) (head chunks inside hcp.attention, which "
+            f"read the call's mesh) or head_chunks=1"
+        )
+    mixers = sorted(
+        {
+            type(x).__name__
+            for x in model.modules()  # a routed forward not marked verified: refused
+            if is_routed(x) and not getattr(x.__dict__.get("forward"), "dynamic_verified", False)
+        }
+    )
     if mixers:
-        return (f"sequence mixers {mixers} are not verified with dynamic degrees (Gated DeltaNet and Mamba2 mixers "
-                f"are); train this model on one fixed mesh (hcp.init_cp_mesh)")
+        return (
+            f"sequence mixers {mixers} are not verified with dynamic degrees (Gated DeltaNet and Mamba2 mixers "
+            f"are); train this model on one fixed mesh (hcp.init_cp_mesh)"
+        )
     return ""
 
 

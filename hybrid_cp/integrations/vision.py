@@ -32,13 +32,17 @@ def _body(model: torch.nn.Module) -> torch.nn.Module:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _BODIES:
-        raise ConfigError(f"hybrid_cp.image_row supports model_type {sorted(_BODIES)} (Gemma3ForConditionalGeneration), "
-                          f"got {type(model).__name__} (model_type={model_type!r}); other vision-language families "
-                          f"are refused under context parallelism (docs/training.md, 'Vision-language rows')")
+        raise ConfigError(
+            f"hybrid_cp.image_row supports model_type {sorted(_BODIES)} (Gemma3ForConditionalGeneration), "
+            f"got {type(model).__name__} (model_type={model_type!r}); other vision-language families "
+            f"are refused under context parallelism (docs/training.md, 'Vision-language rows')"
+        )
     body = model if type(model).__name__ == _BODIES[model_type] else getattr(model, "model", None)
     if body is None or type(body).__name__ != _BODIES[model_type]:
-        raise ConfigError(f"hybrid_cp.image_row: {type(model).__name__} holds no {_BODIES[model_type]} as .model; "
-                          f"pass the Gemma3ForConditionalGeneration")
+        raise ConfigError(
+            f"hybrid_cp.image_row: {type(model).__name__} holds no {_BODIES[model_type]} as .model; "
+            f"pass the Gemma3ForConditionalGeneration"
+        )
     return body
 
 
@@ -62,21 +66,26 @@ def image_blocks(token_type_ids: torch.Tensor) -> AttnMask:
     if types.dim() != 2 or types.shape[1] == 0:
         raise ShapeError(f"token_type_ids must be [batch, seq] or [seq], got shape {tuple(token_type_ids.shape)}")
     if types.is_floating_point():
-        raise ConfigError(f"token_type_ids has dtype {types.dtype}; pass the processor's integer ids (1 at image tokens)")
+        raise ConfigError(
+            f"token_type_ids has dtype {types.dtype}; pass the processor's integer ids (1 at image tokens)"
+        )
     image = (types == 1).cpu()
     if bool((image != image[:1]).any()):
         rows = torch.nonzero((image != image[:1]).any(-1)).flatten().tolist()
-        raise ConfigError(f"token_type_ids: rows {rows[:8]} have their image tokens elsewhere than row 0; the rows of "
-                          f"one batch share one hcp.AttnMask: call image_row per row (a batch of one) or group rows "
-                          f"with the same image positions")
+        raise ConfigError(
+            f"token_type_ids: rows {rows[:8]} have their image tokens elsewhere than row 0; the rows of "
+            f"one batch share one hcp.AttnMask: call image_row per row (a batch of one) or group rows "
+            f"with the same image positions"
+        )
     image = image[0]
     start = image & ~torch.cat([torch.zeros(1, dtype=torch.bool), image[:-1]])
     ids = torch.where(image, torch.cumsum(start.long(), 0), torch.zeros((), dtype=torch.long))
     return AttnMask.blocks(ids.tolist())
 
 
-def image_row(model: torch.nn.Module, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              token_type_ids: torch.Tensor) -> dict[str, Any]:
+def image_row(
+    model: torch.nn.Module, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, token_type_ids: torch.Tensor
+) -> dict[str, Any]:
     """The full row of a Gemma 3 vision-language batch, ready to shard: text embeddings with the image features in
     place, and the row's attention mask.
 
@@ -112,22 +121,28 @@ def image_row(model: torch.nn.Module, input_ids: torch.Tensor, pixel_values: tor
     """
     body = _body(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ShapeError(f"input_ids must be integer token ids [batch, seq], got "
-                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}")
+        raise ShapeError(
+            f"input_ids must be integer token ids [batch, seq], got "
+            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}"
+        )
     if not isinstance(token_type_ids, torch.Tensor) or tuple(token_type_ids.shape[-1:]) != tuple(input_ids.shape[1:]):
-        raise ShapeError(f"token_type_ids must be [batch, seq] = {list(input_ids.shape)} (1 at image tokens), got "
-                         f"{tuple(getattr(token_type_ids, 'shape', ())) or type(token_type_ids).__name__}")
+        raise ShapeError(
+            f"token_type_ids must be [batch, seq] = {list(input_ids.shape)} (1 at image tokens), got "
+            f"{tuple(getattr(token_type_ids, 'shape', ())) or type(token_type_ids).__name__}"
+        )
     types = token_type_ids.expand_as(input_ids) if token_type_ids.dim() == 1 else token_type_ids
     placeholder = input_ids == body.config.image_token_id
     if not torch.equal(placeholder.cpu(), (types == 1).cpu()):
-        raise ConfigError(f"token_type_ids marks {int((types == 1).sum())} image tokens but input_ids holds "
-                          f"{int(placeholder.sum())} image_token_id={body.config.image_token_id} tokens, or at other "
-                          f"places; pass the processor's input_ids and token_type_ids together")
+        raise ConfigError(
+            f"token_type_ids marks {int((types == 1).sum())} image tokens but input_ids holds "
+            f"{int(placeholder.sum())} image_token_id={body.config.image_token_id} tokens, or at other "
+            f"places; pass the processor's input_ids and token_type_ids together"
+        )
     mask = image_blocks(types)
     ids = input_ids
-    if body.config.image_token_id >= body.vocab_size:   # Gemma3Model.forward: an out-of-vocabulary placeholder -> 0
+    if body.config.image_token_id >= body.vocab_size:  # Gemma3Model.forward: an out-of-vocabulary placeholder -> 0
         ids = input_ids.masked_fill(placeholder, 0)
-    embeds = body.get_input_embeddings()(ids)           # Gemma3TextScaledWordEmbedding: times sqrt(hidden)
+    embeds = body.get_input_embeddings()(ids)  # Gemma3TextScaledWordEmbedding: times sqrt(hidden)
     if pixel_values is not None:
         features = body.get_image_features(pixel_values, return_dict=True).pooler_output
         features = features.to(embeds.device, embeds.dtype)

@@ -27,9 +27,21 @@ def mesh_description(ulysses: int, ring: int, rank: int = 0, layout: str = "zigz
     from ..engine.mesh import CPMesh
 
     ring_rank, ulysses_rank = divmod(rank, ulysses)
-    return CPMesh(ulysses_size=ulysses, ring_size=ring, dp_size=1, layout=layout, device=torch.device("cpu"),
-                  device_mesh=None, ulysses_group=None, ring_group=None, ring_group_bwd=None, cp_group=None,
-                  ulysses_rank=ulysses_rank, ring_rank=ring_rank, dp_rank=0)
+    return CPMesh(
+        ulysses_size=ulysses,
+        ring_size=ring,
+        dp_size=1,
+        layout=layout,
+        device=torch.device("cpu"),
+        device_mesh=None,
+        ulysses_group=None,
+        ring_group=None,
+        ring_group_bwd=None,
+        cp_group=None,
+        ulysses_rank=ulysses_rank,
+        ring_rank=ring_rank,
+        dp_rank=0,
+    )
 
 
 def local_rendezvous() -> tuple[str, str]:
@@ -67,7 +79,7 @@ def _worker(rank: int, world: int, init_method: str, tasks, results, paths: list
 
 
 def task_path(task: Callable[..., Any]) -> str:
-    """"module:function" of a module-level function, what the workers import (a script run as __main__ is
+    """ "module:function" of a module-level function, what the workers import (a script run as __main__ is
     imported by its file name)."""
     if not callable(task) or "<" in getattr(task, "__qualname__", "<"):
         raise TypeError(f"a pool task must be a module-level function, got {task!r}")
@@ -90,9 +102,12 @@ class WorkerPool:
         self.tasks = [ctx.Queue() for _ in range(world)]
         init_method, self.folder = local_rendezvous()
         paths = list(extra_paths or []) + [p for p in sys.path if p]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, init_method, self.tasks[r], self.results, paths,
-                                                        threads),
-                                  daemon=True) for r in range(world)]
+        self.procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, init_method, self.tasks[r], self.results, paths, threads), daemon=True
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
 
@@ -106,7 +121,9 @@ class WorkerPool:
         """
         target = task_path(task)
         if self.broken:
-            raise RuntimeError(f"the worker pool was closed after an earlier hang ({self.broken}); not running {target}")
+            raise RuntimeError(
+                f"the worker pool was closed after an earlier hang ({self.broken}); not running {target}"
+            )
         for q in self.tasks:
             q.put((target, kwargs))
         out: list[Any] = [None] * self.world

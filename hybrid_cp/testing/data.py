@@ -17,6 +17,7 @@ VOCAB = 256
 
 # ----------------------------------------------------------------------------------------- data
 
+
 def stdlib_corpus(max_bytes: int = 8 << 20) -> torch.Tensor:
     """Byte tokens of the Python standard library's .py files, in a fixed (sorted) order.
 
@@ -46,19 +47,28 @@ def sample_batch(corpus: torch.Tensor, step: int, batch: int, seq_len: int, seed
         raise ConfigError(f"the corpus has {corpus.numel()} tokens, too few for seq_len={seq_len}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, corpus.numel() - seq_len, (batch,), generator=g)
-    ids = torch.stack([corpus[s:s + seq_len] for s in starts.tolist()])
+    ids = torch.stack([corpus[s : s + seq_len] for s in starts.tolist()])
     return {"input_ids": ids, "labels": ids}
 
 
 # ---------------------------------------------------------------------------------------- model
 
+
 def tiny_llama_config(seq_len: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=max(seq_len, 128), rope_theta=10000.0, attention_dropout=0.0,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max(seq_len, 128),
+        rope_theta=10000.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
 
 
 def build_model(config, seed: int):

@@ -15,52 +15,119 @@ import torch
 
 VOCAB = 256
 # every size field a config may have, set to a tiny value when the config has it
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, moe_intermediate_size=32,
-            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            attention_dropout=0.0, tie_word_embeddings=False,
-            # every dropout field off (GPT-2's, OPT's, Seed-OSS's defaults draw per-rank masks: the guard refuses them)
-            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, residual_dropout=0.0, hidden_dropout=0.0, dropout=0.0,
-            activation_dropout=0.0, layerdrop=0.0)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    # every dropout field off (GPT-2's, OPT's, Seed-OSS's defaults draw per-rank masks: the guard refuses them)
+    attn_pdrop=0.0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    residual_dropout=0.0,
+    hidden_dropout=0.0,
+    dropout=0.0,
+    activation_dropout=0.0,
+    layerdrop=0.0,
+)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 # multi-head latent attention (any config with kv_lora_rank): query/key head dim 16 + 8, value head dim 16;
 # the decompressed keys have every query head (transformers' eager attention needs kv heads = heads), and
 # head_dim is the rotary part (what MLA configs derive it as)
-MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-           head_dim=8, v_head_dim=16)
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    head_dim=8,
+    v_head_dim=16,
+)
 # what makes the attention variants of these families matter inside a test's 100 tokens (2 layers, one of
 # each kind): a window and a chunk much shorter than the row, a temperature scale that grows inside it, soft-caps
 # at which tanh bends the scores, routed experts next to a dense MLP
 VARIANTS = {
-    "gpt_oss": dict(sliding_window=16),   # sliding / full layers, each with its sinks
-    "gemma2": dict(sliding_window=16, query_pre_attn_scalar=1, attn_logit_softcapping=0.5,
-                   final_logit_softcapping=5.0),
-    "deepseek_v3": dict(first_k_dense_replace=1,   # layer 0 dense, layer 1 MoE; YaRN's mscale in the scaling
-                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
-                                             mscale_all_dim=1.0, original_max_position_embeddings=256)),
-    "llama4_text": dict(attention_chunk_size=16, no_rope_layers=[1, 0], floor_scale=8, attn_scale=0.5,
-                        moe_layers=[1], intermediate_size_mlp=128),   # chunked + RoPE, full + NoPE + temperature
+    "gpt_oss": dict(sliding_window=16),  # sliding / full layers, each with its sinks
+    "gemma2": dict(sliding_window=16, query_pre_attn_scalar=1, attn_logit_softcapping=0.5, final_logit_softcapping=5.0),
+    "deepseek_v3": dict(
+        first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE; YaRN's mscale in the scaling
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=256,
+        ),
+    ),
+    "llama4_text": dict(
+        attention_chunk_size=16,
+        no_rope_layers=[1, 0],
+        floor_scale=8,
+        attn_scale=0.5,
+        moe_layers=[1],
+        intermediate_size_mlp=128,
+    ),  # chunked + RoPE, full + NoPE + temperature
     # a short-convolution layer next to the attention one (LFM2's tiny default has none; LFM2-MoE's does not
     # build without layer_types), the second layer's MLP an MoE block
-    "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),   # rotary on half of the tiny head dim (16)
+    "gptj": dict(rotary_dim=8),
+    "codegen": dict(rotary_dim=8),  # rotary on half of the tiny head dim (16)
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     # Gemma 4: sliding and full layers with their own head dim, kv heads (one, keys = values) and partial rotary; the
     # last two layers reuse the K/V of the first two (KV sharing); per-layer embeddings; MoE beside the MLP
-    "gemma4_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
-                        num_kv_shared_layers=2, global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
-                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, final_logit_softcapping=5.0,
-                        enable_moe_block=True, top_k_experts=2),
+    "gemma4_text": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=16,
+        num_kv_shared_layers=2,
+        global_head_dim=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+        final_logit_softcapping=5.0,
+        enable_moe_block=True,
+        top_k_experts=2,
+    ),
     # Gemma 4 unified (text): Gemma 4's attention and KV sharing without per-layer embeddings or MoE
-    "gemma4_unified_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                                sliding_window=16, num_kv_shared_layers=2, global_head_dim=32, attention_k_eq_v=True,
-                                num_global_key_value_heads=1, final_logit_softcapping=5.0),
+    "gemma4_unified_text": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=16,
+        num_kv_shared_layers=2,
+        global_head_dim=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        final_logit_softcapping=5.0,
+    ),
     # Dory: one input layer, two looped twice with the same weights, one output layer (its defaults of 8 input and 8
     # output layers leave a tiny model a negative loop section)
     "dory": dict(num_hidden_layers=4, n_input_layers=1, n_output_layers=1, sliding_window=16),
     # Gemma 3n: the same KV sharing and per-layer embeddings, AltUp, Laurel, Gaussian top-k sparsity in two MLPs
-    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
-                         num_kv_shared_layers=2, intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95] * 2 + [0.0] * 2,
-                         laurel_rank=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256),
+    "gemma3n_text": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=16,
+        num_kv_shared_layers=2,
+        intermediate_size=[128] * 4,
+        activation_sparsity_pattern=[0.95] * 2 + [0.0] * 2,
+        laurel_rank=8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+    ),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
 }
 
@@ -106,9 +173,11 @@ def walk_config(model_type: str):
     own depth (some fix the layer pattern's length), else the defaults (the walk builds on meta)."""
     from transformers import AutoConfig
 
-    for attempt in (lambda: tiny_config(model_type),
-                    lambda: tiny_config(model_type, num_hidden_layers=AutoConfig.for_model(model_type).num_hidden_layers),
-                    lambda: AutoConfig.for_model(model_type)):
+    for attempt in (
+        lambda: tiny_config(model_type),
+        lambda: tiny_config(model_type, num_hidden_layers=AutoConfig.for_model(model_type).num_hidden_layers),
+        lambda: AutoConfig.for_model(model_type),
+    ):
         try:
             config = attempt()
             build(config, "meta")

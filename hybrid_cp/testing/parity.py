@@ -14,8 +14,20 @@ import torch.distributed as dist
 import hybrid_cp as hcp
 from hybrid_cp.engine.kernels import get_kernel
 
-__all__ = ["DTYPES", "MESH_CACHE", "attention_errors", "masked_reference", "mesh", "packed_errors", "random_inputs",
-           "reference", "rel", "rel_norm", "visibility", "window_errors"]
+__all__ = [
+    "DTYPES",
+    "MESH_CACHE",
+    "attention_errors",
+    "masked_reference",
+    "mesh",
+    "packed_errors",
+    "random_inputs",
+    "reference",
+    "rel",
+    "rel_norm",
+    "visibility",
+    "window_errors",
+]
 
 MESH_CACHE = 10
 _MESHES: dict = {}
@@ -32,7 +44,7 @@ def mesh(u: int, r: int, layout: str = "zigzag", validate: bool | str = True) ->
     while idle (benchmarks/idle_groups.py), and the suite would otherwise hold hundreds per worker."""
     key = (u, r, layout, validate)
     if key in _MESHES:
-        _MESHES[key] = _MESHES.pop(key)   # most recently used last
+        _MESHES[key] = _MESHES.pop(key)  # most recently used last
     else:
         while len(_MESHES) >= MESH_CACHE:
             hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
@@ -49,6 +61,7 @@ def release_meshes() -> int:
         hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
     return count
 
+
 def reference(q, k, v, dout, causal: bool, scale: float):
     """Single-device attention by autograd in fp64 (independent of the package's kernels)."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
@@ -63,8 +76,10 @@ def reference(q, k, v, dout, causal: bool, scale: float):
     out.backward(dout.double())
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
+
 def _ref_key(c: dict) -> tuple:
     return (c["b"], c["n"], c["h"], c["hkv"], c["d"], c["causal"])
+
 
 def _fill_references(cases: list[dict]) -> None:
     """fp64 references, computed once per session and split over the ranks (they are slow)."""
@@ -81,15 +96,18 @@ def _fill_references(cases: list[dict]) -> None:
         dist.broadcast_object_list(item, src=i % world)
         _REFS[key] = item[0]
 
+
 def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
     """Largest elementwise error relative to the largest reference magnitude (at least `floor`)."""
     if b.numel() == 0:  # a rank without real tokens (e.g. a 1-token packed row on 2 ranks): nothing to compare;
-        return 0.0      # raising here on that rank alone would leave the others waiting in unshard's all-gather
+        return 0.0  # raising here on that rank alone would leave the others waiting in unshard's all-gather
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(floor)).item()
+
 
 def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error in the Frobenius norm: stable under rounding noise (used for bf16)."""
     return (torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double())).item()
+
 
 def random_inputs(seed: int, b: int, n: int, h: int, hkv: int, d: int):
     g = torch.Generator().manual_seed(seed)
@@ -99,11 +117,13 @@ def random_inputs(seed: int, b: int, n: int, h: int, hkv: int, d: int):
     dout = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
     return q, k, v, dout
 
+
 def _cp_run(cp, q, k, v, dout, causal, dtype, backend):
     ql, kl, vl = (hcp.shard(x.to(dtype), cp).requires_grad_() for x in (q, k, v))
     out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, return_lse=True, backend=backend)
     (out * hcp.shard(dout.to(dtype), cp)).sum().backward()
     return out.detach(), lse, ql.grad, kl.grad, vl.grad
+
 
 def attention_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
     """For each case, relative errors of out/lse/dq/dk/dv against the fp64 reference.
@@ -124,8 +144,9 @@ def attention_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dic
         def local(x, dim):  # this rank's real (non-pad) tokens of a full-sequence tensor
             return hcp.shard(x, cp, dim=dim).index_select(dim, keep)
 
-        err = {name: metric(gt.index_select(dim, keep), local(rf, dim))
-               for name, dim, rf, gt in zip(names, dims, ref, got)}
+        err = {
+            name: metric(gt.index_select(dim, keep), local(rf, dim)) for name, dim, rf, gt in zip(names, dims, ref, got)
+        }
         if dtype not in (torch.float64, torch.float32):
             # The same backend on one device, judged on the same tokens: the error budget.
             kern = get_kernel(backend, q.device, dtype, d)
@@ -136,6 +157,7 @@ def attention_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dic
                 err["base_" + name] = metric(local(a, dim), local(rf, dim))
         results.append({**c, **err})
     return results
+
 
 def visibility(doc_lens: list[int], causal: bool, window=None) -> torch.Tensor:
     """[N, N] bool: key j visible to query i inside the same document, under the mask and window
@@ -151,6 +173,7 @@ def visibility(doc_lens: list[int], causal: bool, window=None) -> torch.Tensor:
     elif window is not None:
         visible &= (diff >= -window[0]) & (diff <= window[1])
     return visible
+
 
 def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor, softcap: float | None = None):
     """Attention by fp64 autograd over the whole row with a [N, N] visibility mask (and Gemma 2's logit
@@ -169,6 +192,7 @@ def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor, softcap
     out.backward(dout.double())
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
+
 def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
     """For each packed case, relative errors of out/lse/dq/dk/dv on this rank's real tokens against
     the per-document fp64 reference, and the largest magnitude found in pad slots (must be 0)."""
@@ -185,8 +209,9 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         q, k, v, dout = random_inputs(c.get("seed", 3), 1, cu[-1], h, hkv, d)
         ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal))
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
-        out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, cu_seqlens=cu, return_lse=True,
-                                 backend=c.get("backend", "auto"))
+        out, lse = hcp.attention(
+            ql, kl, vl, cp, causal=causal, cu_seqlens=cu, return_lse=True, backend=c.get("backend", "auto")
+        )
         (out * hcp.shard(dout.to(dtype), cp, cu_seqlens=cu)).sum().backward()
         got = (out.detach(), lse, ql.grad, kl.grad, vl.grad)
         lay = hcp.engine.layout.row_layout(cp, cu_seqlens=cu)
@@ -195,8 +220,9 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         err, pad_max = {}, 0.0
         for name, dim, rf, gt in zip(["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref, got):
             # relative to max(|ref|, 1): one-token documents have dq = dk = 0 exactly, only round-off remains
-            err[name] = rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, cu_seqlens=cu).index_select(dim, keep),
-                             floor=1.0)
+            err[name] = rel(
+                gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, cu_seqlens=cu).index_select(dim, keep), floor=1.0
+            )
             if name != "lse" and pads.numel():
                 pad_max = max(pad_max, gt.index_select(dim, pads).abs().max().item())
         if pads.numel():
@@ -206,6 +232,7 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         err["unshard"] = rel(back, ref[0]) if err["unshard_ok"] else math.inf
         results.append({**c, **err, "pad_max": pad_max})
     return results
+
 
 def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
     """Relative errors of windowed attention (dense rows, or packed with `docs`) on this rank's real
@@ -228,18 +255,32 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal, window))
         hcp.reset_comm_bytes(cp)
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, **kw).requires_grad_() for x in (q, k, v))
-        out, lse = hcp.attention(ql, kl, vl, cp, causal=causal, window=window, return_lse=True,
-                                 backend=c.get("backend", "auto"), seq_len=None if packed else cu[-1], **kw)
+        out, lse = hcp.attention(
+            ql,
+            kl,
+            vl,
+            cp,
+            causal=causal,
+            window=window,
+            return_lse=True,
+            backend=c.get("backend", "auto"),
+            seq_len=None if packed else cu[-1],
+            **kw,
+        )
         (out * hcp.shard(dout.to(dtype), cp, **kw)).sum().backward()
         lay = hcp.engine.layout.row_layout(cp, seq_len=None if packed else cu[-1], **kw)
         real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
         keep = torch.nonzero(real).flatten()
         # relative to max(|ref|, 1): with W = 1 the exact dq and dk are 0 and only round-off remains
-        err = {name: rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **kw).index_select(dim, keep), floor=1.0)
-               for name, dim, rf, gt in zip(["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref,
-                                             (out.detach(), lse, ql.grad, kl.grad, vl.grad))}
-        results.append({**c, **err, "bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank,
-                        "ulysses_rank": cp.ulysses_rank})
+        err = {
+            name: rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, **kw).index_select(dim, keep), floor=1.0)
+            for name, dim, rf, gt in zip(
+                ["out", "lse", "dq", "dk", "dv"], [1, 2, 1, 1, 1], ref, (out.detach(), lse, ql.grad, kl.grad, vl.grad)
+            )
+        }
+        results.append(
+            {**c, **err, "bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank, "ulysses_rank": cp.ulysses_rank}
+        )
     return results
 
 
@@ -250,8 +291,9 @@ def mask_visibility(mask) -> torch.Tensor:
     visible = torch.zeros(n, n, dtype=torch.bool)
     for sl in mask.slices:
         lo, hi = sl.offsets()
-        visible |= ((i >= sl.q_start) & (i < sl.q_end) & (j >= sl.k_start) & (j < sl.k_end)
-                    & (j - i >= lo) & (j - i <= hi))
+        visible |= (
+            (i >= sl.q_start) & (i < sl.q_end) & (j >= sl.k_start) & (j < sl.k_end) & (j - i >= lo) & (j - i <= hi)
+        )
     return visible
 
 
@@ -271,8 +313,17 @@ def mask_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visible, c.get("softcap"))
         hcp.reset_comm_bytes(cp)
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, mask=mask).requires_grad_() for x in (q, k, v))
-        out, lse = hcp.attention(ql, kl, vl, cp, mask=mask, window=window, return_lse=True,
-                                 backend=c.get("backend", "auto"), softcap=c.get("softcap"))
+        out, lse = hcp.attention(
+            ql,
+            kl,
+            vl,
+            cp,
+            mask=mask,
+            window=window,
+            return_lse=True,
+            backend=c.get("backend", "auto"),
+            softcap=c.get("softcap"),
+        )
         (out * hcp.shard(dout.to(dtype), cp, mask=mask)).sum().backward()
         lay = hcp.engine.layout.row_layout(cp, mask=mask)
         real = torch.cat([torch.full((n,), tok != PAD) for tok, _, n in lay.token_runs(cp.rank)])
@@ -280,18 +331,30 @@ def mask_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         ref_lse = hcp.shard(ref[1], cp, dim=2, mask=mask).index_select(2, keep)
         got_lse = lse.index_select(2, keep)
         empty = torch.isinf(ref_lse)
-        err = {name: rel(gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, mask=mask).index_select(dim, keep),
-                         floor=1.0)
-               for name, dim, rf, gt in zip(["out", "dq", "dk", "dv"], [1, 1, 1, 1], (ref[0], *ref[2:]),
-                                             (out.detach(), ql.grad, kl.grad, vl.grad))}
+        err = {
+            name: rel(
+                gt.index_select(dim, keep), hcp.shard(rf, cp, dim=dim, mask=mask).index_select(dim, keep), floor=1.0
+            )
+            for name, dim, rf, gt in zip(
+                ["out", "dq", "dk", "dv"], [1, 1, 1, 1], (ref[0], *ref[2:]), (out.detach(), ql.grad, kl.grad, vl.grad)
+            )
+        }
         err["lse"] = rel(torch.where(empty, 0.0, got_lse.double()), torch.where(empty, 0.0, ref_lse), floor=1.0)
-        full = hcp.unshard(out.detach(), cp, mask=mask)   # every real token back in row order
-        tokens = torch.tensor([t for tok, _, n in lay.token_runs(cp.rank) if tok != PAD for t in range(tok, tok + n)],
-                              dtype=torch.long)
-        results.append({**{key: val for key, val in c.items() if key != "mask"}, **err,
-                        "empty_rows": int(empty.sum()),
-                        "empty_match": bool(torch.equal(torch.isneginf(got_lse), empty)),
-                        "unshard": rel(full, ref[0], floor=1.0),
-                        "positions_match": bool(torch.equal(hcp.positions(cp, mask=mask).index_select(0, keep), tokens)),
-                        "bytes": hcp.comm_bytes(cp), "ring_rank": cp.ring_rank, "ulysses_rank": cp.ulysses_rank})
+        full = hcp.unshard(out.detach(), cp, mask=mask)  # every real token back in row order
+        tokens = torch.tensor(
+            [t for tok, _, n in lay.token_runs(cp.rank) if tok != PAD for t in range(tok, tok + n)], dtype=torch.long
+        )
+        results.append(
+            {
+                **{key: val for key, val in c.items() if key != "mask"},
+                **err,
+                "empty_rows": int(empty.sum()),
+                "empty_match": bool(torch.equal(torch.isneginf(got_lse), empty)),
+                "unshard": rel(full, ref[0], floor=1.0),
+                "positions_match": bool(torch.equal(hcp.positions(cp, mask=mask).index_select(0, keep), tokens)),
+                "bytes": hcp.comm_bytes(cp),
+                "ring_rank": cp.ring_rank,
+                "ulysses_rank": cp.ulysses_rank,
+            }
+        )
     return results

@@ -42,8 +42,9 @@ _LABEL_KEYS = ("shift_labels",)
 MASK_KEY = "hcp_attn_mask"
 
 
-def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def shift_labels(
+    labels: torch.Tensor, ignore_index: int = -100, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next-token targets on the full sequence: out[:, t] = labels[:, t+1], the last is ignored.
 
     Positions whose input token or target token is masked out by `attention_mask` get
@@ -68,9 +69,16 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100,
     return out
 
 
-def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -100, shift: bool = True,  # noqa: PLR0913 (public entry point)
-                pad_token_id: int = 0, device: torch.device | str | None = None,
-                mask: AttnMask | None = None) -> dict[str, Any]:
+def shard_batch(
+    batch: Mapping[str, Any],
+    cp: "CPMesh",
+    *,
+    ignore_index: int = -100,
+    shift: bool = True,  # noqa: PLR0913 (public entry point)
+    pad_token_id: int = 0,
+    device: torch.device | str | None = None,
+    mask: AttnMask | None = None,
+) -> dict[str, Any]:
     """This rank's shard, in `cp.layout`, of a batch of full-sequence tensors.
 
     `batch` maps names to tensors shaped [batch, seq, ...] holding the WHOLE sequence (the same on
@@ -135,11 +143,13 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     error, out = None, {}
     try:
         if mask is not None:
-            out = _shard_masked(batch, cp, mask, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
-                                device=device)
+            out = _shard_masked(
+                batch, cp, mask, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id, device=device
+            )
         else:
-            out = _shard_batch(batch, cp, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
-                               device=device)
+            out = _shard_batch(
+                batch, cp, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id, device=device
+            )
     except (ValueError, TypeError) as exc:
         if not validates(cp) or not isinstance(exc, CPError):
             raise
@@ -148,15 +158,24 @@ def shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int = -
     return out
 
 
-def _shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int, shift: bool, pad_token_id: int,
-                 device: torch.device | str | None) -> dict[str, Any]:
+def _shard_batch(
+    batch: Mapping[str, Any],
+    cp: "CPMesh",
+    *,
+    ignore_index: int,
+    shift: bool,
+    pad_token_id: int,
+    device: torch.device | str | None,
+) -> dict[str, Any]:
     require_mesh(cp)
     _refuse_media(batch)
     ids, mask, pos = batch_arguments(batch, ignore_index)
     if ids.is_floating_point():
-        raise ConfigError("shard_batch got batch['inputs_embeds'] without mask=: an embedded row (hybrid_cp.image_row) "
-                          "is sharded under its hcp.AttnMask; pass mask=row['mask'] (a causal row: "
-                          "hcp.AttnMask.blocks([0] * seq)), or pass input_ids")
+        raise ConfigError(
+            "shard_batch got batch['inputs_embeds'] without mask=: an embedded row (hybrid_cp.image_row) "
+            "is sharded under its hcp.AttnMask; pass mask=row['mask'] (a causal row: "
+            "hcp.AttnMask.blocks([0] * seq)), or pass input_ids"
+        )
     if batch.get("shift_labels") is not None:  # next-token targets already (a collator's, or shard_batch's own)
         batch = {**batch, "labels": batch["shift_labels"]}
         shift = False
@@ -164,8 +183,9 @@ def _shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int, s
     b, s = ids.shape
     cu = _packed_boundaries(batch, pos, b, s)
     if cu is not None:
-        return _shard_packed(batch, cp, cu, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id,
-                             device=device)
+        return _shard_packed(
+            batch, cp, cu, ignore_index=ignore_index, shift=shift, pad_token_id=pad_token_id, device=device
+        )
     mask_bool = None if mask is None else right_padding(mask, "batch['attention_mask']")
     labels = batch.get("labels")
     dense_labels(labels)
@@ -176,8 +196,9 @@ def _shard_batch(batch: Mapping[str, Any], cp: "CPMesh", *, ignore_index: int, s
         labels = labels.masked_fill(~mask_bool, ignore_index)
     dense_positions(pos)
     lay = shard_layout(cp, s)
-    out = _shard_rest(batch, cp, lay, device,
-                      skip=("input_ids", "labels", "position_ids", "attention_mask", *_LABEL_KEYS))
+    out = _shard_rest(
+        batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", "attention_mask", *_LABEL_KEYS)
+    )
     out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
     out["labels"] = _take(labels, cp, lay, device, ignore_index)
     if pos is None:
@@ -195,35 +216,51 @@ def _masked_targets(batch: Mapping[str, Any], shift: bool) -> torch.Tensor | Non
     targets = batch.get("shift_labels")
     if targets is None and batch.get("labels") is not None:
         if shift:
-            raise ConfigError("shard_batch(mask=...) got batch['labels'] to shift: under a mask the next token of a "
-                              "token is not the next one in the row (with a prompt and several completions the last "
-                              "prompt token has no single next token). Pass the targets as batch['shift_labels'] (or "
-                              "labels with shift=False): for each token the token it predicts, or ignore_index")
+            raise ConfigError(
+                "shard_batch(mask=...) got batch['labels'] to shift: under a mask the next token of a "
+                "token is not the next one in the row (with a prompt and several completions the last "
+                "prompt token has no single next token). Pass the targets as batch['shift_labels'] (or "
+                "labels with shift=False): for each token the token it predicts, or ignore_index"
+            )
         targets = batch["labels"]
     dense_labels(targets)
     return targets
 
 
-def _shard_masked(batch: Mapping[str, Any], cp: "CPMesh", mask: AttnMask, *, ignore_index: int, shift: bool,
-                  pad_token_id: int, device: torch.device | str | None) -> dict[str, Any]:
+def _shard_masked(
+    batch: Mapping[str, Any],
+    cp: "CPMesh",
+    mask: AttnMask,
+    *,
+    ignore_index: int,
+    shift: bool,
+    pad_token_id: int,
+    device: torch.device | str | None,
+) -> dict[str, Any]:
     """`shard_batch` of rows that share one `hcp.AttnMask`: the mask's layout, the caller's positions and targets."""
     require_mesh(cp)
     _refuse_media(batch)
     ids, attention_mask, pos = batch_arguments(batch, ignore_index)
     lay = row_layout(cp, mask=mask, what="hcp.shard_batch")
     b, s = ids.shape[:2]
-    key = "inputs_embeds" if ids.is_floating_point() else "input_ids"   # embeddings: hybrid_cp.image_row's row
+    key = "inputs_embeds" if ids.is_floating_point() else "input_ids"  # embeddings: hybrid_cp.image_row's row
     if s != mask.seq_len:
-        raise ShapeError(f"batch[{key!r}] has {s} tokens per row but mask describes a row of {mask.seq_len}; "
-                         f"build the mask over the whole row")
+        raise ShapeError(
+            f"batch[{key!r}] has {s} tokens per row but mask describes a row of {mask.seq_len}; "
+            f"build the mask over the whole row"
+        )
     if attention_mask is not None:
-        raise ConfigError("shard_batch(mask=...) takes no batch['attention_mask']: the mask says which keys each "
-                          "token sees (a token it leaves out sees nothing); drop attention_mask and set the "
-                          "targets of padding to ignore_index")
+        raise ConfigError(
+            "shard_batch(mask=...) takes no batch['attention_mask']: the mask says which keys each "
+            "token sees (a token it leaves out sees nothing); drop attention_mask and set the "
+            "targets of padding to ignore_index"
+        )
     packed = [key for key in (*PACKED_KEYS, "cu_seqlens") if batch.get(key) is not None]
     if packed:
-        raise ConfigError(f"shard_batch(mask=...) got batch[{packed[0]!r}]: a mask replaces packed-document "
-                          f"boundaries (AttnMask.documents(cu_seqlens) holds them); drop {packed}")
+        raise ConfigError(
+            f"shard_batch(mask=...) got batch[{packed[0]!r}]: a mask replaces packed-document "
+            f"boundaries (AttnMask.documents(cu_seqlens) holds them); drop {packed}"
+        )
     if pos is not None and pos.is_floating_point():
         raise ConfigError(f"batch['position_ids'] has dtype {pos.dtype}; position ids must be integers")
     targets = _masked_targets(batch, shift)
@@ -232,7 +269,7 @@ def _shard_masked(batch: Mapping[str, Any], cp: "CPMesh", mask: AttnMask, *, ign
     out[key] = _take(ids, cp, lay, device, pad_token_id if key == "input_ids" else 0)
     if pos is None:
         out["position_ids"] = positions(cp, device=device, mask=mask)[None].expand(b, -1).contiguous()
-    else:   # pad slots see no key and no token sees them: any position
+    else:  # pad slots see no key and no token sees them: any position
         out["position_ids"] = _take(pos, cp, lay, device, 0)
     if targets is not None:
         out["labels"] = _take(targets, cp, lay, device, ignore_index)
@@ -248,27 +285,46 @@ def _take(x: torch.Tensor, cp: "CPMesh", lay: Layout, device: torch.device, pad)
 
 # batch entries that hold media or per-item metadata, never one value per token: sharding them along dim 1 would cut
 # channels or grid rows (multimodal models need their features placed on the right shard, not supported yet)
-MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
-              "pixel_attention_mask", "input_features", "input_features_mask", "feature_attention_mask",
-              "audio_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_embeds")
+MEDIA_KEYS = (
+    "pixel_values",
+    "pixel_values_videos",
+    "image_grid_thw",
+    "video_grid_thw",
+    "image_sizes",
+    "pixel_attention_mask",
+    "input_features",
+    "input_features_mask",
+    "feature_attention_mask",
+    "audio_values",
+    "aspect_ratio_ids",
+    "aspect_ratio_mask",
+    "cross_attention_mask",
+    "image_embeds",
+)
 
 
 def _refuse_media(batch: Mapping[str, Any]) -> None:
     """Media tensors (`MEDIA_KEYS`) raise by name, before any shape check could call them mis-shaped tokens."""
     media = [key for key in MEDIA_KEYS if isinstance(batch, Mapping) and isinstance(batch.get(key), torch.Tensor)]
     if media:
-        raise ShapeError(f"batch[{media[0]!r}] (shape {tuple(batch[media[0]].shape)}) holds media, not one value per "
-                         f"token: hcp.shard_batch would cut it along its dim 1. Gemma 3's images: build the row with "
-                         f"hybrid_cp.image_row and shard its inputs_embeds under its mask; other media inputs are "
-                         f"not supported under context parallelism: drop {media} from the batch (a text-only "
-                         f"row), or train the multimodal model without context parallelism")
+        raise ShapeError(
+            f"batch[{media[0]!r}] (shape {tuple(batch[media[0]].shape)}) holds media, not one value per "
+            f"token: hcp.shard_batch would cut it along its dim 1. Gemma 3's images: build the row with "
+            f"hybrid_cp.image_row and shard its inputs_embeds under its mask; other media inputs are "
+            f"not supported under context parallelism: drop {media} from the batch (a text-only "
+            f"row), or train the multimodal model without context parallelism"
+        )
 
 
-def _shard_rest(batch: Mapping[str, Any], cp: "CPMesh", lay: Layout, device: torch.device,
-                skip: tuple[str, ...]) -> dict[str, Any]:
+def _shard_rest(
+    batch: Mapping[str, Any], cp: "CPMesh", lay: Layout, device: torch.device, skip: tuple[str, ...]
+) -> dict[str, Any]:
     """The other entries: per-token tensors (two dims or more) sharded with zero padding, the rest as they are."""
-    return {key: _take(value, cp, lay, device, 0) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
-            for key, value in batch.items() if key not in skip}
+    return {
+        key: _take(value, cp, lay, device, 0) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
+        for key, value in batch.items()
+        if key not in skip
+    }
 
 
 def _continue_positions(x: torch.Tensor, extra: int) -> torch.Tensor:
@@ -282,41 +338,65 @@ def _packed_boundaries(batch: Mapping[str, Any], pos: torch.Tensor | None, b: in
     cu = batch.get("cu_seq_lens_q", batch.get("cu_seqlens"))
     if cu is not None:
         if isinstance(cu, torch.Tensor) and cu.dim() != 1:
-            raise ShapeError(f"batch['cu_seq_lens_q'] has shape {tuple(cu.shape)}; pass the 1-D boundaries "
-                             f"[0, len_0, len_0 + len_1, ..., total] of the one packed row")
+            raise ShapeError(
+                f"batch['cu_seq_lens_q'] has shape {tuple(cu.shape)}; pass the 1-D boundaries "
+                f"[0, len_0, len_0 + len_1, ..., total] of the one packed row"
+            )
         cu = boundaries(cu)
         if cu[-1] != s:
-            raise ShapeError(f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
-                             f"must describe the whole packed row")
+            raise ShapeError(
+                f"batch['cu_seq_lens_q'] ends at {cu[-1]} but input_ids has {s} tokens; the boundaries "
+                f"must describe the whole packed row"
+            )
         if isinstance(pos, torch.Tensor):  # given positions must be the per-document ones
             want = torch.cat([torch.arange(e - a) for a, e in zip(cu, cu[1:])]).to(pos.device)
             if pos.shape[-1] != s or not torch.equal(pos.reshape(-1, s)[0].to(torch.long), want):
-                raise ShapeError("batch['position_ids'] disagree with batch['cu_seq_lens_q']: in a packed row they must "
-                                 "restart at 0 in every document; drop one of them or make them agree")
-    elif isinstance(pos, torch.Tensor) and s > 1 and not pos.is_floating_point() and \
-            bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-        restarts = (pos[:, 1:] - pos[:, :-1] != 1)
+                raise ShapeError(
+                    "batch['position_ids'] disagree with batch['cu_seq_lens_q']: in a packed row they must "
+                    "restart at 0 in every document; drop one of them or make them agree"
+                )
+    elif (
+        isinstance(pos, torch.Tensor)
+        and s > 1
+        and not pos.is_floating_point()
+        and bool((pos[:, 1:] - pos[:, :-1] != 1).any())
+    ):
+        restarts = pos[:, 1:] - pos[:, :-1] != 1
         if not bool((pos[:, 1:][restarts] == 0).all()) or bool((pos[:, 0] != 0).any()):
             return None  # not packing: the dense checks below explain what is wrong
         if b != 1 or pos.shape[0] != 1:
-            raise ConfigError(f"batch['position_ids'] restart inside rows of a batch of {b} (packed documents); a packed "
-                             f"row is a batch of one: concatenate the documents into input_ids [1, total] "
-                             f"(DataCollatorWithFlattening does)")
+            raise ConfigError(
+                f"batch['position_ids'] restart inside rows of a batch of {b} (packed documents); a packed "
+                f"row is a batch of one: concatenate the documents into input_ids [1, total] "
+                f"(DataCollatorWithFlattening does)"
+            )
         starts = torch.nonzero(pos[0] == 0).flatten().tolist()
         cu = starts + [s]
     else:
         return None
     if b != 1:
-        raise ConfigError(f"packed documents (cu_seq_lens_q) need a batch of one row, got input_ids of batch {b}; "
-                         f"concatenate the documents into input_ids [1, total]")
+        raise ConfigError(
+            f"packed documents (cu_seq_lens_q) need a batch of one row, got input_ids of batch {b}; "
+            f"concatenate the documents into input_ids [1, total]"
+        )
     if batch.get("attention_mask") is not None:
-        raise ConfigError("a packed row (position ids restarting per document, or cu_seq_lens_q) takes no "
-                         "attention_mask: padding-free rows have no padding; drop batch['attention_mask']")
+        raise ConfigError(
+            "a packed row (position ids restarting per document, or cu_seq_lens_q) takes no "
+            "attention_mask: padding-free rows have no padding; drop batch['attention_mask']"
+        )
     return cu
 
 
-def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, ignore_index: int, shift: bool,
-                  pad_token_id: int, device: torch.device) -> dict[str, Any]:
+def _shard_packed(
+    batch: Mapping[str, Any],
+    cp: "CPMesh",
+    cu: list[int],
+    *,
+    ignore_index: int,
+    shift: bool,
+    pad_token_id: int,
+    device: torch.device,
+) -> dict[str, Any]:
     lay = row_layout(cp, cu_seqlens=cu, what="hcp.shard_batch")
     record_packed(cp, lay)
     ids = batch["input_ids"]
@@ -327,16 +407,18 @@ def _shard_packed(batch: Mapping[str, Any], cp: "CPMesh", cu: list[int], *, igno
         ends = torch.tensor([e - 1 for a, e in zip(cu, cu[1:]) if e > a], dtype=torch.long)
         labels = labels.index_fill(1, ends.to(labels.device), ignore_index)  # no target across a boundary
 
-    out = _shard_rest(batch, cp, lay, device,
-                      skip=("input_ids", "labels", "position_ids", "cu_seqlens", *_LABEL_KEYS) + PACKED_KEYS)
+    out = _shard_rest(
+        batch, cp, lay, device, skip=("input_ids", "labels", "position_ids", "cu_seqlens", *_LABEL_KEYS) + PACKED_KEYS
+    )
     out["input_ids"] = _take(ids, cp, lay, device, pad_token_id)
     out["labels"] = _take(labels, cp, lay, device, ignore_index)
     out["position_ids"] = positions(None, cp, device=device, cu_seqlens=cu)[None]
     # on the host: every attention layer reads the boundaries, and a device tensor would sync each time
     cu_t = torch.tensor(cu, dtype=torch.int32)
     longest = max(lay.doc_lens)
-    out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=longest, max_length_k=longest,
-               shift_labels=out["labels"])
+    out.update(
+        cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=longest, max_length_k=longest, shift_labels=out["labels"]
+    )
     return out
 
 

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hybrid_cp")
 
-MARKER = "hybrid_cp_checkpoint.json"   # written last, before the rename: its presence means complete
-TRAIN_STATE = "train_state.pt"         # RNG states of every rank, the LR schedule, the caller's extras
+MARKER = "hybrid_cp_checkpoint.json"  # written last, before the rename: its presence means complete
+TRAIN_STATE = "train_state.pt"  # RNG states of every rank, the LR schedule, the caller's extras
 _NAME = re.compile(r"^step-(\d+)(\.tmp)?$")
 
 
@@ -79,8 +79,10 @@ def replica_samples(step: int, global_batch: int, cp: "CPMesh") -> range:
         The global sample indices of this dp replica.
     """
     if not isinstance(global_batch, int) or global_batch < 1 or global_batch % cp.dp_size:
-        raise ConfigError(f"global_batch={global_batch!r} must be a positive multiple of the dp degree "
-                          f"{cp.dp_size}: pick a global batch that every dp replica can split evenly")
+        raise ConfigError(
+            f"global_batch={global_batch!r} must be a positive multiple of the dp degree "
+            f"{cp.dp_size}: pick a global batch that every dp replica can split evenly"
+        )
     per = global_batch // cp.dp_size
     first = _replica_start(step, global_batch, cp.dp_rank, cp.dp_size)
     return range(first, first + per)
@@ -108,8 +110,10 @@ def _agreed_step(step: int, when: str) -> int:
     """All ranks' step, checked equal; raised on every rank alike (they all see the same list)."""
     steps = _all_gather(int(step))
     if len(set(steps)) != 1:
-        raise InconsistentRanksError(f"the ranks are at different steps {when}: {steps} (rank order); every rank "
-                                     "must call save_checkpoint/load_checkpoint at the same optimizer step")
+        raise InconsistentRanksError(
+            f"the ranks are at different steps {when}: {steps} (rank order); every rank "
+            "must call save_checkpoint/load_checkpoint at the same optimizer step"
+        )
     return steps[0]
 
 
@@ -136,8 +140,11 @@ def _dcp(fn: Any, state: dict, path: Path, world: int) -> None:
 
 
 def _file_sizes(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MARKER}
+    return {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 def _write_durably(path: Path, write: Any, mode: str = "wb") -> None:
@@ -150,7 +157,7 @@ def _write_durably(path: Path, write: Any, mode: str = "wb") -> None:
 
 def _publish(tmp: Path, final: Path) -> None:
     """Make a written checkpoint visible: one rename (atomic on POSIX filesystems)."""
-    if final.exists():   # the same step written again (a restart resumed from an older one)
+    if final.exists():  # the same step written again (a restart resumed from an older one)
         shutil.rmtree(final)
     os.replace(tmp, final)
     fd = os.open(final.parent, os.O_RDONLY)
@@ -166,16 +173,36 @@ def _checked_keep(keep: int | None) -> None:
 
 
 def _marker_content(step: int, cp: "CPMesh", global_batch: int | None, extra: dict, tmp: Path) -> dict:
-    positions = ([_replica_start(step, global_batch, d, cp.dp_size) for d in range(cp.dp_size)]
-                 if global_batch is not None else [])
-    return {"step": step, "dp": cp.dp_size, "ulysses": cp.ulysses_size, "ring": cp.ring_size,
-            "world": _world()[1], "global_batch": global_batch, "replica_next_sample": positions,
-            "extra": extra, "files": _file_sizes(tmp)}
+    positions = (
+        [_replica_start(step, global_batch, d, cp.dp_size) for d in range(cp.dp_size)]
+        if global_batch is not None
+        else []
+    )
+    return {
+        "step": step,
+        "dp": cp.dp_size,
+        "ulysses": cp.ulysses_size,
+        "ring": cp.ring_size,
+        "world": _world()[1],
+        "global_batch": global_batch,
+        "replica_next_sample": positions,
+        "extra": extra,
+        "files": _file_sizes(tmp),
+    }
 
 
-def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,  # noqa: PLR0913 (public entry point)
-                    cp: "CPMesh", *, scheduler: Any = None, global_batch: int | None = None,
-                    extra: dict | None = None, keep: int | None = None) -> Path:
+def save_checkpoint(  # noqa: PLR0913 (public entry point)
+    directory: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cp: "CPMesh",
+    *,
+    scheduler: Any = None,
+    global_batch: int | None = None,
+    extra: dict | None = None,
+    keep: int | None = None,
+) -> Path:
     """Write ``directory/step-NNNNNNNN`` atomically after optimizer step `step` (steps done so far).
 
     Call on every rank. Holds the (FSDP2-sharded) model and optimizer through DCP, every rank's RNG
@@ -208,16 +235,18 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
 
     _checked_keep(keep)
     if global_batch is not None:
-        replica_samples(step, global_batch, cp)   # a bad global batch raises here, before any collective
-    try:                                          # and so does an extra that JSON cannot hold
+        replica_samples(step, global_batch, cp)  # a bad global batch raises here, before any collective
+    try:  # and so does an extra that JSON cannot hold
         json.dumps(extra or {})
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"extra={extra!r} must be JSON-serialisable (a dict of numbers, strings, lists, dicts): "
-                          f"{exc}") from None
+        raise ConfigError(
+            f"extra={extra!r} must be JSON-serialisable (a dict of numbers, strings, lists, dicts): {exc}"
+        ) from None
     world = _world()[1]
     step = _agreed_step(step, "before saving")
     final = Path(directory) / f"step-{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
+
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -233,13 +262,15 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
 
     _on_rank0(prepare, f"create {tmp}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    try:   # DCP gathers every rank's write failures and raises the same CheckpointException on each
+    try:  # DCP gathers every rank's write failures and raises the same CheckpointException on each
         _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, world)
     except (OSError, CheckpointException) as exc:
-        raise SetupError(f"could not write {tmp} ({_first_error(exc)}); the older checkpoints are untouched: check "
-                         f"that the folder is writable, has space and is on a filesystem every rank sees") from exc
+        raise SetupError(
+            f"could not write {tmp} ({_first_error(exc)}); the older checkpoints are untouched: check "
+            f"that the folder is writable, has space and is on a filesystem every rank sees"
+        ) from exc
     rngs = _all_gather(_rng_state())
-    _on_rank0(publish, f"publish {final}")   # nobody goes on (or exits) before the checkpoint is visible
+    _on_rank0(publish, f"publish {final}")  # nobody goes on (or exits) before the checkpoint is visible
     return final
 
 
@@ -252,19 +283,23 @@ def _on_rank0(work: Any, what: str) -> None:
     if rank == 0:
         try:
             work()
-        except Exception as exc:   # every rank raises the same SetupError, rank 0 with the cause chained
+        except Exception as exc:  # every rank raises the same SetupError, rank 0 with the cause chained
             failure, cause = [f"{type(exc).__name__}: {exc}"], exc
     if world > 1:
         try:
             dist.broadcast_object_list(failure, src=0)
-        except RuntimeError as exc:   # DistBackendError, gloo's errors: rank 0 died or hung while doing `work`
-            raise CommTimeoutError(f"rank 0 did not report whether it could {what} within the default process "
-                                   f"group's timeout (it died or hung; backend said: "
-                                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                                   f"load_checkpoint takes the newest complete checkpoint") from exc
+        except RuntimeError as exc:  # DistBackendError, gloo's errors: rank 0 died or hung while doing `work`
+            raise CommTimeoutError(
+                f"rank 0 did not report whether it could {what} within the default process "
+                f"group's timeout (it died or hung; backend said: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                f"load_checkpoint takes the newest complete checkpoint"
+            ) from exc
     if failure[0] is not None:
-        raise SetupError(f"rank 0 could not {what}: {failure[0]}; check that the folder is writable and on a "
-                         "filesystem every rank sees") from cause
+        raise SetupError(
+            f"rank 0 could not {what}: {failure[0]}; check that the folder is writable and on a "
+            "filesystem every rank sees"
+        ) from cause
 
 
 def _read_marker(folder: Path) -> CheckpointInfo | str:
@@ -277,9 +312,17 @@ def _read_marker(folder: Path) -> CheckpointInfo | str:
         return f"unreadable {MARKER}: {exc}"
     try:
         files, step = content["files"], int(content["step"])
-        info = CheckpointInfo(path=folder, step=step, dp=content["dp"], ulysses=content["ulysses"],
-                              ring=content["ring"], world=content["world"], global_batch=content["global_batch"],
-                              replica_next_sample=content["replica_next_sample"], extra=content["extra"])
+        info = CheckpointInfo(
+            path=folder,
+            step=step,
+            dp=content["dp"],
+            ulysses=content["ulysses"],
+            ring=content["ring"],
+            world=content["world"],
+            global_batch=content["global_batch"],
+            replica_next_sample=content["replica_next_sample"],
+            extra=content["extra"],
+        )
     except (KeyError, TypeError, ValueError) as exc:
         return f"{MARKER} lacks {exc}"
     if _NAME.match(folder.name) and int(_NAME.match(folder.name).group(1)) != step:
@@ -295,8 +338,9 @@ def _entries(directory: Path) -> list[tuple[int, bool, Path]]:
     """(step, partial?, path) of every step-N or step-N.tmp folder in `directory`, newest first."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), bool(m.group(2)), p) for p in directory.iterdir()
-             if p.is_dir() and (m := _NAME.match(p.name))]
+    found = [
+        (int(m.group(1)), bool(m.group(2)), p) for p in directory.iterdir() if p.is_dir() and (m := _NAME.match(p.name))
+    ]
     return sorted(found, key=lambda e: (e[0], not e[1]), reverse=True)
 
 
@@ -341,7 +385,7 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
         if not partial and isinstance(_read_marker(path), CheckpointInfo) and complete < keep:
             complete += 1
             continue
-        if not partial and complete < keep:   # corrupt and newer than the kept ones: leave it for inspection
+        if not partial and complete < keep:  # corrupt and newer than the kept ones: leave it for inspection
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -360,7 +404,7 @@ def _broadcast_choice(directory: str | os.PathLike) -> CheckpointInfo | None:
     if rank == 0:
         try:
             choice = [_missing(directory) or latest_checkpoint(directory)]
-        except Exception as exc:   # told to every rank, not left for them to wait on
+        except Exception as exc:  # told to every rank, not left for them to wait on
             choice = [f"{type(exc).__name__}: {exc}"]
     dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], ConfigError):
@@ -374,13 +418,22 @@ def _missing(directory: str | os.PathLike) -> ConfigError | None:
     """The error for a checkpoint folder that does not exist: a mistyped path must not pass for a fresh start."""
     if Path(directory).is_dir():
         return None
-    return ConfigError(f"directory={str(directory)!r} does not exist (or is not a folder): no checkpoint can be in "
-                       f"it. A first run creates it (os.makedirs(directory, exist_ok=True)) before calling "
-                       f"load_checkpoint, so that a mistyped path is not taken for a fresh start")
+    return ConfigError(
+        f"directory={str(directory)!r} does not exist (or is not a folder): no checkpoint can be in "
+        f"it. A first run creates it (os.makedirs(directory, exist_ok=True)) before calling "
+        f"load_checkpoint, so that a mistyped path is not taken for a fresh start"
+    )
 
 
-def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    cp: "CPMesh", *, scheduler: Any = None, global_batch: int | None = None) -> CheckpointInfo | None:
+def load_checkpoint(
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cp: "CPMesh",
+    *,
+    scheduler: Any = None,
+    global_batch: int | None = None,
+) -> CheckpointInfo | None:
     """Resume from the newest complete checkpoint in `directory`; None (nothing changed) if there is none.
     A `directory` that does not exist raises ConfigError (create it on a first run): a mistyped path is not
     a fresh start.
@@ -415,19 +468,23 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     if info is None:
         return None
     if global_batch is not None and info.global_batch is not None and global_batch != info.global_batch:
-        raise ConfigError(f"global_batch={global_batch} but {info.path} was written with global batch "
-                          f"{info.global_batch}: resume with the same global batch (sequences per step over all "
-                          f"dp replicas), e.g. --batch {info.global_batch // cp.dp_size} on dp={cp.dp_size}")
+        raise ConfigError(
+            f"global_batch={global_batch} but {info.path} was written with global batch "
+            f"{info.global_batch}: resume with the same global batch (sequences per step over all "
+            f"dp replicas), e.g. --batch {info.global_batch // cp.dp_size} on dp={cp.dp_size}"
+        )
     rank, world = _world()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         _dcp(dcp.load, state, info.path, world)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:   # (CheckpointException: a BaseException)
-        raise ConfigError(f"{info.path} does not fit this model and optimizer (a parameter's name or shape "
-                          f"differs): {_first_error(exc)}; build the model and optimizer as they were when it was "
-                          f"saved") from exc
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:  # (CheckpointException: a BaseException)
+        raise ConfigError(
+            f"{info.path} does not fit this model and optimizer (a parameter's name or shape "
+            f"differs): {_first_error(exc)}; build the model and optimizer as they were when it was "
+            f"saved"
+        ) from exc
     saved = torch.load(info.path / TRAIN_STATE, weights_only=True)
     if scheduler is not None and saved["scheduler"] is not None:
         scheduler.load_state_dict(saved["scheduler"])
@@ -469,13 +526,25 @@ def restart_store(timeout: datetime.timedelta = datetime.timedelta(minutes=10)) 
         return None
     if env.get("GROUP_WORLD_SIZE", "1") != "1":
         if int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and env.get("RANK") == "0":
-            warnings.warn("torchrun restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-                          "environment (docs/training.md, Checkpoints and restarts)", stacklevel=2)
+            warnings.warn(
+                "torchrun restarts on several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                "environment (docs/training.md, Checkpoints and restarts)",
+                stacklevel=2,
+            )
         return None
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-__all__ = ["restart_store", "CheckpointInfo", "MARKER", "replica_samples", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "prune_checkpoints"]
+__all__ = [
+    "restart_store",
+    "CheckpointInfo",
+    "MARKER",
+    "replica_samples",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "prune_checkpoints",
+]

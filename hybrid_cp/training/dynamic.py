@@ -59,8 +59,9 @@ class DynamicCP:
     def __post_init__(self) -> None:
         c = self.tokens_per_rank
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ConfigError(f"DynamicCP(tokens_per_rank={c!r}): pass a positive int, the tokens one rank holds "
-                              f"in a micro-batch")
+            raise ConfigError(
+                f"DynamicCP(tokens_per_rank={c!r}): pass a positive int, the tokens one rank holds in a micro-batch"
+            )
         if self.degrees is not None:
             if isinstance(self.degrees, (str, bytes)) or not isinstance(self.degrees, (list, tuple)):
                 raise ConfigError(f"DynamicCP(degrees={self.degrees!r}): pass a list of powers of two, e.g. [1, 2, 4]")
@@ -70,8 +71,10 @@ class DynamicCP:
             try:
                 splits = tuple(sorted((int(k), (int(u), int(r))) for k, (u, r) in items))
             except (TypeError, ValueError):
-                raise ConfigError(f"DynamicCP(splits={self.splits!r}): pass {{degree: (ulysses, ring)}}, "
-                                  f"e.g. {{2: (1, 2), 4: (2, 2)}}") from None
+                raise ConfigError(
+                    f"DynamicCP(splits={self.splits!r}): pass {{degree: (ulysses, ring)}}, "
+                    f"e.g. {{2: (1, 2), 4: (2, 2)}}"
+                ) from None
             object.__setattr__(self, "splits", splits)
 
     @property
@@ -94,8 +97,10 @@ def batch_documents(batch: Mapping[str, Any], ignore_index: int = -100) -> list[
     without labels."""
     extra = sorted(k for k, v in batch.items() if k not in _DOCUMENT_KEYS and v is not None)
     if extra:
-        raise ConfigError(f"the batch holds {extra}: a dynamic step re-packs documents from input_ids, labels, "
-                          f"shift_labels, attention_mask and position_ids only; drop the other keys in the collator")
+        raise ConfigError(
+            f"the batch holds {extra}: a dynamic step re-packs documents from input_ids, labels, "
+            f"shift_labels, attention_mask and position_ids only; drop the other keys in the collator"
+        )
     ids = batch["input_ids"].cpu()
     if batch.get("shift_labels") is not None:
         targets = batch["shift_labels"].cpu()
@@ -125,8 +130,9 @@ def _packed_boundaries(batch: Mapping[str, Any], b: int, s: int) -> list[int] | 
     """A packed row's boundaries (explicit, or where the position ids restart at 0); None for rows of one
     document each."""
     if batch.get("cu_seq_lens_q") is not None:
-        cu = boundaries(batch["cu_seq_lens_q"].cpu() if isinstance(batch["cu_seq_lens_q"], torch.Tensor)
-                        else batch["cu_seq_lens_q"])
+        cu = boundaries(
+            batch["cu_seq_lens_q"].cpu() if isinstance(batch["cu_seq_lens_q"], torch.Tensor) else batch["cu_seq_lens_q"]
+        )
         if b != 1 or cu[0] != 0 or cu[-1] != s or any(x > y for x, y in zip(cu, cu[1:])):
             raise ConfigError(f"cu_seq_lens_q={cu} does not cut a batch of one row of {s} tokens (batch {b})")
         return cu
@@ -140,8 +146,9 @@ def _packed_boundaries(batch: Mapping[str, Any], b: int, s: int) -> list[int] | 
     return [0, *starts, s] if starts else None
 
 
-def schedule_documents(lengths: Sequence[int], meshes: "CPMeshes", tokens_per_rank: int,
-                       targets: Sequence[int] | None = None) -> StepSchedule:
+def schedule_documents(
+    lengths: Sequence[int], meshes: "CPMeshes", tokens_per_rank: int, targets: Sequence[int] | None = None
+) -> StepSchedule:
     """The step's schedule (`topology.schedule.schedule_step`) for the documents of the GLOBAL batch
     (`lengths`, identical on every rank) over the family's degrees; pure, no communication.
     `targets`: valid targets per document (default ``len - 1``). Raises ConfigError.
@@ -168,13 +175,15 @@ def agree(sched: StepSchedule, meshes: "CPMeshes") -> None:
     """Check, with one host all-reduce over the world, that every rank holds the same schedule (the same
     batch, lengths and groups): a disagreement raises InconsistentRanksError on every rank before any
     collective of the step (instead of a hang or wrong attention)."""
-    value = int(sched.digest[:15], 16)   # 60 bits: exact in int64
+    value = int(sched.digest[:15], 16)  # 60 bits: exact in int64
     t = torch.tensor([value, -value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=meshes.check_group)
     if -t[1].item() != t[0].item():
-        raise InconsistentRanksError(f"the ranks hold different step schedules (this rank's digest {sched.digest}): "
-                                     f"every rank must schedule the same global batch (same documents, lengths and "
-                                     f"order) with the same tokens_per_rank and mesh family")
+        raise InconsistentRanksError(
+            f"the ranks hold different step schedules (this rank's digest {sched.digest}): "
+            f"every rank must schedule the same global batch (same documents, lengths and "
+            f"order) with the same tokens_per_rank and mesh family"
+        )
 
 
 @dataclass(frozen=True)
@@ -198,7 +207,6 @@ class RankMicroBatch:
         work); under FSDP2 run a placeholder forward and backward (one token on `cp`, loss * 0) so that
         every rank joins the same parameter gathers and gradient reductions."""
         return not self.group.docs
-
 
     def placeholder_batch(self) -> dict:
         """An idle rank's input under FSDP2: one pad token sharded on `cp` (its label ignored); run the model
@@ -229,8 +237,9 @@ def micro_batches(sched: StepSchedule, meshes: "CPMeshes", rank: int | None = No
         yield RankMicroBatch(i, meshes.mesh(group.degree if group.docs else 1), group, tuple(cu))
 
 
-def dynamic_loss(logits: torch.Tensor, labels: torch.Tensor, sched: StepSchedule, ignore_index: int = -100,
-                 world: int | None = None) -> torch.Tensor:
+def dynamic_loss(
+    logits: torch.Tensor, labels: torch.Tensor, sched: StepSchedule, ignore_index: int = -100, world: int | None = None
+) -> torch.Tensor:
     """This rank's share of the step's token-mean cross entropy: value (sum of its token losses) / N,
     gradient W / N per token loss (module docstring). `logits` [B, S_local, V] and `labels` [B, S_local]
     are this rank's shard with next-token targets (`hcp.shard_batch`'s labels). No communication: sum the
@@ -248,9 +257,21 @@ def dynamic_loss(logits: torch.Tensor, labels: torch.Tensor, sched: StepSchedule
     """
     w = sched.world if world is None else world
     n = max(sched.targets, 1)
-    local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device),
-                            ignore_index=ignore_index, reduction="sum")
+    local = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
     return GroupReduced.apply(local, local.detach() / n, torch.tensor(w / n, device=local.device))
 
 
-__all__ = ["DynamicCP", "batch_documents", "schedule_documents", "agree", "micro_batches", "dynamic_loss", "RankMicroBatch"]
+__all__ = [
+    "DynamicCP",
+    "batch_documents",
+    "schedule_documents",
+    "agree",
+    "micro_batches",
+    "dynamic_loss",
+    "RankMicroBatch",
+]

@@ -58,32 +58,46 @@ def _local_arguments(logits: Any, labels: Any, ignore_index: Any, reduction: Any
     if reduction not in REDUCTIONS:
         raise ConfigError(f"reduction={reduction!r} is not supported; use one of {REDUCTIONS}")
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise InputTypeError(f"logits must be a floating-point tensor, got "
-                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
+        raise InputTypeError(
+            f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits).__name__)}"
+        )
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
-                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+        raise InputTypeError(
+            f"labels must be an integer tensor of token ids, got {getattr(labels, 'dtype', type(labels).__name__)}"
+        )
     if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
-        raise ShapeError(f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
-                         f"logits must be labels.shape + (vocab,), e.g. [B, S_local, V] with labels [B, S_local] "
-                         f"from the same shard")
+        raise ShapeError(
+            f"logits.shape={tuple(logits.shape)} does not match labels.shape={tuple(labels.shape)}; "
+            f"logits must be labels.shape + (vocab,), e.g. [B, S_local, V] with labels [B, S_local] "
+            f"from the same shard"
+        )
     check_ignore_index(ignore_index)
 
 
-def _agreed_arguments(logits: Any, labels: Any, cp: "CPMesh", ignore_index: Any, reduction: Any,
-                      include_dp: bool) -> None:
+def _agreed_arguments(
+    logits: Any, labels: Any, cp: "CPMesh", ignore_index: Any, reduction: Any, include_dp: bool
+) -> None:
     """This rank's checks, then (with `cp.validate`) the cp ranks' agreement on the call: one rank's bad
     argument makes every rank raise instead of leaving the others in the loss's all-reduce."""
+
     def check() -> list[int]:
         _local_arguments(logits, labels, ignore_index, reduction)
         return [digest(reduction), ignore_index, int(bool(include_dp)), logits.shape[-1], labels.dim()]
 
-    checked_on_every_rank(cp, check, ("reduction", "ignore_index", "include_dp", "vocab", "label dims"),
-                          "hcp.cross_entropy arguments")
+    checked_on_every_rank(
+        cp, check, ("reduction", "ignore_index", "include_dp", "vocab", "label dims"), "hcp.cross_entropy arguments"
+    )
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", ignore_index: int = -100,
-                  reduction: str = "mean", *, include_dp: bool = False) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    cp: "CPMesh",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    include_dp: bool = False,
+) -> torch.Tensor:
     """Cross entropy of this rank's logits against its (already shifted) labels, reduced over the
     sequence group.
 
@@ -125,8 +139,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
     flat_labels = labels.reshape(-1)
     valid = flat_labels != ignore_index
     out_of_range = valid & ((flat_labels < 0) | (flat_labels >= vocab))
-    per_token = F.cross_entropy(logits.float().reshape(-1, vocab), flat_labels.masked_fill(~valid | out_of_range, 0),
-                                reduction="none") * valid
+    per_token = (
+        F.cross_entropy(
+            logits.float().reshape(-1, vocab), flat_labels.masked_fill(~valid | out_of_range, 0), reduction="none"
+        )
+        * valid
+    )
     if reduction == "none":
         return per_token.reshape(labels.shape)
     group, world = reduction_group(cp, include_dp)
@@ -140,8 +158,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: "CPMesh", igno
         with comm_guard(cp, "hcp.cross_entropy's all-reduce"):
             dist.all_reduce(stats, group=group)
     if check and stats[2].item() > 0:
-        raise ConfigError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
-                         f"ignore_index={ignore_index}; fix the labels or the ignore_index")
+        raise ConfigError(
+            f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
+            f"ignore_index={ignore_index}; fix the labels or the ignore_index"
+        )
     total, count = stats[0], stats[1]
     if reduction == "mean":
         denom = count.clamp_min(1.0)

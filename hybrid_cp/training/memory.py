@@ -35,10 +35,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker", "PeakTensors", "StageStats", "mark_stages", "mark", "CudaStageStats", "host_buffer", "is_host"]
+__all__ = [
+    "StorageTracker",
+    "PeakTensors",
+    "StageStats",
+    "mark_stages",
+    "mark",
+    "CudaStageStats",
+    "host_buffer",
+    "is_host",
+]
 
 _HOST: "weakref.WeakValueDictionary[int, torch.UntypedStorage]" = weakref.WeakValueDictionary()
-_ALLOCATING_HOST = [0]   # > 0 while host_buffer allocates: a tracker counts what it sees then as host
+_ALLOCATING_HOST = [0]  # > 0 while host_buffer allocates: a tracker counts what it sees then as host
 
 
 def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -148,14 +157,14 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
         self.host_live = 0
         self.host_peak = 0
         self.device_peak = 0
-        self._host: set[int] = set()             # ids of host-buffer storages among the counted ones
-        self._sizes: dict[int, int] = {}          # id(storage object) -> counted bytes
-        self._refs: dict[int, Any] = {}           # id -> weakref (keeps ids unique while alive)
+        self._host: set[int] = set()  # ids of host-buffer storages among the counted ones
+        self._sizes: dict[int, int] = {}  # id(storage object) -> counted bytes
+        self._refs: dict[int, Any] = {}  # id -> weakref (keeps ids unique while alive)
         self.device_types: set[str] = set()
         self._record, self._min_bytes = record_peak, min_bytes
-        self._clock = 0                           # counts births and deaths of storages: their times
-        self._peak_clock = -1                     # the time of the device-resident peak
-        self._born: dict[int, tuple[int, tuple[int, ...], str, str]] = {}   # id -> (birth, shape, dtype, site)
+        self._clock = 0  # counts births and deaths of storages: their times
+        self._peak_clock = -1  # the time of the device-resident peak
+        self._born: dict[int, tuple[int, tuple[int, ...], str, str]] = {}  # id -> (birth, shape, dtype, site)
         self._lived: list[tuple[int, int, int, tuple[int, ...], str, str]] = []  # freed: (birth, death, bytes, ...)
 
     def _level(self) -> int:
@@ -170,7 +179,7 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
         size = self._sizes.pop(key, 0)
         self._clock += 1
         born = self._born.pop(key, None)
-        if born is not None and born[0] <= self._peak_clock:   # only storages born by the peak can matter
+        if born is not None and born[0] <= self._peak_clock:  # only storages born by the peak can matter
             self._lived.append((born[0], self._clock, size) + born[1:])
         self.live -= size
         if key in self._host:
@@ -209,7 +218,7 @@ class StorageTracker(_StageMixin, TorchDispatchMode):
         if self.live - self.host_live > self.device_peak:
             self.device_peak = self.live - self.host_live
             self._peak_clock = self._clock
-            self._lived.clear()   # every one died before this peak
+            self._lived.clear()  # every one died before this peak
         self._observe(self.live)
 
     def alive_at_peak(self) -> list[PeakTensors]:

@@ -45,7 +45,7 @@ class _HostPool:
     def __init__(self, pin: bool):
         self.pin = pin
         self.free: list[torch.Tensor] = []
-        self.allocated = 0   # bytes held by the pool (free and in use)
+        self.allocated = 0  # bytes held by the pool (free and in use)
 
     def take(self, nbytes: int) -> torch.Tensor:
         fits = [b for b in self.free if b.numel() >= nbytes]
@@ -70,13 +70,13 @@ class _Saved:
     def __init__(self, pool: _HostPool, t: torch.Tensor, frame: "_Frame", side: Any):
         self.frame, self.device, self.dtype, self.shape = frame, t.device, t.dtype, t.shape
         self.buf = pool.take(t.numel() * t.element_size())
-        weakref.finalize(self, pool.give, self.buf)   # back to the pool when autograd drops this handle
-        self.host = self.buf[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        weakref.finalize(self, pool.give, self.buf)  # back to the pool when autograd drops this handle
+        self.host = self.buf[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         self.fetched: torch.Tensor | None = None
         self.ready: Any = None
         if side is None:
             self.host.copy_(t)
-        else:   # after the producer, on the side stream; the device tensor must outlive the copy
+        else:  # after the producer, on the side stream; the device tensor must outlive the copy
             side.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(side):
                 self.host.copy_(t, non_blocking=True)
@@ -96,7 +96,7 @@ class _Saved:
 
     def take(self, side: Any) -> torch.Tensor:
         self.fetch(side)
-        out, self.fetched = self.fetched, None   # the recomputation holds it now; a second unpack fetches again
+        out, self.fetched = self.fetched, None  # the recomputation holds it now; a second unpack fetches again
         if side is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(self.ready)
@@ -137,7 +137,7 @@ class Offloader:
 
     def _pack(self, frame: _Frame, t: torch.Tensor) -> Any:
         if type(t) is not torch.Tensor or t.numel() == 0:
-            return t   # subclasses (DTensor) and empty tensors stay where they are
+            return t  # subclasses (DTensor) and empty tensors stay where they are
         saved = _Saved(self.pool, t, frame, self._side(t.device))
         frame.saved.append(weakref.ref(saved))
         if self.log is not None:
@@ -178,11 +178,13 @@ def _check_checkpointing(layer: nn.Module) -> None:
     func = getattr(layer, "_gradient_checkpointing_func", None)
     keywords = getattr(func, "keywords", {}) or {}
     if not getattr(layer, "gradient_checkpointing", False) or keywords.get("use_reentrant", True) is not False:
-        raise ConfigError(f"offload_checkpoints: {type(layer).__name__} is not under non-reentrant activation "
-                          f"checkpointing (gradient_checkpointing={getattr(layer, 'gradient_checkpointing', False)}, "
-                          f"use_reentrant={keywords.get('use_reentrant', 'unset')}); call model."
-                          f"gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}}) "
-                          f"first, or do not offload")
+        raise ConfigError(
+            f"offload_checkpoints: {type(layer).__name__} is not under non-reentrant activation "
+            f"checkpointing (gradient_checkpointing={getattr(layer, 'gradient_checkpointing', False)}, "
+            f"use_reentrant={keywords.get('use_reentrant', 'unset')}); call model."
+            f"gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}}) "
+            f"first, or do not offload"
+        )
 
 
 _ORIGINAL = "_hybrid_cp_checkpoint_func"
@@ -207,16 +209,22 @@ def _wrap(layer: nn.Module, offloader: Offloader, index: int, first: bool) -> li
         return None
 
     def post(module, args, kwargs, out):
-        if _ORIGINAL in module.__dict__:   # the checkpoint did not run: restore the function anyway
+        if _ORIGINAL in module.__dict__:  # the checkpoint did not run: restore the function anyway
             module._gradient_checkpointing_func = module.__dict__.pop(_ORIGINAL)
         return None
 
     return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
 
 
-def offload_checkpoints(model: nn.Module, *, keep_first: bool = False, keep_last: bool = False,
-                        pin_memory: bool | None = None, prefetch: bool | None = None,
-                        log: list | None = None) -> nn.Module:
+def offload_checkpoints(
+    model: nn.Module,
+    *,
+    keep_first: bool = False,
+    keep_last: bool = False,
+    pin_memory: bool | None = None,
+    prefetch: bool | None = None,
+    log: list | None = None,
+) -> nn.Module:
     """Keep each checkpointed decoder layer's saved input in host memory between forward and backward.
 
     Needs non-reentrant activation checkpointing (`model.gradient_checkpointing_enable(
@@ -243,8 +251,10 @@ def offload_checkpoints(model: nn.Module, *, keep_first: bool = False, keep_last
     """
     layers = _decoder_layers(model)
     if not layers:
-        raise ConfigError(f"offload_checkpoints: {type(model).__name__} has no transformers decoder layers "
-                          f"(GradientCheckpointingLayer); it supports transformers decoder models")
+        raise ConfigError(
+            f"offload_checkpoints: {type(model).__name__} has no transformers decoder layers "
+            f"(GradientCheckpointingLayer); it supports transformers decoder models"
+        )
     unoffload_checkpoints(model)
     offloader = Offloader(pin_memory, prefetch, log)
     chosen = [i for i in range(len(layers)) if not (keep_first and i == 0) and not (keep_last and i == len(layers) - 1)]

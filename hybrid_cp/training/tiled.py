@@ -37,8 +37,17 @@ from .loss import GroupReduced, check_ignore_index, reduction_group
 if TYPE_CHECKING:
     from ..engine.mesh import CPMesh
 
-__all__ = ["tiled_cross_entropy", "lm_loss", "tile_mlp", "untile_mlp", "default_loss_chunk", "tiled_mlp_chunk",
-           "tile_norm", "untile_norm", "tiled_norm_chunk"]
+__all__ = [
+    "tiled_cross_entropy",
+    "lm_loss",
+    "tile_mlp",
+    "untile_mlp",
+    "default_loss_chunk",
+    "tiled_mlp_chunk",
+    "tile_norm",
+    "untile_norm",
+    "tiled_norm_chunk",
+]
 
 TILED_MLP_ATTR = "_hybrid_cp_tiled_mlp"
 TILED_NORM_ATTR = "_hybrid_cp_tiled_norm"
@@ -57,8 +66,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """Sum over valid tokens of CE(hidden @ weight.T + bias, labels), chunk by chunk; backward recomputes."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                valid: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
@@ -98,44 +114,84 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if db is not None:
                 db += probs.sum(0).to(acc)
             del probs, lse
-        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
-                None, None, None)
+        return (
+            dh,
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def _tiled_arguments(hidden: Any, weight: Any, labels: Any, ignore_index: Any, reduction: Any, include_dp: bool,
-                     bias: Any, chunk_tokens: Any) -> list[int]:
+def _tiled_arguments(
+    hidden: Any,
+    weight: Any,
+    labels: Any,
+    ignore_index: Any,
+    reduction: Any,
+    include_dp: bool,
+    bias: Any,
+    chunk_tokens: Any,
+) -> list[int]:
     """This rank's own checks of a `tiled_cross_entropy` call; returns the call's signature (what the ranks
     must agree on: chunk_tokens may differ, it only changes how a rank tiles its own tokens)."""
     if reduction not in ("mean", "sum"):
-        raise ConfigError(f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
-                         f"(for per-token losses use hcp.cross_entropy on the logits)")
+        raise ConfigError(
+            f"reduction={reduction!r} is not supported by tiled_cross_entropy; use 'mean' or 'sum' "
+            f"(for per-token losses use hcp.cross_entropy on the logits)"
+        )
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise InputTypeError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise InputTypeError(f"labels must be an integer tensor of token ids, got "
-                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+        raise InputTypeError(
+            f"labels must be an integer tensor of token ids, got {getattr(labels, 'dtype', type(labels).__name__)}"
+        )
     if weight.dim() != 2 or hidden.dim() < 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} do not match: "
-                         f"weight must be [vocab, hidden] (nn.Linear(hidden, vocab).weight) and hidden [..., hidden]")
+        raise ShapeError(
+            f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} do not match: "
+            f"weight must be [vocab, hidden] (nn.Linear(hidden, vocab).weight) and hidden [..., hidden]"
+        )
     if tuple(hidden.shape[:-1]) != tuple(labels.shape):
-        raise ShapeError(f"hidden.shape={tuple(hidden.shape)} does not match labels.shape={tuple(labels.shape)}; "
-                         f"hidden must be labels.shape + (hidden_size,), from the same shard")
+        raise ShapeError(
+            f"hidden.shape={tuple(hidden.shape)} does not match labels.shape={tuple(labels.shape)}; "
+            f"hidden must be labels.shape + (hidden_size,), from the same shard"
+        )
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ShapeError(f"bias must be a [{weight.shape[0]}] tensor or None, got "
-                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+        raise ShapeError(
+            f"bias must be a [{weight.shape[0]}] tensor or None, got {getattr(bias, 'shape', type(bias).__name__)}"
+        )
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise InputTypeError(f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}; "
-                        f"cast both to one dtype and device")
+        raise InputTypeError(
+            f"weight is {weight.dtype} on {weight.device} but hidden is {hidden.dtype} on {hidden.device}; "
+            f"cast both to one dtype and device"
+        )
     _check_chunk("chunk_tokens", chunk_tokens)
     check_ignore_index(ignore_index)
-    return [digest(reduction), ignore_index, int(bool(include_dp)), weight.shape[0], weight.shape[1], labels.dim(),
-            int(bias is not None)]
+    return [
+        digest(reduction),
+        ignore_index,
+        int(bool(include_dp)),
+        weight.shape[0],
+        weight.shape[1],
+        labels.dim(),
+        int(bias is not None),
+    ]
 
 
-def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cp: "CPMesh",  # noqa: PLR0913 (public entry point)
-                        ignore_index: int = -100, reduction: str = "mean", *, include_dp: bool = False,
-                        bias: torch.Tensor | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
+def tiled_cross_entropy(  # noqa: PLR0913 (public entry point)
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    cp: "CPMesh",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    include_dp: bool = False,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
     """`hcp.cross_entropy(F.linear(hidden, weight, bias), labels, cp, ...)` without materialising the logits.
 
     Only `chunk_tokens` tokens' logits exist at a time, in forward and again in backward, which
@@ -168,10 +224,12 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
         ShapeError: Shapes that do not match each other.
         InconsistentRanksError: (validate) another cp rank's arguments were bad or differ from this rank's.
     """
-    checked_on_every_rank(cp, lambda: _tiled_arguments(hidden, weight, labels, ignore_index, reduction, include_dp,
-                                                       bias, chunk_tokens),
-                          ("reduction", "ignore_index", "include_dp", "vocab", "hidden size", "label dims", "bias"),
-                          "hcp.tiled_cross_entropy arguments")
+    checked_on_every_rank(
+        cp,
+        lambda: _tiled_arguments(hidden, weight, labels, ignore_index, reduction, include_dp, bias, chunk_tokens),
+        ("reduction", "ignore_index", "include_dp", "vocab", "hidden size", "label dims", "bias"),
+        "hcp.tiled_cross_entropy arguments",
+    )
     vocab = weight.shape[0]
     chunk = chunk_tokens or default_loss_chunk(vocab)
     flat_labels = labels.reshape(-1)
@@ -184,10 +242,13 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     if world > 1:
         dist.all_reduce(stats, group=group)
     if stats[1].item() > 0:
-        raise ConfigError(f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
-                         f"ignore_index={ignore_index}; fix the labels or the ignore_index")
-    local_sum = _LinearCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe,
-                                             valid.to(torch.float32), chunk)
+        raise ConfigError(
+            f"labels on some rank hold ids outside the vocabulary [0, {vocab}) other than "
+            f"ignore_index={ignore_index}; fix the labels or the ignore_index"
+        )
+    local_sum = _LinearCrossEntropySum.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe, valid.to(torch.float32), chunk
+    )
     total = local_sum.detach().double().reshape(1)
     if world > 1:
         dist.all_reduce(total, group=group)
@@ -200,12 +261,21 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
 # what lm_loss hands the model: a packed row's document boundaries (shard_batch's cu_seq_lens_q/...) or a masked row's
 # AttnMask (MASK_KEY) must reach the attention layers
-BATCH_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-              "max_length_k", MASK_KEY)
+BATCH_KEYS = (
+    "input_ids",
+    "position_ids",
+    "attention_mask",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    MASK_KEY,
+)
 
 
-def _lm_loss_arguments(model: Any, batch: Any, tiled: Any, chunk_tokens: Any, ignore_index: Any,
-                       include_dp: bool) -> list[int]:
+def _lm_loss_arguments(
+    model: Any, batch: Any, tiled: Any, chunk_tokens: Any, ignore_index: Any, include_dp: bool
+) -> list[int]:
     """This rank's own checks of an `lm_loss` call; returns the call's signature (what the ranks must agree
     on before the model's first collective)."""
     if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
@@ -215,18 +285,35 @@ def _lm_loss_arguments(model: Any, batch: Any, tiled: Any, chunk_tokens: Any, ig
     if tiled:
         softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
         if softcap:
-            raise ConfigError(f"config.final_logit_softcapping={softcap}: the tiled loss computes plain logits; use "
-                              f"tiled=False for models that soft-cap their logits")
+            raise ConfigError(
+                f"config.final_logit_softcapping={softcap}: the tiled loss computes plain logits; use "
+                f"tiled=False for models that soft-cap their logits"
+            )
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear):
-            raise InputTypeError(f"lm_loss(tiled=True) needs a model whose get_output_embeddings() is an nn.Linear LM "
-                                 f"head, got {type(head).__name__}; use tiled=False")
-    return [int(bool(tiled)), ignore_index, int(bool(include_dp)),
-            digest(sorted(k for k in BATCH_KEYS if batch.get(k) is not None))]
+            raise InputTypeError(
+                f"lm_loss(tiled=True) needs a model whose get_output_embeddings() is an nn.Linear LM "
+                f"head, got {type(head).__name__}; use tiled=False"
+            )
+    return [
+        int(bool(tiled)),
+        ignore_index,
+        int(bool(include_dp)),
+        digest(sorted(k for k in BATCH_KEYS if batch.get(k) is not None)),
+    ]
 
 
-def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, chunk_tokens: int | None = None,
-            ignore_index: int = -100, include_dp: bool = False, **model_kwargs: Any) -> torch.Tensor:
+def lm_loss(
+    model: nn.Module,
+    batch: dict,
+    cp: "CPMesh",
+    *,
+    tiled: bool = True,
+    chunk_tokens: int | None = None,
+    ignore_index: int = -100,
+    include_dp: bool = False,
+    **model_kwargs: Any,
+) -> torch.Tensor:
     """Run a transformers causal LM on this rank's shard (`batch` from `hcp.shard_batch`) and return the
     context-parallel loss, without ever building the `[tokens, vocab]` logits when `tiled` (the default).
 
@@ -256,8 +343,12 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
     """
     from .loss import cross_entropy
 
-    checked_on_every_rank(cp, lambda: _lm_loss_arguments(model, batch, tiled, chunk_tokens, ignore_index, include_dp),
-                          ("tiled", "ignore_index", "include_dp", "batch keys"), "hcp.lm_loss arguments")
+    checked_on_every_rank(
+        cp,
+        lambda: _lm_loss_arguments(model, batch, tiled, chunk_tokens, ignore_index, include_dp),
+        ("tiled", "ignore_index", "include_dp", "batch keys"),
+        "hcp.lm_loss arguments",
+    )
     labels = batch["labels"]
     call = {k: batch[k] for k in BATCH_KEYS if batch.get(k) is not None}
     call.update(model_kwargs)
@@ -268,8 +359,9 @@ def lm_loss(model: nn.Module, batch: dict, cp: "CPMesh", *, tiled: bool = True, 
     box: dict[str, torch.Tensor] = {}
 
     def head_forward(h: torch.Tensor) -> torch.Tensor:
-        box["loss"] = tiled_cross_entropy(h, head.weight, labels, cp, ignore_index, include_dp=include_dp,
-                                          bias=head.bias, chunk_tokens=chunk_tokens)
+        box["loss"] = tiled_cross_entropy(
+            h, head.weight, labels, cp, ignore_index, include_dp=include_dp, bias=head.bias, chunk_tokens=chunk_tokens
+        )
         return h.new_empty(*h.shape[:-1], 0)  # a fresh tensor: FSDP2 warns about views returned by a root
 
     head.forward = head_forward  # instance attribute, removed below: the class's forward is untouched
@@ -292,16 +384,16 @@ class _TiledMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
         out = None
-        for start in range(0, flat.shape[0], chunk):   # into one output: no second copy from a cat
-            piece = fn(flat[start:start + chunk])
+        for start in range(0, flat.shape[0], chunk):  # into one output: no second copy from a cat
+            piece = fn(flat[start : start + chunk])
             if out is None:
                 if piece.shape[0] == flat.shape[0]:
                     out = piece
                     break
                 out = piece.new_empty(flat.shape[0], piece.shape[-1])
-            out[start:start + chunk] = piece
+            out[start : start + chunk] = piece
             del piece
-        if out is None:   # no tokens on this rank
+        if out is None:  # no tokens on this rank
             out = fn(flat)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -313,16 +405,20 @@ class _TiledMLPFunction(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         gflat = grad.reshape(-1, grad.shape[-1])
         dx = torch.empty_like(flat) if ctx.needs_input_grad[3] else None
-        acc = [torch.zeros(p.shape, dtype=torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype,
-                           device=p.device) for p in params]
+        acc = [
+            torch.zeros(
+                p.shape, dtype=torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype, device=p.device
+            )
+            for p in params
+        ]
         for start in range(0, flat.shape[0], chunk):
-            xc = flat[start:start + chunk].detach().requires_grad_(dx is not None)
+            xc = flat[start : start + chunk].detach().requires_grad_(dx is not None)
             with torch.enable_grad():
                 out = fn(xc)
             inputs = ([xc] if dx is not None else []) + params
-            grads = torch.autograd.grad(out, inputs, gflat[start:start + chunk], allow_unused=True)
+            grads = torch.autograd.grad(out, inputs, gflat[start : start + chunk], allow_unused=True)
             if dx is not None:
-                dx[start:start + chunk] = grads[0]
+                dx[start : start + chunk] = grads[0]
                 grads = grads[1:]
             for a, g in zip(acc, grads):
                 if g is not None:
@@ -362,12 +458,16 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
     _check_tile_chunk(chunk_tokens)
     mlps = _mlps(model)
     if not mlps:
-        raise ConfigError(f"{type(model).__name__} has no submodule named 'mlp'; tile_mlp supports transformers "
-                         f"decoder models (Llama, Mistral, Qwen2, Qwen3)")
+        raise ConfigError(
+            f"{type(model).__name__} has no submodule named 'mlp'; tile_mlp supports transformers "
+            f"decoder models (Llama, Mistral, Qwen2, Qwen3)"
+        )
     for m in mlps:
         if not type(m).__name__.endswith("MLP"):
-            raise ConfigError(f"{type(m).__name__} is not a token-wise MLP (mixture-of-experts blocks keep "
-                             f"router statistics over all tokens); tile_mlp supports *MLP modules only")
+            raise ConfigError(
+                f"{type(m).__name__} is not a token-wise MLP (mixture-of-experts blocks keep "
+                f"router statistics over all tokens); tile_mlp supports *MLP modules only"
+            )
     _tile(mlps, chunk_tokens, TILED_MLP_ATTR)
     return model
 
@@ -418,8 +518,10 @@ def tile_norm(model: nn.Module, chunk_tokens: int = 4096) -> nn.Module:
     _check_tile_chunk(chunk_tokens)
     norms = _norms(model)
     if not norms:
-        raise ConfigError(f"{type(model).__name__} has no *RMSNorm module; tile_norm supports transformers models "
-                          f"with RMSNorm (Llama, Mistral, Qwen2/3, Gemma, ...)")
+        raise ConfigError(
+            f"{type(model).__name__} has no *RMSNorm module; tile_norm supports transformers models "
+            f"with RMSNorm (Llama, Mistral, Qwen2/3, Gemma, ...)"
+        )
     _tile(norms, chunk_tokens, TILED_NORM_ATTR)
     return model
 
@@ -476,4 +578,3 @@ def _tiled_chunk(modules: list[nn.Module], attr: str) -> int | None:
         if state is not None:
             return state[1]
     return None
-

@@ -41,20 +41,42 @@ from .flash import FlashAttnKernel
 from .math import MathKernel
 from .protocol import CAPABILITIES, AttentionKernel, can_on, takes_keyword, takes_keyword_on
 from .registry import (
-                       CUDA_AUTO_ORDER,
-                       available_kernels,
-                       get_kernel,
-                       kernel_needs,
-                       kernels_that_can,
-                       register_kernel,
-                       registered_kernels,
-                       select_kernel,
+    CUDA_AUTO_ORDER,
+    available_kernels,
+    get_kernel,
+    kernel_needs,
+    kernels_that_can,
+    register_kernel,
+    registered_kernels,
+    select_kernel,
 )
 from .sdpa import SDPAKernel
 from .selftest import CHECK_SIZES, SELF_TEST_TOL, kernel_errors, self_test, self_test_results
 from .torch_flash import TorchFlashKernel
 
-__all__ = ["AttentionKernel", "CAPABILITIES", "can_on", "kernels_that_can", "register_kernel", "get_kernel", "available_kernels", "registered_kernels",
-           "kernel_needs", "takes_keyword", "takes_keyword_on", "self_test", "self_test_results", "kernel_errors",
-           "CHECK_SIZES", "SELF_TEST_TOL", "select_kernel", "CUDA_AUTO_ORDER", "MathKernel", "SDPAKernel",
-           "FlashAttnKernel", "TorchFlashKernel", "CuDNNKernel", "FA4Kernel"]
+__all__ = [
+    "AttentionKernel",
+    "CAPABILITIES",
+    "can_on",
+    "kernels_that_can",
+    "register_kernel",
+    "get_kernel",
+    "available_kernels",
+    "registered_kernels",
+    "kernel_needs",
+    "takes_keyword",
+    "takes_keyword_on",
+    "self_test",
+    "self_test_results",
+    "kernel_errors",
+    "CHECK_SIZES",
+    "SELF_TEST_TOL",
+    "select_kernel",
+    "CUDA_AUTO_ORDER",
+    "MathKernel",
+    "SDPAKernel",
+    "FlashAttnKernel",
+    "TorchFlashKernel",
+    "CuDNNKernel",
+    "FA4Kernel",
+]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 
-def fa_class_reason(what: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                    max_head_dim: int = 256) -> str | None:
+def fa_class_reason(
+    what: str, device: torch.device, dtype: torch.dtype, head_dim: int, max_head_dim: int = 256
+) -> str | None:
     """None if `what` (a kernel's name in a sentence) can take these inputs by the rules every
     FlashAttention-class kernel shares (CUDA, fp16/bf16, head_dim a multiple of 8 up to a limit),
     else the reason it cannot."""

@@ -37,9 +37,11 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 def _check_causal(causal: bool, sq: int, sk: int) -> None:
     if causal and sq != sk:
-        raise ValueError(f"the cudnn kernel got a causal block of {sq} queries x {sk} keys; cuDNN aligns causal "
-                         f"masks top-left, which differs from the bottom-right convention unless the block is "
-                         f"square. Use backend='torch-flash' (bottom-right) for rectangular causal blocks")
+        raise ValueError(
+            f"the cudnn kernel got a causal block of {sq} queries x {sk} keys; cuDNN aligns causal "
+            f"masks top-left, which differs from the bottom-right convention unless the block is "
+            f"square. Use backend='torch-flash' (bottom-right) for rectangular causal blocks"
+        )
 
 
 class CuDNNKernel:
@@ -57,8 +59,10 @@ class CuDNNKernel:
             return f"cuDNN attention needs sm80 or newer, this GPU is sm{major}{minor}"
         limit = 256 if major >= 9 and _cudnn_version() >= 91000 else 128
         if head_dim > limit or head_dim % 8:
-            return (f"cuDNN attention needs head_dim <= {limit} and a multiple of 8 on sm{major}{minor} with cuDNN "
-                    f"{_cudnn_version()}, got {head_dim}")
+            return (
+                f"cuDNN attention needs head_dim <= {limit} and a multiple of 8 on sm{major}{minor} with cuDNN "
+                f"{_cudnn_version()}, got {head_dim}"
+            )
         return None
 
     @per_segment_forward
@@ -66,7 +70,8 @@ class CuDNNKernel:
         _check_causal(causal, q.shape[1], k.shape[1])
         h = q.shape[2]
         res = _op("_scaled_dot_product_cudnn_attention")(
-            _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h)), None, True, 0.0, causal, False, scale=scale)
+            _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h)), None, True, 0.0, causal, False, scale=scale
+        )
         out, lse = res[0], res[1]
         return out.transpose(1, 2), lse.reshape(q.shape[0], h, q.shape[1]).float()
 
@@ -78,7 +83,21 @@ class CuDNNKernel:
         no_rng = torch.zeros(1, dtype=torch.int64, device=q.device)  # philox seed/offset: read only with dropout
         # attn_bias and cum_seq_q/k must be None (undefined): a defined empty tensor means "bias" / "nested"
         dq, dk, dv = _op("_scaled_dot_product_cudnn_attention_backward")(
-            _bhsd(dout), _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h)), _bhsd(out),
-            lse.float().contiguous().unsqueeze(-1), no_rng, no_rng, None, None, None, sq, sk, 0.0, causal,
-            scale=scale)
+            _bhsd(dout),
+            _bhsd(q),
+            _bhsd(expand_kv(k, h)),
+            _bhsd(expand_kv(v, h)),
+            _bhsd(out),
+            lse.float().contiguous().unsqueeze(-1),
+            no_rng,
+            no_rng,
+            None,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            scale=scale,
+        )
         return dq.transpose(1, 2), reduce_kv(dk.transpose(1, 2), hkv), reduce_kv(dv.transpose(1, 2), hkv)

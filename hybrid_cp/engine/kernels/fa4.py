@@ -52,18 +52,35 @@ class FA4Kernel:
 
     @per_segment_forward
     def forward(self, q, k, v, *, causal: bool, scale: float, softcap: float | None = None):
-        res = _fa4_module()._flash_attn_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-                                            softmax_scale=scale, causal=causal, softcap=softcap, return_lse=True)
+        res = _fa4_module()._flash_attn_fwd(
+            q=q.contiguous(),
+            k=k.contiguous(),
+            v=v.contiguous(),
+            softmax_scale=scale,
+            causal=causal,
+            softcap=softcap,
+            return_lse=True,
+        )
         out, lse = res[0], res[1]
         if lse is None:
-            raise RuntimeError("flash-attn-4's _flash_attn_fwd returned no lse despite return_lse=True; this "
-                               "flash-attn-4 release is not supported (pin the version of the 'fa4' extra)")
+            raise RuntimeError(
+                "flash-attn-4's _flash_attn_fwd returned no lse despite return_lse=True; this "
+                "flash-attn-4 release is not supported (pin the version of the 'fa4' extra)"
+            )
         return out, lse.float()
 
     @per_segment_backward
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, softcap: float | None = None):  # noqa: PLR0913 (kernel protocol)
         res = _fa4_module()._flash_attn_bwd(
-            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), dout=dout.contiguous(),
-            lse=lse.float().contiguous(), softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0),
-            deterministic=torch.are_deterministic_algorithms_enabled())
+            q=q.contiguous(),
+            k=k.contiguous(),
+            v=v.contiguous(),
+            out=out.contiguous(),
+            dout=dout.contiguous(),
+            lse=lse.float().contiguous(),
+            softmax_scale=scale,
+            causal=causal,
+            softcap=float(softcap or 0.0),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
         return res[0], res[1], res[2]

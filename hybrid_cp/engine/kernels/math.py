@@ -18,8 +18,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, window=None,
-                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _masked_scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, window=None, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(masked scores, tanh of the capped scores or None without a soft-cap: the backward's chain rule)."""
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     t = None
@@ -41,7 +42,7 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 class MathKernel:
     name = "math"
-    capabilities = ("value_head_dim",)   # v's head dim may differ from q/k's (protocol.CAPABILITIES)
+    capabilities = ("value_head_dim",)  # v's head dim may differ from q/k's (protocol.CAPABILITIES)
 
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         return None if dtype.is_floating_point else f"dtype {dtype} is not a floating point type"
@@ -57,8 +58,20 @@ class MathKernel:
         return out.to(q.dtype), lse.to(torch.float64 if ct == torch.float64 else torch.float32)
 
     @per_segment_backward
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None,  # noqa: PLR0913 (kernel protocol)
-                 softcap: float | None = None):
+    def backward(  # noqa: PLR0913 (kernel protocol)
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *,
+        causal: bool,
+        scale: float,
+        window=None,
+        softcap: float | None = None,
+    ):
         ct = _compute_dtype(q.dtype)
         h, hkv = q.shape[2], k.shape[2]
         qc, kc, vc = q.to(ct), expand_kv(k, h).to(ct), expand_kv(v, h).to(ct)

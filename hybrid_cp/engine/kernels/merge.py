@@ -24,8 +24,9 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new)
 
 
-def merge_rows_(out: torch.Tensor, lse: torch.Tensor, rows: slice | torch.Tensor, block_out: torch.Tensor,
-                block_lse: torch.Tensor) -> None:
+def merge_rows_(
+    out: torch.Tensor, lse: torch.Tensor, rows: slice | torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """`merge_` into the rows `rows` (a slice, or an index tensor of sequence positions) of out/lse."""
     if isinstance(rows, slice):
         merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
@@ -41,7 +42,7 @@ def merge_sink_(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> Non
     fp32 (out [B, S, h, D], lse [B, h, S]), in place: lse' = logaddexp(lse, sink), out' = out * exp(lse - lse').
     A row that saw no key gets out 0, lse' = sink."""
     new = torch.logaddexp(lse, sink.to(lse.dtype).view(1, -1, 1))
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)   # sink = -inf on a keyless row: stays 0
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # sink = -inf on a keyless row: stays 0
     out.mul_(torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1))
     lse.copy_(new)
 
@@ -51,6 +52,6 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: to
     d sink_h = - sum over rows of exp(sink_h - lse') * rowsum(dout * out') (the sink's softmax weight times
     -delta; its value is 0, so delta is that of the keys). In fp32 (fp64 for fp64 inputs), in sink's dtype."""
     acc = lse.dtype
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)   # [B, h, S]
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, h, S]
     weight = torch.exp(sink.to(acc).view(1, -1, 1) - lse)
     return -(weight * delta).sum((0, 2)).to(sink.dtype)

@@ -16,12 +16,23 @@ class AttentionKernel(Protocol):
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         """None if the kernel can run these inputs, else the reason it cannot."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                scale: float, **varlen) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, **varlen
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                 scale: float, **varlen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        **varlen,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 CAPABILITIES = ("value_head_dim",)
@@ -34,7 +45,8 @@ def can_on(kernel: AttentionKernel, need: str, device: torch.device) -> bool:
     `refuses` there), or a keyword it takes (`takes_keyword_on`)."""
     if need in CAPABILITIES:
         return need in getattr(kernel, "capabilities", ()) and need not in getattr(kernel, "refuses", {}).get(
-            device.type, ())
+            device.type, ()
+        )
     return takes_keyword_on(kernel, need, device)
 
 
@@ -46,7 +58,9 @@ def takes_keyword_on(kernel: AttentionKernel, name: str, device: torch.device) -
 
 def takes_keyword(kernel: AttentionKernel, name: str) -> bool:
     """Whether the kernel's forward and backward accept keyword `name` (e.g. "cu_seqlens_q", "window")."""
+
     def ok(fn) -> bool:
         params = inspect.signature(fn).parameters
         return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
     return ok(kernel.forward) and ok(kernel.backward)

@@ -25,7 +25,7 @@ from .selftest import cached_self_test
 from .torch_flash import TorchFlashKernel
 
 _REGISTRY: dict[str, AttentionKernel] = {}
-_VERSION = [0]   # registrations so far: a checked call pattern holds for one registry state (`registry_version`)
+_VERSION = [0]  # registrations so far: a checked call pattern holds for one registry state (`registry_version`)
 
 
 def register_kernel(name: str, kernel: AttentionKernel, *, overwrite: bool = False) -> None:
@@ -69,8 +69,16 @@ def registered_kernels() -> dict[str, AttentionKernel]:
 def kernel_needs(cu_seqlens, window, softcap=None, value_head_dim: bool = False) -> list[str]:
     """The kernel keywords a call passes beyond the dense ones, and the capabilities it needs
     (protocol.CAPABILITIES): what "auto" must find a kernel for."""
-    return [kw for needed, kw in ((cu_seqlens is not None, "cu_seqlens_q"), (window is not None, "window"),
-                                  (softcap is not None, "softcap"), (value_head_dim, "value_head_dim")) if needed]
+    return [
+        kw
+        for needed, kw in (
+            (cu_seqlens is not None, "cu_seqlens_q"),
+            (window is not None, "window"),
+            (softcap is not None, "softcap"),
+            (value_head_dim, "value_head_dim"),
+        )
+        if needed
+    ]
 
 
 def kernels_that_can(need: str, device: torch.device) -> list[str]:
@@ -78,8 +86,14 @@ def kernels_that_can(need: str, device: torch.device) -> list[str]:
     return [name for name, kernel in sorted(_REGISTRY.items()) if can_on(kernel, need, device)]
 
 
-def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torch.dtype,
-               head_dim: int, *, needs: Iterable[str] = ()) -> AttentionKernel:
+def get_kernel(
+    backend: str | AttentionKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    needs: Iterable[str] = (),
+) -> AttentionKernel:
     """Resolve `backend` ("auto", a registered name, or a kernel object) for these inputs.
 
     Raises instead of falling back when a named backend cannot run the inputs. `needs` names the
@@ -111,8 +125,9 @@ def get_kernel(backend: str | AttentionKernel, device: torch.device, dtype: torc
     elif isinstance(backend, str) and backend in _REGISTRY:
         kernel = _REGISTRY[backend]
     else:
-        raise ConfigError(f"backend={backend!r} is not a registered attention kernel; "
-                         f"use 'auto' or one of {available_kernels()}")
+        raise ConfigError(
+            f"backend={backend!r} is not a registered attention kernel; use 'auto' or one of {available_kernels()}"
+        )
     reason = kernel.supports(device, dtype, head_dim)
     if reason is not None:
         raise ConfigError(f"backend={getattr(kernel, 'name', backend)!r} cannot run these inputs: {reason}")
@@ -138,9 +153,16 @@ _FLASH_CLASS = {"fa4", "flash", "cudnn", "torch-flash"}
 Probe = Callable[[AttentionKernel, torch.device, torch.dtype, int], None]
 
 
-def select_kernel(order: Iterable[str], kernels: Mapping[str, AttentionKernel], device: torch.device,
-                  dtype: torch.dtype, head_dim: int, *, probe: Probe | None = None,
-                  needs: Iterable[str] = ()) -> tuple[str, list[tuple[str, str]]]:
+def select_kernel(
+    order: Iterable[str],
+    kernels: Mapping[str, AttentionKernel],
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    probe: Probe | None = None,
+    needs: Iterable[str] = (),
+) -> tuple[str, list[tuple[str, str]]]:
     """The first kernel of `order` that supports the inputs, takes the `needs` keywords and passes
     `probe` (which raises on failure); returns (its name, [(skipped name, reason), ...])."""
     skipped: list[tuple[str, str]] = []
@@ -159,8 +181,10 @@ def select_kernel(order: Iterable[str], kernels: Mapping[str, AttentionKernel], 
         if reason is None:
             return name, skipped
         skipped.append((name, reason))
-    raise ConfigError(f"no attention backend supports device={device}, dtype={dtype}, head_dim={head_dim}: "
-                     + "; ".join(f"{n}: {r}" for n, r in skipped))
+    raise ConfigError(
+        f"no attention backend supports device={device}, dtype={dtype}, head_dim={head_dim}: "
+        + "; ".join(f"{n}: {r}" for n, r in skipped)
+    )
 
 
 _AUTO: dict = {}  # (device index, dtype, head_dim, needs) -> chosen kernel name
@@ -171,24 +195,37 @@ def _auto_cuda(device: torch.device, dtype: torch.dtype, head_dim: int, needs: t
     per (GPU, dtype, head_dim, needed keywords) and said once in the "hybrid_cp" log."""
     key = (device_index(device), dtype, head_dim, needs)
     if key not in _AUTO:
-        name, skipped = select_kernel(CUDA_AUTO_ORDER, _REGISTRY, device, dtype, head_dim,
-                                      probe=functools.partial(cached_self_test, needs=needs), needs=needs)
+        name, skipped = select_kernel(
+            CUDA_AUTO_ORDER,
+            _REGISTRY,
+            device,
+            dtype,
+            head_dim,
+            probe=functools.partial(cached_self_test, needs=needs),
+            needs=needs,
+        )
         _AUTO[key] = name
         failed = any(r.startswith("self-test failed") for _, r in skipped)
         slow = name not in _FLASH_CLASS and dtype in (torch.float16, torch.bfloat16)
         logging.getLogger("hybrid_cp").log(
             logging.WARNING if failed or slow else logging.INFO,
             "backend='auto' picked %r for cuda:%d dtype=%s head_dim=%d%s; faster kernels skipped: %s",
-            name, key[0], dtype, head_dim, f" needs={list(needs)}" if needs else "",
-            "; ".join(f"{n}: {r}" for n, r in skipped) or "none")
+            name,
+            key[0],
+            dtype,
+            head_dim,
+            f" needs={list(needs)}" if needs else "",
+            "; ".join(f"{n}: {r}" for n, r in skipped) or "none",
+        )
     return _REGISTRY[_AUTO[key]]
 
 
 _WARNED: set = set()
 
 
-def _warn_fallback(chosen: str, skipped: list[tuple[str, str]], device: torch.device, dtype: torch.dtype,
-                   head_dim: int) -> None:
+def _warn_fallback(
+    chosen: str, skipped: list[tuple[str, str]], device: torch.device, dtype: torch.dtype, head_dim: int
+) -> None:
     """Warn once per input kind when "auto" had to skip a faster kernel (silently slower otherwise)."""
     key = (chosen, device.type, dtype, head_dim)
     if key in _WARNED:
@@ -196,7 +233,12 @@ def _warn_fallback(chosen: str, skipped: list[tuple[str, str]], device: torch.de
     _WARNED.add(key)
     logging.getLogger("hybrid_cp").warning(
         "backend='auto' falls back to %r for device=%s dtype=%s head_dim=%d (%s); expect it to be slower",
-        chosen, device, dtype, head_dim, "; ".join(f"{n}: {r}" for n, r in skipped))
+        chosen,
+        device,
+        dtype,
+        head_dim,
+        "; ".join(f"{n}: {r}" for n, r in skipped),
+    )
 
 
 register_kernel("math", MathKernel())

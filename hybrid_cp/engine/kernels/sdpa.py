@@ -28,9 +28,11 @@ def _window_bias(q: torch.Tensor, k: torch.Tensor, window) -> torch.Tensor | Non
     if window is None:
         return None
     if q.device.type != "cpu":
-        raise ValueError("the CUDA SDPA backend has no verified window path; use backend='torch-flash' (native "
-                         "windows, no install), backend='flash' (flash-attn) or backend='math' for "
-                         "sliding-window attention on CUDA")
+        raise ValueError(
+            "the CUDA SDPA backend has no verified window path; use backend='torch-flash' (native "
+            "windows, no install), backend='flash' (flash-attn) or backend='math' for "
+            "sliding-window attention on CUDA"
+        )
     visible = window_mask(q.shape[1], k.shape[1], window, q.device)
     return torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
 
@@ -43,8 +45,11 @@ class SDPAKernel:
         if device.type == "cpu":
             # The CPU operator accepts fp64 but computes its log-sum-exp to fp32 precision
             # only (measured: 4e-8 relative), so fp64 goes to the exact math backend instead.
-            return None if dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            return (
+                None
+                if dtype in (torch.float32, torch.bfloat16, torch.float16)
                 else f"the CPU operator takes fp32/bf16/fp16, not {dtype} (use backend='math' for fp64)"
+            )
         if device.type == "cuda":
             if dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 return f"the CUDA operators take fp32/bf16/fp16, not {dtype}"
@@ -58,10 +63,12 @@ class SDPAKernel:
         qt, kt, vt = _bhsd(q), _bhsd(expand_kv(k, h)), _bhsd(expand_kv(v, h))
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qt, kt, vt, 0.0, causal, attn_mask=mask, scale=scale)
+                qt, kt, vt, 0.0, causal, attn_mask=mask, scale=scale
+            )
         else:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
+                qt, kt, vt, None, True, 0.0, causal, scale=scale
+            )[:2]
         return out.transpose(1, 2), lse[..., : q.shape[1]].float()
 
     @per_segment_backward
@@ -72,13 +79,25 @@ class SDPAKernel:
         dot, ot = _bhsd(dout), _bhsd(out)
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dot, qt, kt, vt, ot, lse.float(),
-                0.0, causal, attn_mask=mask, scale=scale)
+                dot, qt, kt, vt, ot, lse.float(), 0.0, causal, attn_mask=mask, scale=scale
+            )
         else:
             pad = (-q.shape[1]) % 32
             lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
             no_rng = torch.zeros((), dtype=torch.int64)  # what the forward returns without dropout
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dot, qt, kt, vt, None, ot, lse_p.contiguous(), no_rng, no_rng, 0.0,
-                [True, True, True, False], causal, scale=scale)
+                dot,
+                qt,
+                kt,
+                vt,
+                None,
+                ot,
+                lse_p.contiguous(),
+                no_rng,
+                no_rng,
+                0.0,
+                [True, True, True, False],
+                causal,
+                scale=scale,
+            )
         return (dq.transpose(1, 2), reduce_kv(dk.transpose(1, 2), hkv), reduce_kv(dv.transpose(1, 2), hkv))

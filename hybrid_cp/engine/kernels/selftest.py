@@ -25,10 +25,30 @@ SELF_TEST_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-3,
 # Shapes of the checks: "small" for the one-time self-test of "auto" (milliseconds on a GPU),
 # "large" for benchmarks/gpu_check.py. Lengths deliberately not multiples of 128.
 CHECK_SIZES = {
-    "small": dict(batch=2, heads=4, kv_heads=2, split=(200, 136), rect=(72, 264), seg_q=[37, 130, 61],
-                  seg_k=[50, 20, 90], window_sq=200, window=(40, 0), window_rect=(150, 200, (30, 20))),
-    "large": dict(batch=1, heads=8, kv_heads=2, split=(1088, 1000), rect=(1000, 2048), seg_q=[300, 517, 271],
-                  seg_k=[200, 100, 600], window_sq=1088, window=(256, 0), window_rect=(1000, 1088, (128, 64))),
+    "small": dict(
+        batch=2,
+        heads=4,
+        kv_heads=2,
+        split=(200, 136),
+        rect=(72, 264),
+        seg_q=[37, 130, 61],
+        seg_k=[50, 20, 90],
+        window_sq=200,
+        window=(40, 0),
+        window_rect=(150, 200, (30, 20)),
+    ),
+    "large": dict(
+        batch=1,
+        heads=8,
+        kv_heads=2,
+        split=(1088, 1000),
+        rect=(1000, 2048),
+        seg_q=[300, 517, 271],
+        seg_k=[200, 100, 600],
+        window_sq=1088,
+        window=(256, 0),
+        window_rect=(1000, 1088, (128, 64)),
+    ),
 }
 
 Case = tuple[str, dict[str, float]]
@@ -48,13 +68,20 @@ class _Cases:
     """The cases of `kernel_errors` for one kernel and input kind, drawing every input from one seeded
     generator in a fixed order (so a case's inputs do not depend on which kernel is checked before it)."""
 
-    def __init__(self, kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
-                 cfg: dict, ref_dtype: torch.dtype):
+    def __init__(
+        self,
+        kernel: AttentionKernel,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_dim: int,
+        cfg: dict,
+        ref_dtype: torch.dtype,
+    ):
         self.kernel, self.ref, self.cfg = kernel, MathKernel(), cfg
         self.device, self.dtype, self.ref_dtype = device, dtype, ref_dtype
         self.gen = torch.Generator().manual_seed(1234)
         self.b, self.h, self.hkv, self.d = cfg["batch"], cfg["heads"], cfg["kv_heads"], head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
     def rand(self, *shape) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(device=self.device, dtype=self.dtype)
@@ -80,7 +107,7 @@ class _Cases:
         merged into one out/lse, then each block's backward with that merged out/lse."""
         sq, sp = self.cfg["split"]
         b, h, hkv, d = self.b, self.h, self.hkv, self.d
-        q = self.rand(b, sq + 8, h, d)[:, 4:4 + sq]  # a non-contiguous row slice, as the ring takes it
+        q = self.rand(b, sq + 8, h, d)[:, 4 : 4 + sq]  # a non-contiguous row slice, as the ring takes it
         dout = self.rand(b, sq, h, d)
         k, v = self.rand(b, sp + sq, hkv, d), self.rand(b, sp + sq, hkv, d)
         blocks = [(slice(0, sp), False), (slice(sp, sp + sq), True)]
@@ -94,8 +121,9 @@ class _Cases:
         dq = torch.zeros(b, sq, h, d, dtype=torch.float32, device=self.device)
         dks, dvs = [], []
         for rows, causal in blocks:
-            g_q, g_k, g_v = self.kernel.backward(dout, q, k[:, rows], v[:, rows], out, lse_view, causal=causal,
-                                                 scale=self.scale)
+            g_q, g_k, g_v = self.kernel.backward(
+                dout, q, k[:, rows], v[:, rows], out, lse_view, causal=causal, scale=self.scale
+            )
             dq += g_q.float()
             dks.append(g_k)
             dvs.append(g_v)
@@ -110,15 +138,21 @@ class _Cases:
 
     def packed_segments(self) -> Iterator[Case]:
         """Packed documents, causal (square segments) and not."""
+
         def cu(lens):
             return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=self.device)
 
         seg_q = self.cfg["seg_q"]
         for causal, seg_k in ((True, seg_q), (False, self.cfg["seg_k"])):
-            kw = dict(cu_seqlens_q=cu(seg_q), cu_seqlens_k=cu(seg_k), max_seqlen_q=max(seg_q),
-                      max_seqlen_k=max(seg_k))
-            yield self.one_block(f"packed segments {seg_q} x {seg_k} causal={causal}", sum(seg_q), sum(seg_k),
-                                 batch=1, causal=causal, **kw)
+            kw = dict(cu_seqlens_q=cu(seg_q), cu_seqlens_k=cu(seg_k), max_seqlen_q=max(seg_q), max_seqlen_k=max(seg_k))
+            yield self.one_block(
+                f"packed segments {seg_q} x {seg_k} causal={causal}",
+                sum(seg_q),
+                sum(seg_k),
+                batch=1,
+                causal=causal,
+                **kw,
+            )
 
     def windows(self) -> Iterator[Case]:
         """A causal sliding window on a square block, and a two-sided window on a rectangular one."""
@@ -127,8 +161,15 @@ class _Cases:
         yield self.one_block(f"window {wrect} {wq}x{wk}", wq, wk, causal=False, window=wrect)
 
 
-def kernel_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-                  size: str = "small", ref_dtype: torch.dtype = torch.float32) -> Iterator[Case]:
+def kernel_errors(
+    kernel: AttentionKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    size: str = "small",
+    ref_dtype: torch.dtype = torch.float32,
+) -> Iterator[Case]:
     """Yield (case, {"out"|"lse"|"dq"|"dk"|"dv": max |kernel - math| / max |math|}) for the blocks the
     ring asks of a kernel, the reference being the math kernel in `ref_dtype` on the same inputs.
 
@@ -148,8 +189,15 @@ def kernel_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dt
         yield from cases.windows()
 
 
-def softcap_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-                   size: str = "small", ref_dtype: torch.dtype = torch.float32) -> Iterator[Case]:
+def softcap_errors(
+    kernel: AttentionKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    size: str = "small",
+    ref_dtype: torch.dtype = torch.float32,
+) -> Iterator[Case]:
     """`kernel_errors` for a logit soft-cap (Gemma 2): a causal square block and a rectangular one with
     softcap=1 (scores of order one, so the cap bends them), against the math kernel's soft-cap."""
     cases = _Cases(kernel, device, dtype, head_dim, CHECK_SIZES[size], ref_dtype)
@@ -158,8 +206,9 @@ def softcap_errors(kernel: AttentionKernel, device: torch.device, dtype: torch.d
     yield cases.one_block(f"softcap 1 {nq}x{nk} non-causal", nq, nk, causal=False, softcap=1.0)
 
 
-def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
-              needs: tuple[str, ...] = ()) -> None:
+def self_test(
+    kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, needs: tuple[str, ...] = ()
+) -> None:
     """Check `kernel` against fp32 math on the small cases of `kernel_errors` (and `softcap_errors` when
     `needs` has "softcap"); raise AssertionError naming the first case and output whose relative error
     exceeds SELF_TEST_TOL[dtype] (or is NaN)."""
@@ -172,15 +221,15 @@ def self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype,
         for case, errs in every:
             for name, err in errs.items():
                 if not err <= tol:  # NaN fails too
-                    raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} "
-                                         f"({dtype}, D={head_dim})")
+                    raise AssertionError(f"{case}: {name} relative error {err:.2e} > {tol:.0e} ({dtype}, D={head_dim})")
 
 
 _SELF_TESTS: dict = {}  # (kernel name, device index, dtype, head_dim[, "softcap"]) -> None (passed) or the exception
 
 
-def cached_self_test(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
-                     needs: tuple[str, ...] = ()) -> None:
+def cached_self_test(
+    kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, needs: tuple[str, ...] = ()
+) -> None:
     """`self_test` once per (kernel, GPU, dtype, head_dim), raising its error again on every later call;
     a call that needs a soft-cap is a separate check with the soft-capped cases added (a kernel whose
     soft-cap fails stays usable without one). The math kernel is the reference itself."""
@@ -191,8 +240,9 @@ def cached_self_test(kernel: AttentionKernel, device: torch.device, dtype: torch
     key += tuple(extra.get("needs", ()))
     if key not in _SELF_TESTS:
         try:
-            self_test(kernel, torch.device("cuda", key[1]) if device.type == "cuda" else device, dtype, head_dim,
-                      **extra)
+            self_test(
+                kernel, torch.device("cuda", key[1]) if device.type == "cuda" else device, dtype, head_dim, **extra
+            )
             _SELF_TESTS[key] = None
         except Exception as exc:
             _SELF_TESTS[key] = exc

@@ -49,27 +49,100 @@ class TorchFlashKernel:
             return f"PyTorch's flash operators need sm80 or newer, this GPU is sm{major}{minor}"
         return None
 
-    def forward(self, q, k, v, *, causal: bool, scale: float, window=None, cu_seqlens_q=None, cu_seqlens_k=None,  # noqa: PLR0913 (kernel protocol)
-                max_seqlen_q=None, max_seqlen_k=None):
+    def forward(  # noqa: PLR0913 (kernel protocol)
+        self,
+        q,
+        k,
+        v,
+        *,
+        causal: bool,
+        scale: float,
+        window=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+    ):
         fwd = _op("_flash_attention_forward")
         q, k, v = (x.contiguous() for x in (q, k, v))
         if cu_seqlens_q is None:
             res = fwd(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale, **_window(window))
             return res[0], res[1].float()
         # packed segments: [1, total, H, D] -> [total, H, D]; lse comes back [H, total]
-        res = fwd(q[0], k[0], v[0], cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), 0.0, causal,
-                  False, scale=scale, **_window(window))
+        res = fwd(
+            q[0],
+            k[0],
+            v[0],
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            0.0,
+            causal,
+            False,
+            scale=scale,
+            **_window(window),
+        )
         return res[0].unsqueeze(0), res[1].float().unsqueeze(0)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window=None, cu_seqlens_q=None,  # noqa: PLR0913 (kernel protocol)
-                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    def backward(  # noqa: PLR0913 (kernel protocol)
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *,
+        causal: bool,
+        scale: float,
+        window=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+    ):
         bwd = _op("_flash_attention_backward")
         q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
         lse = lse.float().contiguous()
         rng = _no_rng(q.device)
         if cu_seqlens_q is None:
-            return tuple(bwd(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 0.0, causal, rng, rng,
-                             scale=scale, **_window(window)))
-        dq, dk, dv = bwd(dout[0], q[0], k[0], v[0], out[0], lse[0].contiguous(), cu_seqlens_q, cu_seqlens_k,
-                         int(max_seqlen_q), int(max_seqlen_k), 0.0, causal, rng, rng, scale=scale, **_window(window))
+            return tuple(
+                bwd(
+                    dout,
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    None,
+                    None,
+                    q.shape[1],
+                    k.shape[1],
+                    0.0,
+                    causal,
+                    rng,
+                    rng,
+                    scale=scale,
+                    **_window(window),
+                )
+            )
+        dq, dk, dv = bwd(
+            dout[0],
+            q[0],
+            k[0],
+            v[0],
+            out[0],
+            lse[0].contiguous(),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
+            **_window(window),
+        )
         return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)

@@ -69,8 +69,8 @@ def _with_varlen_keywords(method: Callable, dense: Callable) -> Callable:
 def per_segment_forward(dense: Callable) -> Callable:
     """A kernel's forward that takes packed rows by running `dense` (its dense forward) once per
     segment: the segments' out and lse are concatenated along the rows."""
-    def forward(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                **kw):
+
+    def forward(self, q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **kw):
         if cu_seqlens_q is None:
             return dense(self, q, k, v, **kw)
         outs, lses = [], []
@@ -79,22 +79,39 @@ def per_segment_forward(dense: Callable) -> Callable:
             outs.append(o)
             lses.append(l)
         return torch.cat(outs, 1), torch.cat(lses, 2)
+
     return _with_varlen_keywords(forward, dense)
 
 
 def per_segment_backward(dense: Callable) -> Callable:
     """A kernel's backward that takes packed rows by running `dense` (its dense backward) once per
     segment: dq is written per segment, dk/dv accumulate (segments may share keys)."""
-    def backward(self, dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,  # noqa: PLR0913 (kernel protocol)
-                 max_seqlen_k=None, **kw):
+
+    def backward(  # noqa: PLR0913 (kernel protocol)
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        **kw,
+    ):
         if cu_seqlens_q is None:
             return dense(self, dout, q, k, v, out, lse, **kw)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for qa, qb, ka, kb in _bounds(cu_seqlens_q, cu_seqlens_k):
-            g = dense(self, dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb], lse[:, :, qa:qb],
-                      **kw)
+            g = dense(
+                self, dout[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], out[:, qa:qb], lse[:, :, qa:qb], **kw
+            )
             dq[:, qa:qb] = g[0]
             dk[:, ka:kb] += g[1]
             dv[:, ka:kb] += g[2]
         return dq, dk, dv
+
     return _with_varlen_keywords(backward, dense)
