@@ -27,8 +27,6 @@ from hybrid_cp.training import checkpoint as ckpt
 
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.e2e  # starts its own torchrun processes
-
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 8, 3
 MODEL = [
@@ -198,6 +196,7 @@ def _max_rel(run: dict[int, float], ref: dict[int, float], after: int) -> float:
     return max(abs(run[s] - ref[s]) / abs(ref[s]) for s in steps)
 
 
+@pytest.mark.e2e  # starts its own torchrun processes
 def test_resume_on_another_mesh_and_world_size(runs):
     ref = runs["losses"]["ref"]
     assert sorted(ref) == list(range(1, STEPS + 1))
@@ -211,6 +210,7 @@ def test_resume_on_another_mesh_and_world_size(runs):
         print(f"\n{name}: max relative loss difference after resume {err:.2e}")
 
 
+@pytest.mark.e2e  # starts its own torchrun processes
 def test_restart_after_sigkill_resumes_with_the_same_losses(runs):
     out, record = runs["out"]["restart"], runs["record"]
     assert "killed_at" in record, "the watcher found no worker to kill"
