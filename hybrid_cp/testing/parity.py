@@ -7,6 +7,7 @@ or print them. The references are computed by fp64 autograd, independent of the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ __all__ = [
     "DTYPES",
     "MESH_CACHE",
     "attention_errors",
+    "masked_case",
     "masked_reference",
     "mesh",
     "packed_errors",
@@ -32,6 +34,7 @@ __all__ = [
 MESH_CACHE = 10
 _MESHES: dict = {}
 _REFS: dict = {}
+_MASKED: dict = {}  # masked_case's references, per process, until release_meshes
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -57,6 +60,7 @@ def release_meshes() -> int:
     it after each test module: ten idle meshes made a later bf16 module case 2x slower (11.3 s against
     24.2 s after tests/test_attention.py, threads per worker 6 against 216)."""
     count = len(_MESHES)
+    _MASKED.clear()
     while _MESHES:
         hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
     return count
@@ -193,6 +197,20 @@ def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor, softcap
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def masked_case(
+    seed: int, shape: tuple[int, int, int, int, int], visible: Callable[[], torch.Tensor], key: tuple, softcap=None
+) -> tuple:
+    """A case's fp64 inputs (fresh tensors: the caller may mark them for autograd) and its masked reference
+    (out, lse, dq, dk, dv), computed once per test module on each rank: the module's meshes compare with the same
+    reference, which costs more than the distributed call it checks (about half of a window test's time). `key`
+    names the visibility that `visible()` builds (documents, causal, window, mask)."""
+    inputs = random_inputs(seed, *shape)  # shape: (batch, n, h, hkv, d)
+    full_key = (seed, shape, softcap, key)
+    if full_key not in _MASKED:
+        _MASKED[full_key] = masked_reference(*inputs, shape[-1] ** -0.5, visible(), softcap)
+    return inputs, _MASKED[full_key]
+
+
 def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
     """For each packed case, relative errors of out/lse/dq/dk/dv on this rank's real tokens against
     the per-document fp64 reference, and the largest magnitude found in pad slots (must be 0)."""
@@ -251,8 +269,12 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
             cu.append(cu[-1] + n)
         kw = {"cu_seqlens": cu} if packed else {}
         dtype = DTYPES[c.get("dtype", "fp32")]
-        q, k, v, dout = random_inputs(c.get("seed", 4), 1, cu[-1], h, hkv, d)
-        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal, window))
+        (q, k, v, dout), ref = masked_case(
+            c.get("seed", 4),
+            (1, cu[-1], h, hkv, d),
+            lambda: visibility(lens, causal, window),
+            (tuple(lens), causal, window),
+        )
         hcp.reset_comm_bytes(cp)
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, **kw).requires_grad_() for x in (q, k, v))
         out, lse = hcp.attention(
@@ -308,9 +330,13 @@ def mask_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
     for c in cases:
         mask, h, hkv, d, window = c["mask"], c["h"], c["hkv"], c["d"], c.get("window")
         dtype = DTYPES[c.get("dtype", "fp32")]
-        q, k, v, dout = random_inputs(c.get("seed", 5), c.get("batch", 1), mask.seq_len, h, hkv, d)
-        visible = mask_visibility(mask.windowed(window))
-        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visible, c.get("softcap"))
+        (q, k, v, dout), ref = masked_case(
+            c.get("seed", 5),
+            (c.get("batch", 1), mask.seq_len, h, hkv, d),
+            lambda: mask_visibility(mask.windowed(window)),
+            (mask, window),
+            c.get("softcap"),
+        )
         hcp.reset_comm_bytes(cp)
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, mask=mask).requires_grad_() for x in (q, k, v))
         out, lse = hcp.attention(
