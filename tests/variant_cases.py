@@ -13,6 +13,7 @@ from dist_cases import DTYPES, mesh, visibility
 
 import hybrid_cp as hcp
 import topology
+from hybrid_cp.testing.parity import per_module
 from topology.layouts import PAD
 
 TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
@@ -107,7 +108,11 @@ def variant_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         inputs = _inputs(c.get("seed", 5), 1 if packed else 2, cu[-1], c["h"], c["hkv"], d, dv)
         if not c.get("sinks"):
             inputs = (*inputs[:4], None)
-        ref = reference(*inputs, 1 / math.sqrt(d), visibility(lens, c["causal"], window), c.get("softcap"))
+        key = ("variant", c.get("seed", 5), tuple(lens), c["h"], c["hkv"], d, dv, c["causal"], window, c.get("softcap"))
+        ref = per_module(
+            (*key, inputs[4] is not None),
+            lambda: reference(*inputs, 1 / math.sqrt(d), visibility(lens, c["causal"], window), c.get("softcap")),
+        )
         dtype = DTYPES[c.get("dtype", "fp64")]
         hcp.reset_comm_bytes(cp)
         got = _run(cp, c, inputs, dtype, kw)

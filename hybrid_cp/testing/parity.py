@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ __all__ = [
     "masked_reference",
     "mesh",
     "packed_errors",
+    "per_module",
     "random_inputs",
     "reference",
     "rel",
@@ -34,7 +36,7 @@ __all__ = [
 MESH_CACHE = 10
 _MESHES: dict = {}
 _REFS: dict = {}
-_MASKED: dict = {}  # masked_case's references, per process, until release_meshes
+_PER_MODULE: dict = {}  # per_module's values, until release_meshes
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -60,7 +62,7 @@ def release_meshes() -> int:
     it after each test module: ten idle meshes made a later bf16 module case 2x slower (11.3 s against
     24.2 s after tests/test_attention.py, threads per worker 6 against 216)."""
     count = len(_MESHES)
-    _MASKED.clear()
+    _PER_MODULE.clear()
     while _MESHES:
         hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
     return count
@@ -197,18 +199,27 @@ def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor, softcap
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def per_module(key: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()` once per test module on this rank (`release_meshes` forgets it): an fp64 reference that every
+    mesh of a module compares with costs more than the distributed call it checks (about half of a window
+    test's time when computed per mesh)."""
+    if key not in _PER_MODULE:
+        _PER_MODULE[key] = compute()
+    return _PER_MODULE[key]
+
+
 def masked_case(
     seed: int, shape: tuple[int, int, int, int, int], visible: Callable[[], torch.Tensor], key: tuple, softcap=None
 ) -> tuple:
     """A case's fp64 inputs (fresh tensors: the caller may mark them for autograd) and its masked reference
-    (out, lse, dq, dk, dv), computed once per test module on each rank: the module's meshes compare with the same
-    reference, which costs more than the distributed call it checks (about half of a window test's time). `key`
-    names the visibility that `visible()` builds (documents, causal, window, mask)."""
-    inputs = random_inputs(seed, *shape)  # shape: (batch, n, h, hkv, d)
-    full_key = (seed, shape, softcap, key)
-    if full_key not in _MASKED:
-        _MASKED[full_key] = masked_reference(*inputs, shape[-1] ** -0.5, visible(), softcap)
-    return inputs, _MASKED[full_key]
+    (out, lse, dq, dk, dv), once per test module (`per_module`). `shape` is (batch, n, h, hkv, d); `key` names
+    the visibility that `visible()` builds (documents, causal, window, mask)."""
+    inputs = random_inputs(seed, *shape)
+    ref = per_module(
+        ("masked", seed, shape, softcap, key),
+        lambda: masked_reference(*inputs, shape[-1] ** -0.5, visible(), softcap),
+    )
+    return inputs, ref
 
 
 def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
