@@ -176,24 +176,10 @@ def estimate(  # noqa: PLR0913 (public entry point)
 ) -> Estimate:
     """Predict time and bytes of one layer for ``batch`` sequences of ``seq_len`` per CP group.
 
-    Ranks ``0 .. dp*ulysses*ring - 1`` of ``cluster`` are used, placed as in
-    :func:`topology.placement.mesh_ranks` (ulysses innermost). See the module docstring for the model.
-    ``backward=False`` prices a forward pass only (inference, or forward-only benchmarks).
-    A model with ``sliding_window`` (causal) or ``attention_chunk_size`` is priced as its average
-    layer: ``window_layers`` of its ``layers`` with the window (skipped blocks, halo exchange),
-    ``chunked_layers`` in chunks (Llama 4), the rest full.
-    ``window=W`` (or None) or ``chunk_size=C`` prices one layer with that window or chunk size
-    (from the same block plan the engine runs) instead.
-    ``attention_forwards`` is how often attention runs forward per layer and step (1 plain; 2 with
-    activation checkpointing, whose recomputation repeats it; ``topology.step_model.attention_forwards``):
-    each extra one adds a forward pass's attention kernels, ring steps and exchanges (not useful FLOPs).
-    ``mask`` (a `topology.masks.AttnMask`; it replaces ``layout``, ``causal``, ``chunk_size``) prices the call
-    on the mask's balanced layout (`mask_layout`) from the block plan the engine runs there: per ring step the
-    visible cells and kernel calls of that step's busiest rank, summed over the steps (the ring is lock-step),
-    :func:`comm_bytes`' bytes under the mask, its visible cells as useful FLOPs. ``window=W`` narrows the
-    mask as `hcp.attention` does; by default the model's window layers narrow it by its ``sliding_window``.
-    Memory is not part of it: the training step's peak is :func:`topology.step_model.step_memory`'s, which
-    :func:`topology.planner.plan` checks each split with (``Plan.memory``).
+    Uses ranks ``0 .. dp*ulysses*ring - 1`` of ``cluster``, ulysses innermost. By default a model with
+    windowed or chunked layers is priced as its average layer; ``window=`` or ``chunk_size=`` prices one
+    such layer instead. Memory is :func:`topology.step_model.step_memory`'s, not this (docs/planner.md,
+    "Cost model").
 
     Args:
         cluster: The cluster.
@@ -206,11 +192,12 @@ def estimate(  # noqa: PLR0913 (public entry point)
         dtype: The compute dtype.
         layout: "zigzag" (None: the default) or "contiguous".
         causal: Causal attention (None: True).
-        backward: Price backward too.
+        backward: Price backward too; False: a forward pass only (inference).
         window: A sliding window W for one layer, None for none; "model": the model's own layers.
         chunk_size: An attention chunk size for one layer.
-        attention_forwards: Attention forward passes per layer and step.
-        mask: The row's attention mask (`topology.masks.AttnMask`); ``seq_len`` must be its length.
+        attention_forwards: Attention forward passes per layer and step (2 with activation checkpointing).
+        mask: The row's attention mask (`topology.masks.AttnMask`), priced on its balanced layout;
+            ``seq_len`` must be its length.
 
     Returns:
         Time and bytes of one layer, by stage.

@@ -212,6 +212,31 @@ def _split(req: _Request, split: Split) -> tuple | Rejected:
     return rung, est.time_s / d, -u, Plan(u, r, d, est, mem, opt, notes=notes)
 
 
+def _search(
+    req: _Request, seq_len: int, batch: int, dp: int | None, dtype: Any, layout: str
+) -> tuple[list[tuple[int, float, int, Plan]], list[Rejected]]:
+    """Every (ulysses, ring, dp) split priced or rejected, the feasible ones sorted: `plan`'s search loop."""
+    model, world = req.model, req.world
+    feasible: list[tuple[int, float, int, Plan]] = []
+    rejected: list[Rejected] = []
+    for cp in divisors(world):
+        if dp is not None and world // cp != dp:
+            continue
+        for u in divisors(cp):
+            r, d = cp // u, world // cp
+            if u > model.heads:
+                rejected.append(Rejected(u, r, d, f"ulysses={u} > heads={model.heads}"))
+                continue
+            g = granularity(layout, u, r)
+            if seq_len < g:
+                rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
+                continue
+            one = _split(req, Split(seq_len, u, r, d, batch, dtype, layout))
+            (feasible if isinstance(one, tuple) else rejected).append(one)
+    feasible.sort(key=lambda t: t[:3])
+    return feasible, rejected
+
+
 def plan(  # noqa: PLR0913 (public entry point)
     cluster: Cluster,
     model: ModelShape,
@@ -272,23 +297,7 @@ def plan(  # noqa: PLR0913 (public entry point)
     if budget <= 0:
         raise PlanError(f"memory_budget={memory_budget!r} must be > 0 bytes")
     req = _Request(cluster, model, world, budget, causal, options, ladder, host_memory)
-    feasible: list[tuple[int, float, int, Plan]] = []
-    rejected: list[Rejected] = []
-    for cp in divisors(world):
-        if dp is not None and world // cp != dp:
-            continue
-        for u in divisors(cp):
-            r, d = cp // u, world // cp
-            if u > model.heads:
-                rejected.append(Rejected(u, r, d, f"ulysses={u} > heads={model.heads}"))
-                continue
-            g = granularity(layout, u, r)
-            if seq_len < g:
-                rejected.append(Rejected(u, r, d, f"seq_len={seq_len} < layout granularity {g}: mostly padding"))
-                continue
-            one = _split(req, Split(seq_len, u, r, d, batch, dtype, layout))
-            (feasible if isinstance(one, tuple) else rejected).append(one)
-    feasible.sort(key=lambda t: t[:3])
+    feasible, rejected = _search(req, seq_len, batch, dp, dtype, layout)
     plans = [replace(p, rank=k + 1) for k, (*_, p) in enumerate(feasible)]
     header = (
         f"{cluster.describe()}\nmodel {model.name}: heads={model.heads} kv_heads={model.n_kv} head_dim={model.head_dim} "

@@ -107,27 +107,41 @@ def comm_bytes(  # noqa: PLR0913 (public entry point)
         raise ValueError(f"ulysses_rank={ulysses_rank} must be in [0, {ulysses}) or None for the maximum")
     out = {"ulysses_fwd": 0, "ulysses_bwd": 0, "ring_fwd": 0, "ring_bwd": 0}
     for i in ranks:
-        fwd = bwd = 0
-        for p in range(ulysses):
-            if p != i:
-                f, b = a2a_peer_bytes(split, i, p, unit, unit_v)
-                fwd, bwd = fwd + f, bwd + b
+        fwd, bwd = _a2a_bytes(split, i, unit, unit_v)
         row = batch * split[i][3] * (head_dim + dv)  # K/V elements of one token row
-        if halo:  # rows my peers read from me go out; gradients of rows I read go back
-
-            def sent(j: int) -> tuple[int, int]:
-                out_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows((j + st) % ring, st, *visible))
-                back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, *visible))
-                return out_rows * row * dtype_bytes, back_rows * row * grad_bytes(dtype_bytes)
-
-            ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
-        else:
-            kv_block = (ulysses * s) * row  # elements of one K/V block
-            ring_fwd = (ring - 1) * kv_block * dtype_bytes
-            ring_bwd = ring_fwd + ring * kv_block * grad_bytes(dtype_bytes) if ring > 1 else 0
+        ring_fwd, ring_bwd = _ring_bytes(lay, visible, halo, ring_ranks, ulysses, ring, row, dtype_bytes)
         for key, val in (("ulysses_fwd", fwd), ("ulysses_bwd", bwd), ("ring_fwd", ring_fwd), ("ring_bwd", ring_bwd)):
             out[key] = max(out[key], val)
     return out
+
+
+def _a2a_bytes(split: list[tuple[int, int, int, int]], i: int, unit: int, unit_v: int) -> tuple[int, int]:
+    """Ulysses rank ``i``'s forward and backward all-to-all bytes: `a2a_peer_bytes` summed over its peers."""
+    fwd = bwd = 0
+    for p in range(len(split)):
+        if p != i:
+            f, b = a2a_peer_bytes(split, i, p, unit, unit_v)
+            fwd, bwd = fwd + f, bwd + b
+    return fwd, bwd
+
+
+def _ring_bytes(
+    lay: Any, visible: tuple, halo: bool, ring_ranks: Any, ulysses: int, ring: int, row: int, dtype_bytes: int
+) -> tuple[int, int]:
+    """`comm_bytes`'s ring bytes (forward, backward) for K/V rows of ``row`` elements: halo rows, else whole blocks."""
+    if halo:  # rows my peers read from me go out; gradients of rows I read go back
+
+        def sent(j: int) -> tuple[int, int]:
+            out_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows((j + st) % ring, st, *visible))
+            back_rows = sum(n for st in range(1, ring) for _, n in lay.needed_rows(j, st, *visible))
+            return out_rows * row * dtype_bytes, back_rows * row * grad_bytes(dtype_bytes)
+
+        ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
+        return ring_fwd, ring_bwd
+    kv_block = (ulysses * lay.local_len) * row  # elements of one K/V block
+    ring_fwd = (ring - 1) * kv_block * dtype_bytes
+    ring_bwd = ring_fwd + ring * kv_block * grad_bytes(dtype_bytes) if ring > 1 else 0
+    return ring_fwd, ring_bwd
 
 
 def _row(

@@ -54,52 +54,32 @@ def attention(  # noqa: PLR0913 (public entry point)
     overlap: bool = False,
     mask: AttnMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over the whole row from this rank's shards.
-
-    Under `torch.compile` the call is one opaque custom op (`hybrid_cp/engine/compiled.py`).
+    """Exact attention over the whole row from this rank's shards (variants and masks: docs/attention.md).
 
     Args:
         q: This rank's queries [B, S_local, H, D], laid out by `hcp.shard`.
         k: This rank's keys [B, S_local, H_kv, D]; H must be a multiple of H_kv.
-        v: This rank's values [B, S_local, H_kv, D_v]. D_v may differ from D (MLA after
-            decompression): needs a kernel that can ("auto" picks one; on CPU math).
+        v: This rank's values [B, S_local, H_kv, D_v]; D_v may differ from D (MLA) with a kernel that can.
         cp: The mesh from `hcp.init_cp_mesh`.
         causal: Causal mask (query i sees keys <= i, inside its document for packed rows).
         softmax_scale: Scale of q.k; None: 1/sqrt(D).
-        return_lse: Also return the fp32 log-sum-exp [B, H, S_local] (not differentiable; with sinks
-            it includes them).
+        return_lse: Also return the fp32 log-sum-exp [B, H, S_local] (not differentiable; sinks included).
         backend: "auto", a registered kernel name, a kernel object, or (ring = 1, dense rows only) a
             plain callable attn(q, k, v) -> out run on the gathered sequence.
-        seq_len: The unpadded global length of a dense row; None: the length `hcp.shard` saw
-            (ambiguous lengths raise).
-        cu_seqlens: Packed documents' boundaries [0, len_0, ..., total], the same on every rank, B = 1:
-            no token attends across a document boundary; padding is invisible.
-        window: With causal=True an int W: each query sees the W keys ending at itself (transformers'
-            sliding_window); with causal=False (left, right): query i sees keys i - left .. i + right
-            (flash-attn's window_size). Positions count inside each document. Blocks no window reaches
-            are skipped, and short windows exchange only the halo rows between ring ranks.
-        head_chunks: > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks,
-            one after another (or, with `overlap=True`, each chunk's all-to-all overlapping the previous
-            chunk's compute): less attention memory, same result (`hybrid_cp/engine/headchunk.py`;
-            clamped to the fewest query heads a ulysses rank has).
-        sinks: [H] (all H query heads, the same on every cp rank): one learnable logit per query head
-            that joins every row's softmax denominator (gpt-oss; transformers' `s_aux`), merged once
-            after the ring. Its gradient on each rank is that rank's share (zero outside the query heads
-            it computes; summed over the cp ranks, the full gradient), as for every replicated parameter.
-        softcap: > 0: logit soft-capping (Gemma 2), scores = softcap * tanh(scores * scale / softcap)
-            before the mask; needs a kernel that takes it ("auto" picks one; on CPU the math kernel).
-        chunk_size: C (Llama 4's attention_chunk_size): query i sees key j only if j // C == i // C
-            (positions inside each document), on the same layout; blocks in other chunks are skipped.
+        seq_len: The unpadded global length of a dense row; None: the length `hcp.shard` saw.
+        cu_seqlens: Packed documents' boundaries [0, len_0, ..., total], the same on every rank, B = 1.
+        window: Causal: an int W, the W keys ending at each query (transformers' sliding_window);
+            non-causal: (left, right), keys i - left .. i + right (flash-attn's window_size).
+        head_chunks: > 1 runs the heads through all-to-all -> ring -> all-to-all in that many chunks:
+            less attention memory, the same result (docs/memory.md).
+        sinks: [H] one sink logit per query head (gpt-oss), the same on every cp rank; each rank's
+            gradient is its share (docs/attention.md, "Attention sinks").
+        softcap: > 0: logit soft-capping (Gemma 2), scores = softcap * tanh(scores * scale / softcap).
+        chunk_size: C (Llama 4's attention_chunk_size): query i sees key j only if j // C == i // C.
         overlap: With head_chunks > 1, post each chunk's all-to-all before the previous chunk computes
-            (communication hidden behind compute, at the price of another chunk's buffers); the same on
-            every rank. False: the chunks one after another, the least memory.
-        mask: Any attention mask as range slices (`hcp.AttnMask`: documents, image blocks, prefix-LM,
-            a prompt shared by its completions, ...), the same on every rank, with q/k/v sharded by
-            `hcp.shard(x, cp, mask=mask)`. It replaces `causal`, `cu_seqlens`, `seq_len` and
-            `chunk_size` (passing one raises); `window`, `sinks` and `softcap` compose with it (a window
-            narrows every slice's band). A query that sees no key returns 0 with lse = -inf. Each rank
-            receives only the key rows its queries read when they fit in one block (docs/attention.md,
-            "Masks").
+            (more memory; the same on every rank); False: one chunk after another.
+        mask: Any attention mask (`hcp.AttnMask`), the same on every rank, q/k/v sharded with
+            `hcp.shard(x, cp, mask=mask)`; it replaces `causal`, `cu_seqlens`, `seq_len` and `chunk_size`.
 
     Returns:
         out [B, S_local, H, D_v] in q's dtype, or (out, lse) with `return_lse`.

@@ -233,6 +233,30 @@ def init_cp_mesh(  # noqa: PLR0913 (public entry point)
     device = mesh_device(device)
     if timeout is None:
         timeout = default_timeout()
+    groups, grid = _mesh_groups(device, dp, ring, ulysses, timeout, share_world_with)
+    out = CPMesh(
+        ulysses_size=ulysses,
+        ring_size=ring,
+        dp_size=dp,
+        layout=layout,
+        device=device,
+        validate=validate,
+        timeout=timeout,
+        **groups,
+    )
+    _announce(out, grid)
+    return out
+
+
+def _mesh_groups(
+    device: torch.device,
+    dp: int,
+    ring: int,
+    ulysses: int,
+    timeout: datetime.timedelta,
+    share_world_with: CPMesh | None,
+) -> tuple[dict[str, Any], list]:
+    """`CPMesh`'s group and coordinate fields, and the [dp][ring][ulysses] rank grid: every group, in one order."""
     mesh = _device_mesh(device, (dp, ring, ulysses), timeout)
     dp_rank, ring_rank, ulysses_rank = mesh.get_coordinate()
     grid = mesh.mesh.tolist()  # [dp][ring][ulysses] -> global rank
@@ -254,12 +278,7 @@ def init_cp_mesh(  # noqa: PLR0913 (public entry point)
     # rank that checks while the others skip (validate=True) can only time out, never pair its
     # check with another collective.
     check_group = _my_group(cp_lists, timeout, backend="gloo")
-    out = CPMesh(
-        ulysses_size=ulysses,
-        ring_size=ring,
-        dp_size=dp,
-        layout=layout,
-        device=device,
+    groups = dict(
         device_mesh=mesh,
         ulysses_group=mesh.get_group("ulysses"),
         ring_group=mesh.get_group("ring"),
@@ -271,12 +290,9 @@ def init_cp_mesh(  # noqa: PLR0913 (public entry point)
         ring_rank=ring_rank,
         dp_rank=dp_rank,
         ring_ranks=ring_ranks,
-        validate=validate,
-        timeout=timeout,
         check_group=check_group,
     )
-    _announce(out, grid)
-    return out
+    return groups, grid
 
 
 def destroy_cp_mesh(cp: CPMesh) -> None:

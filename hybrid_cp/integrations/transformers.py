@@ -602,6 +602,35 @@ def _chunk_attention_modules(
         )
 
 
+def _check_arguments(
+    model: torch.nn.Module, cp: CPMesh, head_chunks: int, keep_attention_output: bool | None, overlap: bool
+) -> None:
+    """`apply_context_parallel`'s checks, all before it changes the model: a refusal leaves the model as it was."""
+    positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
+    if keep_attention_output is not None and not isinstance(keep_attention_output, bool):
+        raise ConfigError(
+            f"keep_attention_output={keep_attention_output!r}: pass True, False or None (None: keep "
+            f"inside checkpointed layers only)"
+        )
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"overlap={overlap!r}: pass True (overlapped head chunks) or False (one after another)")
+    if not isinstance(cp, CPMesh):
+        raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise InputTypeError(
+            f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
+            f"pip install 'hybrid-cp[hf]'), got {type(model).__name__}"
+        )
+    check_model(model)
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None and heads < cp.ulysses_size:
+        raise ShapeError(
+            f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
+            f"needs at least one head; use ulysses <= {heads} and put the rest into ring"
+        )
+
+
 def apply_context_parallel(
     model: torch.nn.Module,
     cp: CPMesh,
@@ -645,29 +674,7 @@ def apply_context_parallel(
         ConfigError: A family or setting that is not verified exact; with module chunks, on its first
             forward, a module that does more than o_proj(attention output) after its attention call.
     """
-    positive_int("head_chunks", head_chunks, "an integer >= 1 (1: all heads at once)")
-    if keep_attention_output is not None and not isinstance(keep_attention_output, bool):
-        raise ConfigError(
-            f"keep_attention_output={keep_attention_output!r}: pass True, False or None (None: keep "
-            f"inside checkpointed layers only)"
-        )
-    if not isinstance(overlap, bool):
-        raise ConfigError(f"overlap={overlap!r}: pass True (overlapped head chunks) or False (one after another)")
-    if not isinstance(cp, CPMesh):
-        raise InputTypeError(f"cp must be a CPMesh from hcp.init_cp_mesh(...), got {type(cp).__name__}")
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "set_attn_implementation"):
-        raise InputTypeError(
-            f"apply_context_parallel expects a transformers PreTrainedModel (transformers >= 5.17, "
-            f"pip install 'hybrid-cp[hf]'), got {type(model).__name__}"
-        )
-    check_model(model)
-    heads = getattr(config, "num_attention_heads", None)
-    if heads is not None and heads < cp.ulysses_size:
-        raise ShapeError(
-            f"the model has {heads} attention heads but ulysses={cp.ulysses_size}: every ulysses rank "
-            f"needs at least one head; use ulysses <= {heads} and put the rest into ring"
-        )
+    _check_arguments(model, cp, head_chunks, keep_attention_output, overlap)
     _register()
     note_model(model)
     model.set_attn_implementation(_implementations(model))

@@ -79,42 +79,23 @@ def shard_batch(
     device: torch.device | str | None = None,
     mask: AttnMask | None = None,
 ) -> dict[str, Any]:
-    """This rank's shard, in `cp.layout`, of a batch of full-sequence tensors.
+    """This rank's shard, in `cp.layout`, of a batch of full-sequence tensors (docs/training.md).
 
-    `batch` maps names to tensors shaped [batch, seq, ...] holding the WHOLE sequence (the same on
-    every cp rank of a sequence group):
+    `batch` maps names to tensors [B, S, ...] holding the WHOLE sequence (the same on every cp rank of
+    a sequence group):
 
-    - ``input_ids`` (required) [B, S] integer token ids; with ``mask=``, ``inputs_embeds`` [B, S, hidden] can take
-      their place (a vision-language row from `hybrid_cp.image_row`), sharded along dim 1 the same way (zeros in
-      padding slots; gradients flow back to the full row);
-    - ``labels`` [B, S], Hugging Face style: NOT shifted (the model-side convention where
-      labels = input_ids); defaults to ``input_ids``. With ``shift=True`` (default) they are shifted
-      here, on the full sequence: out[t] = labels[t+1], the last one `ignore_index`. Pass
-      ``shift=False`` if your labels already are next-token targets (a ``shift_labels`` entry is taken as
-      such targets, in place of ``labels``);
-    - ``position_ids`` [B, S] or [1, S] or [S]: default `hcp.positions` (0..S-1 globally); given ones
-      must increase by one along each row (an offset is fine; packed documents are not supported);
-    - ``attention_mask`` [B, S] 0/1 right-padding mask: masked tokens' labels become `ignore_index`
-      (left padding or holes raise ValueError);
-    - any other tensor with at least two dims shaped [B, S, ...] is sharded the same way (padding
-      with zeros); tensors with fewer dims and non-tensors are passed through unchanged.
+    - ``input_ids`` [B, S] (required; with ``mask=``, ``inputs_embeds`` [B, S, hidden] can take their place);
+    - ``labels`` [B, S], NOT shifted (default ``input_ids``); shifted here on the full sequence unless
+      ``shift=False`` (a ``shift_labels`` entry is taken as next-token targets);
+    - ``position_ids``: default `hcp.positions`; given ones must increase by one along each row;
+    - ``attention_mask`` [B, S] 0/1, right padding only: masked tokens' labels become `ignore_index`;
+    - any other tensor [B, S, ...] is sharded the same way; others pass through unchanged.
 
-    Packed rows: pass ``input_ids`` [1, total] with ``position_ids`` that restart at 0 in every
-    document (as `DataCollatorWithFlattening` produces) or ``cu_seq_lens_q`` = [0, len_0, ...,
-    total]. The row is sharded with the packed layout, labels are shifted inside each document (the
-    last token of every document gets `ignore_index`), ``position_ids`` restart per document, and
-    the result holds ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global boundaries, int32, on the host) and
-    ``max_length_q``/``max_length_k``: pass them to the model with the rest (they reach the attention
-    layers as transformers' flash-attention keywords do).
-
-    Masked rows (``mask=``, an `hcp.AttnMask` over the S tokens of every row: each row shares it): the
-    rows are cut with the mask's layout (`hcp.shard(x, cp, mask=m)`), ``position_ids`` are kept as given
-    (any integers: a completion's positions continue from its prompt's; default `hcp.positions(cp,
-    mask=m)`, the token index), and the targets must be given: ``shift_labels`` (or ``labels`` with
-    ``shift=False``), the next token of each token or `ignore_index`. Shifting along the row would be
-    wrong: in a prompt with several completions the last prompt token has no single next token. Without
-    either the result holds no labels. The result carries the mask under `MASK_KEY` ("hcp_attn_mask"),
-    which ``model(**out)`` hands to every attention layer under `apply_context_parallel`.
+    Packed rows (``input_ids`` [1, total] with ``position_ids`` restarting at 0 per document, or
+    ``cu_seq_lens_q``) are cut with the packed layout, labels shifted inside each document, and the
+    result holds ``cu_seq_lens_q/k`` and ``max_length_q/k`` for the model call. With ``mask=`` the
+    targets must be given (``shift_labels``, or ``labels`` with ``shift=False``), ``position_ids`` are
+    kept as given, and the result carries the mask under `MASK_KEY` for the model's attention layers.
 
     Args:
         batch: Full-sequence tensors by name, as above.

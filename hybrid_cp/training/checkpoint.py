@@ -190,6 +190,19 @@ def _marker_content(step: int, cp: "CPMesh", global_batch: int | None, extra: di
     }
 
 
+def _checked_save_arguments(step: int, cp: "CPMesh", global_batch: int | None, extra: dict | None, keep: Any) -> None:
+    """`save_checkpoint`'s arguments checked before its first collective, so a bad one raises instead of hanging."""
+    _checked_keep(keep)
+    if global_batch is not None:
+        replica_samples(step, global_batch, cp)  # a bad global batch raises here, before any collective
+    try:  # and so does an extra that JSON cannot hold
+        json.dumps(extra or {})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"extra={extra!r} must be JSON-serialisable (a dict of numbers, strings, lists, dicts): {exc}"
+        ) from None
+
+
 def save_checkpoint(  # noqa: PLR0913 (public entry point)
     directory: str | os.PathLike,
     step: int,
@@ -233,15 +246,7 @@ def save_checkpoint(  # noqa: PLR0913 (public entry point)
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    _checked_keep(keep)
-    if global_batch is not None:
-        replica_samples(step, global_batch, cp)  # a bad global batch raises here, before any collective
-    try:  # and so does an extra that JSON cannot hold
-        json.dumps(extra or {})
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"extra={extra!r} must be JSON-serialisable (a dict of numbers, strings, lists, dicts): {exc}"
-        ) from None
+    _checked_save_arguments(step, cp, global_batch, extra, keep)
     world = _world()[1]
     step = _agreed_step(step, "before saving")
     final = Path(directory) / f"step-{step:08d}"
