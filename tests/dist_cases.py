@@ -201,7 +201,7 @@ def assert_errors(
     for rank, rows in enumerate(rows_per_rank):
         for i, row in enumerate(rows):
             for t in tensors:
-                within(row[t], limit, f"{label} rank {rank} case {i} {t}".strip(), row)
+                within(row[t], limit, f"{label} rank {rank} case {row.get('case', i)} {t}".strip(), row)
 
 
 def hidden_length_case() -> dict:

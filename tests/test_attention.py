@@ -42,7 +42,12 @@ def test_bf16_error_within_single_device_error(pool, u, r):
         for i, row in enumerate(rows):
             for t in TENSORS:
                 base = row["base_" + t]
-                within(row[t] - base, (BF16_VS_SINGLE_DEVICE - 1) * base, f"rank {rank} case {i} {t} bf16 excess", row)
+                within(
+                    row[t] - base,
+                    (BF16_VS_SINGLE_DEVICE - 1) * base,
+                    f"rank {rank} case {row['case']} {t} bf16 excess",
+                    row,
+                )
 
 
 def test_fp64_math_backend_is_exact(pool):

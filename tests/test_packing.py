@@ -123,7 +123,7 @@ def _check(rows_per_rank, limit: float = FP32) -> None:
             assert row["pad_max"] == 0.0 and row.get("lse_pad_is_neg_inf", True), row
             assert row["unshard_ok"], row
             # the unsharded output against the fp64 reference: the output's own error (unshard moves rows)
-            within(row["unshard"], FP32, f"rank {rank} case {i} unshard", row)
+            within(row["unshard"], FP32, f"rank {rank} case {row['case']} unshard", row)
 
 
 @pytest.mark.parametrize("u,r", MESHES)

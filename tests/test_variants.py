@@ -50,7 +50,7 @@ def test_variants_match_fp64_reference(pool, u, r):
         for i, row in enumerate(rows):
             limit = FP32 if row.get("dtype") == "fp32" else FP64
             for t in ("out", "lse", "dq", "dk", "dv", "dsinks"):
-                within(row[t], limit, f"rank {rank} case {i} {t}", row)
+                within(row[t], limit, f"rank {rank} case {row['case']} {t}", row)
             assert row["out_dim_ok"] is True, row
             assert row.get("bytes_match", True) is True, (rank, row.get("bytes_match"))  # engine == topology.comm_bytes
 

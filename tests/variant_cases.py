@@ -13,7 +13,7 @@ from dist_cases import DTYPES, mesh, visibility
 
 import hybrid_cp as hcp
 import topology
-from hybrid_cp.testing.parity import per_module
+from hybrid_cp.testing.parity import per_module, replica_share
 from topology.layouts import PAD
 
 TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
@@ -97,7 +97,9 @@ def variant_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
     softcap, sinks, head_chunks, layout, dtype), relative errors of out/lse/dq/dk/dv on this rank's real
     tokens and of the cp group's summed d(sinks), against `reference`."""
     results = []
-    for c in cases:
+    for layout in sorted({c.get("layout", "zigzag") for c in cases}):  # mesh creation is collective: every rank,
+        mesh(u, r, layout)  # before the replicas take their shares of the cases
+    for c in replica_share(mesh(u, r), cases):
         cp = mesh(u, r, c.get("layout", "zigzag"))
         packed = "docs" in c
         lens = c["docs"] if packed else [c["n"]]

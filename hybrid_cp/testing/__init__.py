@@ -12,6 +12,7 @@ import queue
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -147,8 +148,9 @@ class WorkerPool:
         if not force:
             for q in self.tasks:
                 q.put(None)
+            deadline = time.monotonic() + 10  # one wait for all: a worker slow to leave gloo is terminated below
             for p in self.procs:
-                p.join(timeout=10)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()

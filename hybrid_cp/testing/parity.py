@@ -27,6 +27,7 @@ __all__ = [
     "per_module",
     "random_inputs",
     "reference",
+    "replica_share",
     "rel",
     "rel_norm",
     "visibility",
@@ -55,6 +56,13 @@ def mesh(u: int, r: int, layout: str = "zigzag", validate: bool | str = True) ->
             hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
         _MESHES[key] = hcp.init_cp_mesh(u, r, layout=layout, validate=validate)
     return _MESHES[key]
+
+
+def replica_share(cp: hcp.CPMesh, cases: list[dict]) -> list[dict]:
+    """This dp replica's share of the cases, each tagged with its index ("case"): every case runs on one replica
+    of the mesh, not on all of them (the 8-rank pool holds 8 replicas of a 1 x 1 mesh, 2 of a 2 x 2), and the
+    replicas run different calls side by side on their own groups."""
+    return [dict(c, case=i) for i, c in enumerate(cases)][cp.dp_rank :: cp.dp_size]
 
 
 def release_meshes() -> int:
@@ -138,7 +146,7 @@ def attention_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dic
     cp = mesh(u, r, layout)
     _fill_references(cases)
     results = []
-    for c in cases:
+    for c in replica_share(cp, cases):
         n, d = c["n"], c["d"]
         dtype, causal, backend = DTYPES[c["dtype"]], c["causal"], c.get("backend", "auto")
         (q, k, v, dout), ref = _REFS[_ref_key(c)]
@@ -229,7 +237,7 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
 
     cp = mesh(u, r, layout)
     results = []
-    for c in cases:
+    for c in replica_share(cp, cases):
         lens, h, hkv, d, causal = c["docs"], c["h"], c["hkv"], c["d"], c["causal"]
         dtype = DTYPES[c.get("dtype", "fp32")]
         cu = [0]
@@ -270,7 +278,7 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
 
     cp = mesh(u, r, layout)
     results = []
-    for c in cases:
+    for c in replica_share(cp, cases):
         h, hkv, d, causal, window = c["h"], c["hkv"], c["d"], c["causal"], c["window"]
         window = window if causal or window is None else tuple(window)
         packed = "docs" in c
@@ -338,7 +346,7 @@ def mask_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
 
     cp = mesh(u, r)
     results = []
-    for c in cases:
+    for c in replica_share(cp, cases):
         mask, h, hkv, d, window = c["mask"], c["h"], c["hkv"], c["d"], c.get("window")
         dtype = DTYPES[c.get("dtype", "fp32")]
         (q, k, v, dout), ref = masked_case(
