@@ -7,7 +7,8 @@ one process, on the same tiny models and data, recording what the tests compare.
 A CASE is "model:kind:ulysses:ring" (model "llama", "mistral", "gemma3_text" and "qwen2": sliding and full layers
 from `layer_types`, "llama+gc": gradient checkpointing, "llama+fsdp2": CPTrainer(fsdp2=True), its reference the
 plain llama's, "llama+dyn": CPTrainer(dynamic_cp=DynamicCP(tokens_per_rank=DYNAMIC_C)) with ulysses = ring = 1 in
-the name (dp = world: the reference reads the same global batch); kind "dense" or "packed"), or "sft:packing|padding_free:u:r" (TRL), or "resume[+fsdp2]:kind:u:r"; dp is
+the name (dp = world: the reference reads the same global batch); kind "dense" or "packed"), or
+"sft:packing|padding_free:u:r" (TRL), or "resume[+dyn][+fsdp2]:kind:u:r" (train, then resume from step 2); dp is
 world // (ulysses * ring). The reference of a CASE is the stock Trainer with gradient accumulation
 2 * dp over the same sampler order (accelerate gives dp replica d the batches d, d + dp, ...).
 Results are written by rank 0 as OUT/<role>-<CASE>.pt.
@@ -176,7 +177,7 @@ def run_case(case: str, role: str, out: str) -> dict:
 
 def _record_degrees(trainer, out: list) -> None:
     """Per step of a dynamic trainer: the degrees of its schedule's groups that ran documents, the count of
-    micro-batches and of idle rank blocks (placeholders)."""
+    micro-batches and of idle rank blocks (placeholders), and the schedule's digest (its global batch)."""
     inner = trainer._dynamic_step
 
     def recorded(batches):
@@ -187,6 +188,7 @@ def _record_degrees(trainer, out: list) -> None:
                 sorted({g.degree for mb in sched.microbatches for g in mb.groups if g.docs}),
                 len(sched.microbatches),
                 sum(not g.docs for mb in sched.microbatches for g in mb.groups),
+                sched.digest,
             )
         )
         return result
@@ -388,13 +390,19 @@ CHECKS = {"direct": direct_case, "errors": errors_case, "auto": auto_case, "mesh
 def run_resume(case: str, role: str, out: str) -> dict:
     """CPTrainer saving every 2 steps, `save_model` into OUT/saved-<case>, then a second trainer resuming from
     the step-2 checkpoint: the losses and weights of both runs ("resume+fsdp2": CPTrainer(fsdp2=True), whose
-    checkpoints hold the sharded model and optimizer through DCP)."""
+    checkpoints hold the sharded model and optimizer through DCP; "resume+dyn": dynamic_cp, 3 steps per epoch,
+    so the resumed run skips batches mid-epoch and then starts the second epoch; per step its schedule, and the
+    bytes each run's meshes counted)."""
+    import hybrid_cp as hcp
     from hybrid_cp.integrations.hf import SHARDED_FOLDER, CPTrainer
 
     name, kind, u, r = case.split(":")
     fsdp2 = name.endswith("+fsdp2")
+    dynamic = "+dyn" in name
     batch = 1 if kind == "dense" else PACKED_BATCH
-    data = rows(STEPS * ACCUMULATION * 2 * batch, seed=1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data = rows((3 * world if dynamic else STEPS * 2) * ACCUMULATION * batch, seed=1)
+    mesh = dict(dynamic_cp=hcp.DynamicCP(tokens_per_rank=DYNAMIC_C)) if dynamic else dict(ulysses=int(u), ring=int(r))
     result = {}
     for run in ("full", "resumed"):
         args = training_args(out, ACCUMULATION, batch, save_strategy="steps", save_steps=2)
@@ -403,12 +411,17 @@ def run_resume(case: str, role: str, out: str) -> dict:
             args=args,
             train_dataset=data,
             data_collator=collator(kind),
-            ulysses=int(u),
-            ring=int(r),
             fsdp2=fsdp2,
+            **mesh,
         )
+        degrees: list = []
+        if dynamic:
+            _record_degrees(trainer, degrees)
         trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if run == "resumed" else None)
         result[run] = history(trainer)
+        result[run]["degrees"] = degrees
+        result[run]["counted_bytes"] = counted_bytes(trainer)
+        result[run]["epoch"] = trainer.state.epoch
         result[run]["weights"] = full_weights(trainer.model)
         result[run]["sharded"] = os.path.isdir(os.path.join(out, "checkpoint-2", SHARDED_FOLDER))
         if run == "full":

@@ -44,7 +44,8 @@ CP_CASES += FSDP2
 DYNAMIC = ["llama+dyn:packed:1:1", "llama+dyn+fsdp2:dense:1:1"]
 CP_CASES += DYNAMIC
 CHECKS = ["direct", "errors", "auto", "mesh"]
-RESUME = ["resume:packed:2:2", "resume+fsdp2:packed:2:2"]  # the second: CPTrainer(fsdp2=True), DCP checkpoints
+# "+fsdp2": CPTrainer(fsdp2=True), DCP checkpoints; "+dyn": dynamic_cp (as in DYNAMIC), resumed mid-epoch
+RESUME = ["resume:packed:2:2", "resume+fsdp2:packed:2:2", "resume+dyn:packed:1:1", "resume+dyn+fsdp2:dense:1:1"]
 
 
 def _dp(u: int, r: int) -> int:
@@ -167,9 +168,9 @@ def test_dynamic_cp_runs_mixed_degrees_and_counts_their_bytes(results, case):
     log entry's cp_comm_bytes is > 0 and they add up to what the ranks counted on all the family's meshes."""
     got = _load(results, "cp-" + case.replace(":", "_"))
     steps = got["degrees"]
-    assert len(steps) == 4 and all(len(degrees) >= 2 for degrees, _, _ in steps), steps
-    assert set().union(*(d for d, _, _ in steps)) == {1, 2, 4}, steps
-    assert any(count != 2 for _, count, _ in steps), steps  # micro-batches come from the schedule
+    assert len(steps) == 4 and all(len(degrees) >= 2 for degrees, *_ in steps), steps
+    assert set().union(*(d for d, *_ in steps)) == {1, 2, 4}, steps
+    assert any(count != 2 for _, count, *_ in steps), steps  # micro-batches come from the schedule
     assert all(b > 0 for b in got["cp_comm_bytes"]) and sum(got["cp_comm_bytes"]) == got["counted_bytes"], got
 
 
@@ -203,7 +204,9 @@ def test_unsupported_settings_raise_on_every_rank(results):
 @pytest.mark.parametrize("case", RESUME)
 def test_resume_from_checkpoint_continues_with_the_same_losses(results, case):
     """Bitwise: the resumed run reloads weights, optimizer state, schedule and RNG exactly (with fsdp2 the sharded
-    model and optimizer through DCP; without the optimizer state step 4's loss differs by 1.6e-3 relative)."""
+    model and optimizer through DCP; without the optimizer state step 4's loss differs by 1.6e-3 relative), and
+    with dynamic_cp it gathers and schedules the same global batches (nothing of the dynamic step is saved: the
+    data order, the documents and so the schedule follow from the stock Trainer's resumed sampler)."""
     got = _load(results, "cp-" + case.replace(":", "_"))
     assert got["full"]["sharded"] == ("fsdp2" in case)  # the DCP folder in checkpoint-2 only with fsdp2
     assert len(got["full"]["loss"]) == 4
@@ -211,6 +214,24 @@ def test_resume_from_checkpoint_continues_with_the_same_losses(results, case):
     assert got["resumed"]["grad_norm"] == got["full"]["grad_norm"]
     for k, w in got["full"]["weights"].items():
         assert torch.equal(got["resumed"]["weights"][k], w), k
+    # cp_comm_bytes: entries 1-2 come from the checkpoint's log, 3-4 are counted by the resumed trainer, each only
+    # since the previous entry (the same bytes as the uninterrupted run's, adding up to what its meshes counted)
+    full, resumed = got["full"]["cp_comm_bytes"], got["resumed"]["cp_comm_bytes"]
+    assert resumed == full and all(b > 0 for b in full), (resumed, full)
+    counted = got["full"]["counted_bytes"], got["resumed"]["counted_bytes"]
+    assert (sum(full), sum(resumed[2:])) == counted, (full, resumed, counted)
+
+
+@pytest.mark.parametrize("case", [c for c in RESUME if "+dyn" in c])
+def test_dynamic_cp_resume_reschedules_the_same_global_batches(results, case):
+    """With dynamic_cp the resumed run (skipping 2 steps' batches mid-epoch, then into the second epoch) gathers
+    the same global batches as the uninterrupted one: steps 3-4 have the same schedules (digests), which mix
+    degrees."""
+    got = _load(results, "cp-" + case.replace(":", "_"))
+    full, resumed = got["full"]["degrees"], got["resumed"]["degrees"]
+    assert len(full) == 4 and resumed == full[2:], (full, resumed)  # the resumed trainer schedules steps 3-4 only
+    assert all(len(degrees) >= 2 for degrees, *_ in resumed), resumed
+    assert 1 < got["full"]["epoch"] == got["resumed"]["epoch"] < 2, got["full"]["epoch"]  # step 4: second epoch
 
 
 @pytest.mark.parametrize("case", RESUME)
