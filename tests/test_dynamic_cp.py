@@ -72,21 +72,23 @@ def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost
     assert (sum(res["idle"] for res in rows) > 0) == flat_cost  # placeholders ran where ranks were idle
 
 
-# fp64 round-off of the Gated DeltaNet recurrence and convolution against one device: worst 7.4e-16 (d conv weight,
-# degree 4; degree 1 is bitwise), the fixed meshes' bound (test_recurrence.py)
-GDN_FP64 = 1e-10
+# fp64 round-off of each routed mixer's token-mixing core against one device on every group of the schedule, the
+# fixed meshes' bound (test_recurrence.py). Worst seen: Gated DeltaNet 7.4e-16 (d conv weight, degree 4), Kimi Delta
+# Attention 5.1e-16 (dg), LFM2's short convolution 4.7e-16 (dw), Mamba-1 1.1e-15 (d dt_bias), lightning 1.8e-15 (out)
+MIXER_FP64 = 1e-10
 
 
-def test_gated_delta_exact_on_the_schedules_groups_fp64(pool4):
+@pytest.mark.parametrize("mixer", dynamic_cases.MIXERS)
+def test_mixer_exact_on_the_schedules_groups_fp64(pool4, mixer):
     """Each rank's micro-batch groups of a dynamic schedule (degrees 1, 2, 4: one long document on 4 ranks, packed
-    rows of short ones on 1 and 2, documents shorter than their group and starting mid-row): the recurrence and
-    the convolution in fp64 equal one device, forward and every input's gradient."""
-    for rank, res in enumerate(pool4.run(dynamic_cases.gated_delta_on_groups)):
+    rows of short ones on 1 and 2, documents shorter than their group and starting mid-row): the mixer's
+    recurrence and convolution in fp64 equal one device, forward and every input's gradient."""
+    for rank, res in enumerate(pool4.run(dynamic_cases.mixer_on_groups, mixer=mixer)):
         assert not res["bytes_off"], res["bytes_off"]  # the bytes sent are the cost model's, case by case
         assert sorted(res["worst"]) == [1, 2, 4], res
         for degree, errs in res["worst"].items():
             for name, err in errs.items():
-                within(err, GDN_FP64, f"rank {rank} degree {degree} {name}")
+                within(err, MIXER_FP64, f"rank {rank} degree {degree} {name}")
 
 
 # Gated DeltaNet in fp32: transformers' chunked kernel computes in fp32 and rounds per 64-token chunk, and a document
