@@ -318,7 +318,7 @@ class _MambaForward(_Routed):
 
     # tests/test_dynamic_cp.py: the convolution and selective scan in fp64 on the schedule's groups of degree 1, 2
     # and 4 equal one device to 1.1e-15; tiny Jamba trained on mixed degrees in fp32 within round-off (pure Mamba
-    # and Falcon-Mamba models pass no packed row's boundaries to their mixers: refused on packed rows anyway)
+    # and Falcon-Mamba models pass no packed row's boundaries to their mixers: `_call_layout` refuses packed rows)
     dynamic_verified = True
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
