@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from linear_cases import HYBRIDS, scan_case
-from linear_more_cases import MORE
+from linear_more_cases import MORE, kinds_case
 from train_cases import _full_grad, _rel, tiny_model
 
 import hybrid_cp as hcp
@@ -22,17 +22,19 @@ SPLITS = {1: (1, 1), 2: (1, 2), 4: (2, 2)}  # ring-only, and ulysses x ring
 C = 24
 
 
-def _docs(step: int, lengths: list[int], vocab: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
+def _docs(step: int, lengths: list[int], vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step + 1000 * seed)
     return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
 
 
-def _model(kind: str):
-    """The tiny model of `kind`: a hand-made one (llama, gemma3), a hybrid family's (linear_cases.HYBRIDS), or
-    Llama 4's (chunked attention layers of 8 tokens, counted from each document's start, and NoPE layers)."""
+def _model(kind: str, seed: int = 0):
+    """The tiny model of `kind`: a hand-made one (llama, gemma3), a hybrid family's (linear_cases.HYBRIDS,
+    linear_more_cases.MORE), or Llama 4's (chunked attention layers of 8 tokens, counted from each document's start,
+    and NoPE layers)."""
     if kind == "llama4_text":
-        return tiny_model(kind, None, generic=True, attention_chunk_size=8)
-    return tiny_model(kind, 2, generic=True, **HYBRIDS[kind]) if kind in HYBRIDS else tiny_model(kind)
+        return tiny_model(kind, None, seed=seed, generic=True, attention_chunk_size=8)
+    configs = {**MORE, **HYBRIDS}
+    return tiny_model(kind, 2, seed, generic=True, **configs[kind]) if kind in configs else tiny_model(kind, seed=seed)
 
 
 def _reference(model, docs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -85,27 +87,29 @@ def dynamic_training(
     kind: str = "llama",
     head_chunks: int = 1,
     resync: bool = False,
+    seed: int = 0,
 ) -> dict:
     """Two SGD steps on mixed degrees 1/2/4 vs one process: loss and every gradient per step (`fsdp`: the
     model sharded by FSDP2 over the family's shared all-ranks mesh; `flat_cost`: degrees priced alike, so
     idle blocks are not doubled and idle ranks run placeholders; `kind`: `_model`'s; `head_chunks`: chunks of
     heads inside hcp.attention, which reads the call's mesh; `resync`: after each SGD step the model takes the
     reference's parameters, so that every step compares gradients at the same point: the round-off of that step,
-    not two fp32 trajectories drifting apart in a sharp tiny model)."""
+    not two fp32 trajectories drifting apart in a sharp tiny model; `seed`: the model's initialization and the
+    documents' tokens)."""
     splits = SPLITS8 if eight else SPLITS  # eight: the 8-rank pool, degrees 1/2/4/8
     cost = [Degree(k, u, r) for k, (u, r) in splits.items()] if flat_cost else None
     meshes = hcp.init_cp_meshes(sorted(splits), splits=splits, cost=cost)
-    model = apply_context_parallel(_model(kind), meshes.mesh(1), head_chunks=head_chunks, chunk_projections=False)
+    model = apply_context_parallel(_model(kind, seed), meshes.mesh(1), head_chunks=head_chunks, chunk_projections=False)
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
         shard_model(model, meshes.mesh(1))
-    ref = _model(kind)
+    ref = _model(kind, seed)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
     out = {"loss": [], "grad": [], "degrees": [], "microbatches": [], "idle": 0}
     steps = STEPS8 if eight else STEPS + ([[50, 40, 3]] if flat_cost else [])  # 3rd: rank 3 idle once
     for step, lengths in enumerate(steps):
-        docs = _docs(step, lengths, ref.config.vocab_size)
+        docs = _docs(step, lengths, ref.config.vocab_size, seed)
         sched = hcp.schedule_documents(lengths, meshes, tokens_per_rank=C)
         loss, idle = _step(model, meshes, sched, docs)
         out["idle"] += idle
@@ -129,13 +133,36 @@ def dynamic_training(
     return out
 
 
-def gated_delta_on_groups(kernel: str = "naive") -> dict:
-    """The Gated DeltaNet recurrence and the causal convolution (linear_cases.scan_case: forward and every input's
-    gradient against one device, each document on its own) on the micro-batch groups a dynamic schedule gives
-    this rank (the family's mesh of the group's degree, the packed row of its documents, as `micro_batches`
-    and `shard_batch` lay it out), then on single rows of awkward documents (shorter than the group, odd, several
-    starting mid-row) on every degree. {degree: {"gdn.out": worst, ...}} and the cases whose bytes differ from
-    the cost model's."""
+# the routed mixers' token-mixing cores at op level: (part, the names of its errors: forward, then the gradient of
+# each input and parameter) per kinds_case kind (linear_more_cases: LFM2's C * conv(B * x), Mamba-1's conv + selective
+# scan, lightning attention's block-wise decayed linear attention)
+KIND_ERRORS = {
+    "short_conv": ("conv", ("out", "dB", "dC", "dx", "dw", "dbias")),
+    "mamba": ("mamba", ("out", "dx", "ddt", "dB", "dC", "dconv_w", "dconv_b", "dA", "dD", "ddt_bias")),
+    "lightning": ("lightning", ("out", "dq", "dk", "dv")),
+}
+MIXERS = ("gated_delta", "kimi_delta", *KIND_ERRORS)
+
+
+def _mixer_case(cp, docs: tuple[int, ...], mixer: str) -> tuple[dict, tuple]:
+    """One row of `mixer_on_groups`: ({part: {name: error}}, (bytes sent, bytes the cost model predicts))."""
+    if mixer in ("gated_delta", "kimi_delta"):  # the rule (KDA: its decay per key channel) and the causal conv
+        row = scan_case(cp, cp.layout, docs, "naive", per_channel=mixer == "kimi_delta")
+        return row, row.pop("bytes")
+    kind, names = KIND_ERRORS[mixer]
+    row = kinds_case(cp, cp.layout, docs, "fp64", kinds=(kind,))[kind]
+    return {kind: dict(zip(names, row["errors"], strict=True))}, row["bytes"]
+
+
+def mixer_on_groups(mixer: str = "gated_delta") -> dict:
+    """A routed mixer's token-mixing core in fp64 (`MIXERS`: the Gated DeltaNet rule and the causal convolution,
+    linear_cases.scan_case; Kimi Delta Attention's rule with its per-channel decay and the convolution; LFM2's
+    short convolution, Mamba-1's convolution and selective scan, lightning attention, linear_more_cases.kinds_case:
+    forward and every input's and parameter's gradient against one device, each document on its own) on the
+    micro-batch groups a dynamic schedule gives this rank (the family's mesh of the group's degree, the packed row
+    of its documents, as `micro_batches` and `shard_batch` lay it out), then on single rows of awkward documents
+    (shorter than the group, odd, several starting mid-row) on every degree. {degree: {"gdn.out": worst, ...}}
+    and the cases whose bytes differ from the cost model's."""
     meshes = hcp.init_cp_meshes(sorted(SPLITS), splits=SPLITS)
     rows = []
     for step, lengths in enumerate(STEPS):
@@ -146,8 +173,7 @@ def gated_delta_on_groups(kernel: str = "naive") -> dict:
     rows += [(meshes.mesh(k), docs) for k in sorted(SPLITS) for docs in [(3,), (5,), (2, 9, 1), (13, 5, 40)]]
     out, bytes_off = {}, []
     for cp, docs in rows:
-        row = scan_case(cp, cp.layout, docs, kernel)
-        sent, predicted = row.pop("bytes")
+        row, (sent, predicted) = _mixer_case(cp, docs, mixer)
         if sent != predicted:
             bytes_off.append((cp.size, docs, sent, predicted))
         worst = out.setdefault(cp.size, {})
@@ -209,4 +235,4 @@ def family_shape() -> dict:
     return out
 
 
-__all__ = ["dynamic_training", "disagreeing_batch", "family_shape", "gated_delta_on_groups"]
+__all__ = ["dynamic_training", "disagreeing_batch", "family_shape", "mixer_on_groups"]

@@ -24,7 +24,8 @@ from topology.linear_cost import linear_layer_bytes
 def naive_gated_delta(
     q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **_
 ):
-    """The gated delta rule token by token, in the inputs' dtype (fla's signature)."""
+    """The gated delta rule token by token, in the inputs' dtype (fla's signature); g [B, n, Hv] (Gated DeltaNet's
+    decay per head) or [B, n, Hv, dk] (Kimi Delta Attention's per channel: it scales the state's rows)."""
     hv, dk = v.shape[2], k.shape[-1]
     q, k = (x.repeat_interleave(hv // x.shape[2], dim=2) for x in (q, k))
     if use_qk_l2norm_in_kernel:
@@ -34,7 +35,7 @@ def naive_gated_delta(
     s = v.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.to(v.dtype)
     outs = []
     for t in range(n):
-        s = s * g[:, t].exp()[..., None, None]
+        s = s * (g[:, t].exp()[..., None] if g.dim() == 4 else g[:, t].exp()[..., None, None])
         pred = torch.einsum("bhk,bhkv->bhv", k[:, t], s)
         s = s + torch.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - pred) * beta[:, t, :, None])
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
@@ -61,12 +62,13 @@ def _per_document(fn, tensors, docs):
     return torch.cat(outs, 1)
 
 
-def _gdn_inputs(seed: int, b: int, n: int):
+def _gdn_inputs(seed: int, b: int, n: int, per_channel: bool = False):
+    """q, k, v, g, beta and the output's gradient; `per_channel`: Kimi Delta Attention's decay, g [B, n, Hv, dk]."""
     gen = torch.Generator().manual_seed(seed)
     hk, hv, dk, dv = 2, 4, 8, 6
     q, k = (torch.randn(b, n, hk, dk, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(b, n, hv, dv, generator=gen, dtype=torch.float64)
-    g = -F.softplus(torch.randn(b, n, hv, generator=gen, dtype=torch.float64)) * 0.3
+    g = -F.softplus(torch.randn(b, n, hv, *([dk] if per_channel else []), generator=gen, dtype=torch.float64)) * 0.3
     beta = torch.rand(b, n, hv, generator=gen, dtype=torch.float64)
     dout = torch.randn(b, n, hv, dv, generator=gen, dtype=torch.float64)
     return (q, k, v, g, beta), dout
@@ -110,11 +112,19 @@ def scan_parity(u: int, r: int, cases: list[tuple[str, tuple[int, ...] | None, s
 
 
 def scan_case(
-    cp, layout: str, docs: tuple[int, ...] | None, kernel: str, exchange: str | None = None, n: int = 37, b: int = 2
+    cp,
+    layout: str,
+    docs: tuple[int, ...] | None,
+    kernel: str,
+    exchange: str | None = None,
+    n: int = 37,
+    b: int = 2,
+    per_channel: bool = False,
 ) -> dict:
     """Errors (forward, then the gradient of each input) of the gated delta rule and the causal conv
     against the fp64 references; kernel "naive" runs in fp64, "hf" (transformers' chunked torch
-    function) in fp32; `exchange` forces the summaries' "gather" or "scan" (None: the cost model's choice)."""
+    function) in fp32; `exchange` forces the summaries' "gather" or "scan" (None: the cost model's choice);
+    `per_channel`: Kimi Delta Attention's decay per key channel (naive kernel only), the rule's part named "kda"."""
     cu = None
     if docs is not None:
         b, n = 1, sum(docs)
@@ -127,7 +137,7 @@ def scan_case(
     def local(x):
         return shard_tokens(x.to(dtype), cp, 1, lay)
 
-    inputs, dout = _gdn_inputs(17 + n, b, n)
+    inputs, dout = _gdn_inputs(17 + n, b, n, per_channel)
     kind = GatedDelta(_kernel(kernel))
     hcp.reset_comm_bytes(cp)
 
@@ -167,7 +177,9 @@ def scan_case(
     conv_err = _errors(cp, lay, conv_got[:2], conv_ref[:2])
     conv_err += [((a.double() - e).abs().max() / e.abs().max()).item() for a, e in zip(conv_got[2:], conv_ref[2:])]
     return {
-        "gdn": dict(zip(("out", "dq", "dk", "dv", "dg", "dbeta"), _errors(cp, lay, got, ref))),
+        "kda" if per_channel else "gdn": dict(
+            zip(("out", "dq", "dk", "dv", "dg", "dbeta"), _errors(cp, lay, got, ref))
+        ),
         "conv": dict(zip(("out", "dx", "dw", "dbias"), conv_err)),
         "bytes": (sent, predicted),
     }

@@ -293,6 +293,10 @@ class _Mamba2Forward(_Routed):
 class _ShortConvForward(_Routed):
     """LFM2's gated short convolution: in_proj -> B, C, x; C * causal_conv(B * x) -> out_proj."""
 
+    # tests/test_dynamic_cp.py: the short convolution in fp64 on the schedule's groups of degree 1, 2 and 4 equals
+    # one device to 5e-16; tiny LFM2 trained on mixed degrees in fp32 within round-off (fp64: 9e-13)
+    dynamic_verified = True
+
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)
 
@@ -311,6 +315,11 @@ class _MambaForward(_Routed):
     """Jamba's, Falcon-Mamba's and Mamba's Mamba-1 mixer: in_proj -> x | gate; silu(causal_conv(x)); x_proj -> dt, B, C
     with their RMSNorms (none in Mamba);
     dt_proj's weight (its bias goes into the scan's softplus); the selective scan; * silu(gate); out_proj."""
+
+    # tests/test_dynamic_cp.py: the convolution and selective scan in fp64 on the schedule's groups of degree 1, 2
+    # and 4 equal one device to 1.1e-15; tiny Jamba trained on mixed degrees in fp32 within round-off (pure Mamba
+    # and Falcon-Mamba models pass no packed row's boundaries to their mixers: `_call_layout` refuses packed rows)
+    dynamic_verified = True
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)
@@ -373,6 +382,10 @@ class _LightningForward(_Routed):
     """MiniMax's lightning attention: act(qkv_proj) -> q, k, v per head; the decayed linear attention; RMSNorm;
     * sigmoid(output_gate(input)); out_proj. Returns (output, None) as the module does (no cache)."""
 
+    # tests/test_dynamic_cp.py: the block-wise decayed linear attention in fp64 on the schedule's groups of degree 1,
+    # 2 and 4 equals one device to 1.8e-15; tiny MiniMax trained on mixed degrees in fp32 within round-off
+    dynamic_verified = True
+
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)
 
@@ -399,6 +412,11 @@ class _KimiDeltaForward(_Routed):
     log-decay g [B, S, H, dk] and beta = sigmoid(b_proj); the gated delta rule (`GatedDelta` on transformers' torch
     `chunk_kimi_delta_attention`: the state's columns still evolve independently, so the probe holds); o_norm gated by
     Kimi's low-rank g_a/g_b projection or Ling's g_proj; o_proj."""
+
+    # tests/test_dynamic_cp.py: the rule with its per-channel decay and the convolution in fp64 on the schedule's
+    # groups of degree 1, 2 and 4 equal one device to 5e-16; tiny Kimi Linear trained on mixed degrees in fp32
+    # within round-off
+    dynamic_verified = True
 
     def __init__(self, module: torch.nn.Module, cp: CPMesh):
         super().__init__(module, cp)

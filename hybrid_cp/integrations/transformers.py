@@ -714,7 +714,8 @@ def _implementations(model: torch.nn.Module) -> str | dict[str, str]:
 def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:
     """Why `use_mesh` refuses this model, with the fix, or "": module-level head chunks (their head ranges are
     cut for the patch-time mesh's ulysses degree) and routed mixers not verified with mixed degrees (Gated
-    DeltaNet and Mamba2 are: `linear_layers._Routed.dynamic_verified`)."""
+    DeltaNet, Mamba2, Mamba-1, short convolutions, lightning attention and Kimi Delta Attention are, so none is
+    refused today: `linear_layers._Routed.dynamic_verified`, the check kept for a routed mixer added later)."""
     chunked = any(
         "forward" in m.__dict__ for name, m in model.named_modules() if name.endswith("self_attn") and not is_routed(m)
     )
@@ -733,8 +734,9 @@ def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:
     )
     if mixers:
         return (
-            f"sequence mixers {mixers} are not verified with dynamic degrees (Gated DeltaNet and Mamba2 mixers "
-            f"are); train this model on one fixed mesh (hcp.init_cp_mesh)"
+            f"sequence mixers {mixers} are not verified with dynamic degrees (Gated DeltaNet, Mamba2, Mamba-1, "
+            f"short convolution, lightning and Kimi Delta Attention mixers are); train this model on one fixed "
+            f"mesh (hcp.init_cp_mesh)"
         )
     return ""
 
@@ -743,11 +745,11 @@ def _mesh_bound_by(model: torch.nn.Module, head_chunks: int) -> str:
 def use_mesh(model: torch.nn.Module, cp: CPMesh):
     """Run a model patched by `apply_context_parallel` on mesh `cp` inside the block (a dynamic schedule's
     micro-batch, `hcp.DynamicStep`): its attention, input checks and loss read the mesh per call. Run the
-    backward inside the block too: activation checkpointing recomputes the forward there. Mamba2 mixers, chunked
-    layers and head chunks inside `hcp.attention` read the call's mesh too. ConfigError for module-level head
-    chunks (head_chunks > 1 with chunk_projections=True: their head ranges are cut for the patch-time mesh's
-    ulysses degree) and for routed mixers not verified with mixed degrees (Mamba, short convolutions, lightning
-    attention, Kimi Delta Attention)."""
+    backward inside the block too: activation checkpointing recomputes the forward there. The routed
+    linear-attention and state-space mixers, chunked layers and head chunks inside `hcp.attention` read the call's
+    mesh too. ConfigError for module-level head chunks (head_chunks > 1 with chunk_projections=True: their head
+    ranges are cut for the patch-time mesh's ulysses degree) and for a routed mixer not verified with mixed degrees
+    (none today: `_mesh_bound_by`)."""
     ref = model.__dict__.get("_hybrid_cp_mesh")
     if ref is None:
         raise SetupError("use_mesh needs a model patched by apply_context_parallel(model, cp) first")
