@@ -14,7 +14,7 @@ from .masks import AttnMask
 from .model_shape import ModelShape
 from .rates import merge_bwd_bytes, merge_fwd_bytes
 from .split import Split
-from .traffic import comm_bytes, grad_bytes
+from .traffic import comm_bytes, grad_bytes, whole_block_bytes
 
 __all__ = ["CallShape", "LayerTimes", "exposed_s", "streamed_ring_s"]
 
@@ -117,11 +117,8 @@ class CallShape:
     def streamed_ring_bytes(self) -> int:
         """Ring bytes (forward + backward) of whole K/V blocks streamed around the ring, what
         :func:`comm_bytes` gives when the layout's halo rule does not hold (0 without a ring)."""
-        if self.ring == 1:
-            return 0
-        kv, g = self.kv_block, grad_bytes(self.e)
-        fwd = (self.ring - 1) * kv * self.e
-        return fwd + (fwd + self.ring * kv * g if self.backward else 0)
+        fwd, bwd = whole_block_bytes(self.kv_block, self.ring, self.e)
+        return fwd + (bwd if self.backward else 0)
 
     def mask_plan(self) -> tuple[list[list[int]], list[list[int]]]:
         """(visible cells, kernel calls) of each ring rank at each ring step under the call's mask: the

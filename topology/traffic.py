@@ -16,7 +16,16 @@ from .layouts import layout_of
 from .mask_layout import mask_layout
 from .units import FP32_BYTES, check_counts
 
-__all__ = ["GRAD_BYTES", "grad_bytes", "a2a_peer_bytes", "comm_bytes", "bandwidth", "a2a_time", "ring_tier"]
+__all__ = [
+    "GRAD_BYTES",
+    "grad_bytes",
+    "a2a_peer_bytes",
+    "comm_bytes",
+    "bandwidth",
+    "a2a_time",
+    "ring_tier",
+    "whole_block_bytes",
+]
 
 GRAD_BYTES = FP32_BYTES  # dK/dV travel the ring in fp32 (the engine's default: gradients accumulate in fp32)
 
@@ -138,10 +147,16 @@ def _ring_bytes(
 
         ring_fwd, ring_bwd = (max(v) for v in zip(*(sent(j) for j in ring_ranks)))
         return ring_fwd, ring_bwd
-    kv_block = (ulysses * lay.local_len) * row  # elements of one K/V block
-    ring_fwd = (ring - 1) * kv_block * dtype_bytes
-    ring_bwd = ring_fwd + ring * kv_block * grad_bytes(dtype_bytes) if ring > 1 else 0
-    return ring_fwd, ring_bwd
+    return whole_block_bytes((ulysses * lay.local_len) * row, ring, dtype_bytes)
+
+
+def whole_block_bytes(kv_block: int, ring: int, dtype_bytes: int) -> tuple[int, int]:
+    """Ring bytes (forward, backward) of whole K/V blocks of `kv_block` elements streamed around the ring: r - 1
+    blocks forward; backward those again and the r blocks' gradients coming home (0 without a ring)."""
+    if ring == 1:
+        return 0, 0
+    fwd = (ring - 1) * kv_block * dtype_bytes
+    return fwd, fwd + ring * kv_block * grad_bytes(dtype_bytes)
 
 
 def _row(

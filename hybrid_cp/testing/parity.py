@@ -243,8 +243,9 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        q, k, v, dout = random_inputs(c.get("seed", 3), 1, cu[-1], h, hkv, d)
-        ref = masked_reference(q, k, v, dout, 1 / math.sqrt(d), visibility(lens, causal))
+        (q, k, v, dout), ref = masked_case(
+            c.get("seed", 3), (1, cu[-1], h, hkv, d), lambda: visibility(lens, causal), (tuple(lens), causal, None)
+        )
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
         out, lse = hcp.attention(
             ql, kl, vl, cp, causal=causal, cu_seqlens=cu, return_lse=True, backend=c.get("backend", "auto")
