@@ -18,6 +18,7 @@ from linear_cases import _conv_ref, _errors, _grads, _per_document, step_errors
 import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
 from hybrid_cp.engine.recurrence import Lightning, Mamba, causal_conv, linear_scan
+from hybrid_cp.testing.parity import replica_share, shared
 from topology.layouts import layout_of
 from topology.linear_cost import linear_layer_bytes
 
@@ -314,11 +315,17 @@ def more_parity(
     `checkpoint`: under activation checkpointing."""
     from train_cases import model_parity
 
+    cp = mesh(u, r)
+    # FSDP2 shards over every rank: those runs are on every replica, the others on one each (replica_share)
+    mine = kinds if fsdp else [c["kind"] for c in replica_share(cp, [{"kind": k} for k in kinds])]
+    group = None if fsdp else cp.cp_group
     off = mock.patch("hybrid_cp.integrations.transformers.route_linear_layers", lambda model, cp: 0)
     with contextlib.nullcontext() if routed else off:
         return {
-            kind: model_parity(u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=MORE[kind], checkpoint=checkpoint)
-            for kind in kinds
+            kind: model_parity(
+                u, r, kind, hkv=2, fsdp=fsdp, generic=True, config=MORE[kind], checkpoint=checkpoint, group=group
+            )
+            for kind in mine
         }
 
 
@@ -332,8 +339,10 @@ def more_packed_parity(u: int, r: int, kinds: list[str], doc_lens: tuple = (9, 1
 
     cp, batch, out = mesh(u, r), packed_row(4321, doc_lens), {}
     local = shard_batch(batch, cp)
-    for kind in kinds:
-        ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **MORE[kind]), batch, doc_lens)
+    for kind in [c["kind"] for c in replica_share(cp, [{"kind": k} for k in kinds])]:  # one replica each
+        [(ref_loss, ref_grads)] = shared(
+            [lambda: packed_reference(tiny_model(kind, 2, generic=True, **MORE[kind]), batch, doc_lens)], cp.cp_group
+        )
         model = apply_context_parallel(tiny_model(kind, 2, generic=True, **MORE[kind]), cp)
         logits = model(
             **{
@@ -343,6 +352,6 @@ def more_packed_parity(u: int, r: int, kinds: list[str], doc_lens: tuple = (9, 1
         ).logits
         loss = hcp.cross_entropy(logits, local["labels"], cp)
         loss.backward()
-        average_gradients(model)
+        average_gradients(model, cp.cp_group)
         out[kind] = step_errors(model, loss, ref_loss, ref_grads)
     return out

@@ -14,6 +14,7 @@ from hybrid_cp.integrations.linear_layers import route_linear_layers
 from hybrid_cp.integrations.model_support import VERIFIED_FAMILIES, check_model
 from hybrid_cp.testing import mesh_description
 from hybrid_cp.testing.families import build, tiny_config
+from hybrid_cp.testing.parity import assert_every_case_ran
 
 pytest.importorskip("transformers")
 
@@ -23,7 +24,8 @@ KINDS = ["lfm2", "lfm2_moe", "jamba", "minimax"]
 LOSS, LOGITS, GRAD = 1e-5, 1e-4, 1e-4
 
 
-def _check(rows, what):
+def _check(rows, what, kinds=KINDS, ranks=4):
+    assert_every_case_ran(rows, kinds, ranks)
     for rank, row in enumerate(rows):
         for kind, errs in row.items():
             assert not errs.get("missing"), (what, kind, errs)
@@ -34,7 +36,7 @@ def _check(rows, what):
 
 @pytest.mark.parametrize("u,r,fsdp", [(2, 2, False), (1, 4, False), (4, 1, False), (2, 2, True)])
 def test_more_hybrids_step_matches_one_process(pool, u, r, fsdp):
-    _check(pool.run(linear_more_cases.more_parity, u=u, r=r, kinds=KINDS, fsdp=fsdp), (u, r, fsdp))
+    _check(pool.run(linear_more_cases.more_parity, u=u, r=r, kinds=KINDS, fsdp=fsdp), (u, r, fsdp), ranks=u * r)
 
 
 def test_more_hybrids_packed_row_matches_per_document_reference(pool):
@@ -43,12 +45,14 @@ def test_more_hybrids_packed_row_matches_per_document_reference(pool):
 
 def test_jamba_routed_decoder_layer_under_activation_checkpointing(pool):
     # Jamba's Mamba decoder layer is routed too (to pass the packed row's boundaries on): it must checkpoint
-    _check(pool.run(linear_more_cases.more_parity, u=2, r=2, kinds=["jamba"], checkpoint=True), "checkpoint")
+    _check(pool.run(linear_more_cases.more_parity, u=2, r=2, kinds=["jamba"], checkpoint=True), "checkpoint", ["jamba"])
 
 
 def test_unrouted_mixers_fail_the_same_checks(pool):
     # the control: without the routing every family's gradients are off by far more than the tolerance
-    for row in pool.run(linear_more_cases.more_parity, u=2, r=2, kinds=KINDS, routed=False):
+    rows = pool.run(linear_more_cases.more_parity, u=2, r=2, kinds=KINDS, routed=False)
+    assert_every_case_ran(rows, KINDS, 4)
+    for row in rows:
         for kind, errs in row.items():
             assert errs["grad"] > 0.1 and errs["logits"] > 5e-4, (kind, errs)
 

@@ -25,6 +25,7 @@ from hybrid_cp.integrations.model_support import (  # noqa: E402
 )
 from hybrid_cp.integrations.transformers import apply_context_parallel  # noqa: E402
 from hybrid_cp.testing import families, mesh_description  # noqa: E402
+from hybrid_cp.testing.parity import assert_every_case_ran  # noqa: E402
 from hybrid_cp.training.batch import shard_batch  # noqa: E402
 
 GUARD = "apply_context_parallel refuses"
@@ -264,8 +265,9 @@ def test_new_families_dense_and_packed(pool, mesh):
             dict(name=t, kind=t, hkv=None, generic=True, config=_window(t), exclude=ZERO_GRADIENTS.get(t, ()))
             for t in kinds
         ]
-    for rank, row in enumerate(pool.run(train_cases.family_runs, u=mesh[0], r=mesh[1], runs=runs)):
-        assert len(row) == len(runs)
+    rows = pool.run(train_cases.family_runs, u=mesh[0], r=mesh[1], runs=runs)
+    assert_every_case_ran(rows, [run["name"] for run in runs], mesh[0] * mesh[1])
+    for rank, row in enumerate(rows):
         for name, errors in row.items():
             _assert_parity(name, rank, errors)
             assert errors.get("leak") is None or errors["leak"] > 1e3 * TOL, (name, errors)
@@ -306,7 +308,9 @@ VARIANT_RUNS = {
 @pytest.mark.parametrize("mesh", sorted(VARIANT_RUNS), ids=lambda m: f"u{m[0]}r{m[1]}")
 def test_attention_variant_families_match_single_process(pool, mesh):
     u, r = mesh
-    for rank, row in enumerate(pool.run(train_cases.family_runs, u=u, r=r, runs=VARIANT_RUNS[mesh])):
+    rows = pool.run(train_cases.family_runs, u=u, r=r, runs=VARIANT_RUNS[mesh])
+    assert_every_case_ran(rows, [run["name"] for run in VARIANT_RUNS[mesh]], u * r)
+    for rank, row in enumerate(rows):
         for name, errors in row.items():
             assert not errors["missing"], (name, errors)
             within(errors["loss"], TOL, f"rank {rank} {name} loss", errors)
@@ -341,7 +345,9 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
     kinds = [t for t in NEW_HYBRIDS + ((), PURE_SSM)[not packed] if t in walk()]
     task = linear_more_cases.more_packed_parity if packed else linear_more_cases.more_parity
     extra = {} if packed else {"fsdp": fsdp}
-    for rank, row in enumerate(pool.run(task, u=mesh[0], r=mesh[1], kinds=kinds, **extra)):
+    rows = pool.run(task, u=mesh[0], r=mesh[1], kinds=kinds, **extra)
+    assert_every_case_ran(rows, kinds, mesh[0] * mesh[1])
+    for rank, row in enumerate(rows):
         for kind, errors in row.items():
             assert not errors.get("missing"), (kind, errors)
             within(errors["loss"], TOL, f"rank {rank} {kind} loss", errors)

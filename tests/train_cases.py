@@ -11,6 +11,7 @@ from dist_cases import mesh
 import hybrid_cp as hcp
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing.parity import replica_share, shared
 from hybrid_cp.training.batch import shard_batch
 from hybrid_cp.training.loss import cross_entropy
 
@@ -134,14 +135,18 @@ def model_parity(
     config: dict | None = None,
     generic: bool = False,
     exclude: tuple = (),
+    group: dist.ProcessGroup | None = None,
 ) -> dict:
     """logits / loss / every parameter gradient under CP vs one process (fp32); `config`
     overrides the tiny model's configuration (e.g. a sliding window); `generic` builds any family's
-    default configuration made tiny; `exclude`: see `_grad_errors`."""
+    default configuration made tiny; `exclude`: see `_grad_errors`. `group`: the ranks that run this call (one
+    replica's cp group, see `family_runs`; None: every rank)."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad)
     config = config or {}
-    ref_logits, ref_loss, ref_grads = reference(tiny_model(kind, hkv, generic=generic, **config), batch)
+    [(ref_logits, ref_loss, ref_grads)] = shared(
+        [lambda: reference(tiny_model(kind, hkv, generic=generic, **config), batch)], group
+    )
 
     model = apply_context_parallel(tiny_model(kind, hkv, generic=generic, **config), cp)
     if checkpoint:
@@ -155,7 +160,7 @@ def model_parity(
     loss = cross_entropy(logits, local["labels"], cp)
     loss.backward()
     if not fsdp:
-        average_gradients(model)
+        average_gradients(model, group)
     full_logits = hcp.unshard(logits.detach(), cp, dim=1, seq_len=s)
     keep = batch["attention_mask"].bool() if pad else torch.ones(b, s, dtype=torch.bool)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
@@ -172,12 +177,19 @@ def model_parity(
 
 def family_runs(u: int, r: int, runs: list[dict]) -> dict:
     """Several parity runs in one pool task (one mesh): {name: model_parity(...) or, with packed=True,
-    packed_model_parity(...)}, each run's other keys its arguments."""
+    packed_model_parity(...)}, each run's other keys its arguments. Runs without FSDP are split over the mesh's
+    replicas (each on one, `replica_share`): a rank returns its replica's and every FSDP run (FSDP2 shards over
+    all ranks)."""
+    cp = mesh(u, r)
+    mine = {c["case"] for c in replica_share(cp, runs)}
     out = {}
-    for run in runs:
+    for i, run in enumerate(runs):
         run = dict(run)
         name, packed = run.pop("name"), run.pop("packed", False)
-        out[name] = (packed_model_parity if packed else model_parity)(u, r, **run)
+        if run.get("fsdp"):
+            out[name] = (packed_model_parity if packed else model_parity)(u, r, **run)
+        elif i in mine:
+            out[name] = (packed_model_parity if packed else model_parity)(u, r, **run, group=cp.cp_group)
     return out
 
 
@@ -417,12 +429,19 @@ def packed_model_parity(
     doc_lens: tuple = PACKED_DOC_LENS,
     head_chunks: int = 1,
     exclude: tuple = (),
+    group: dist.ProcessGroup | None = None,
 ) -> dict:
     """Loss and every parameter gradient of one packed-row step under CP vs the per-document reference
-    (`tiled_loss`: through `hcp.lm_loss` on the shard_batch dict instead of logits + cross_entropy)."""
+    (`tiled_loss`: through `hcp.lm_loss` on the shard_batch dict instead of logits + cross_entropy). `group`: see
+    `model_parity`."""
     cp = mesh(u, r)
     batch = packed_row(4321, doc_lens)
-    ref_loss, ref_grads = packed_reference(tiny_model(kind, hkv), batch, doc_lens)
+
+    def ref():
+        loss, grads = packed_reference(tiny_model(kind, hkv), batch, doc_lens)
+        return loss, grads, _leak(kind, hkv, grads) if doc_lens == PACKED_DOC_LENS else None
+
+    [(ref_loss, ref_grads, leak)] = shared([ref], group)
     if explicit_cu:  # the other accepted form: boundaries instead of restarting positions
         cu = torch.tensor([0] + list(torch.tensor(doc_lens).cumsum(0)), dtype=torch.int32)
         batch = {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seq_lens_q": cu}
@@ -447,7 +466,7 @@ def packed_model_parity(
         loss = cross_entropy(logits, local["labels"], cp)
     loss.backward()
     if not fsdp:
-        average_gradients(model)
+        average_gradients(model, group)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
     grad, worst, vs_largest = _grad_errors(grads, ref_grads, exclude)
     return {
@@ -458,7 +477,7 @@ def packed_model_parity(
         "missing": sorted(set(ref_grads) ^ set(grads)),
         "cp_loss": loss.item(),
         "ref_loss": ref_loss.item(),
-        "leak": _leak(kind, hkv, ref_grads) if doc_lens == PACKED_DOC_LENS else None,
+        "leak": leak,
     }
 
 

@@ -75,12 +75,16 @@ def shard_model(model: nn.Module, cp: CPMesh, **fully_shard_kwargs: Any) -> nn.M
     return model
 
 
-def average_gradients(model: nn.Module) -> None:
-    """All-reduce-average the gradients of a replicated (non-FSDP, non-DDP) model over all ranks.
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """All-reduce-average the gradients of a replicated (non-FSDP, non-DDP) model, as DDP does; with
+    `hcp.cross_entropy` it yields the single-device gradient.
 
-    The same reduction DDP does; with `hcp.cross_entropy` it yields the single-device gradient.
+    Args:
+        model: The model, after backward.
+        group: The ranks to average over: all of them by default (dp replicas that each ran their share of the
+            batch); a mesh's `cp.cp_group` where each replica wants the gradient of its own batch.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -89,7 +93,7 @@ def average_gradients(model: nn.Module) -> None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():  # one bucket per dtype
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flat /= world
         offset = 0
         for g in grads:

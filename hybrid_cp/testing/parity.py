@@ -19,6 +19,7 @@ from hybrid_cp.engine.kernels import get_kernel
 __all__ = [
     "DTYPES",
     "MESH_CACHE",
+    "assert_every_case_ran",
     "attention_errors",
     "masked_case",
     "masked_reference",
@@ -30,6 +31,7 @@ __all__ = [
     "replica_share",
     "rel",
     "rel_norm",
+    "shared",
     "visibility",
     "window_errors",
 ]
@@ -65,6 +67,14 @@ def replica_share(cp: hcp.CPMesh, cases: list[dict]) -> list[dict]:
     return [dict(c, case=i) for i, c in enumerate(cases)][cp.dp_rank :: cp.dp_size]
 
 
+def assert_every_case_ran(rows: list[dict], names: list[str], ranks: int) -> None:
+    """For runs split by `replica_share` whose rows are {name: result}: each name has results from `ranks` ranks at
+    least (one whole mesh), so that no case was left out by the split."""
+    for name in names:
+        got = sum(name in row for row in rows)
+        assert got >= ranks, f"{name!r}: results from {got} ranks, expected {ranks} at least"
+
+
 def release_meshes() -> int:
     """Destroy every cached mesh (every rank calls it, as a pool task); returns how many. The test suite calls
     it after each test module: ten idle meshes made a later bf16 module case 2x slower (11.3 s against
@@ -95,20 +105,31 @@ def _ref_key(c: dict) -> tuple:
     return (c["b"], c["n"], c["h"], c["hkv"], c["d"], c["causal"])
 
 
+def shared(computations: list[Callable[[], Any]], group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Each computation run on one rank of `group` (the i-th on its rank i mod the group's size) and its result
+    broadcast to the others, in order. For single-process references that every rank compares with: the 8-rank
+    pool on a 2-core machine computed each of them 8 times, more than the distributed run it checks."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    owner = [ranks[i % len(ranks)] for i in range(len(computations))]
+    mine = {i: compute() for i, compute in enumerate(computations) if owner[i] == dist.get_rank()}
+    out = []
+    for i in range(len(computations)):
+        item = [mine.get(i)]
+        dist.broadcast_object_list(item, src=owner[i], group=group)
+        out.append(item[0])
+    return out
+
+
 def _fill_references(cases: list[dict]) -> None:
     """fp64 references, computed once per session and split over the ranks (they are slow)."""
-    world, me = dist.get_world_size(), dist.get_rank()
     missing = sorted({_ref_key(c) for c in cases} - set(_REFS))
-    mine = {}
-    for i, key in enumerate(missing):
-        if i % world == me:
-            b, n, h, hkv, d, causal = key
-            inputs = random_inputs(hash(key) % 10007, b, n, h, hkv, d)
-            mine[key] = (inputs, reference(*inputs, causal, 1 / math.sqrt(d)))
-    for i, key in enumerate(missing):
-        item = [mine.get(key)]
-        dist.broadcast_object_list(item, src=i % world)
-        _REFS[key] = item[0]
+
+    def compute(key):
+        b, n, h, hkv, d, causal = key
+        inputs = random_inputs(hash(key) % 10007, b, n, h, hkv, d)
+        return inputs, reference(*inputs, causal, 1 / math.sqrt(d))
+
+    _REFS.update(zip(missing, shared([lambda key=key: compute(key) for key in missing])))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
