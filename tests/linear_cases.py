@@ -17,6 +17,7 @@ from dist_cases import mesh
 import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
 from hybrid_cp.engine.recurrence import GatedDelta, Mamba2, causal_conv, linear_scan
+from hybrid_cp.testing.parity import shared
 from topology.layouts import layout_of
 from topology.linear_cost import linear_layer_bytes
 
@@ -372,7 +373,9 @@ def hybrid_packed_parity(
     cp = mesh(u, r)
     batch = packed_row(4321, doc_lens)
     config = {**HYBRIDS[kind], **(extra or {})}
-    ref_loss, ref_grads = packed_reference(tiny_model(kind, 2, generic=True, **config), batch, doc_lens)
+    [(ref_loss, ref_grads)] = shared(
+        [lambda: packed_reference(tiny_model(kind, 2, generic=True, **config), batch, doc_lens)]
+    )
     model = apply_context_parallel(tiny_model(kind, 2, generic=True, **config), cp)
     local = shard_batch(batch, cp)
     logits = model(

@@ -12,6 +12,7 @@ from train_cases import VOCAB, _full_grad, _grad_errors, _rel, tiny_model
 import hybrid_cp as hcp
 from hybrid_cp.integrations.fsdp import average_gradients
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing.parity import shared
 from hybrid_cp.training.batch import MASK_KEY
 
 PROMPT = 20
@@ -67,7 +68,7 @@ def tree_model_parity(u: int, r: int, tiled_loss: bool = False) -> dict:
     gradient of one step on the masked row under CP vs `tree_reference`."""
     cp = mesh(u, r)
     batch, mask = tree_row(2024)
-    ref_loss, ref_grads = tree_reference(tiny_model("llama"), batch)
+    [(ref_loss, ref_grads)] = shared([lambda: tree_reference(tiny_model("llama"), batch)])
     model = apply_context_parallel(tiny_model("llama"), cp)
     local = hcp.shard_batch(batch, cp, mask=mask)
     loss = hcp.lm_loss(model, local, cp, chunk_tokens=8) if tiled_loss else model(**local).loss

@@ -11,6 +11,7 @@ from train_cases import _full_grad, _rel, make_batch, reference, tiny_model
 import hybrid_cp as hcp
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing.parity import shared
 from hybrid_cp.training.batch import shard_batch
 from hybrid_cp.training.loss import cross_entropy
 from hybrid_cp.training.tiled import lm_loss, tile_mlp, tiled_cross_entropy
@@ -90,7 +91,7 @@ def tiled_model_parity(
     pipeline's schedule) vs the plain single-process run."""
     cp = mesh(u, r)
     batch = make_batch(1234, b, s, pad=True)
-    _, ref_loss, ref_grads = reference(tiny_model(kind, hkv, num_attention_heads=heads), batch)
+    [(_, ref_loss, ref_grads)] = shared([lambda: reference(tiny_model(kind, hkv, num_attention_heads=heads), batch)])
     model = apply_context_parallel(
         tiny_model(kind, hkv, num_attention_heads=heads),
         cp,

@@ -20,6 +20,7 @@ from train_cases import VOCAB, _full_grad, _grad_errors, make_batch, packed_row,
 from hybrid_cp.integrations.fsdp import average_gradients
 from hybrid_cp.integrations.router_aux import AUX_FUNCTION, aux_settings
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing.parity import replica_share, shared
 from hybrid_cp.training.batch import shard_batch
 
 COEF = 1.0
@@ -86,10 +87,10 @@ def packed_reference(model, batch, doc_lens):
     return loss.detach(), aux.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _errors(model, out, ref) -> dict:
+def _errors(model, out, ref, group=None) -> dict:
     ref_loss, ref_aux, ref_grads = ref
     out.loss.backward()
-    average_gradients(model)
+    average_gradients(model, group)
     grads = {n: _full_grad(p) for n, p in model.named_parameters() if p.grad is not None}
     grad, worst, vs_largest = _grad_errors(grads, ref_grads)
     shard_aux = _family_loss(model, out.router_logits).item()  # what one rank's model computed on its own
@@ -111,9 +112,18 @@ def aux_parity(u: int, r: int, kinds: list[str], packed: bool = False) -> dict:
     lens = (9, 1, 23, 4, 61, 2, 14)
     batch = packed_row(4321, lens) if packed else make_batch(1234, 2, 100, pad=True)
     local = shard_batch(batch, cp)
-    for kind in kinds:
-        ref = packed_reference(moe_model(kind), batch, lens) if packed else dense_reference(moe_model(kind), batch)
+    for kind in [c["kind"] for c in replica_share(cp, [{"kind": k} for k in kinds])]:  # one replica each
+        [ref] = shared(
+            [
+                lambda: (
+                    packed_reference(moe_model(kind), batch, lens)
+                    if packed
+                    else dense_reference(moe_model(kind), batch)
+                )
+            ],
+            cp.cp_group,
+        )
         model = apply_context_parallel(moe_model(kind), cp)
         keys = PACKED_KEYS if packed else ("input_ids", "position_ids", "attention_mask", "labels", "shift_labels")
-        out[kind] = _errors(model, model(**{k: local[k] for k in keys}, output_router_logits=True), ref)
+        out[kind] = _errors(model, model(**{k: local[k] for k in keys}, output_router_logits=True), ref, cp.cp_group)
     return out

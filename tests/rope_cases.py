@@ -18,6 +18,7 @@ from dist_cases import mesh
 from train_cases import VOCAB, _full_grad, _rel, make_batch, packed_row
 
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing.parity import replica_share, shared
 from hybrid_cp.training.batch import shard_batch, shift_labels
 
 THRESHOLD = 64  # original_max_position_embeddings (longrope, yarn, llama3), max_position_embeddings (dynamic)
@@ -109,23 +110,28 @@ def _worst(grads: dict, ref: dict) -> tuple[float, str]:
     return errs[worst], worst
 
 
-def dense_errors(cp, rope_type: str, s: int = DENSE_LEN, b: int = 2, pad: bool = True) -> dict:
-    """One step on dense rows (right-padded: `pad`): CP vs the single-process model on the same rows."""
-    batch = make_batch(77, b, s, pad=pad)
+def _dense_reference(rope_type: str, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The single-process model on the same rows: the loss and every gradient."""
     ref = rope_model(rope_type)
     mask = batch.get("attention_mask")
     ref_logits = ref(input_ids=batch["input_ids"], attention_mask=mask).logits
     targets = shift_labels(batch["labels"], attention_mask=mask)
     ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
     ref_loss.backward()
+    return ref_loss.detach(), _grads(ref)
 
+
+def dense_errors(cp, rope_type: str, s: int = DENSE_LEN, b: int = 2, pad: bool = True) -> dict:
+    """One step on dense rows (right-padded: `pad`): CP vs the single-process model on the same rows."""
+    batch = make_batch(77, b, s, pad=pad)
+    [(ref_loss, ref_grads)] = shared([lambda: _dense_reference(rope_type, batch)], cp.cp_group)
     model = apply_context_parallel(rope_model(rope_type), cp)
     local = shard_batch(batch, cp)
     logits = model(
         input_ids=local["input_ids"], position_ids=local["position_ids"], attention_mask=local.get("attention_mask")
     ).logits
     loss = _cp_step(model, logits, local["labels"], cp)
-    grad, where = _worst(_grads(model), _grads(ref))
+    grad, where = _worst(_grads(model), ref_grads)
     return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad, "worst_param": where}
 
 
@@ -164,7 +170,12 @@ def packed_errors(cp, rope_type: str, doc_lens=DOC_LENS, stock: bool = False) ->
     """One step on a packed row: CP vs each document trained alone; with `stock`, also `stock_row`: how far
     transformers' own one-process packed row is from that reference (worst gradient)."""
     batch = packed_row(4321, doc_lens)
-    ref_loss, ref_grads = _document_reference(rope_model(rope_type), batch, doc_lens)
+
+    def reference():
+        loss, grads = _document_reference(rope_model(rope_type), batch, doc_lens)
+        return loss, grads, _worst(_stock_packed_row(rope_type, batch, doc_lens), grads)[0] if stock else None
+
+    [(ref_loss, ref_grads, stock_row)] = shared([reference], cp.cp_group)
     model = apply_context_parallel(rope_model(rope_type), cp)
     local = shard_batch(batch, cp)
     logits = model(
@@ -179,7 +190,7 @@ def packed_errors(cp, rope_type: str, doc_lens=DOC_LENS, stock: bool = False) ->
     grad, where = _worst(_grads(model), ref_grads)
     out = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad": grad, "worst_param": where}
     if stock:
-        out["stock_row"] = _worst(_stock_packed_row(rope_type, batch, doc_lens), ref_grads)[0]
+        out["stock_row"] = stock_row
     return out
 
 
@@ -200,12 +211,14 @@ def rope_table(
 
 
 def _table(u: int, r: int, layouts, rope_types, stock: bool) -> dict:
+    """{(rope type, layout): errors}, each pair on one replica of the mesh (`replica_share`)."""
+    meshes = {layout: mesh(u, r, "zigzag" if layout == "packed" else layout) for layout in layouts}  # every rank
+    pairs = [{"rope_type": t, "layout": layout} for layout in layouts for t in rope_types or ROPE_TYPES]
     out = {}
-    for layout in layouts:
-        cp = mesh(u, r, "zigzag" if layout == "packed" else layout)
-        for rope_type in rope_types or ROPE_TYPES:
-            if layout == "packed":
-                out[rope_type, layout] = packed_errors(cp, rope_type, stock=stock)
-            else:
-                out[rope_type, layout] = dense_errors(cp, rope_type)
+    for pair in replica_share(meshes[layouts[0]], pairs):
+        rope_type, layout, cp = pair["rope_type"], pair["layout"], meshes[pair["layout"]]
+        if layout == "packed":
+            out[rope_type, layout] = packed_errors(cp, rope_type, stock=stock)
+        else:
+            out[rope_type, layout] = dense_errors(cp, rope_type)
     return out

@@ -17,6 +17,7 @@ from hybrid_cp.integrations.model_support import VERIFIED_FAMILIES  # noqa: E402
 from hybrid_cp.integrations.router_aux import aux_settings, matches_family, router_statistics, switch_loss  # noqa: E402
 from hybrid_cp.integrations.transformers import apply_context_parallel  # noqa: E402
 from hybrid_cp.testing import families  # noqa: E402
+from hybrid_cp.testing.parity import assert_every_case_ran  # noqa: E402
 
 # the verified families whose transformers model adds the Switch load-balancing loss (21 in transformers 5.24; flint
 # too, but its verified configuration has no MoE layer: its MoE block is refused by the module guard)
@@ -92,10 +93,11 @@ IDS = [f"u{m[0]}r{m[1]}-{'packed' if p else 'dense'}" for m, p in RUNS]
 
 
 def _check(pool, mesh, packed, kinds):
-    for kind in kinds:  # one pool task per family: minutes each on a loaded 2-core machine
-        rows = pool.run(moe_cases.aux_parity, timeout=900, u=mesh[0], r=mesh[1], kinds=[kind], packed=packed)
-        for rank, row in enumerate(rows):
-            errors = row[kind]
+    # one pool task: the families split over the pool's replicas of the mesh (minutes each on a loaded 2-core machine)
+    rows = pool.run(moe_cases.aux_parity, timeout=900 * len(kinds), u=mesh[0], r=mesh[1], kinds=kinds, packed=packed)
+    assert_every_case_ran(rows, kinds, mesh[0] * mesh[1])
+    for rank, row in enumerate(rows):
+        for kind, errors in row.items():
             assert not errors["missing"], (kind, errors)
             assert errors["loss"] <= TOL and errors["aux"] <= TOL, (kind, rank, errors)
             assert errors["grad"] <= (20 if kind in GDN else 10) * TOL, (kind, rank, errors)

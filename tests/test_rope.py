@@ -19,6 +19,7 @@ from tolerance import within  # noqa: E402
 from hybrid_cp.errors import ConfigError  # noqa: E402
 from hybrid_cp.integrations.rope import RowExtent, route_rotaries, row_extent  # noqa: E402
 from hybrid_cp.testing import mesh_description  # noqa: E402
+from hybrid_cp.testing.parity import assert_every_case_ran  # noqa: E402
 from hybrid_cp.training.batch import shard_batch  # noqa: E402
 
 # fp64 on both sides: the worst values seen in 3 runs are 3.2e-16 (loss) and 1.9e-15 (gradients); unrouted,
@@ -33,8 +34,9 @@ def test_every_rope_type_matches_single_process(pool, mesh):
 
     assert set(ROPE_INIT_FUNCTIONS) <= set(ROPE_TYPES), set(ROPE_INIT_FUNCTIONS) - set(ROPE_TYPES)
     layouts = ("zigzag", "contiguous", "packed") if mesh == (2, 2) else ("zigzag", "packed")
-    for rank, table in enumerate(pool.run(rope_cases.rope_table, u=mesh[0], r=mesh[1], layouts=layouts)):
-        assert len(table) == len(layouts) * len(ROPE_TYPES)
+    tables = pool.run(rope_cases.rope_table, u=mesh[0], r=mesh[1], layouts=layouts)
+    assert_every_case_ran(tables, [(t, layout) for t in ROPE_TYPES for layout in layouts], mesh[0] * mesh[1])
+    for rank, table in enumerate(tables):
         for (rope_type, layout), errors in table.items():
             within(errors["loss"], TOL, f"rank {rank} {rope_type} {layout} loss", errors)
             within(errors["grad"], TOL, f"rank {rank} {rope_type} {layout} grad", errors)
@@ -44,8 +46,10 @@ def test_the_rows_would_catch_a_shard_local_extent(pool):
     """The control: the same rows with every rotary seeing its own shard only are far off (some rank's shard,
     or some document, stays below the threshold the row crosses)."""
     rows = pool.run(rope_cases.rope_table, u=2, r=2, rope_types=EXTENT_TYPES, routed=False)
-    for rope_type, layout in rows[0]:
-        assert max(row[rope_type, layout]["grad"] for row in rows) > 1e-3, (rope_type, layout)
+    pairs = [(t, layout) for t in EXTENT_TYPES for layout in ("zigzag", "contiguous", "packed")]
+    assert_every_case_ran(rows, pairs, 4)
+    for pair in pairs:
+        assert max(row[pair]["grad"] for row in rows if pair in row) > 1e-3, pair
 
 
 def test_an_ambiguous_dense_length_is_refused_for_an_extent_dependent_rope():

@@ -16,6 +16,7 @@ from train_cases import _full_grad, _grad_errors
 import hybrid_cp as hcp
 from hybrid_cp.integrations.fsdp import average_gradients
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing.parity import shared
 from hybrid_cp.training.batch import MASK_KEY
 
 VOCAB = 256
@@ -160,7 +161,7 @@ def vl_parity(u: int, r: int, seed: int = 0) -> dict:
     model(**shard)) vs `reference`."""
     cp = mesh(u, r)
     row = vl_row(seed)
-    ref_loss, ref_grads = reference(tiny_vlm(seed), row)
+    [(ref_loss, ref_grads)] = shared([lambda: reference(tiny_vlm(seed), row)])
     model = apply_context_parallel(tiny_vlm(seed), cp)
     vision_impl = model.model.vision_tower.config._attn_implementation
     built = hcp.image_row(model, row["input_ids"], row["pixel_values"], row["token_type_ids"])
