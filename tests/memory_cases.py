@@ -288,6 +288,8 @@ def engine_step(**kwargs) -> dict:
     return _memory_step().engine_memory(**kwargs)
 
 
-def module_backward(**kwargs) -> dict:
-    """benchmarks/memory_step.py:module_backward (one attention module with module chunks) on this rank."""
-    return _memory_step().module_backward(**kwargs)
+def module_backward(**kwargs) -> dict | None:
+    """benchmarks/memory_step.py:module_backward (one attention module with module chunks) on the mesh's first
+    replica; the pool's other replicas would measure the same call (None there)."""
+    cp = mesh(kwargs["u"], kwargs["r"])  # every rank: building a mesh is collective
+    return _memory_step().module_backward(**kwargs) if cp.dp_rank == 0 else None
