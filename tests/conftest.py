@@ -20,10 +20,9 @@ def pool():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_meshes():
-    """After each test module, the pool's cached meshes are destroyed: idle gloo groups cost CPU (three threads
-    each), and a module rarely reuses another's meshes (hybrid_cp.testing.parity.release_meshes)."""
+def _end_module():
+    """After each test module, the workers forget its fp64 references (hybrid_cp.testing.parity.end_module)."""
     yield
     for p in _STARTED:
         if not p.broken:
-            p.run(parity.release_meshes)
+            p.run(parity.end_module)

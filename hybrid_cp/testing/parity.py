@@ -36,10 +36,14 @@ __all__ = [
     "window_errors",
 ]
 
-MESH_CACHE = 10
+# Four meshes at most: every live gloo group costs CPU while idle (three threads each, benchmarks/idle_groups.py;
+# ten idle meshes made a later bf16 case 2x slower), and destroying one costs about 0.2 s (its groups' threads
+# end). The suite once destroyed every mesh after each test module: on 8 pool-heavy modules (217 tests, 2 cores)
+# 299 s against 265-269 s with four kept across modules, and 267 s with two (which broke a task that holds three).
+MESH_CACHE = 4
 _MESHES: dict = {}
 _REFS: dict = {}
-_PER_MODULE: dict = {}  # per_module's values, until release_meshes
+_PER_MODULE: dict = {}  # per_module's values, until end_module
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,8 +52,8 @@ def mesh(u: int, r: int, layout: str = "zigzag", validate: bool | str = True) ->
     """Meshes are cached: building one creates process groups (every rank, in the same order). Cases that
     make one rank call differently use validate="always": under the default (True) a shared mesh's
     earlier calls decide which calls are checked, and a lone deviation would wait for the timeout.
-    At most `MESH_CACHE` are kept (the least recently used is destroyed): every live group costs CPU
-    while idle (benchmarks/idle_groups.py), and the suite would otherwise hold hundreds per worker."""
+    At most `MESH_CACHE` are kept (the least recently used is destroyed), so a task may hold that many at once:
+    one that builds more would destroy a mesh it still uses."""
     key = (u, r, layout, validate)
     if key in _MESHES:
         _MESHES[key] = _MESHES.pop(key)  # most recently used last
@@ -75,14 +79,11 @@ def assert_every_case_ran(rows: list[dict], names: list[str], ranks: int) -> Non
         assert got >= ranks, f"{name!r}: results from {got} ranks, expected {ranks} at least"
 
 
-def release_meshes() -> int:
-    """Destroy every cached mesh (every rank calls it, as a pool task); returns how many. The test suite calls
-    it after each test module: ten idle meshes made a later bf16 module case 2x slower (11.3 s against
-    24.2 s after tests/test_attention.py, threads per worker 6 against 216)."""
-    count = len(_MESHES)
+def end_module() -> int:
+    """Forget the `per_module` values (every rank calls it, as a pool task, after each test module); returns how
+    many. The meshes stay cached: the next module often builds the same ones."""
+    count = len(_PER_MODULE)
     _PER_MODULE.clear()
-    while _MESHES:
-        hcp.destroy_cp_mesh(_MESHES.pop(next(iter(_MESHES))))
     return count
 
 
@@ -229,7 +230,7 @@ def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor, softcap
 
 
 def per_module(key: tuple, compute: Callable[[], Any]) -> Any:
-    """`compute()` once per test module on this rank (`release_meshes` forgets it): an fp64 reference that every
+    """`compute()` once per test module on this rank (`end_module` forgets it): an fp64 reference that every
     mesh of a module compares with costs more than the distributed call it checks (about half of a window
     test's time when computed per mesh)."""
     if key not in _PER_MODULE:
