@@ -16,7 +16,7 @@ def pool():
     p = WorkerPool(WORLD, extra_paths=[os.path.dirname(__file__)])
     _STARTED.append(p)
     yield p
-    p.close()
+    p.close(force=True)  # at the session's end: the workers have nothing to finish, and leaving gloo took up to 10 s
 
 
 @pytest.fixture(scope="module", autouse=True)
