@@ -18,7 +18,7 @@ from linear_cases import _conv_ref, _errors, _grads, _per_document, step_errors
 import hybrid_cp as hcp
 from hybrid_cp.engine.layout import shard_tokens
 from hybrid_cp.engine.recurrence import Lightning, Mamba, causal_conv, linear_scan
-from hybrid_cp.testing.parity import replica_share, shared
+from hybrid_cp.testing.parity import replica_part, shared
 from topology.layouts import layout_of
 from topology.linear_cost import linear_layer_bytes
 
@@ -317,7 +317,7 @@ def more_parity(
 
     cp = mesh(u, r)
     # FSDP2 shards over every rank: those runs are on every replica, the others on one each (replica_share)
-    mine = kinds if fsdp else [c["kind"] for c in replica_share(cp, [{"kind": k} for k in kinds])]
+    mine = kinds if fsdp else replica_part(cp, kinds)
     group = None if fsdp else cp.cp_group
     off = mock.patch("hybrid_cp.integrations.transformers.route_linear_layers", lambda model, cp: 0)
     with contextlib.nullcontext() if routed else off:
@@ -339,7 +339,7 @@ def more_packed_parity(u: int, r: int, kinds: list[str], doc_lens: tuple = (9, 1
 
     cp, batch, out = mesh(u, r), packed_row(4321, doc_lens), {}
     local = shard_batch(batch, cp)
-    for kind in [c["kind"] for c in replica_share(cp, [{"kind": k} for k in kinds])]:  # one replica each
+    for kind in replica_part(cp, kinds):  # one replica each
         [(ref_loss, ref_grads)] = shared(
             [lambda: packed_reference(tiny_model(kind, 2, generic=True, **MORE[kind]), batch, doc_lens)], cp.cp_group
         )

@@ -20,7 +20,7 @@ from train_cases import VOCAB, _full_grad, _grad_errors, make_batch, packed_row,
 from hybrid_cp.integrations.fsdp import average_gradients
 from hybrid_cp.integrations.router_aux import AUX_FUNCTION, aux_settings
 from hybrid_cp.integrations.transformers import apply_context_parallel
-from hybrid_cp.testing.parity import replica_share, shared
+from hybrid_cp.testing.parity import replica_part, shared
 from hybrid_cp.training.batch import shard_batch
 
 COEF = 1.0
@@ -112,7 +112,7 @@ def aux_parity(u: int, r: int, kinds: list[str], packed: bool = False) -> dict:
     lens = (9, 1, 23, 4, 61, 2, 14)
     batch = packed_row(4321, lens) if packed else make_batch(1234, 2, 100, pad=True)
     local = shard_batch(batch, cp)
-    for kind in [c["kind"] for c in replica_share(cp, [{"kind": k} for k in kinds])]:  # one replica each
+    for kind in replica_part(cp, kinds):  # one replica each
         [ref] = shared(
             [
                 lambda: (

@@ -18,7 +18,7 @@ from dist_cases import mesh
 from train_cases import VOCAB, _full_grad, _rel, make_batch, packed_row
 
 from hybrid_cp.integrations.transformers import apply_context_parallel
-from hybrid_cp.testing.parity import replica_share, shared
+from hybrid_cp.testing.parity import replica_part, shared
 from hybrid_cp.training.batch import shard_batch, shift_labels
 
 THRESHOLD = 64  # original_max_position_embeddings (longrope, yarn, llama3), max_position_embeddings (dynamic)
@@ -211,12 +211,12 @@ def rope_table(
 
 
 def _table(u: int, r: int, layouts, rope_types, stock: bool) -> dict:
-    """{(rope type, layout): errors}, each pair on one replica of the mesh (`replica_share`)."""
+    """{(rope type, layout): errors}, each pair on one replica of the mesh (`replica_part`)."""
     meshes = {layout: mesh(u, r, "zigzag" if layout == "packed" else layout) for layout in layouts}  # every rank
-    pairs = [{"rope_type": t, "layout": layout} for layout in layouts for t in rope_types or ROPE_TYPES]
+    pairs = [(t, layout) for layout in layouts for t in rope_types or ROPE_TYPES]
     out = {}
-    for pair in replica_share(meshes[layouts[0]], pairs):
-        rope_type, layout, cp = pair["rope_type"], pair["layout"], meshes[pair["layout"]]
+    for rope_type, layout in replica_part(meshes[layouts[0]], pairs):
+        cp = meshes[layout]
         if layout == "packed":
             out[rope_type, layout] = packed_errors(cp, rope_type, stock=stock)
         else:

@@ -11,7 +11,7 @@ from dist_cases import mesh
 import hybrid_cp as hcp
 from hybrid_cp.integrations.fsdp import average_gradients, shard_model
 from hybrid_cp.integrations.transformers import apply_context_parallel
-from hybrid_cp.testing.parity import replica_share, shared
+from hybrid_cp.testing.parity import replica_part, shared
 from hybrid_cp.training.batch import shard_batch
 from hybrid_cp.training.loss import cross_entropy
 
@@ -178,10 +178,10 @@ def model_parity(
 def family_runs(u: int, r: int, runs: list[dict]) -> dict:
     """Several parity runs in one pool task (one mesh): {name: model_parity(...) or, with packed=True,
     packed_model_parity(...)}, each run's other keys its arguments. Runs without FSDP are split over the mesh's
-    replicas (each on one, `replica_share`): a rank returns its replica's and every FSDP run (FSDP2 shards over
+    replicas (each on one, `replica_part`): a rank returns its replica's and every FSDP run (FSDP2 shards over
     all ranks)."""
     cp = mesh(u, r)
-    mine = {c["case"] for c in replica_share(cp, runs)}
+    mine = set(replica_part(cp, range(len(runs))))
     out = {}
     for i, run in enumerate(runs):
         run = dict(run)

@@ -28,6 +28,7 @@ __all__ = [
     "per_module",
     "random_inputs",
     "reference",
+    "replica_part",
     "replica_share",
     "rel",
     "rel_norm",
@@ -39,7 +40,7 @@ __all__ = [
 # Four meshes at most: every live gloo group costs CPU while idle (three threads each, benchmarks/idle_groups.py;
 # ten idle meshes made a later bf16 case 2x slower), and destroying one costs about 0.2 s (its groups' threads
 # end). The suite once destroyed every mesh after each test module: on 8 pool-heavy modules (217 tests, 2 cores)
-# 299 s against 265-269 s with four kept across modules, and 267 s with two (which broke a task that holds three).
+# 299 s against 265-269 s with four kept across modules (267 s with two, where one test failed).
 MESH_CACHE = 4
 _MESHES: dict = {}
 _REFS: dict = {}
@@ -68,7 +69,12 @@ def replica_share(cp: hcp.CPMesh, cases: list[dict]) -> list[dict]:
     """This dp replica's share of the cases, each tagged with its index ("case"): every case runs on one replica
     of the mesh, not on all of them (the 8-rank pool holds 8 replicas of a 1 x 1 mesh, 2 of a 2 x 2), and the
     replicas run different calls side by side on their own groups."""
-    return [dict(c, case=i) for i, c in enumerate(cases)][cp.dp_rank :: cp.dp_size]
+    return replica_part(cp, [dict(c, case=i) for i, c in enumerate(cases)])
+
+
+def replica_part(cp: hcp.CPMesh, items: list) -> list:
+    """This dp replica's part of `items` (every dp_size-th, from its dp rank)."""
+    return list(items)[cp.dp_rank :: cp.dp_size]
 
 
 def assert_every_case_ran(rows: list[dict], names: list[str], ranks: int) -> None:
