@@ -1,6 +1,6 @@
 """A pool of local gloo worker processes, started once and reused for many distributed checks.
 
-Used by the test-suite (one pool per pytest session) and by `hybrid-cp demo`. A task is a module-level
+Used by the test-suite (pools started once per pytest session) and by `hybrid-cp demo`. A task is a module-level
 function (passed as the object; the workers import it by its module and name); every rank runs it and
 returns a picklable result.
 """
@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -92,11 +93,43 @@ def task_path(task: Callable[..., Any]) -> str:
     return f"{module}:{task.__qualname__}"
 
 
-class WorkerPool:
-    """`world` gloo processes on this machine; `run` executes one task on all of them."""
+# Imported once by the fork server that starts the workers, not by each worker: 8 workers spawned took 5.8 s to
+# start on a 2-core machine, 0.6 s forked from a server that has these (benchmarks/pool_size.py).
+PRELOAD = ("torch", "torch.distributed", "hybrid_cp", "hybrid_cp.testing")
 
-    def __init__(self, world: int, *, threads: int = 1, extra_paths: list[str] | None = None):
-        ctx = mp.get_context("spawn")
+
+def _context(preload: Sequence[str], start_method: str | None):
+    """Workers forked from a fork server that has imported `preload` (spawned where there is no fork server, or
+    when asked). The fork server is one per process: it imports the preload list of the first pool that starts it,
+    and its workers see that moment's environment variables, not later changes."""
+    method = start_method or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *preload])))  # a module not installed: skipped
+    return ctx
+
+
+class WorkerPool:
+    """`world` gloo processes on this machine; `run` executes one task on all of them.
+
+    Args:
+        world: the number of ranks.
+        threads: torch's intra-op threads per rank.
+        extra_paths: folders put first on the workers' `sys.path` (where their tasks' modules are).
+        preload: modules the workers' fork server imports once, beside torch and hybrid_cp (e.g. transformers).
+        start_method: "forkserver" (the default where there is one) or "spawn" (each worker imports everything).
+    """
+
+    def __init__(
+        self,
+        world: int,
+        *,
+        threads: int = 1,
+        extra_paths: list[str] | None = None,
+        preload: Sequence[str] = (),
+        start_method: str | None = None,
+    ):
+        ctx = _context(preload, start_method)
         self.world = world
         self.broken = ""
         self.results = ctx.Queue()
