@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from unittest import mock
 
+import torch.distributed as dist
 from dist_cases import mesh
 from linear_more_cases import MORE
 from train_cases import packed_row, tiny_model
 
 from hybrid_cp.integrations.transformers import apply_context_parallel
+from hybrid_cp.testing import families
 from hybrid_cp.training.batch import shard_batch
 
 
@@ -40,3 +42,10 @@ def packed_row_refused(u: int, r: int, kinds: list[str]) -> dict:
         except Exception as exc:  # the test asserts the type and the message
             out[kind] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def walk_share() -> dict:
+    """This rank's share of `families.walk` (every world-size-th family from its rank): the walk builds every
+    family of transformers, which one process took 11-15 s to do."""
+    types = families.causal_lm_types()
+    return families.walk(types[dist.get_rank() :: dist.get_world_size()])

@@ -5,9 +5,9 @@ import pytest
 from dist_cases import assert_errors
 from tolerance import all_within, within
 
+from hybrid_cp.testing.cases import MESHES
 from hybrid_cp.testing.cases import attention_cases as _cases
 
-MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 # fp32 round-off of sums over up to 1,000 keys against fp64 (relative to the tensor's largest entry): worst 2.2e-6
 # (dq, (1, 4)), 4.6x
@@ -50,13 +50,13 @@ def test_bf16_error_within_single_device_error(pool, u, r):
                 )
 
 
-def test_fp64_math_backend_is_exact(pool):
+def test_fp64_math_backend_is_exact(pool8):
     cases = [
         dict(b=1, n=300, h=8, hkv=2, d=32, causal=c, dtype="fp64", backend=be)
         for c in (True, False)
         for be in ("math", "auto")
     ]
-    _check(pool.run(dist_cases.attention_errors, u=2, r=4, layout="zigzag", cases=cases), FP64)
+    _check(pool8.run(dist_cases.attention_errors, u=2, r=4, layout="zigzag", cases=cases), FP64)
 
 
 @pytest.mark.parametrize("u", [2, 4, 8])

@@ -11,8 +11,8 @@ from dist_cases import assert_errors
 from test_compile import EXACT, _check_parity
 
 import topology
+from hybrid_cp.testing.cases import MESHES
 
-MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 BOTH_LAYOUTS = {(2, 2), (1, 4)}
 # fp64 round-off only: worst 1.7e-15, 600x
 FP64 = 1e-12

@@ -1,26 +1,15 @@
-"""Dynamic context-parallel degrees on 4 gloo ranks: a family of meshes, the schedule's digest check, and
+"""Dynamic context-parallel degrees on the 4-rank pool: a family of meshes, the schedule's digest check, and
 training on mixed degrees 1/2/4 equal to one process on the same global batch."""
 
 from __future__ import annotations
-
-import os
 
 import dynamic_cases
 import pytest
 from tolerance import within
 
-from hybrid_cp.testing import WorkerPool
 
-
-@pytest.fixture(scope="module")
-def pool4():
-    p = WorkerPool(4, extra_paths=[os.path.dirname(__file__)])
-    yield p
-    p.close()
-
-
-def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
-    for rank, res in enumerate(pool4.run(dynamic_cases.family_shape)):
+def test_family_of_meshes_on_aligned_blocks_and_refusals(pool):
+    for rank, res in enumerate(pool.run(dynamic_cases.family_shape)):
         refused = res.pop("head_chunks")  # module-level head chunks cut heads for the patch-time mesh's ulysses
         assert "module chunks" in refused and "chunk_projections=False" in refused, refused
         assert res.pop("engine_head_chunks") == "no error" and res.pop("attention_chunks") == "no error"
@@ -53,8 +42,8 @@ def test_family_of_meshes_on_aligned_blocks_and_refusals(pool4):
         "bamba-mamba2-hybrid",
     ],
 )
-def test_mixed_degrees_train_like_one_process(pool4, checkpoint, fsdp, flat_cost, kind, head_chunks):
-    rows = pool4.run(
+def test_mixed_degrees_train_like_one_process(pool, checkpoint, fsdp, flat_cost, kind, head_chunks):
+    rows = pool.run(
         dynamic_cases.dynamic_training,
         checkpoint=checkpoint,
         fsdp=fsdp,
@@ -79,11 +68,11 @@ MIXER_FP64 = 1e-10
 
 
 @pytest.mark.parametrize("mixer", dynamic_cases.MIXERS)
-def test_mixer_exact_on_the_schedules_groups_fp64(pool4, mixer):
+def test_mixer_exact_on_the_schedules_groups_fp64(pool, mixer):
     """Each rank's micro-batch groups of a dynamic schedule (degrees 1, 2, 4: one long document on 4 ranks, packed
     rows of short ones on 1 and 2, documents shorter than their group and starting mid-row): the mixer's
     recurrence and convolution in fp64 equal one device, forward and every input's gradient."""
-    for rank, res in enumerate(pool4.run(dynamic_cases.mixer_on_groups, mixer=mixer)):
+    for rank, res in enumerate(pool.run(dynamic_cases.mixer_on_groups, mixer=mixer)):
         assert not res["bytes_off"], res["bytes_off"]  # the bytes sent are the cost model's, case by case
         assert sorted(res["worst"]) == [1, 2, 4], res
         for degree, errs in res["worst"].items():
@@ -128,25 +117,25 @@ LIGHTNING_GRAD = 1e-5
     ],
     ids=["qwen3_5-gated-delta", "lfm2-short-conv", "jamba-mamba1", "kimi-linear-kda", "minimax-lightning"],
 )
-def test_routed_mixers_mixed_degrees_train_like_one_process(pool4, kind, bound):
+def test_routed_mixers_mixed_degrees_train_like_one_process(pool, kind, bound):
     """A tiny hybrid family (one routed mixer layer next to an attention layer) on mixed degrees 1/2/4 vs one
     process, each step at the reference's parameters (`resync`)."""
-    for rank, res in enumerate(pool4.run(dynamic_cases.dynamic_training, kind=kind, resync=True)):
+    for rank, res in enumerate(pool.run(dynamic_cases.dynamic_training, kind=kind, resync=True)):
         assert all(d == [1, 2, 4] for d in res["degrees"]), res  # really mixed degrees
         within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)
         within(max(res["grad"]), bound, f"rank {rank} grad", res)
 
 
-def test_a_rank_with_another_batch_raises_on_every_rank(pool4):
-    for res in pool4.run(dynamic_cases.disagreeing_batch, timeout=120):
+def test_a_rank_with_another_batch_raises_on_every_rank(pool):
+    for res in pool.run(dynamic_cases.disagreeing_batch, timeout=120):
         assert res["error"].startswith("InconsistentRanksError"), res
 
 
 @pytest.mark.parametrize("kind,fsdp", [("llama", False), ("bamba", True)], ids=["llama", "bamba-fsdp2"])
-def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool, kind, fsdp):
+def test_eight_ranks_degrees_1_2_4_8_train_like_one_process(pool8, kind, fsdp):
     """The session's 8-rank pool: degrees 1/2/4/8 (splits 1x1, 1x2, 2x2, 2x4) in one step; a tiny Llama, and
     Bamba (Mamba2 layers next to attention) sharded by FSDP2 over the world."""
-    rows = pool.run(dynamic_cases.dynamic_training, eight=True, kind=kind, fsdp=fsdp)
+    rows = pool8.run(dynamic_cases.dynamic_training, eight=True, kind=kind, fsdp=fsdp)
     for rank, res in enumerate(rows):
         assert all(8 in d and 1 in d for d in res["degrees"]), res
         within(max(res["loss"]), 1e-5, f"rank {rank} loss", res)  # fp32 reduction order only

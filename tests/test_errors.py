@@ -49,10 +49,10 @@ def test_error_classes_keep_builtin_bases():
     assert issubclass(hcp.CommTimeoutError, RuntimeError) and issubclass(hcp.SetupError, RuntimeError)
 
 
-def test_pool_examples_raise_their_class_on_every_rank(pool):
+def test_pool_examples_raise_their_class_on_every_rank(pool8):
     exs = [e for e in examples() if e["where"] == "pool"]
     assert len(exs) >= 10
-    per_rank = pool.run(reliability_cases.run_examples, examples=exs, timeout=120)
+    per_rank = pool8.run(reliability_cases.run_examples, examples=exs, timeout=120)
     for rank, results in enumerate(per_rank):
         for ex, res in zip(exs, results):
             assert res["raised"] is not None, f"{ex['name']} example raised nothing on rank {rank}:\n{ex['code']}"
@@ -138,8 +138,8 @@ def test_debug_mode_names_the_nonfinite_rank_and_tensor(pool, tensor):
             assert m == "no error", (rank, m)
 
 
-def test_mesh_creation_logs_its_configuration_and_warns_about_slow_placements(pool):
-    per_rank = pool.run(reliability_cases.mesh_logs, local_world_size=2, timeout=120)
+def test_mesh_creation_logs_its_configuration_and_warns_about_slow_placements(pool8):
+    per_rank = pool8.run(reliability_cases.mesh_logs, local_world_size=2, timeout=120)
     info = [m for level, m in per_rank[0] if level == "INFO" and "ulysses=4 ring=2" in m]
     assert len(info) == 1 and "ulysses=4 ring=2 dp=1 layout=zigzag backend=gloo device=cpu" in info[0], info
     assert all(not any("ulysses=4 ring=2" in m for _, m in records) for records in per_rank[1:])  # rank 0 only
@@ -147,5 +147,5 @@ def test_mesh_creation_logs_its_configuration_and_warns_about_slow_placements(po
         warnings = [m for level, m in records if level == "WARNING"]
         assert any("spans nodes" in m for m in warnings), records
         assert any("padding is 7 of 16 tokens" in m for m in warnings), records
-    quiet = pool.run(reliability_cases.mesh_logs, local_world_size=8, timeout=120)
+    quiet = pool8.run(reliability_cases.mesh_logs, local_world_size=8, timeout=120)
     assert not any("spans nodes" in m for records in quiet for _, m in records)

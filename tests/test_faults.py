@@ -120,6 +120,7 @@ def _check(reports: dict, victim: int = 1) -> None:
     print("\n".join(lines))
 
 
+@pytest.mark.e2e  # 76 processes of its own and their 5 s timeouts, like the Trainer and checkpoint faults below
 def test_lost_rank_every_mesh_forward_and_backward():
     """19 scenarios at once (ring, Ulysses, hybrid and head-chunked meshes x forward/backward x
     killed/raised alone, and one rank calling differently after the default validation has learned

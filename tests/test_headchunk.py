@@ -117,15 +117,15 @@ def test_transformers_with_head_chunks_trains_like_single_process(
         assert row["q_widths"] == widths, row
 
 
-def test_head_chunks_with_packed_documents_and_windows(pool):
+def test_head_chunks_with_packed_documents_and_windows(pool8):
     cu = [0, 30, 31, 77, 120]  # packed row: documents of 30, 1, 46 and 43 tokens
     for rank, rows in enumerate(
-        pool.run(memory_cases.headchunk_parity, u=2, r=2, h=8, hkv=2, chunks=(2,), s=120, b=1, cu_seqlens=cu)
+        pool8.run(memory_cases.headchunk_parity, u=2, r=2, h=8, hkv=2, chunks=(2,), s=120, b=1, cu_seqlens=cu)
     ):
         for key in ("out", "dq", "dk", "dv"):
             within(rows[2][key], TOL, f"packed rank {rank} {key}", rows)
     for rank, rows in enumerate(
-        pool.run(memory_cases.headchunk_parity, u=2, r=4, h=4, hkv=1, chunks=(2,), s=128, window=9)
+        pool8.run(memory_cases.headchunk_parity, u=2, r=4, h=4, hkv=1, chunks=(2,), s=128, window=9)
     ):
         for key in ("out", "dq", "dk", "dv"):
             within(rows[2][key], TOL, f"window rank {rank} {key}", rows)

@@ -11,8 +11,8 @@ from dist_cases import assert_errors
 import hybrid_cp as hcp
 import topology
 from hybrid_cp.testing import parity
+from hybrid_cp.testing.cases import MESHES
 
-MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 # fp32 kernels against the fp64 dense reference: round-off only (worst seen: see the closing note), 3x margin
 FP32 = 1e-5
 # fp64 end to end: round-off of a few hundred terms
@@ -103,9 +103,9 @@ def test_mask_matches_dense_reference(pool, u, r):
     assert empty > 0  # the sparse mask's empty rows reached some rank
 
 
-def test_mask_fp64_is_exact(pool):
+def test_mask_fp64_is_exact(pool8):
     cases = [dict(c, dtype="fp64", backend="math") for c in _cases(2)]
-    rows = pool.run(parity.mask_errors, u=2, r=4, cases=cases)
+    rows = pool8.run(parity.mask_errors, u=2, r=4, cases=cases)
     _check(rows, cases, FP64, "mask fp64 u=2 r=4")
 
 

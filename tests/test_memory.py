@@ -177,11 +177,14 @@ def test_estimate_within_ten_percent_of_measured_peak(pool, u, r, kw):
     assert abs(est.peak / worst - 1) <= 0.10, (est.peak, worst, est.phases)
 
 
-def test_module_chunks_keep_nothing_across_checkpointed_layers(pool):
+def test_module_chunks_keep_nothing_across_checkpointed_layers(pool8):
     """With layer checkpointing, what forward leaves for backward is the layers' inputs whatever the head
     chunks: the chunk pipeline keeps its own inputs only through autograd (where checkpointing drops them)."""
     kw = dict(u=4, r=2, seq_len=4096, loss_chunk=512, tiled_loss=True, tiled_mlp=512, checkpoint=True)
-    plain, chunked = pool.run(memory_cases.measure_step, **kw), pool.run(memory_cases.measure_step, head_chunks=2, **kw)
+    plain, chunked = (
+        pool8.run(memory_cases.measure_step, **kw),
+        pool8.run(memory_cases.measure_step, head_chunks=2, **kw),
+    )
     for a, b in zip(plain, chunked):
         assert b["stages"]["loss"]["peak"] <= a["stages"]["loss"]["peak"], (a["stages"]["loss"], b["stages"]["loss"])
 

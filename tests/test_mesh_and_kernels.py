@@ -13,8 +13,8 @@ from hybrid_cp.engine.kernels import MathKernel, SDPAKernel, get_kernel
 from hybrid_cp.engine.kernels.merge import merge_
 
 
-def test_mesh_validation_and_plan(pool):
-    for rank, res in enumerate(pool.run(dist_cases.mesh_errors)):
+def test_mesh_validation_and_plan(pool8):
+    for rank, res in enumerate(pool8.run(dist_cases.mesh_errors)):
         assert "does not divide the world size 8" in res["not_divisor"] and "ulysses=4, ring=2" in res["not_divisor"]
         assert "use dp=2" in res["bad_dp"]
         assert "positive integer" in res["zero"]

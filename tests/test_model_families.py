@@ -40,8 +40,9 @@ LOGITS_TOL = {"gemma4_text": 3e-5, "gemma4_unified_text": 3e-5}
 
 
 @functools.lru_cache(maxsize=1)
-def walk() -> dict[str, tuple[str, str]]:
-    return families.walk()
+def installed() -> set[str]:
+    """The causal-LM model types of the installed transformers."""
+    return set(families.causal_lm_types())
 
 
 # model types whose causal-LM class is a verified family's model: AutoModelForCausalLM on a Llama4Config
@@ -54,8 +55,9 @@ BUILDS_VERIFIED = {
 }
 
 
-def test_walk_accepts_exactly_the_verified_families():
-    rows = walk()
+def test_walk_accepts_exactly_the_verified_families(pool8):
+    rows = {t: row for share in pool8.run(guard_cases.walk_share) for t, row in share.items()}
+    assert sorted(rows) == sorted(installed())
     accepted = {t for t, (status, _) in rows.items() if status == "exact"}
     # an older transformers may not have every verified family
     # vision-language families (Gemma 3) are verified on image_row's rows: tests/test_vision_masks.py
@@ -220,7 +222,7 @@ def _assert_parity(name: str, rank: int, row: dict) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(set(VERIFIED_FAMILIES) - HYBRID_FAMILIES))
 def test_verified_family_matches_single_process(pool, model_type):
-    if model_type not in walk():
+    if model_type not in installed():
         pytest.skip(f"model_type {model_type!r} is not in the installed transformers")
     rows = pool.run(
         train_cases.model_parity,
@@ -258,7 +260,7 @@ NEW_FAMILIES = (
 
 @pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda m: f"u{m[0]}r{m[1]}")
 def test_new_families_dense_and_packed(pool, mesh):
-    kinds = [t for t in NEW_FAMILIES if t in walk()]
+    kinds = [t for t in NEW_FAMILIES if t in installed()]
     runs = [dict(name=f"{t} packed", kind=t, packed=True, exclude=ZERO_GRADIENTS.get(t, ())) for t in kinds]
     if mesh != (2, 2):  # (2, 2) dense: test_verified_family_matches_single_process
         runs += [
@@ -342,7 +344,7 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
     differently on other chunk boundaries: up to 5.1e-5 seen here (tests/test_hybrid_models.py: 1.1e-4); Zamba2's
     shared attention block sums its gradient over both of its uses: up to 6.7e-5 (its q_proj, (2, 2)). The gradients
     hold 2.5e-4 (a 3.7x margin; 2e-4 left 2.99x)."""
-    kinds = [t for t in NEW_HYBRIDS + ((), PURE_SSM)[not packed] if t in walk()]
+    kinds = [t for t in NEW_HYBRIDS + ((), PURE_SSM)[not packed] if t in installed()]
     task = linear_more_cases.more_packed_parity if packed else linear_more_cases.more_parity
     extra = {} if packed else {"fsdp": fsdp}
     rows = pool.run(task, u=mesh[0], r=mesh[1], kinds=kinds, **extra)
@@ -356,6 +358,6 @@ def test_new_hybrid_families_match_single_process(pool, mesh, fsdp, packed):
 
 
 def test_pure_ssm_families_refuse_packed_rows(pool):
-    for row in pool.run(guard_cases.packed_row_refused, u=2, r=2, kinds=[t for t in PURE_SSM if t in walk()]):
+    for row in pool.run(guard_cases.packed_row_refused, u=2, r=2, kinds=[t for t in PURE_SSM if t in installed()]):
         for kind, raised in row.items():
             assert raised.startswith("ConfigError") and "received no cu_seq_lens_q" in raised, (kind, raised)

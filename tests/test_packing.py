@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from tolerance import within
 
 import topology
+from hybrid_cp.testing.cases import MESHES
 from hybrid_cp.testing.cases import packed_cases as _cases
 from topology.layouts import PAD, Packed, make_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from packing_balance import MIXES, measure  # noqa: E402
 
-MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 # fp32 round-off of each document's attention against fp64 (relative to max(|ref|, 1)): worst 1.2e-6 (dq, (1, 4)),
 # 8.2x
 FP32 = 1e-5
@@ -136,9 +136,9 @@ def test_packed_contiguous_policy(pool, u, r):
     _check(pool.run(dist_cases.packed_errors, u=u, r=r, layout="contiguous", cases=_cases(u, seed=3)))
 
 
-def test_packed_fp64_math_is_exact(pool):
+def test_packed_fp64_math_is_exact(pool8):
     cases = [dict(docs=[5, 1, 40, 17], h=4, hkv=2, d=8, causal=c, dtype="fp64", backend="math") for c in (True, False)]
-    _check(pool.run(dist_cases.packed_errors, u=2, r=4, layout="zigzag", cases=cases), FP64)
+    _check(pool8.run(dist_cases.packed_errors, u=2, r=4, layout="zigzag", cases=cases), FP64)
 
 
 def test_hidden_lengths_raise_or_are_explicit(pool):
@@ -187,11 +187,11 @@ def test_packed_layout_rejects_bad_boundaries():
     causal=st.booleans(),
     heads=st.sampled_from([(8, 2), (8, 1), (6, 2)]),
 )
-def test_random_mixes_match_per_document_attention(pool, docs, mesh, causal, heads):
+def test_random_mixes_match_per_document_attention(pool8, docs, mesh, causal, heads):
     u, r = mesh
     h, hkv = heads if heads[0] >= u else (8, 2)
     case = dict(docs=docs, h=h, hkv=hkv, d=8, causal=causal, seed=len(docs))
-    _check(pool.run(dist_cases.packed_errors, u=u, r=r, layout="zigzag", cases=[case], timeout=300))
+    _check(pool8.run(dist_cases.packed_errors, u=u, r=r, layout="zigzag", cases=[case], timeout=300))
 
 
 def test_a_long_packed_run_keeps_few_plans_on_the_device():

@@ -109,8 +109,8 @@ def memory_case(n: int = 256, dtype: str = "bf16") -> dict:
     return peaks
 
 
-def test_fast_path_is_bitwise_the_general_loop(pool):
-    rows = [row for rank in pool.run(bitwise_cases) for row in rank]
+def test_fast_path_is_bitwise_the_general_loop(pool8):
+    rows = [row for rank in pool8.run(bitwise_cases) for row in rank]
     assert len(rows) == 96
     for row in rows:
         assert row["fast"] and not row["loop"], row
@@ -118,9 +118,9 @@ def test_fast_path_is_bitwise_the_general_loop(pool):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_fast_path_drops_the_accumulators_and_fused_buffers(pool, dtype):
+def test_fast_path_drops_the_accumulators_and_fused_buffers(pool8, dtype):
     """The loop's peak (inside the kernel call) holds exactly its buffers on top of the fast path's."""
-    m = pool.run(memory_case, dtype=dtype)[0]
+    m = pool8.run(memory_case, dtype=dtype)[0]
     assert m["loop_fwd"] - m["fast_fwd"] == m["fwd_buffers"], m
     assert m["loop_bwd"] - m["fast_bwd"] == m["bwd_buffers"], m
 

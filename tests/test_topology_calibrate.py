@@ -454,7 +454,7 @@ def test_bench_cli_errors_are_loud(capsys, monkeypatch):
 # ------------------------------------------------------------------------------------------------ real, short
 
 
-def test_end_to_end_calibrate_then_bench(pool):
+def test_end_to_end_calibrate_then_bench(pool8):
     """A tiny real calibration on the suite's 8 gloo ranks, then one bench case priced from it."""
     from hybrid_cp.cli.bench import format_bench, summarize
     from hybrid_cp.cli.calibrate import calibrated_cluster as _calibrated_cluster
@@ -474,7 +474,7 @@ def test_end_to_end_calibrate_then_bench(pool):
         probe_passes=1,
         stages=["kernels", "merge", "p2p", "overlap", "engine"],
     )  # a2a: covered by the fake source
-    res = pool.run(measure.measure_rank, timeout=600, spec=spec.model_dump(), repeats=1)
+    res = pool8.run(measure.measure_rank, timeout=600, spec=spec.model_dump(), repeats=1)
     r0 = res[0]
     kinds = {s["kind"] for s in r0["samples"]}
     assert {"kernel", "merge", "p2p", "overlap", "engine", "probe"} <= kinds, [
@@ -489,7 +489,7 @@ def test_end_to_end_calibrate_then_bench(pool):
     assert any("a2a: not requested" in x for x in cal.not_measured)  # said, not hidden
     cluster = _calibrated_cluster(cal, 1, 8, "gloo")
     assert Cluster.from_yaml(cluster.to_yaml()) == cluster
-    out = pool.run(
+    out = pool8.run(
         measure.bench_rank,
         timeout=600,
         ulysses=2,

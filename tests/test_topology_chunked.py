@@ -10,13 +10,11 @@ import pytest
 from tolerance import relative_difference, within
 
 import topology
+from hybrid_cp.testing.cases import MESHES
 from topology.layouts import PAD, band, make_layout
 
 # Model predictions compared with `within(relative_difference(...))`: the same closed form evaluated two ways,
 # so fp64 round-off only (rel 1e-12, 1e-9, or pytest.approx's 1e-6): worst 5.1e-16 (at 1e-12), 2.2e-16 (at 1e-9)
-
-
-MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 
 
 def _row_tokens(lay, ring_rank: int) -> list:

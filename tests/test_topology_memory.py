@@ -307,13 +307,13 @@ def test_linear_layers_keep_the_gathered_summaries():
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_engine_backward_at_ring_one_is_priced_exactly(pool, dtype):
+def test_engine_backward_at_ring_one_is_priced_exactly(pool8, dtype):
     """u=8 x r=1, zigzag: the engine's backward working set (StorageTracker, one hcp.attention call) is the
     planner's `engine_bwd` to the byte, in bf16 and fp32 (the gradients-home phase decides: dq/dk/dv, their
     reordered copy, the all-to-all's buffers and the fp32 sums, less the freed saved tensors). MHA: CPU's
     SDPA kernel expands GQA K/V for the call, which the planner (native-GQA kernels) does not price."""
     shape = ModelShape(heads=8, kv_heads=8, head_dim=8, hidden=64, layers=1, intermediate=128, vocab=64)
-    rows = pool.run(
+    rows = pool8.run(
         memory_cases.engine_step, u=8, r=1, heads=8, kv_heads=8, head_dim=8, seq_len=4096, chunks=(1,), dtype=dtype
     )
     measured = max(row["1"][1] for row in rows)

@@ -68,8 +68,8 @@ def test_packed_tiled_lm_loss_matches_per_document_reference(pool, u, r, fsdp):
     _check(rows, ("lm_loss", u, r, fsdp))
 
 
-def test_packed_activation_checkpointing_with_fsdp(pool):
-    rows = pool.run(train_cases.packed_model_parity, u=4, r=2, fsdp=True, checkpoint=True)
+def test_packed_activation_checkpointing_with_fsdp(pool8):
+    rows = pool8.run(train_cases.packed_model_parity, u=4, r=2, fsdp=True, checkpoint=True)
     _check(rows, "checkpoint")
 
 

@@ -10,8 +10,8 @@ from tolerance import relative_error, within
 import hybrid_cp as hcp
 from hybrid_cp.engine.kernels import get_kernel, kernel_needs
 from hybrid_cp.testing import mesh_description
+from hybrid_cp.testing.cases import MESHES
 
-MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 # fp64 round-off against the independent fp64 autograd reference: worst 1.6e-15 (d(sinks)), 610x
 FP64 = 1e-12
 # fp32 cases against the fp64 reference, and compiled fp32 against eager fp32: worst 7.3e-7 (dq, (8, 1)), 14x

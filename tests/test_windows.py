@@ -8,10 +8,10 @@ import pytest
 from dist_cases import assert_errors as _check
 
 import topology
+from hybrid_cp.testing.cases import MESHES
 from hybrid_cp.testing.cases import window_cases as _cases
 from topology.layouts import make_layout
 
-MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 # fp32 round-off of windowed attention against fp64 masked attention: worst 1.9e-6 (dk, (2, 1)), 5.2x
 FP32 = 1e-5
 # fp64 round-off only: worst 9.8e-16, 1000x
@@ -28,12 +28,12 @@ def test_window_contiguous_layout(pool, u, r):
     _check(pool.run(dist_cases.window_errors, u=u, r=r, layout="contiguous", cases=_cases(u)), FP32)
 
 
-def test_window_fp64_math_is_exact(pool):
+def test_window_fp64_math_is_exact(pool8):
     cases = [
         dict(n=100, h=4, hkv=2, d=8, causal=True, window=9, backend="math"),
         dict(docs=[40, 3, 57], h=4, hkv=2, d=8, causal=False, window=(6, 2), backend="math"),
     ]
-    rows = pool.run(dist_cases.window_errors, u=2, r=4, layout="zigzag", cases=[dict(c, dtype="fp64") for c in cases])
+    rows = pool8.run(dist_cases.window_errors, u=2, r=4, layout="zigzag", cases=[dict(c, dtype="fp64") for c in cases])
     _check(rows, FP64)
 
 

@@ -114,6 +114,7 @@ def variant_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         ref = per_module(
             (*key, inputs[4] is not None),
             lambda: reference(*inputs, 1 / math.sqrt(d), visibility(lens, c["causal"], window), c.get("softcap")),
+            cp.cp_group,
         )
         dtype = DTYPES[c.get("dtype", "fp64")]
         hcp.reset_comm_bytes(cp)

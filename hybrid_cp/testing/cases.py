@@ -4,7 +4,10 @@ what the suite checks. Each case is a plain dict for the `dist_cases` tasks of t
 
 from __future__ import annotations
 
-__all__ = ["attention_cases", "doc_mix", "packed_cases", "window_cases"]
+__all__ = ["MESHES", "attention_cases", "doc_mix", "packed_cases", "window_cases"]
+
+# The (ulysses, ring) meshes of 1 to 8 ranks that the parity tests run each case on.
+MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)]
 
 
 def attention_cases(u: int, dtype: str = "fp32", lengths=(512, 1000)) -> list[dict]:

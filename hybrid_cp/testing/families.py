@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -213,17 +214,18 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in build(config, "meta").parameters())
 
 
-def walk() -> dict[str, tuple[str, str]]:
-    """model_type -> ("exact", ""), ("refused", the guard's message) or ("not built", why), for every
-    causal-LM family of the installed transformers, asked of `apply_context_parallel` on a
-    ulysses=2 x ring=2 mesh description (no process groups: the guard starts no collective)."""
+def walk(model_types: Sequence[str] | None = None) -> dict[str, tuple[str, str]]:
+    """model_type -> ("exact", ""), ("refused", the guard's message) or ("not built", why), for each of
+    `model_types` (default: every causal-LM family of the installed transformers), asked of
+    `apply_context_parallel` on a ulysses=2 x ring=2 mesh description (no process groups: the guard starts no
+    collective)."""
     from ..errors import ConfigError
     from ..integrations.transformers import apply_context_parallel
     from . import mesh_description
 
     cp = mesh_description(2, 2)
     rows = {}
-    for model_type in causal_lm_types():
+    for model_type in causal_lm_types() if model_types is None else model_types:
         try:
             model = build(walk_config(model_type), "meta")
         except Exception as exc:  # the family needs other sizes or a package not installed here

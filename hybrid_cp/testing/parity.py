@@ -235,25 +235,44 @@ def masked_reference(q, k, v, dout, scale: float, visible: torch.Tensor, softcap
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def per_module(key: tuple, compute: Callable[[], Any]) -> Any:
-    """`compute()` once per test module on this rank (`end_module` forgets it): an fp64 reference that every
-    mesh of a module compares with costs more than the distributed call it checks (about half of a window
-    test's time when computed per mesh)."""
-    if key not in _PER_MODULE:
-        _PER_MODULE[key] = compute()
+def per_module(key: tuple, compute: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
+    """`compute()` once per test module (`end_module` forgets it): an fp64 reference that every mesh of a module
+    compares with costs more than the distributed call it checks (about half of a window test's time when computed
+    per mesh). With `group` (a replica's cp group, whose ranks run the same cases in the same order), one rank of
+    the group computes it and the others receive it; the ranks first agree on who has it, as a rank may have it
+    from an earlier mesh whose replicas split the cases differently."""
+    if group is None or dist.get_world_size(group) == 1:
+        if key not in _PER_MODULE:
+            _PER_MODULE[key] = compute()
+        return _PER_MODULE[key]
+    have: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(have, key in _PER_MODULE, group=group)
+    if not all(have):
+        src = dist.get_global_rank(group, have.index(True) if any(have) else 0)
+        item = [None]
+        if dist.get_rank() == src:
+            item = [_PER_MODULE[key] if key in _PER_MODULE else compute()]
+        dist.broadcast_object_list(item, src=src, group=group)
+        _PER_MODULE[key] = item[0]
     return _PER_MODULE[key]
 
 
 def masked_case(
-    seed: int, shape: tuple[int, int, int, int, int], visible: Callable[[], torch.Tensor], key: tuple, softcap=None
+    cp: hcp.CPMesh,
+    seed: int,
+    shape: tuple[int, int, int, int, int],
+    visible: Callable[[], torch.Tensor],
+    key: tuple,
+    softcap=None,
 ) -> tuple:
     """A case's fp64 inputs (fresh tensors: the caller may mark them for autograd) and its masked reference
-    (out, lse, dq, dk, dv), once per test module (`per_module`). `shape` is (batch, n, h, hkv, d); `key` names
-    the visibility that `visible()` builds (documents, causal, window, mask)."""
+    (out, lse, dq, dk, dv), once per test module and replica of `cp` (`per_module`). `shape` is (batch, n, h, hkv,
+    d); `key` names the visibility that `visible()` builds (documents, causal, window, mask)."""
     inputs = random_inputs(seed, *shape)
     ref = per_module(
         ("masked", seed, shape, softcap, key),
         lambda: masked_reference(*inputs, shape[-1] ** -0.5, visible(), softcap),
+        cp.cp_group,
     )
     return inputs, ref
 
@@ -272,7 +291,7 @@ def packed_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         for n in lens:
             cu.append(cu[-1] + n)
         (q, k, v, dout), ref = masked_case(
-            c.get("seed", 3), (1, cu[-1], h, hkv, d), lambda: visibility(lens, causal), (tuple(lens), causal, None)
+            cp, c.get("seed", 3), (1, cu[-1], h, hkv, d), lambda: visibility(lens, causal), (tuple(lens), causal, None)
         )
         ql, kl, vl = (hcp.shard(x.to(dtype), cp, cu_seqlens=cu).requires_grad_() for x in (q, k, v))
         out, lse = hcp.attention(
@@ -318,6 +337,7 @@ def window_errors(u: int, r: int, layout: str, cases: list[dict]) -> list[dict]:
         kw = {"cu_seqlens": cu} if packed else {}
         dtype = DTYPES[c.get("dtype", "fp32")]
         (q, k, v, dout), ref = masked_case(
+            cp,
             c.get("seed", 4),
             (1, cu[-1], h, hkv, d),
             lambda: visibility(lens, causal, window),
@@ -379,6 +399,7 @@ def mask_errors(u: int, r: int, cases: list[dict]) -> list[dict]:
         mask, h, hkv, d, window = c["mask"], c["h"], c["hkv"], c["d"], c.get("window")
         dtype = DTYPES[c.get("dtype", "fp32")]
         (q, k, v, dout), ref = masked_case(
+            cp,
             c.get("seed", 5),
             (c.get("batch", 1), mask.seq_len, h, hkv, d),
             lambda: mask_visibility(mask.windowed(window)),
