@@ -31,7 +31,8 @@ def _close_pools():
 @pytest.fixture
 def pool(request) -> WorkerPool:
     """The smallest session pool that holds the test's mesh: its parameters `u` and `r` (1 if absent) or `mesh`
-    ((u, r)); 4 ranks for a test without them. A test whose task builds an 8-rank mesh itself takes `pool8`."""
+    ((u, r)); 4 ranks for a test without them. A test whose task builds an 8-rank mesh itself takes `pool8`, and so
+    does a hypothesis test (this fixture is per test function, which hypothesis refuses)."""
     params = request.node.callspec.params if hasattr(request.node, "callspec") else {}
     u, r = params.get("mesh", (params.get("u", 1), params.get("r", 1)))
     return _pool(SMALL if u * r <= SMALL else LARGE)
