@@ -67,7 +67,7 @@ def mesh(u: int, r: int, layout: str = "zigzag", validate: bool | str = True) ->
 
 def replica_share(cp: hcp.CPMesh, cases: list[dict]) -> list[dict]:
     """This dp replica's share of the cases, each tagged with its index ("case"): every case runs on one replica
-    of the mesh, not on all of them (the 8-rank pool holds 8 replicas of a 1 x 1 mesh, 2 of a 2 x 2), and the
+    of the mesh, not on all of them (a pool of 4 ranks holds 4 replicas of a 1 x 1 mesh, 2 of a 2 x 1), and the
     replicas run different calls side by side on their own groups."""
     return replica_part(cp, [dict(c, case=i) for i, c in enumerate(cases)])
 
