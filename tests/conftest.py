@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -12,6 +14,8 @@ PRELOAD = ("hybrid_cp.testing.parity", "transformers.modeling_utils", "transform
 # 34 against 41 CPU seconds (benchmarks/pool_size.py).
 SMALL, LARGE = 4, 8
 _POOLS: dict[int, WorkerPool] = {}
+# The fp64 references either pool computes, kept for the other (the workers inherit the variable).
+os.environ[parity.CACHE_ENV] = tempfile.mkdtemp(prefix="hybrid-cp-parity-")
 
 
 def _pool(world: int) -> WorkerPool:
@@ -26,6 +30,7 @@ def _close_pools():
     yield
     for p in _POOLS.values():  # the workers have nothing to finish, and leaving gloo took up to 10 s
         p.close(force=True)
+    shutil.rmtree(os.environ[parity.CACHE_ENV], ignore_errors=True)
 
 
 @pytest.fixture
@@ -44,6 +49,19 @@ def pool8() -> WorkerPool:
     return _pool(LARGE)
 
 
+def _pause_pools() -> None:
+    for p in _POOLS.values():
+        p.pause()
+
+
+@pytest.fixture(autouse=True)
+def _pause_after_test():
+    """After each test, the session pools are paused (SIGSTOP) until their next task: the pool not in use (and
+    both during the tests that run in this process) would otherwise keep waking its gloo groups' threads."""
+    yield
+    _pause_pools()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _end_module():
     """After each test module, the workers forget its fp64 references (hybrid_cp.testing.parity.end_module)."""
@@ -51,3 +69,4 @@ def _end_module():
     for p in _POOLS.values():
         if not p.broken:
             p.run(parity.end_module)
+    _pause_pools()
