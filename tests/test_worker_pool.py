@@ -14,7 +14,6 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
 
 
-@pytest.mark.skipif(not (hasattr(signal, "SIGSTOP") and os.path.isdir("/proc/self")), reason="needs SIGSTOP, /proc")
 def _states(pool, wait: float = 0.0) -> set[str]:
     """The workers' process states, after at most `wait` seconds for them all to be stopped (a signal arrives
     asynchronously)."""
@@ -24,6 +23,7 @@ def _states(pool, wait: float = 0.0) -> set[str]:
     return {_state(p.pid) for p in pool.procs}
 
 
+@pytest.mark.skipif(not (hasattr(signal, "SIGSTOP") and os.path.isdir("/proc/self")), reason="needs SIGSTOP, /proc")
 def test_paused_pool_is_stopped_until_its_next_task(pool):
     pool.run(parity.end_module)
     pool.pause()

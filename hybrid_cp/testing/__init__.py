@@ -181,10 +181,10 @@ class WorkerPool:
         return out
 
     def pause(self) -> None:
-        """Stop the workers (SIGSTOP) until the next `run`: every gloo group keeps a thread that wakes 100 times a
-        second with nothing to do (about 1 ms of CPU per group and second): a pool of 8 holding four meshes kept 16-19%
-        of a 2-core machine busy while idle, 0.3% paused (benchmarks/pool_size.py). Call it between runs only (a rank stopped
-        inside a collective would time out); a no-op where there is no SIGSTOP."""
+        """Stop the workers (SIGSTOP) until the next `run`. Every gloo group keeps a thread that wakes 100 times a
+        second with nothing to do (about 1 ms of CPU per group and second): a pool of 8 holding four meshes kept
+        16-19% of a 2-core machine busy while idle, 0.3% paused (benchmarks/pool_size.py). Call it between runs
+        only (a rank stopped inside a collective would time out); a no-op where there is no SIGSTOP."""
         if self.paused or self.broken or not hasattr(signal, "SIGSTOP"):
             return
         for p in self.procs:
