@@ -153,17 +153,20 @@ def _kept(key: tuple, compute: Callable[[], Any]) -> Any:
 def _fill_references(cases: list[dict]) -> None:
     """fp64 references, computed once per session and split over the ranks (they are slow); for the bf16 cases,
     also the same kernel's single-device result (the error budget), the same on every rank."""
-    missing = sorted({_ref_key(c) for c in cases} - set(_REFS))
 
-    def compute(key):
+    def reference_of(key):
         b, n, h, hkv, d, causal = key
         inputs = random_inputs(hash(key) % 10007, b, n, h, hkv, d)
         return inputs, reference(*inputs, causal, 1 / math.sqrt(d))
 
+    _fill({_ref_key(c) for c in cases}, reference_of)
+    _fill({_base_key(c) for c in cases if DTYPES[c["dtype"]] not in (torch.float64, torch.float32)}, _single_device)
+
+
+def _fill(keys: set[tuple], compute: Callable[[tuple], Any]) -> None:
+    """`_REFS[key] = compute(key)` for the keys it lacks: each computed on one rank (or read from `CACHE_ENV`)."""
+    missing = sorted(keys - set(_REFS))
     _REFS.update(zip(missing, shared([lambda key=key: _kept(key, lambda: compute(key)) for key in missing])))
-    low = {_base_key(c) for c in cases if DTYPES[c["dtype"]] not in (torch.float64, torch.float32)}
-    missing = sorted(low - set(_REFS))
-    _REFS.update(zip(missing, shared([lambda key=key: _kept(key, lambda: _single_device(key)) for key in missing])))
 
 
 def _base_key(c: dict) -> tuple:
@@ -174,10 +177,10 @@ def _single_device(key: tuple) -> tuple:
     """The kernel's (out, lse, dq, dk, dv) on one device, in the case's dtype (key from `_base_key`)."""
     _, b, n, h, hkv, d, causal, dtype, backend = key
     (q, k, v, dout), _ = _REFS[(b, n, h, hkv, d, causal)]
-    kern = get_kernel(backend, q.device, DTYPES[dtype], d)
+    kern, scale = get_kernel(backend, q.device, DTYPES[dtype], d), 1 / math.sqrt(d)
     qd, kd, vd, dd = (x.to(DTYPES[dtype]) for x in (q, k, v, dout))
-    o1, l1 = kern.forward(qd, kd, vd, causal=causal, scale=1 / math.sqrt(d))
-    g1 = kern.backward(dd, qd, kd, vd, o1, l1, causal=causal, scale=1 / math.sqrt(d))
+    o1, l1 = kern.forward(qd, kd, vd, causal=causal, scale=scale)
+    g1 = kern.backward(dd, qd, kd, vd, o1, l1, causal=causal, scale=scale)
     return (o1, l1, *g1)
 
 
