@@ -142,6 +142,19 @@ def test_max_seq_grows_with_memory_and_nodes(opts):
     assert by_nodes == sorted(by_nodes) and by_nodes[-1] > by_nodes[0], by_nodes
 
 
+# The measured steps, per configuration: the estimate's two cases are also the two steps the head-chunk comparison
+# reads (about 8 s each on the 8-rank pool of a 2-core machine).
+_STEPS: dict[tuple, list[dict]] = {}
+
+
+def measured_step(pool, **kw) -> list[dict]:
+    """`memory_cases.measure_step`'s rows for `kw`, measured once per session (the measurement is exact)."""
+    key = tuple(sorted(kw.items()))
+    if key not in _STEPS:
+        _STEPS[key] = pool.run(memory_cases.measure_step, **kw)
+    return _STEPS[key]
+
+
 MEASURED_SHAPE = ModelShape(heads=8, kv_heads=2, head_dim=32, hidden=256, layers=2, intermediate=1024, vocab=8192)
 
 
@@ -154,7 +167,7 @@ MEASURED_SHAPE = ModelShape(heads=8, kv_heads=2, head_dim=32, hidden=256, layers
 )
 def test_estimate_within_ten_percent_of_measured_peak(pool, u, r, kw):
     """benchmarks/memory_step.py measures one step exactly; topology.step_model predicts it."""
-    rows = pool.run(memory_cases.measure_step, u=u, r=r, seq_len=4096, loss_chunk=512, **kw)
+    rows = measured_step(pool, u=u, r=r, seq_len=4096, loss_chunk=512, **kw)
     est = step_memory(
         MEASURED_SHAPE,
         4096,
@@ -181,10 +194,7 @@ def test_module_chunks_keep_nothing_across_checkpointed_layers(pool8):
     """With layer checkpointing, what forward leaves for backward is the layers' inputs whatever the head
     chunks: the chunk pipeline keeps its own inputs only through autograd (where checkpointing drops them)."""
     kw = dict(u=4, r=2, seq_len=4096, loss_chunk=512, tiled_loss=True, tiled_mlp=512, checkpoint=True)
-    plain, chunked = (
-        pool8.run(memory_cases.measure_step, **kw),
-        pool8.run(memory_cases.measure_step, head_chunks=2, **kw),
-    )
+    plain, chunked = measured_step(pool8, **kw), measured_step(pool8, head_chunks=2, **kw)
     for a, b in zip(plain, chunked):
         assert b["stages"]["loss"]["peak"] <= a["stages"]["loss"]["peak"], (a["stages"]["loss"], b["stages"]["loss"])
 
